@@ -1,0 +1,194 @@
+"""MLX backend set-up: a fast BLAS on Linux, the device, and one seed for every RNG.
+
+The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS (about 5 GFLOP/s on a 1024^3 float32
+matmul). Loading OpenBLAS from the ``cmeel-openblas`` wheel into the global symbol scope *before*
+``mlx.core`` is first imported makes MLX's ``cblas_*`` calls resolve to OpenBLAS instead (30-60x
+faster). This module does that without importing mlx, so it must be imported first: every package of
+this project imports ``base_setup`` in its ``__init__``, and so do ``main.py`` and ``tests/conftest.py``.
+
+Two details of the wheel are handled here rather than left to the user:
+
+* ``libopenblas.so.0`` needs ``libgfortran.so.5``, which a fresh Linux machine often lacks. NumPy's
+  wheel ships one (renamed by auditwheel); we load it under the name OpenBLAS asks for.
+* The wheel is built for one CPU family (its ``openblas_get_corename()``), not for all of them. We
+  check that the CPU has the instructions that family needs before putting OpenBLAS in the global
+  scope, so an unsupported CPU gets the slow-but-correct reference BLAS, not ``Illegal instruction``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import platform
+import random
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("ppo_mlx")
+
+# CPU flags (from /proc/cpuinfo) that each OpenBLAS core family executes.
+_CORE_REQUIRED_FLAGS: dict[str, tuple[str, ...]] = {
+    "ZEN": ("avx2", "fma"),
+    "HASWELL": ("avx2", "fma"),
+    "SKYLAKEX": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "COOPERLAKE": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "SAPPHIRERAPIDS": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "SANDYBRIDGE": ("avx",),
+}
+
+
+@dataclass(frozen=True)
+class BlasInfo:
+    """Which BLAS MLX uses in this process, and why.
+
+    Attributes:
+        name: ``"openblas"``, ``"accelerate"`` (macOS), or ``"reference"`` (the wheel's netlib BLAS).
+        detail: a human-readable line (library path and build, or why OpenBLAS was not loaded).
+    """
+
+    name: str
+    detail: str
+
+
+_BLAS_INFO: BlasInfo | None = None
+
+
+def _site_dirs() -> list[Path]:
+    """Every site-packages directory of this interpreter (venv, user and system)."""
+    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    dirs.update(p for p in sys.path if p.endswith("site-packages"))
+    return [Path(d) for d in sorted(dirs) if Path(d).is_dir()]
+
+
+def _find_one(pattern: str) -> Path | None:
+    for site in _site_dirs():
+        hits = sorted(glob.glob(str(site / pattern)))
+        if hits:
+            return Path(hits[0])
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _load_libgfortran_from_numpy() -> str:
+    """Make ``libgfortran.so.5`` resolvable using the copy bundled in NumPy's wheel.
+
+    auditwheel renamed NumPy's copy (``libgfortran-<hash>.so.5.0.0``, soname likewise), so the dynamic
+    linker would not match it to OpenBLAS's ``NEEDED libgfortran.so.5``. We load an in-memory copy
+    whose soname string is rewritten to ``libgfortran.so.5`` (same length or shorter, so the ELF layout
+    is unchanged); the linker matches already-loaded libraries by soname. Its own dependency,
+    NumPy's renamed libquadmath, is loaded first by path so that its soname matches too.
+    """
+    gfortran = _find_one("numpy.libs/libgfortran-*.so*")
+    quadmath = _find_one("numpy.libs/libquadmath-*.so*")
+    if gfortran is None:
+        raise OSError("libgfortran.so.5 is not installed and NumPy's wheel does not bundle one")
+    if quadmath is not None:
+        ctypes.CDLL(str(quadmath), os.RTLD_GLOBAL)
+    data = gfortran.read_bytes()
+    old = gfortran.name.encode() + b"\0"
+    new = b"libgfortran.so.5\0"
+    if data.count(old) != 1 or len(new) > len(old):
+        raise OSError(f"cannot rename the soname of {gfortran}")
+    data = data.replace(old, new + b"\0" * (len(old) - len(new)))
+    fd = os.memfd_create("libgfortran.so.5")
+    os.write(fd, data)
+    # The descriptor stays open for the life of the process: the mapping is backed by it.
+    ctypes.CDLL(f"/proc/self/fd/{fd}", os.RTLD_GLOBAL)
+    return str(gfortran)
+
+
+def _load_openblas() -> BlasInfo:
+    lib_path = _find_one("cmeel.prefix/lib/libopenblas.so.0")
+    if lib_path is None:
+        return BlasInfo(
+            "reference",
+            "cmeel-openblas is not installed; MLX uses its reference BLAS (slow). "
+            "Install it with: pip install cmeel-openblas==0.3.29",
+        )
+    gfortran_note = ""
+    try:
+        lib = ctypes.CDLL(str(lib_path), os.RTLD_LOCAL)
+    except OSError as err:
+        if "libgfortran" not in str(err):
+            raise
+        gfortran_note = f", libgfortran from {_load_libgfortran_from_numpy()}"
+        lib = ctypes.CDLL(str(lib_path), os.RTLD_LOCAL)
+    lib.openblas_get_corename.restype = ctypes.c_char_p
+    lib.openblas_get_config.restype = ctypes.c_char_p
+    core = (lib.openblas_get_corename() or b"").decode().upper()
+    config = (lib.openblas_get_config() or b"").decode()
+    needed = _CORE_REQUIRED_FLAGS.get(core)
+    flags = _cpu_flags()
+    if needed is None or not set(needed) <= flags:
+        missing = sorted(set(needed or ("<unknown core>",)) - flags)
+        return BlasInfo(
+            "reference",
+            f"{lib_path} is built for {core or 'an unknown CPU'} and this CPU lacks {missing}; "
+            "MLX keeps its reference BLAS (slow but correct)",
+        )
+    # Re-opening an already-loaded library with RTLD_GLOBAL promotes its symbols to the global scope,
+    # where libmlx's cblas_* references will bind when mlx.core is imported.
+    ctypes.CDLL(str(lib_path), os.RTLD_GLOBAL)
+    threads = lib.openblas_get_num_threads()
+    return BlasInfo(
+        "openblas", f"{config} ({threads} threads) from {lib_path}{gfortran_note}"
+    )
+
+
+def setup_blas() -> BlasInfo:
+    """Give MLX a fast BLAS on Linux; idempotent, and a no-op on macOS.
+
+    Must run before the first ``import mlx.core`` in the process. Logs one line saying which BLAS is
+    in use (logger ``ppo_mlx``) and returns it. Set ``PPO_MLX_BLAS=reference`` to opt out.
+    """
+    global _BLAS_INFO
+    if _BLAS_INFO is not None:
+        return _BLAS_INFO
+    if sys.platform == "darwin":
+        info = BlasInfo("accelerate", "macOS: MLX uses Accelerate / Metal; nothing to load")
+    elif os.environ.get("PPO_MLX_BLAS", "").lower() == "reference":
+        info = BlasInfo("reference", "PPO_MLX_BLAS=reference: OpenBLAS not loaded")
+    elif "mlx.core" in sys.modules:
+        info = BlasInfo(
+            "reference",
+            "mlx.core was imported before base_setup, so its BLAS symbols are already bound; "
+            "import base_setup (or any package of this project) before mlx",
+        )
+    elif sys.platform.startswith("linux") and platform.machine() == "x86_64":
+        info = _load_openblas()
+    else:
+        info = BlasInfo("reference", f"no fast BLAS known for {sys.platform}/{platform.machine()}")
+    _BLAS_INFO = info
+    logger.info("BLAS: %s (%s)", info.name, info.detail)
+    return info
+
+
+def blas_info() -> BlasInfo:
+    """The BLAS chosen by :func:`setup_blas` (running it if it has not run yet)."""
+    return setup_blas()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed MLX, NumPy and Python's ``random`` from one integer."""
+    import mlx.core as mx
+    import numpy as np
+
+    if seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed}")
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    mx.random.seed(seed)

@@ -1,0 +1,1 @@
+"""Run configuration: one dataclass per concern (PPO, model, training)."""

@@ -1,0 +1,3 @@
+"""ppo trainer stage of the PPO data flow."""
+
+import base_setup  # noqa: F401  (loads a fast BLAS before mlx is first imported)
