@@ -1,0 +1,70 @@
+"""Callbacks: a class with no-op hooks, and plain ``on_epoch_end(epoch, metrics)`` functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+
+if TYPE_CHECKING:
+    from experience_buffer.buffer import RolloutBatch
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+Metrics = dict[str, float]
+EpochEndFunction = Callable[[int, Metrics], Any]
+
+
+class TrainerCallback:
+    """Override the hooks you need; every default does nothing.
+
+    ``step`` counts PPO iterations from 1; ``epoch`` counts passes over the prompts from 0.
+    """
+
+    def on_train_begin(self, trainer: PPOTrainer) -> None:
+        """Called once before the first step (after a resume has restored the state)."""
+
+    def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+        """Called after generation, scoring and advantages, before the PPO epochs of ``step``."""
+
+    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: Metrics) -> None:
+        """Called after each PPO iteration with its metrics."""
+
+    def on_epoch_end(self, trainer: PPOTrainer, epoch: int, metrics: Metrics) -> None:
+        """Called after each pass over the prompts with the epoch's mean metrics."""
+
+    def on_evaluate(self, trainer: PPOTrainer, step: int, metrics: Metrics) -> None:
+        """Called after each periodic evaluation."""
+
+    def on_save(self, trainer: PPOTrainer, step: int, path: Path) -> None:
+        """Called after a checkpoint has been written (atomically) to ``path``."""
+
+    def on_train_end(self, trainer: PPOTrainer, history: list[Metrics]) -> None:
+        """Called once at the end of ``train`` (also after an interrupt that saved a checkpoint)."""
+
+
+class _EpochEndFunction(TrainerCallback):
+    """Adapts a plain ``fn(epoch, metrics)`` to the callback interface."""
+
+    def __init__(self, fn: EpochEndFunction) -> None:
+        self.fn = fn
+
+    def on_epoch_end(self, trainer: PPOTrainer, epoch: int, metrics: Metrics) -> None:
+        self.fn(epoch, metrics)
+
+
+CallbackLike = Union[TrainerCallback, EpochEndFunction]
+
+
+def as_callbacks(callbacks: Sequence[CallbackLike] | None) -> list[TrainerCallback]:
+    """Normalise a user's list: callback objects stay, plain functions become epoch-end hooks."""
+    result: list[TrainerCallback] = []
+    for cb in callbacks or []:
+        if isinstance(cb, TrainerCallback):
+            result.append(cb)
+        elif callable(cb):
+            result.append(_EpochEndFunction(cb))
+        else:
+            raise ValueError(
+                f"callback {cb!r} is neither a TrainerCallback nor a function "
+                "on_epoch_end(epoch, metrics)"
+            )
+    return result

@@ -1,0 +1,127 @@
+"""Where metrics go: a JSONL file in the run directory, a PNG plot, optional TensorBoard / W&B."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "training_curves.png"
+
+# (title, metric keys) of the plot's panels, in order.
+PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("objective/scores", "objective/rlhf_reward", "eval/mean_reward")),
+    ("KL to reference", ("objective/kl",)),
+    ("policy loss", ("loss/policy",)),
+    ("value loss", ("loss/value",)),
+    ("entropy", ("objective/entropy",)),
+    ("clip fraction", ("policy/clipfrac", "val/clipfrac")),
+)
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to ``<run_dir>/metrics.jsonl`` and forwards to a tracker.
+
+    Args:
+        run_dir: the run's output directory.
+        log_with: ``"none"``, ``"tensorboard"`` (needs ``tensorboardX``) or ``"wandb"``.
+        config: the run's configuration as a dict (sent to W&B).
+        resume_step: when resuming, lines of steps after this one (written by the interrupted run
+            after its last checkpoint) are dropped so the file matches the restored state.
+        project: the W&B project name.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        log_with: Literal["none", "tensorboard", "wandb"] = "none",
+        config: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+        project: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._tb: Any = None
+        self._wandb: Any = None
+        if log_with == "tensorboard":
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as err:
+                raise ImportError(
+                    "log_with='tensorboard' needs tensorboardX: pip install tensorboardX"
+                ) from err
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        elif log_with == "wandb":
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("log_with='wandb' needs wandb: pip install wandb") from err
+            self._wandb = wandb.init(project=project or "ppo-mlx", config=config or {})
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record one step's scalar metrics (non-scalars such as sample lists go to JSONL only)."""
+        record = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        """Flush and close the trackers."""
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics JSONL file (empty if it does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], out_path: str | Path) -> Path:
+    """Draw reward, KL, losses, entropy and clip fractions over steps into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (title, [k for k in keys if any(k in r for r in records)]) for title, keys in PLOT_PANELS
+    ]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        raise ValueError("no known metrics to plot: the run logged no steps")
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, ms=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    out = Path(out_path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
