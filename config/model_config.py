@@ -1,0 +1,132 @@
+"""Which models a run uses and how they are adapted (policy, reference, reward, value; LoRA)."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from config._fields import check_field_types, is_positive, require
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+ValueInit = Literal["reward", "policy"]
+ValueSource = Literal["value_model", "reward", "policy"]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The models of a PPO run and their LoRA adapters.
+
+    Attributes:
+        model_name: Local directory or Hugging Face repo id of the policy (required); the policy
+            starts from these weights.
+        sft_model_name: Local directory or repo id of the frozen reference (SFT) model that the KL
+            penalty is measured against; None = the same weights as model_name.
+        reward_model_name: Local directory or repo id of a *ForSequenceClassification checkpoint
+            (one score per sequence); None = no reward model, so the trainer must be given a
+            reward function.
+        value_model_name: Local directory or repo id to initialise the value model from; None =
+            decided by value_init.
+        value_init: Where the value model starts when value_model_name is None: "reward" = the
+            reward model's weights if there is a reward model, else the policy's backbone with a
+            fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
+        dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
+        use_lora: Train LoRA adapters on the policy (and value) model instead of all weights;
+            when False the lora_* fields are ignored.
+        lora_r: LoRA rank.
+        lora_alpha: LoRA alpha; the adapter output is scaled by lora_alpha / lora_r (mlx-lm's
+            ``scale``).
+        lora_dropout: Dropout probability on the adapter input, in [0, 1).
+        lora_layers: Number of last transformer blocks that get adapters; -1 = all blocks.
+        lora_keys: Module paths inside a transformer block to adapt, e.g.
+            ["self_attn.q_proj", "self_attn.v_proj"]; None = every linear layer of the block
+            (mlx-lm's default set).
+        trust_remote_code: Allow tokenizers/configs that run code from the model repository.
+    """
+
+    model_name: str
+    sft_model_name: str | None = None
+    reward_model_name: str | None = None
+    value_model_name: str | None = None
+    value_init: ValueInit = "reward"
+    dtype: Dtype = "float32"
+    use_lora: bool = True
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_layers: int = -1
+    lora_keys: list[str] | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self, ModelConfig)
+        require(
+            bool(self.model_name.strip()),
+            "model_name",
+            self.model_name,
+            "a non-empty path or repo id",
+            "set model_name to a local model directory or a Hugging Face repo id",
+        )
+        for name in ("sft_model_name", "reward_model_name", "value_model_name"):
+            value = getattr(self, name)
+            require(
+                value is None or bool(value.strip()),
+                name,
+                value,
+                "a non-empty path or repo id, or null",
+                f"set {name} to a model directory or repo id, or null to leave it unset",
+            )
+        if not self.use_lora:
+            return
+        require(self.lora_r >= 1, "lora_r", self.lora_r, ">= 1", "set a LoRA rank such as 8")
+        require(
+            is_positive(self.lora_alpha),
+            "lora_alpha",
+            self.lora_alpha,
+            "> 0",
+            "set a positive LoRA alpha such as 16 (scale = lora_alpha / lora_r)",
+        )
+        require(
+            0.0 <= self.lora_dropout < 1.0,
+            "lora_dropout",
+            self.lora_dropout,
+            "in [0, 1)",
+            "set a dropout probability such as 0.0 or 0.05",
+        )
+        require(
+            self.lora_layers == -1 or self.lora_layers >= 1,
+            "lora_layers",
+            self.lora_layers,
+            "-1 (all blocks) or >= 1",
+            "set the number of last blocks to adapt, or -1 for all (use_lora=false for none)",
+        )
+        if self.lora_keys is not None:
+            require(
+                len(self.lora_keys) > 0 and all(k.strip() for k in self.lora_keys),
+                "lora_keys",
+                self.lora_keys,
+                "null or a non-empty list of non-empty module paths",
+                'list module paths such as ["self_attn.q_proj", "self_attn.v_proj"], or null '
+                "for mlx-lm's default set",
+            )
+
+    @property
+    def lora_scale(self) -> float:
+        """Scale of the LoRA update, ``lora_alpha / lora_r`` (mlx-lm's ``scale``)."""
+        return self.lora_alpha / self.lora_r
+
+    @property
+    def ref_model_name(self) -> str:
+        """Path or repo id of the reference model: ``sft_model_name``, else ``model_name``."""
+        return self.sft_model_name if self.sft_model_name is not None else self.model_name
+
+    @property
+    def value_source(self) -> tuple[ValueSource, str]:
+        """Where the value model is initialised from, as ``(kind, path or repo id)``.
+
+        ``("value_model", value_model_name)`` when that is set; otherwise, following
+        ``value_init``, ``("reward", reward_model_name)`` if there is a reward model, else
+        ``("policy", model_name)`` (the policy's backbone with a fresh scalar head).
+        """
+        if self.value_model_name is not None:
+            return "value_model", self.value_model_name
+        if self.value_init == "reward" and self.reward_model_name is not None:
+            return "reward", self.reward_model_name
+        return "policy", self.model_name

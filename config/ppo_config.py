@@ -1,0 +1,269 @@
+"""The composed run configuration: models + training + the PPO / GRPO algorithm itself."""
+
+import copy
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from config._fields import check_field_types, is_non_negative, is_positive, require
+from config.model_config import ModelConfig
+from config.training_config import TrainingConfig
+
+Algorithm = Literal["ppo", "grpo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+GRPOAdvantageScale = Literal["group", "batch", "none"]
+
+
+@dataclass(kw_only=True)
+class PPOConfig(ModelConfig, TrainingConfig):
+    """Everything a PPO (or GRPO) RLHF run needs, as one flat set of keyword fields.
+
+    Inherits every field of :class:`ModelConfig` and :class:`TrainingConfig`; components receive
+    only their part via :meth:`model_config` / :meth:`training_config`.
+
+    Defaults follow "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
+    Summarization" (Huang et al., 2024) where they apply: gamma 1, lam 0.95, 4 PPO epochs,
+    kl_coef 0.05 (k1 estimator, fixed), sampling temperature 0.7, cliprange 0.2,
+    cliprange_value 0.2, vf_coef 0.1, Adam eps 1e-5, whitened advantages and un-whitened rewards.
+
+    KL estimators, with ``log_ratio = logp_policy - logp_ref`` per response token and
+    ``r = exp(-log_ratio)`` (Schulman, "Approximating KL divergence"): k1 = log_ratio,
+    k2 = log_ratio ** 2 / 2, k3 = (r - 1) - log r.
+
+    Attributes:
+        algorithm: "ppo" (clipped PPO with a learned value model and GAE) or "grpo" (group-relative
+            advantages from group_size samples per prompt, no value model).
+        max_new_tokens: Most tokens generated per response.
+        max_prompt_length: Most tokens in a prompt.
+        temperature: Sampling temperature of the rollouts (> 0).
+        top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
+        top_k: Sample among the k most likely tokens; 0 = off.
+        stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids; [] = never
+            stop before max_new_tokens.
+        kl_coef: Weight of the per-token KL penalty in the PPO reward, reward - kl_coef * kl
+            (the initial value when adaptive_kl is on).
+        kl_estimator: Per-token KL estimator of the PPO reward penalty: "k1", "k2" or "k3".
+        adaptive_kl: Adapt kl_coef towards kl_target (Ziegler et al., 2019) instead of keeping it
+            fixed.
+        kl_target: Target sequence KL (nats) of the adaptive controller.
+        kl_horizon: Horizon (in rollout sequences) of the adaptive controller.
+        gamma: Discount factor, in [0, 1].
+        lam: GAE lambda, in [0, 1].
+        clip_epsilon: PPO's policy-ratio clip range (the paper's epsilon, TRL's cliprange); also
+            readable as ``cliprange``.
+        cliprange_value: Clip range of the value-function update around the rollout values.
+        vf_coef: Weight of the value loss in the PPO loss (> 0 for "ppo"; unused by "grpo").
+        num_ppo_epochs: Optimisation passes over each rollout batch.
+        whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
+        whiten_advantages: Whiten the advantages over the batch (PPO).
+        missing_eos_penalty: Subtracted from the score of a response that ends without a stop
+            token (>= 0); None = no penalty.
+        group_size: Responses sampled per prompt; GRPO needs >= 2.
+        beta: Weight of GRPO's k3 KL term in its loss (>= 0; unused by "ppo").
+        grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
+            "group", over the whole "batch", or "none" (no division, Dr. GRPO).
+        eval_temperature: Sampling temperature at evaluation; 0 = greedy.
+        eval_max_new_tokens: Most tokens generated per evaluation response; None = max_new_tokens.
+    """
+
+    algorithm: Algorithm = "ppo"
+    max_new_tokens: int = 64
+    max_prompt_length: int = 512
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] | None = None
+    kl_coef: float = 0.05
+    kl_estimator: KLEstimator = "k1"
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_epsilon: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    num_ppo_epochs: int = 4
+    whiten_rewards: bool = False
+    whiten_advantages: bool = True
+    missing_eos_penalty: float | None = None
+    group_size: int = 1
+    beta: float = 0.04
+    grpo_advantage_scale: GRPOAdvantageScale = "group"
+    eval_temperature: float = 0.0
+    eval_max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        ModelConfig.__post_init__(self)
+        TrainingConfig.__post_init__(self)
+        check_field_types(self, PPOConfig)
+        self._check_generation()
+        self._check_algorithm()
+        self._check_batch_split()
+
+    def _check_generation(self) -> None:
+        require(
+            self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1", "set e.g. 64"
+        )
+        require(
+            self.max_prompt_length >= 1,
+            "max_prompt_length",
+            self.max_prompt_length,
+            ">= 1",
+            "set e.g. 512",
+        )
+        require(
+            is_positive(self.temperature),
+            "temperature",
+            self.temperature,
+            "> 0",
+            "set a positive sampling temperature such as 0.7 (greedy rollouts do not explore)",
+        )
+        require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]", "set 1.0 to turn it off")
+        require(self.top_k >= 0, "top_k", self.top_k, ">= 0", "set 0 to turn it off")
+        if self.stop_token_ids is not None:
+            require(
+                all(t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                self.stop_token_ids,
+                "a list of non-negative token ids or null",
+                "list valid token ids, or null for the tokenizer's EOS",
+            )
+        require(
+            is_non_negative(self.eval_temperature),
+            "eval_temperature",
+            self.eval_temperature,
+            ">= 0",
+            "set 0.0 for greedy evaluation or a positive temperature",
+        )
+        if self.eval_max_new_tokens is not None:
+            require(
+                self.eval_max_new_tokens >= 1,
+                "eval_max_new_tokens",
+                self.eval_max_new_tokens,
+                ">= 1 or null",
+                "set a positive number of tokens, or null to use max_new_tokens",
+            )
+
+    def _check_algorithm(self) -> None:
+        require(
+            is_non_negative(self.kl_coef),
+            "kl_coef",
+            self.kl_coef,
+            ">= 0",
+            "set e.g. 0.05, or 0.0 for no KL penalty",
+        )
+        require(is_positive(self.kl_target), "kl_target", self.kl_target, "> 0", "set e.g. 6.0")
+        require(self.kl_horizon >= 1, "kl_horizon", self.kl_horizon, ">= 1", "set e.g. 10000")
+        require(0.0 <= self.gamma <= 1.0, "gamma", self.gamma, "in [0, 1]", "set e.g. 1.0")
+        require(0.0 <= self.lam <= 1.0, "lam", self.lam, "in [0, 1]", "set e.g. 0.95")
+        require(
+            is_positive(self.clip_epsilon),
+            "clip_epsilon",
+            self.clip_epsilon,
+            "> 0",
+            "set e.g. 0.2",
+        )
+        require(
+            is_positive(self.cliprange_value),
+            "cliprange_value",
+            self.cliprange_value,
+            "> 0",
+            "set e.g. 0.2",
+        )
+        if self.algorithm == "ppo":
+            require(
+                is_positive(self.vf_coef),
+                "vf_coef",
+                self.vf_coef,
+                '> 0 when algorithm is "ppo"',
+                "set e.g. 0.1 (with 0 the value model never learns and GAE is meaningless)",
+            )
+        else:
+            require(is_non_negative(self.vf_coef), "vf_coef", self.vf_coef, ">= 0", "set e.g. 0.1")
+        require(
+            self.num_ppo_epochs >= 1, "num_ppo_epochs", self.num_ppo_epochs, ">= 1", "set e.g. 4"
+        )
+        if self.missing_eos_penalty is not None:
+            require(
+                is_non_negative(self.missing_eos_penalty),
+                "missing_eos_penalty",
+                self.missing_eos_penalty,
+                ">= 0 or null",
+                "set the amount subtracted from the score (e.g. 1.0), or null for none",
+            )
+        require(self.group_size >= 1, "group_size", self.group_size, ">= 1", "set e.g. 1")
+        if self.algorithm == "grpo":
+            require(
+                self.group_size >= 2,
+                "group_size",
+                self.group_size,
+                '>= 2 when algorithm is "grpo"',
+                "GRPO compares responses to the same prompt; set group_size to e.g. 4",
+            )
+        require(is_non_negative(self.beta), "beta", self.beta, ">= 0", "set e.g. 0.04")
+
+    def _check_batch_split(self) -> None:
+        rollout = self.rollout_batch_size
+        if rollout % self.num_mini_batches != 0:
+            raise ValueError(
+                f"batch_size * group_size = {self.batch_size} * {self.group_size} = {rollout} "
+                f"rollout sequences cannot be split into num_mini_batches={self.num_mini_batches}"
+                f" equal minibatches: set num_mini_batches to one of {_divisors(rollout)} or "
+                f"change batch_size"
+            )
+        mini = rollout // self.num_mini_batches
+        if mini % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"each minibatch has {rollout} / num_mini_batches={self.num_mini_batches} = {mini}"
+                f" sequences, which cannot be split into gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} equal micro-batches: set "
+                f"gradient_accumulation_steps to one of {_divisors(mini)} or change batch_size "
+                f"or num_mini_batches"
+            )
+
+    @property
+    def cliprange(self) -> float:
+        """PPO's policy clip range (TRL / OpenAI name for ``clip_epsilon``)."""
+        return self.clip_epsilon
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences generated per PPO iteration: ``batch_size * group_size``."""
+        return self.batch_size * self.group_size
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Sequences per optimiser update: ``rollout_batch_size // num_mini_batches``."""
+        return self.rollout_batch_size // self.num_mini_batches
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per forward/backward pass: mini_batch_size // gradient_accumulation_steps."""
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def eval_tokens(self) -> int:
+        """Most tokens per evaluation response: ``eval_max_new_tokens``, else ``max_new_tokens``."""
+        if self.eval_max_new_tokens is not None:
+            return self.eval_max_new_tokens
+        return self.max_new_tokens
+
+    def model_config(self) -> ModelConfig:
+        """The :class:`ModelConfig` part of this config (a new, independent object)."""
+        return ModelConfig(**_field_values(self, ModelConfig))
+
+    def training_config(self) -> TrainingConfig:
+        """The :class:`TrainingConfig` part of this config (a new, independent object)."""
+        return TrainingConfig(**_field_values(self, TrainingConfig))
+
+
+def _field_values(obj: object, cls: type) -> dict[str, Any]:
+    # deepcopy so that the part does not share list fields (lora_keys) with the whole.
+    return {f.name: copy.deepcopy(getattr(obj, f.name)) for f in fields(cls)}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] + [
+        n // d for d in reversed(range(1, math.isqrt(n) + 1)) if n % d == 0 and d * d != n
+    ]
