@@ -1,0 +1,78 @@
+"""Critic-free advantages from several samples per prompt: GRPO (group-normalised) and RLOO.
+
+Scores are laid out group by group: rows ``[k*g : (k+1)*g]`` are the ``g`` samples of prompt ``k``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import mlx.core as mx
+
+from token_attribution.extractor import check_ndim
+
+# Added to the standard deviation (TRL's GRPOTrainer).
+GROUP_STD_EPS = 1e-4
+
+
+def _grouped(scores: mx.array, group_size: int) -> mx.array:
+    check_ndim("scores", scores, 1, "(B,)")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (samples per prompt), got {group_size}")
+    if scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"scores has {scores.shape[0]} entries, not a multiple of group_size={group_size}; "
+            f"generate group_size samples for every prompt"
+        )
+    return scores.astype(mx.float32).reshape(-1, group_size)  # (P, g), P prompts
+
+
+def group_advantages(
+    scores: mx.array, group_size: int, scale: Literal["group", "batch", "none"] = "group"
+) -> mx.array:
+    """Group-relative advantages (GRPO, Shao et al. 2024).
+
+    ``A_i = (r_i - mean_group(r))``, divided by
+
+    * ``"group"``: ``std_group(r) + 1e-4`` (std of the sample's own group, Bessel-corrected);
+    * ``"batch"``: ``std(r) + 1e-4`` over all B scores (Bessel-corrected; TRL's ``scale_rewards="batch"``);
+    * ``"none"``: nothing (mean-centred only, Dr. GRPO).
+
+    Args:
+        scores: (B,) sequence scores (constants), B = P * group_size, group by group.
+        group_size: g, samples per prompt (>= 2).
+        scale: which standard deviation divides the centred scores.
+
+    Returns:
+        (B,) float32 advantages.
+    """
+    grouped = _grouped(scores, group_size)  # (P, g)
+    centred = grouped - mx.mean(grouped, axis=1, keepdims=True)  # (P, g)
+    if scale == "group":
+        std = mx.sqrt(mx.sum(centred * centred, axis=1, keepdims=True) / (group_size - 1))  # (P, 1)
+        centred = centred / (std + GROUP_STD_EPS)
+    elif scale == "batch":
+        flat = grouped.reshape(-1)  # (B,)
+        deviation = flat - mx.mean(flat)
+        std = mx.sqrt(mx.sum(deviation * deviation) / (flat.shape[0] - 1))  # ()
+        centred = centred / (std + GROUP_STD_EPS)
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    return centred.reshape(-1)  # (B,)
+
+
+def leave_one_out_advantages(scores: mx.array, group_size: int) -> mx.array:
+    """RLOO advantages (Ahmadian et al. 2024): each score minus the mean of the others in its group.
+
+    ``A_i = r_i - (sum_group(r) - r_i) / (g - 1)``.
+
+    Args:
+        scores: (B,) sequence scores (constants), B = P * group_size, group by group.
+        group_size: g, samples per prompt (>= 2).
+
+    Returns:
+        (B,) float32 advantages.
+    """
+    grouped = _grouped(scores, group_size)  # (P, g)
+    others_mean = (mx.sum(grouped, axis=1, keepdims=True) - grouped) / (group_size - 1)  # (P, g)
+    return (grouped - others_mean).reshape(-1)  # (B,)

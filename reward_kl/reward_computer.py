@@ -1,0 +1,85 @@
+"""Sequence scores -> per-token rewards with a KL penalty (Ziegler et al. 2019; Stiennon et al. 2020)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from token_attribution.extractor import check_ndim, check_token_arrays, valid_mask
+
+
+def per_token_rewards(
+    scores: mx.array, kl: mx.array, mask: mx.array, kl_coef: float | mx.array
+) -> tuple[mx.array, mx.array]:
+    """Per-token rewards: a KL penalty on every action token, the score on the last one.
+
+    ``non_score_t = -kl_coef * kl_t`` on action tokens, 0 elsewhere;
+    ``rewards_t = non_score_t + score * [t == last action token of the row]``.
+    The last action token is the stop token when the response has one (never the pad after it).
+
+    Every row must have at least one action token; this is checked with one host sync (once per
+    rollout) and an empty row raises ``ValueError`` - its score would have nowhere to go.
+
+    Args:
+        scores: (B,) sequence scores from the reward model or function (constants).
+        kl: (B, T) per-token KL estimates (:func:`reward_kl.kl_divergence.kl_estimate`; constants).
+        mask: (B, T), nonzero on action tokens.
+        kl_coef: the KL coefficient (a Python float, or a scalar array).
+
+    Returns:
+        ``(rewards, non_score_rewards)``, each (B, T) float32.
+    """
+    check_ndim("scores", scores, 1, "(B,)")
+    check_token_arrays("kl", kl, mask=mask)
+    if scores.shape[0] != kl.shape[0]:
+        raise ValueError(
+            f"scores has shape {tuple(scores.shape)} but kl has {tuple(kl.shape)}; "
+            f"scores needs one entry per row of kl"
+        )
+    valid = valid_mask(mask)
+    counts = mx.sum(valid.astype(mx.int32), axis=1)  # (B,)
+    if not bool(mx.all(counts >= 1).item()):
+        empty = np.flatnonzero(np.array(counts) == 0).tolist()
+        raise ValueError(
+            f"rows {empty} of mask have no action token, so their score has no token to land on; "
+            f"drop empty responses before computing rewards"
+        )
+    T = kl.shape[1]
+    non_score = mx.where(valid, -kl_coef * kl.astype(mx.float32), 0.0)  # (B, T)
+    positions = mx.arange(T, dtype=mx.int32)[None, :]  # (1, T)
+    last = mx.max(mx.where(valid, positions, -1), axis=1)  # (B,)
+    at_last = positions == last[:, None]  # (B, T) one-hot
+    rewards = non_score + mx.where(at_last, scores.astype(mx.float32)[:, None], 0.0)  # (B, T)
+    return rewards, non_score
+
+
+def apply_missing_eos_penalty(
+    scores: mx.array, ended_with_stop: mx.array, penalty: float
+) -> mx.array:
+    """Subtract ``penalty`` from the score of every response that did not end with a stop token.
+
+    ``scores_b - penalty * [not ended_with_stop_b]`` (TRL's ``missing_eos_penalty``: ``penalty`` is a
+    non-negative amount that is subtracted, e.g. 1.0 lowers the score by 1).
+
+    Args:
+        scores: (B,) sequence scores.
+        ended_with_stop: (B,) bool (or 0/1), from
+            :func:`token_attribution.extractor.first_stop_index`.
+        penalty: >= 0.
+
+    Returns:
+        (B,) float32.
+    """
+    check_ndim("scores", scores, 1, "(B,)")
+    if tuple(ended_with_stop.shape) != tuple(scores.shape):
+        raise ValueError(
+            f"ended_with_stop has shape {tuple(ended_with_stop.shape)} but scores has "
+            f"{tuple(scores.shape)}; they must match"
+        )
+    if penalty < 0:
+        raise ValueError(
+            f"penalty must be >= 0 (it is subtracted from the score), got {penalty}; "
+            f"pass {-penalty} to lower the score of responses without a stop token"
+        )
+    missing = mx.logical_not(valid_mask(ended_with_stop))  # (B,)
+    return scores.astype(mx.float32) - mx.where(missing, penalty, 0.0)

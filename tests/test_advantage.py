@@ -1,0 +1,313 @@
+"""advantage/: whitening, TD errors, GAE, reward-to-go, group advantages vs naive float64 loops."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from advantage.gae_advantage import compute_gae
+from advantage.group_advantage import group_advantages, leave_one_out_advantages
+from advantage.reward_to_go import reward_to_go
+from advantage.td_error import td_errors
+from advantage.whitening import masked_mean, masked_var, masked_whiten
+
+SHAPES = [(1, 1), (2, 5), (4, 17), (3, 64)]
+MASK_KINDS = ["prefix", "full", "single", "holes"]
+MASK_DTYPES = [mx.bool_, mx.int32, mx.float32]
+
+
+def make_mask(rng: np.random.Generator, B: int, T: int, kind: str) -> np.ndarray:
+    """(B, T) bool mask, at least one valid token per row.
+
+    prefix: random length valid prefix, pad at the end (what truncate_after_stop makes);
+    full: all valid; single: one valid token per row (row 0 at the start, others anywhere);
+    holes: random holes anywhere, including in the middle.
+    """
+    positions = np.arange(T)[None, :]
+    if kind == "prefix":
+        lengths = rng.integers(1, T + 1, size=B)
+        return positions < lengths[:, None]
+    if kind == "full":
+        return np.ones((B, T), dtype=bool)
+    if kind == "single":
+        where = rng.integers(0, T, size=B)
+        where[0] = 0
+        return positions == where[:, None]
+    mask = rng.random((B, T)) < 0.6
+    mask[np.arange(B), rng.integers(0, T, size=B)] = True
+    return mask
+
+
+def as_mx_mask(mask: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    return mx.array(mask).astype(dtype)
+
+
+def cases() -> list[tuple[int, tuple[int, int], str]]:
+    return [(seed, shape, kind) for seed in (0, 1) for shape in SHAPES for kind in MASK_KINDS]
+
+
+# ----------------------------------------------------------------------------- naive references
+
+
+def naive_td(r: np.ndarray, v: np.ndarray, mask: np.ndarray, gamma: float) -> np.ndarray:
+    out = np.zeros_like(r, dtype=np.float64)
+    for b in range(r.shape[0]):
+        steps = [t for t in range(r.shape[1]) if mask[b, t]]
+        for k, t in enumerate(steps):
+            next_v = v[b, steps[k + 1]] if k + 1 < len(steps) else 0.0
+            out[b, t] = r[b, t] + gamma * next_v - v[b, t]
+    return out
+
+
+def naive_gae(r, v, mask, gamma, lam):
+    delta = naive_td(r, v, mask, gamma)
+    adv = np.zeros_like(delta)
+    for b in range(r.shape[0]):
+        running = 0.0
+        for t in reversed(range(r.shape[1])):
+            if mask[b, t]:
+                running = delta[b, t] + gamma * lam * running
+                adv[b, t] = running
+    returns = np.where(mask, adv + v, 0.0)
+    return adv, returns
+
+
+def naive_rtg(r, mask, gamma):
+    out = np.zeros_like(r, dtype=np.float64)
+    for b in range(r.shape[0]):
+        running = 0.0
+        for t in reversed(range(r.shape[1])):
+            if mask[b, t]:
+                running = r[b, t] + gamma * running
+                out[b, t] = running
+    return out
+
+
+def naive_masked_stats(x, mask):
+    vals = [float(x[i]) for i in np.ndindex(x.shape) if mask[i]]
+    n = len(vals)
+    mean = sum(vals) / n
+    sq = sum((a - mean) ** 2 for a in vals)
+    return mean, sq / n, (sq / (n - 1) if n > 1 else float("nan"))
+
+
+# ----------------------------------------------------------------------------- whitening
+
+
+@pytest.mark.parametrize("seed,shape,kind", cases())
+def test_masked_stats_match_naive(seed, shape, kind):
+    rng = np.random.default_rng(seed)
+    B, T = shape
+    x = rng.normal(2.0, 3.0, size=shape)
+    mask = make_mask(rng, B, T, kind)
+    mean, var_b, var_u = naive_masked_stats(x, mask)
+    dtype = MASK_DTYPES[seed % len(MASK_DTYPES)]
+    m = as_mx_mask(mask, dtype)
+    xm = mx.array(x.astype(np.float32))
+    got = masked_mean(xm, m)
+    assert got.dtype == mx.float32 and got.ndim == 0
+    np.testing.assert_allclose(got.item(), mean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(masked_var(xm, m, unbiased=False).item(), var_b, rtol=1e-4)
+    # Row means (axis=1): every row has a valid token.
+    row_means = [np.mean(x[b][mask[b]]) for b in range(B)]
+    np.testing.assert_allclose(
+        np.array(masked_mean(xm, m, axis=1)), row_means, rtol=1e-5, atol=1e-5
+    )
+    if mask.sum() >= 2:
+        np.testing.assert_allclose(masked_var(xm, m).item(), var_u, rtol=1e-4)
+        for shift_mean in (True, False):
+            expected = (x - mean) / np.sqrt(var_u + 1e-8)
+            if not shift_mean:
+                expected = expected + mean
+            expected = np.where(mask, expected, 0.0)
+            got_w = masked_whiten(xm, m, shift_mean=shift_mean)
+            assert got_w.dtype == mx.float32
+            np.testing.assert_allclose(np.array(got_w), expected, rtol=1e-4, atol=1e-4)
+    else:
+        with pytest.raises(ValueError, match="at least 2"):
+            masked_var(xm, m)
+        with pytest.raises(ValueError, match="at least 2"):
+            masked_whiten(xm, m)
+
+
+def test_masked_stats_ignore_nan_at_invalid_positions():
+    x = mx.array([[1.0, 3.0, float("nan")], [5.0, float("inf"), 7.0]])
+    mask = mx.array([[1, 1, 0], [1, 0, 1]])
+    assert masked_mean(x, mask).item() == pytest.approx(4.0)
+    assert masked_var(x, mask).item() == pytest.approx(np.var([1, 3, 5, 7], ddof=1))
+    white = np.array(masked_whiten(x, mask))
+    assert np.isfinite(white).all() and white[0, 2] == 0 and white[1, 1] == 0
+
+
+def test_masked_whiten_hand_case():
+    x = mx.array([[1.0, 2.0, 3.0, 100.0]])
+    mask = mx.array([[True, True, True, False]])
+    # mean 2, unbiased var 1 -> (x - 2) / sqrt(1 + 1e-8)
+    np.testing.assert_allclose(np.array(masked_whiten(x, mask)), [[-1, 0, 1, 0]], atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(masked_whiten(x, mask, shift_mean=False)), [[1, 2, 3, 0]], atol=1e-6
+    )
+
+
+def test_masked_stats_errors():
+    x = mx.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_mean(x, mx.ones((2, 4)))
+    with pytest.raises(ValueError, match="at least 1"):
+        masked_mean(x, mx.zeros((2, 3)))
+    with pytest.raises(ValueError, match="at least 1"):
+        masked_mean(x, mx.array([[1, 0, 0], [0, 0, 0]]), axis=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        masked_var(x, mx.array([[1, 0, 0], [0, 0, 0]]))
+    with pytest.raises(ValueError, match="at least 1"):
+        masked_var(x, mx.zeros((2, 3)), unbiased=False)
+    # One valid entry is enough for the biased variance (it is 0).
+    assert masked_var(x + 5, mx.array([[1, 0, 0], [0, 0, 0]]), unbiased=False).item() == 0.0
+    # validate=False: no host sync, an empty mask gives NaN instead of raising.
+    assert np.isnan(masked_mean(x, mx.zeros((2, 3)), validate=False).item())
+
+
+# ----------------------------------------------------------------------------- TD, GAE, RTG
+
+
+@pytest.mark.parametrize("seed,shape,kind", cases())
+def test_td_gae_rtg_match_naive(seed, shape, kind):
+    rng = np.random.default_rng(100 + seed)
+    B, T = shape
+    r = rng.normal(size=shape)
+    v = rng.normal(size=shape)
+    mask = make_mask(rng, B, T, kind)
+    gamma, lam = [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0)][seed % 3]
+    m = as_mx_mask(mask, MASK_DTYPES[(seed + len(kind)) % 3])
+    rm, vm = mx.array(r.astype(np.float32)), mx.array(v.astype(np.float32))
+
+    delta = td_errors(rm, vm, m, gamma)
+    np.testing.assert_allclose(np.array(delta), naive_td(r, v, mask, gamma), rtol=1e-5, atol=1e-5)
+
+    adv, ret = compute_gae(rm, vm, m, gamma, lam)
+    adv_ref, ret_ref = naive_gae(r, v, mask, gamma, lam)
+    assert adv.dtype == mx.float32 and ret.dtype == mx.float32
+    np.testing.assert_allclose(np.array(adv), adv_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(ret), ret_ref, rtol=1e-4, atol=1e-4)
+
+    rtg = reward_to_go(rm, m, gamma)
+    np.testing.assert_allclose(np.array(rtg), naive_rtg(r, mask, gamma), rtol=1e-4, atol=1e-4)
+    # With V = 0 and lam = 1, GAE is the reward-to-go.
+    adv0, _ = compute_gae(rm, mx.zeros_like(rm), m, gamma, 1.0)
+    np.testing.assert_allclose(np.array(adv0), np.array(rtg), rtol=1e-5, atol=1e-5)
+
+
+def test_gae_hand_case():
+    rewards = mx.array([[0.0, 0.0, 1.0, 9.0]])
+    values = mx.array([[0.5, 0.5, 0.5, 9.0]])
+    mask = mx.array([[1, 1, 1, 0]])
+    # gamma = lam = 1: delta = [0, 0, 0.5], A = [0.5, 0.5, 0.5], returns = [1, 1, 1]
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    np.testing.assert_allclose(np.array(adv), [[0.5, 0.5, 0.5, 0.0]], atol=1e-7)
+    np.testing.assert_allclose(np.array(ret), [[1.0, 1.0, 1.0, 0.0]], atol=1e-7)
+    # gamma = 0.5, lam = 0.5: delta = [-0.25, -0.25, 0.5], A2 = 0.5, A1 = -0.25 + 0.125,
+    # A0 = -0.25 + 0.25 * A1
+    adv, _ = compute_gae(rewards, values, mask, 0.5, 0.5)
+    a1 = -0.25 + 0.25 * 0.5
+    np.testing.assert_allclose(np.array(adv), [[-0.25 + 0.25 * a1, a1, 0.5, 0.0]], atol=1e-7)
+    # V past the last valid token is 0, not the pad value 9.
+    np.testing.assert_allclose(
+        np.array(td_errors(rewards, values, mask, 1.0)), [[0, 0, 0.5, 0]], atol=1e-7
+    )
+    np.testing.assert_allclose(
+        np.array(reward_to_go(rewards, mask, 0.5)), [[0.25, 0.5, 1.0, 0.0]], atol=1e-7
+    )
+
+
+def test_td_gae_errors():
+    r = mx.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"values has shape \(2, 4\) but rewards has \(2, 3\)"):
+        compute_gae(r, mx.zeros((2, 4)), mx.ones((2, 3)), 1.0, 0.95)
+    with pytest.raises(ValueError, match=r"mask has shape \(3, 3\) but rewards has \(2, 3\)"):
+        td_errors(r, r, mx.ones((3, 3)), 1.0)
+    with pytest.raises(ValueError, match=r"mask has shape"):
+        reward_to_go(r, mx.ones((2,)), 1.0)
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        reward_to_go(mx.zeros((6,)), mx.ones((6,)), 1.0)
+    with pytest.raises(ValueError, match="lam"):
+        compute_gae(r, r, mx.ones((2, 3)), 1.0, 1.5)
+    with pytest.raises(ValueError, match="gamma"):
+        td_errors(r, r, mx.ones((2, 3)), -0.1)
+
+
+# ----------------------------------------------------------------------------- group advantages
+
+
+def naive_group(scores: np.ndarray, g: int, scale: str) -> np.ndarray:
+    out = np.zeros_like(scores, dtype=np.float64)
+    batch_std = np.std(scores, ddof=1)
+    for start in range(0, len(scores), g):
+        grp = scores[start : start + g]
+        for i in range(g):
+            centred = grp[i] - np.mean(grp)
+            if scale == "group":
+                centred /= np.std(grp, ddof=1) + 1e-4
+            elif scale == "batch":
+                centred /= batch_std + 1e-4
+            out[start + i] = centred
+    return out
+
+
+def naive_rloo(scores: np.ndarray, g: int) -> np.ndarray:
+    out = np.zeros_like(scores, dtype=np.float64)
+    for start in range(0, len(scores), g):
+        grp = scores[start : start + g]
+        for i in range(g):
+            others = [grp[j] for j in range(g) if j != i]
+            out[start + i] = grp[i] - sum(others) / len(others)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n_prompts,g", [(1, 2), (3, 4), (5, 8)])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_naive(seed, n_prompts, g, scale):
+    scores = np.random.default_rng(seed).normal(1.0, 2.0, size=n_prompts * g)
+    got = group_advantages(mx.array(scores.astype(np.float32)), g, scale)
+    assert got.dtype == mx.float32 and got.shape == (n_prompts * g,)
+    np.testing.assert_allclose(np.array(got), naive_group(scores, g, scale), rtol=1e-4, atol=1e-5)
+    got_loo = leave_one_out_advantages(mx.array(scores.astype(np.float32)), g)
+    np.testing.assert_allclose(np.array(got_loo), naive_rloo(scores, g), rtol=1e-4, atol=1e-5)
+
+
+def test_group_advantages_hand_case():
+    scores = mx.array([1.0, 3.0, 0.0, 0.0])  # two prompts, g = 2
+    # group 1: mean 2, std (ddof=1) sqrt(2); group 2: all equal -> 0
+    s2 = np.sqrt(2.0)
+    np.testing.assert_allclose(
+        np.array(group_advantages(scores, 2, "group")),
+        [-1 / (s2 + 1e-4), 1 / (s2 + 1e-4), 0, 0],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(np.array(group_advantages(scores, 2, "none")), [-1, 1, 0, 0])
+    batch_std = float(np.std([1.0, 3.0, 0.0, 0.0], ddof=1))
+    np.testing.assert_allclose(
+        np.array(group_advantages(scores, 2, "batch")),
+        [-1 / (batch_std + 1e-4), 1 / (batch_std + 1e-4), 0, 0],
+        rtol=1e-6,
+    )
+    # RLOO, g = 3: [1, 2, 6] -> 1 - 4, 2 - 3.5, 6 - 1.5
+    np.testing.assert_allclose(
+        np.array(leave_one_out_advantages(mx.array([1.0, 2.0, 6.0]), 3)), [-3.0, -1.5, 4.5]
+    )
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(mx.zeros((6,)), 4, "group")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        leave_one_out_advantages(mx.zeros((5,)), 2)
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(mx.zeros((4,)), 1, "group")
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        leave_one_out_advantages(mx.zeros((4,)), 1)
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(mx.zeros((4,)), 2, "std")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        group_advantages(mx.zeros((2, 2)), 2, "group")

@@ -1,0 +1,189 @@
+"""reward_kl/: KL estimators, KL controllers, per-token rewards and the missing-EOS penalty."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
+from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
+from token_attribution.extractor import first_stop_index, truncate_after_stop
+
+
+def naive_kl(logp: float, ref: float, estimator: str) -> float:
+    if estimator == "k1":
+        return logp - ref
+    if estimator == "k2":
+        return 0.5 * (logp - ref) ** 2
+    return math.exp(ref - logp) - (ref - logp) - 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (4, 33)])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimate_matches_naive(seed, shape, estimator):
+    rng = np.random.default_rng(seed)
+    logp = -rng.exponential(2.0, size=shape)
+    ref = logp + rng.normal(0, 0.7, size=shape)
+    got = kl_estimate(
+        mx.array(logp.astype(np.float32)).astype(mx.bfloat16 if seed else mx.float32),
+        mx.array(ref.astype(np.float32)),
+        estimator,
+    )
+    assert got.dtype == mx.float32 and got.shape == shape
+    logp_in = logp.astype(np.float32)
+    if seed:  # the bfloat16 input is the rounded value
+        logp_in = np.array(mx.array(logp_in).astype(mx.bfloat16).astype(mx.float32))
+    expected = np.vectorize(lambda a, b: naive_kl(float(a), float(b), estimator))(
+        logp_in, ref.astype(np.float32)
+    )
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-6)
+    if estimator != "k1":
+        assert (np.array(got) >= 0).all()
+
+
+def test_kl_estimate_errors():
+    with pytest.raises(
+        ValueError, match=r"ref_logprobs has shape \(2, 4\) but logprobs has \(2, 3\)"
+    ):
+        kl_estimate(mx.zeros((2, 3)), mx.zeros((2, 4)), "k1")
+    with pytest.raises(ValueError, match="estimator"):
+        kl_estimate(mx.zeros((2, 3)), mx.zeros((2, 3)), "k4")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- controllers
+
+
+def test_fixed_kl_controller():
+    ctl = FixedKLController(0.05)
+    ctl.update(100.0, 512)
+    assert ctl.value == 0.05
+    restored = FixedKLController(1.0)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.value == 0.05
+    with pytest.raises(ValueError, match="kl_coef"):
+        FixedKLController(-0.1)
+
+
+def test_adaptive_kl_controller_hand_case():
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    ctl.update(9.0, 256)  # 9 / 6 - 1 = 0.5 -> clipped to 0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000), rel=1e-12)
+    ctl.update(3.0, 512)  # 3 / 6 - 1 = -0.5 -> clipped to -0.2
+    expected = 0.1 * (1 + 0.2 * 256 / 10000) * (1 - 0.2 * 512 / 10000)
+    assert ctl.value == pytest.approx(expected, rel=1e-12)
+    ctl.update(6.6, 100)  # 6.6 / 6 - 1 = 0.1, inside the clip
+    expected *= 1 + 0.1 * 100 / 10000
+    assert ctl.value == pytest.approx(expected, rel=1e-12)
+    ctl.update(6.0, 1000)  # on target: unchanged
+    assert ctl.value == pytest.approx(expected, rel=1e-12)
+
+    # Checkpoint round trip restores it exactly, and both then evolve identically.
+    restored = AdaptiveKLController(init_kl_coef=1.0, target=1.0, horizon=1.0)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.state_dict() == ctl.state_dict()
+    ctl.update(7.0, 64)
+    restored.update(7.0, 64)
+    assert restored.value == ctl.value
+
+
+def test_kl_controller_errors():
+    with pytest.raises(ValueError, match="target"):
+        AdaptiveKLController(0.1, 0.0, 10000)
+    with pytest.raises(ValueError, match="horizon"):
+        AdaptiveKLController(0.1, 6.0, 0)
+    ctl = AdaptiveKLController(0.1, 6.0, 10000)
+    with pytest.raises(ValueError, match="current_kl"):
+        ctl.update(float("nan"), 10)
+    with pytest.raises(ValueError, match="AdaptiveKLController"):
+        ctl.load_state_dict(FixedKLController(0.1).state_dict())
+    with pytest.raises(ValueError, match="FixedKLController"):
+        FixedKLController(0.1).load_state_dict(ctl.state_dict())
+
+
+# ----------------------------------------------------------------------------- per-token rewards
+
+PAD, EOS = 0, 2
+
+
+def test_score_lands_on_stop_token_not_pad():
+    responses = mx.array([[5, 6, EOS, PAD, PAD], [7, 8, 9, 4, 3], [EOS, 6, 6, 6, 6]])
+    _, mask, _ = truncate_after_stop(responses, [EOS], PAD)
+    kl = mx.array(
+        [[0.1, 0.2, 0.3, 9.0, 9.0], [0.1, -0.1, 0.0, 0.2, 0.4], [1.0, 5.0, 5.0, 5.0, 5.0]]
+    )
+    scores = mx.array([2.0, -1.0, 0.5])
+    rewards, non_score = per_token_rewards(scores, kl, mask, 0.5)
+    assert rewards.dtype == mx.float32 and non_score.dtype == mx.float32
+    np.testing.assert_allclose(
+        np.array(non_score),
+        [[-0.05, -0.1, -0.15, 0, 0], [-0.05, 0.05, 0, -0.1, -0.2], [-0.5, 0, 0, 0, 0]],
+        atol=1e-7,
+    )
+    np.testing.assert_allclose(
+        np.array(rewards),
+        [[-0.05, -0.1, 1.85, 0, 0], [-0.05, 0.05, 0, -0.1, -1.2], [0.0, 0, 0, 0, 0]],
+        atol=1e-7,
+    )
+
+
+def naive_rewards(scores, kl, mask, kl_coef):
+    rewards = np.zeros_like(kl, dtype=np.float64)
+    non_score = np.zeros_like(kl, dtype=np.float64)
+    for b in range(kl.shape[0]):
+        last = max(t for t in range(kl.shape[1]) if mask[b, t])
+        for t in range(kl.shape[1]):
+            if mask[b, t]:
+                non_score[b, t] = -kl_coef * kl[b, t]
+                rewards[b, t] = non_score[b, t] + (scores[b] if t == last else 0.0)
+    return rewards, non_score
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("shape", [(1, 1), (4, 9), (6, 40)])
+@pytest.mark.parametrize("mask_dtype", [mx.bool_, mx.int32, mx.float32])
+def test_per_token_rewards_match_naive(seed, shape, mask_dtype):
+    rng = np.random.default_rng(seed)
+    B, T = shape
+    mask = rng.random(shape) < 0.7  # holes anywhere, including at the end
+    mask[np.arange(B), rng.integers(0, T, size=B)] = True
+    kl = rng.normal(size=shape)
+    scores = rng.normal(size=B)
+    kl_coef = [0.05, 0.0, 1.3][seed]
+    rewards, non_score = per_token_rewards(
+        mx.array(scores.astype(np.float32)),
+        mx.array(kl.astype(np.float32)),
+        mx.array(mask).astype(mask_dtype),
+        kl_coef,
+    )
+    ref_rewards, ref_non_score = naive_rewards(scores, kl, mask, kl_coef)
+    np.testing.assert_allclose(np.array(rewards), ref_rewards, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(non_score), ref_non_score, rtol=1e-5, atol=1e-6)
+
+
+def test_per_token_rewards_errors():
+    with pytest.raises(ValueError, match=r"rows \[1\] of mask have no action token"):
+        per_token_rewards(mx.zeros((2,)), mx.zeros((2, 3)), mx.array([[1, 0, 0], [0, 0, 0]]), 0.1)
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\) but kl has \(2, 3\)"):
+        per_token_rewards(mx.zeros((2,)), mx.zeros((2, 3)), mx.ones((2, 4)), 0.1)
+    with pytest.raises(ValueError, match=r"scores has shape \(3,\) but kl has \(2, 3\)"):
+        per_token_rewards(mx.zeros((3,)), mx.zeros((2, 3)), mx.ones((2, 3)), 0.1)
+
+
+def test_missing_eos_penalty():
+    responses = mx.array([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD], [5, 6, PAD]])
+    _, ended = first_stop_index(responses, EOS)
+    scores = mx.array([1.0, 1.0, -2.0, 0.5])
+    got = apply_missing_eos_penalty(scores, ended, 1.5)
+    assert got.dtype == mx.float32
+    np.testing.assert_allclose(np.array(got), [1.0, -0.5, -2.0, -1.0])
+    # int masks work too
+    got_int = apply_missing_eos_penalty(scores, ended.astype(mx.int32), 1.5)
+    np.testing.assert_allclose(np.array(got_int), np.array(got))
+    with pytest.raises(ValueError, match="penalty must be >= 0"):
+        apply_missing_eos_penalty(scores, ended, -1.0)
+    with pytest.raises(ValueError, match=r"ended_with_stop has shape \(3,\) but scores has \(4,\)"):
+        apply_missing_eos_penalty(scores, ended[:3], 1.0)

@@ -1,0 +1,190 @@
+"""token_attribution/: selective log-softmax, entropy, truncation after the stop token."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from token_attribution.extractor import first_stop_index, truncate_after_stop
+from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
+
+SHAPES = [(1, 1, 2), (2, 3, 7), (3, 9, 50), (2, 16, 257)]
+
+
+def np_log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def naive_mx_selective(logits: mx.array, tokens: mx.array) -> mx.array:
+    """The naive equivalent named in the docstring (materialises a second (B, T, V) array)."""
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_selective_log_softmax_float32(seed, shape):
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(size=shape) * 4).astype(np.float32)
+    tokens = rng.integers(0, shape[-1], size=shape[:2])
+    got = selective_log_softmax(mx.array(logits), mx.array(tokens))
+    assert got.dtype == mx.float32 and got.shape == shape[:2]
+    expected = np.take_along_axis(np_log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+    naive = naive_mx_selective(mx.array(logits), mx.array(tokens))
+    np.testing.assert_allclose(np.array(got), np.array(naive), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_selective_log_softmax_half(dtype, shape):
+    rng = np.random.default_rng(3)
+    logits = mx.array((rng.normal(size=shape) * 4).astype(np.float32)).astype(dtype)
+    tokens = mx.array(rng.integers(0, shape[-1], size=shape[:2]).astype(np.int32))
+    got = selective_log_softmax(logits, tokens)
+    assert got.dtype == mx.float32
+    # Exact reference on the (rounded) half-precision values: only float32 rounding separates them.
+    exact = np_log_softmax(np.array(logits.astype(mx.float32)))
+    expected = np.take_along_axis(exact, np.array(tokens)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+    # The naive computation done in half precision agrees only loosely.
+    naive = naive_mx_selective(logits, tokens).astype(mx.float32)
+    np.testing.assert_allclose(np.array(got), np.array(naive), rtol=5e-2, atol=1e-1)
+
+
+def test_selective_log_softmax_gradient():
+    rng = np.random.default_rng(4)
+    logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 5, size=(2, 3)))
+    weights = mx.array(rng.normal(size=(2, 3)).astype(np.float32))
+    grad = mx.grad(lambda z: mx.sum(selective_log_softmax(z, tokens) * weights))(logits)
+    # d log p_k / d l = onehot(k) - softmax(l)
+    probs = np.exp(np_log_softmax(np.array(logits)))
+    onehot = np.eye(5)[np.array(tokens)]
+    expected = np.array(weights)[..., None] * (onehot - probs)
+    np.testing.assert_allclose(np.array(grad), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_entropy_from_logits(dtype, shape):
+    rng = np.random.default_rng(5)
+    logits = mx.array((rng.normal(size=shape) * 3).astype(np.float32)).astype(dtype)
+    got = entropy_from_logits(logits)
+    assert got.dtype == mx.float32 and got.shape == shape[:2]
+    logp = np_log_softmax(np.array(logits.astype(mx.float32)))
+    expected = -(np.exp(logp) * logp).sum(axis=-1)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_entropy_extremes():
+    uniform = mx.zeros((1, 2, 8))
+    np.testing.assert_allclose(np.array(entropy_from_logits(uniform)), np.log(8), rtol=1e-6)
+    peaked = mx.array([[[0.0, 100.0, 0.0]]])
+    assert entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_logprob_shape_errors():
+    with pytest.raises(ValueError, match=r"tokens has shape \(2, 4\) but logits has \(2, 3, 5\)"):
+        selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 4), dtype=mx.int32))
+    with pytest.raises(ValueError, match="integer"):
+        selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"\(B, T, V\)"):
+        selective_log_softmax(mx.zeros((3, 5)), mx.zeros((3,), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"\(B, T, V\)"):
+        entropy_from_logits(mx.zeros((3, 5)))
+
+
+# ----------------------------------------------------------------------------- truncate_after_stop
+
+PAD, EOS, EOT = 0, 2, 3
+
+
+def test_truncate_after_stop_hand_cases():
+    responses = mx.array(
+        [
+            [5, 6, EOS, 7, 8],  # stop in the middle: later tokens become pad
+            [EOS, 5, 6, 7, 8],  # stop first: a one-token response
+            [5, 6, 7, PAD, PAD],  # no stop, batch padding at the end: not actions
+            [5, 6, 7, 8, 9],  # no stop, no pad: all actions
+            [5, PAD, 6, EOT, PAD],  # pad inside the content stays; EOT is also a stop id
+            [PAD, PAD, PAD, PAD, PAD],  # nothing generated
+        ]
+    )
+    out, mask, lengths = truncate_after_stop(responses, [EOS, EOT], PAD)
+    assert out.dtype == responses.dtype and mask.dtype == mx.float32 and lengths.dtype == mx.int32
+    assert out.tolist() == [
+        [5, 6, EOS, PAD, PAD],
+        [EOS, PAD, PAD, PAD, PAD],
+        [5, 6, 7, PAD, PAD],
+        [5, 6, 7, 8, 9],
+        [5, PAD, 6, EOT, PAD],
+        [PAD, PAD, PAD, PAD, PAD],
+    ]
+    assert mask.tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0],
+    ]
+    assert lengths.tolist() == [3, 1, 3, 5, 4, 0]
+    stop_index, ended = first_stop_index(responses, [EOS, EOT])
+    assert stop_index.tolist() == [2, 0, 5, 5, 3, 5]
+    assert ended.tolist() == [True, True, False, False, True, False]
+    # Same answer on the truncated responses.
+    assert first_stop_index(out, [EOS, EOT])[1].tolist() == ended.tolist()
+
+
+def test_truncate_after_stop_pad_is_stop():
+    """pad == EOS (GPT-2 style): the first pad is the stop token and is an action."""
+    responses = mx.array([[5, 6, EOS, EOS], [5, 6, 7, 8], [EOS, EOS, EOS, EOS]])
+    out, mask, lengths = truncate_after_stop(responses, EOS, EOS)
+    assert out.tolist() == responses.tolist()
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert lengths.tolist() == [3, 4, 1]
+
+
+def naive_truncate(rows: np.ndarray, stops: list[int], pad: int):
+    out, mask = np.full_like(rows, pad), np.zeros(rows.shape, dtype=np.float32)
+    for b, row in enumerate(rows):
+        stop_at = next((t for t, tok in enumerate(row) if tok in stops), None)
+        if stop_at is not None:
+            end = stop_at + 1
+        else:
+            end = len(row)
+            if pad not in stops:
+                while end > 0 and row[end - 1] == pad:
+                    end -= 1
+        out[b, :end] = row[:end]
+        mask[b, :end] = 1
+    return out, mask, mask.sum(axis=1).astype(np.int32)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("stops,pad", [([2], 0), ([2, 3], 0), ([2], 2), ([1, 2], 1)])
+def test_truncate_after_stop_matches_naive(seed, stops, pad):
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 6, size=(8, 12)).astype(np.int32)
+    # Some rows end in a run of pad (batch padding) with no stop token.
+    rows[:3] = np.where(np.isin(rows[:3], stops), 5, rows[:3])
+    rows[0, 7:] = pad
+    rows[1, :] = pad
+    out, mask, lengths = truncate_after_stop(mx.array(rows), stops, pad)
+    ref_out, ref_mask, ref_lengths = naive_truncate(rows, stops, pad)
+    np.testing.assert_array_equal(np.array(out), ref_out)
+    np.testing.assert_array_equal(np.array(mask), ref_mask)
+    np.testing.assert_array_equal(np.array(lengths), ref_lengths)
+
+
+def test_truncate_after_stop_errors():
+    with pytest.raises(ValueError, match=r"\(B, T\)"):
+        truncate_after_stop(mx.array([1, 2, 3]), [2], 0)
+    with pytest.raises(ValueError, match="stop_token_ids is empty"):
+        truncate_after_stop(mx.array([[1, 2, 3]]), [], 0)
+    with pytest.raises(ValueError, match="pad_token_id"):
+        truncate_after_stop(mx.array([[1, 2, 3]]), [2], None)  # type: ignore[arg-type]
