@@ -1,0 +1,579 @@
+"""A transformer backbone with a scalar head: the shared half of the reward and value models.
+
+A Hugging Face ``*ForSequenceClassification`` checkpoint is a backbone plus a linear head named
+``score``. With one label (``num_labels == 1``) the head gives one scalar per position; on disk::
+
+    config.json                   architectures ["<Arch>ForSequenceClassification"], model_type,
+                                  id2label {"0": "LABEL_0"} (one label), pad_token_id
+    model.safetensors             ``model.*`` (the backbone, under its Hugging Face names) and
+                                  ``score.weight`` of shape (1, D); a large model is split into
+                                  model-0000i-of-0000n.safetensors + model.safetensors.index.json
+
+:class:`ScalarHeadModel` holds ``model``, the inner ``model`` of the mlx-lm architecture named by
+``model_type`` (token ids (B, L) -> final-normed hidden states (B, L, D); the causal LM's
+``lm_head`` is dropped), and the head ``score = nn.Linear(D, 1, bias=False)``, so its parameter
+names are Hugging Face's (``model.*``, ``score.weight``). It reads and writes that layout, and
+builds one from a causal LM's backbone with a fresh head.
+:class:`models.reward_model.RewardModel` and :class:`models.value_model.ValueModel` subclass it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import json
+import math
+import re
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Sequence, TypeVar, Union, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, _get_classes, load_config, save_config
+
+#: How a fresh scalar head starts: "zeros" (every score 0 at first, so the first gradient reaches
+#: only the head) or "normal" (N(0, 1/(D+1)), as in OpenAI's lm-human-preferences).
+HeadInit = Literal["zeros", "normal"]
+
+#: A parameter dtype: an ``mx.Dtype``, its name ("float32", "bfloat16", "float16"), or None for
+#: float32.
+DtypeLike = Union[mx.Dtype, str, None]
+
+_DTYPES: dict[str, mx.Dtype] = {
+    "float32": mx.float32,
+    "bfloat16": mx.bfloat16,
+    "float16": mx.float16,
+}
+#: Hugging Face's name of the scalar head's weight (``self.score`` in transformers).
+HF_HEAD_WEIGHT = "score.weight"
+_BACKBONE_PREFIX = "model."
+_ARCH_SUFFIX = re.compile(
+    r"(ForSequenceClassification|ForCausalLM|ForConditionalGeneration|LMHeadModel)$"
+)
+_DEFAULT_MAX_SHARD_BYTES = 5 << 30  # transformers' and mlx-lm's default shard size (5 GiB)
+
+M = TypeVar("M", bound="ScalarHeadModel")
+
+
+def resolve_dtype(dtype: DtypeLike) -> mx.Dtype:
+    """The parameter dtype meant by ``dtype``: None -> float32, a name -> that dtype."""
+    if dtype is None:
+        return mx.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if dtype not in _DTYPES.values():
+        raise ValueError(
+            f"dtype {dtype} is not supported; use mx.float32, mx.bfloat16 or mx.float16"
+        )
+    return dtype
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return next(name for name, d in _DTYPES.items() if d == dtype)
+
+
+def resolve_model_path(path_or_repo: str | Path) -> Path:
+    """The local directory of a checkpoint: ``path_or_repo`` itself if it exists, otherwise a
+    Hugging Face Hub snapshot of the repository of that name (downloaded, or from the cache).
+
+    Raises:
+        FileNotFoundError: the path does not exist and is not a repo id that could be fetched
+            (offline, no such repository), or it is a file, not a directory.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"model path {str(path)!r} is a file; pass the checkpoint directory (the one "
+                "holding config.json and the *.safetensors weights)"
+            )
+        return path
+    name = str(path_or_repo)
+    if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", name):
+        raise FileNotFoundError(
+            f"model path {name!r} does not exist (and is not a Hugging Face repo id of the form "
+            "'owner/name'); pass an existing checkpoint directory"
+        )
+    import huggingface_hub
+
+    try:
+        snapshot = huggingface_hub.snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    except OSError as e:  # every hub failure (offline, no such repo, gated) is an OSError
+        raise FileNotFoundError(
+            f"model path {name!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub ({type(e).__name__}: {e}); pass an existing checkpoint directory, "
+            "or download it first where there is network"
+        ) from e
+    return Path(snapshot)
+
+
+def read_checkpoint_weights(path: Path) -> dict[str, mx.array]:
+    """All tensors of the safetensors checkpoint in ``path`` (one file or the shards that
+    ``model.safetensors.index.json`` lists), under their stored names."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        with open(index_file) as f:
+            files = sorted({str(path / name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(str(path / "model*.safetensors")))
+    if not files:
+        raise FileNotFoundError(
+            f"no model*.safetensors weights in {path}; a PyTorch *.bin checkpoint must be re-saved "
+            "with transformers' save_pretrained(..., safe_serialization=True) first"
+        )
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        weights.update(cast(dict[str, mx.array], mx.load(file)))
+    return weights
+
+
+def num_labels_of(config: Mapping[str, Any]) -> int | None:
+    """``num_labels`` of a Hugging Face config: the field if written, else ``len(id2label)``
+    (transformers writes only id2label), else None."""
+    if "num_labels" in config:
+        return int(config["num_labels"])
+    if "id2label" in config:
+        return len(config["id2label"])
+    return None
+
+
+def _check_unquantized(config: Mapping[str, Any], where: str) -> None:
+    if "quantization" in config or "quantization_config" in config:
+        raise ValueError(
+            f"{where} is quantized; reward and value models are built from full-precision "
+            "weights (their backbone is trained). Use the unquantized checkpoint, or dequantize "
+            "it with `mlx_lm.convert --dequantize`"
+        )
+
+
+def _classes_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as mlx-lm's ``_get_classes`` expects it: a causal-LM architecture name, so its
+    (model_type, architecture) remapping applies to sequence-classification checkpoints too."""
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    return {
+        **config,
+        "architectures": [_ARCH_SUFFIX.sub("ForCausalLM", a) for a in architectures],
+    }
+
+
+def _hidden_size(args: Any, where: str) -> int:
+    hidden_size = getattr(args, "hidden_size", None)
+    if not isinstance(hidden_size, int):
+        raise ValueError(
+            f"cannot tell the hidden size of {where}: its mlx-lm ModelArgs has no integer "
+            "`hidden_size`, so this architecture is not supported as a reward/value backbone"
+        )
+    return hidden_size
+
+
+def _inner_backbone(full_model: nn.Module, where: str) -> nn.Module:
+    backbone = getattr(full_model, "model", None)
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(
+            f"{where}: the mlx-lm model {type(full_model).__module__} has no inner `model` "
+            "transformer (token ids -> hidden states); this architecture is not supported as a "
+            "reward/value backbone"
+        )
+    return backbone
+
+
+@dataclasses.dataclass
+class LoadedBackbone:
+    """A backbone read from a checkpoint directory.
+
+    Attributes:
+        backbone: the mlx-lm inner ``model`` with the checkpoint's weights (ids -> (B, L, D)).
+        hidden_size: D.
+        head_weight: the checkpoint's ``score.weight`` (1, D), or None when it has no scalar
+            head (a causal LM).
+        config: the checkpoint's config.json (as mlx-lm's ``load_config`` reads it).
+        path: the local checkpoint directory.
+    """
+
+    backbone: nn.Module
+    hidden_size: int
+    head_weight: mx.array | None
+    config: dict[str, Any]
+    path: Path
+
+
+def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
+    """Load the transformer backbone of any checkpoint mlx-lm can read, without its LM head.
+
+    The architecture comes from ``model_type`` (mlx-lm's ``_get_classes``), the weights are
+    passed through the architecture's ``sanitize`` (the conversions mlx-lm applies to Hugging
+    Face weights), ``lm_head.*`` is dropped and ``score.weight`` is returned apart. Weights keep
+    their stored dtype.
+
+    Raises:
+        FileNotFoundError: no such directory / repo, no config.json or no safetensors weights.
+        ValueError: unsupported or quantized architecture, ``num_labels != 1``, a head with a
+            bias, or weights the backbone does not have.
+    """
+    path = resolve_model_path(path_or_repo)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no config.json in {path}; is it a model checkpoint directory?")
+    config = load_config(path)
+    _check_unquantized(config, f"the checkpoint at {path}")
+    weights = read_checkpoint_weights(path)
+    head_weight = weights.pop(HF_HEAD_WEIGHT, None)
+    if head_weight is not None:
+        # Causal-LM configs often carry transformers' default two labels; only a head counts.
+        num_labels = num_labels_of(config)
+        if num_labels not in (None, 1) or head_weight.shape[0] != 1:
+            raise ValueError(
+                f"the checkpoint at {path} is a classifier with num_labels="
+                f"{num_labels if num_labels is not None else head_weight.shape[0]}; reward and "
+                "value models need num_labels == 1 (one scalar per sequence). Train a reward "
+                "model with one output (transformers' num_labels=1, or "
+                "RewardModel.from_causal_lm)"
+            )
+    if "score.bias" in weights:
+        raise ValueError(
+            f"the checkpoint at {path} has a `score.bias`; the scalar head here is bias-free "
+            "(as transformers' *ForSequenceClassification). Fold the bias away or drop it"
+        )
+
+    model_class, args_class = _get_classes(_classes_config(config))
+    args = args_class.from_dict(config)
+    full_model = model_class(args)  # lazy random init: the LM head is never materialised
+    backbone = _inner_backbone(full_model, f"the checkpoint at {path}")
+    hidden_size = _hidden_size(args, f"the checkpoint at {path}")
+    if head_weight is not None and tuple(head_weight.shape) != (1, hidden_size):
+        raise ValueError(
+            f"`score.weight` in {path} has shape {tuple(head_weight.shape)}, expected "
+            f"(1, {hidden_size}) for one scalar per position (num_labels == 1)"
+        )
+
+    if hasattr(full_model, "sanitize"):
+        weights = full_model.sanitize(weights)
+    unexpected = [
+        k for k in weights if not k.startswith(_BACKBONE_PREFIX) and not k.startswith("lm_head.")
+    ]
+    if unexpected:
+        raise ValueError(
+            f"the checkpoint at {path} has weights outside the backbone (`model.*`), the LM head "
+            f"and `score.weight`: {sorted(unexpected)[:8]}; it is not a plain causal-LM or "
+            "*ForSequenceClassification checkpoint"
+        )
+    backbone_weights = [
+        (k[len(_BACKBONE_PREFIX) :], v)
+        for k, v in weights.items()
+        if k.startswith(_BACKBONE_PREFIX)
+    ]
+    backbone.load_weights(backbone_weights, strict=True)
+    return LoadedBackbone(backbone, hidden_size, head_weight, config, path)
+
+
+def _flat_parameters(module: nn.Module) -> dict[str, mx.array]:
+    """``{dotted name: array}`` of a module's parameters."""
+    return dict(cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())))
+
+
+def backbone_from_causal_lm(model: nn.Module) -> tuple[nn.Module, int, dict[str, Any]]:
+    """A fresh copy of an in-memory mlx-lm causal LM's backbone: ``(backbone, D, config)``.
+
+    The copy is a new module of the same architecture whose parameters are the source's arrays;
+    MLX arrays are immutable, so training the copy never changes ``model``. ``config`` is the
+    model's ``args`` as a dict (unset fields dropped).
+
+    Raises:
+        ValueError: ``model`` is not an mlx-lm causal LM (``args`` and an inner ``model``), or its
+            backbone has parameters a fresh one lacks (LoRA adapters, quantised layers).
+    """
+    args = getattr(model, "args", None)
+    if args is None or not dataclasses.is_dataclass(args):
+        raise ValueError(
+            f"expected an mlx-lm causal LM (a `Model` with `args` and an inner `model`), got "
+            f"{type(model).__name__}; pass its checkpoint path instead"
+        )
+    source = _inner_backbone(model, "the in-memory model")
+    fresh = _inner_backbone(cast(Any, type(model))(args), "the in-memory model")
+    source_params = _flat_parameters(source)
+    fresh_params = _flat_parameters(fresh)
+    if source_params.keys() != fresh_params.keys():
+        extra = sorted(source_params.keys() - fresh_params.keys())[:6]
+        missing = sorted(fresh_params.keys() - source_params.keys())[:6]
+        raise ValueError(
+            "the in-memory model's backbone does not match a fresh one of its architecture "
+            f"(extra {extra}, missing {missing}): LoRA adapters or quantised layers? Build the "
+            "reward/value model before adding adapters, fuse them first, or pass the checkpoint "
+            "path"
+        )
+    fresh.load_weights(list(source_params.items()), strict=True)
+    config = {k: v for k, v in dataclasses.asdict(cast(Any, args)).items() if v is not None}
+    return fresh, _hidden_size(args, "the in-memory model"), config
+
+
+def check_lengths(lengths: mx.array | Sequence[int], batch_size: int, seq_len: int) -> mx.array:
+    """Validate the number of valid tokens of each right-padded row: shape (B,), integers,
+    ``1 <= lengths <= L``. Returns them as an int32 ``mx.array`` (B,)."""
+    arr = np.asarray(lengths)
+    if arr.shape != (batch_size,):
+        raise ValueError(
+            f"lengths must have shape ({batch_size},) (one count per row of input_ids), got "
+            f"shape {arr.shape}"
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"lengths must be integers (valid tokens per row), got dtype {arr.dtype}")
+    if arr.min() < 1 or arr.max() > seq_len:
+        raise ValueError(
+            f"lengths must lie in [1, {seq_len}] (each row has at least one valid token and at "
+            f"most L={seq_len}), got min {arr.min()} and max {arr.max()}"
+        )
+    return mx.array(arr.astype(np.int32))
+
+
+def last_token_values(values: mx.array, lengths: mx.array) -> mx.array:
+    """The entry of each row at its last valid token: ``out[b] = values[b, lengths[b] - 1]``.
+
+    Args:
+        values: (B, L) per-position scalars of right-padded rows.
+        lengths: (B,) integer number of valid tokens per row, in [1, L] (not checked here, so
+            this can run inside ``mx.compile``; see :func:`check_lengths`).
+
+    Returns:
+        (B,) values.
+    """
+    index = (lengths.astype(mx.int32) - 1)[:, None]  # (B, 1)
+    return mx.take_along_axis(values, index, axis=1).squeeze(1)  # (B,)
+
+
+class ScalarHeadModel(nn.Module):
+    """A transformer backbone with a scalar head: token ids (B, L) -> one scalar per position.
+
+    Parameters are named as in Hugging Face checkpoints: ``model.*`` and ``score.weight``. The
+    head is stored under the key ``"score"`` but reached as :attr:`head`, because
+    ``RewardModel.score`` is the method that gives sequence rewards.
+
+    Attributes:
+        model: the mlx-lm inner transformer, ids (B, L) -> final-normed hidden states (B, L, D).
+        head: ``nn.Linear(D, 1, bias=False)`` (parameter ``score.weight``, shape (1, D)).
+        config: the Hugging Face config the model was read from (read-only).
+        architecture: the ``<Arch>ForSequenceClassification`` name :meth:`save_pretrained` writes.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.model = backbone
+        # Item, not attribute, assignment: a subclass method named `score` must not shadow it.
+        self["score"] = nn.Linear(hidden_size, 1, bias=False)
+        # A read-only mapping, so nn.Module keeps it out of the parameter tree.
+        self.config: Mapping[str, Any] = MappingProxyType(copy.deepcopy(dict(config)))
+        # Named now, so a model that cannot be saved fails before any training is lost.
+        self.architecture = _sequence_classification_architecture(self.config)
+
+    @property
+    def head(self) -> nn.Linear:
+        """The scalar head, ``nn.Linear(D, 1, bias=False)``; its weight is ``score.weight``."""
+        return cast(nn.Linear, self["score"])
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The backbone's transformer blocks (what mlx-lm's LoRA tools adapt)."""
+        return cast(list[nn.Module], self.model.layers)
+
+    def __call__(self, input_ids: mx.array) -> mx.array:
+        """Scalar outputs at every position.
+
+        Args:
+            input_ids: (B, L) token ids, right-padded (causal attention: a position never sees
+                the padding after it).
+
+        Returns:
+            (B, L) ``head(model(input_ids))``; entries at padded positions are meaningless.
+        """
+        if input_ids.ndim != 2 or not mx.issubdtype(input_ids.dtype, mx.integer):
+            raise ValueError(
+                "input_ids must be a (B, L) integer array of token ids, got shape "
+                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}"
+            )
+        hidden = self.model(input_ids)  # (B, L, D)
+        return self.head(hidden).squeeze(-1)  # (B, L)
+
+    @classmethod
+    def from_pretrained(cls: type[M], path_or_repo: str | Path, *, dtype: DtypeLike = None) -> M:
+        """Load a ``*ForSequenceClassification`` checkpoint with one label (backbone + scalar
+        head), e.g. one written by transformers or by :meth:`save_pretrained`.
+
+        Args:
+            path_or_repo: checkpoint directory, or a Hugging Face repo id when it is not a local
+                path (needs network or the hub cache).
+            dtype: parameter dtype; None = float32.
+
+        Raises:
+            FileNotFoundError: missing path (named in the message) or files.
+            ValueError: the checkpoint has no scalar head (a causal LM), ``num_labels != 1``, or
+                an architecture mlx-lm cannot build.
+        """
+        loaded = load_backbone(path_or_repo)
+        if loaded.head_weight is None:
+            architectures = loaded.config.get("architectures")
+            raise ValueError(
+                f"the checkpoint at {loaded.path} (architectures {architectures}) has no scalar "
+                f"head: a reward/value checkpoint stores one as `{HF_HEAD_WEIGHT}` of shape "
+                f"(1, hidden_size), as transformers' *ForSequenceClassification with "
+                "num_labels=1 does; this looks like a causal LM (lm_head). Train a reward model "
+                "from it first (RewardModel.from_causal_lm(path) adds a fresh head for the "
+                "reward trainer), or for a value model use ValueModel.from_policy_backbone(path)"
+            )
+        model = cls(loaded.backbone, loaded.hidden_size, loaded.config)
+        model.head.weight = loaded.head_weight
+        model.set_dtype(resolve_dtype(dtype))
+        mx.eval(model.parameters())
+        return model
+
+    @classmethod
+    def from_causal_lm(
+        cls: type[M],
+        path_or_model: str | Path | nn.Module,
+        *,
+        head_init: HeadInit = "zeros",
+        seed: int = 0,
+        dtype: DtypeLike = None,
+    ) -> M:
+        """A causal LM's backbone (its ``lm_head`` dropped) with a fresh scalar head.
+
+        Args:
+            path_or_model: a checkpoint directory or repo id of any model mlx-lm can load (any
+                head it has, ``lm_head`` or ``score``, is dropped), or an in-memory mlx-lm
+                causal LM (``mlx_lm.models.<arch>.Model``), whose weights are shared, not copied,
+                until the new model is trained (MLX arrays are immutable).
+            head_init: "zeros" (all outputs 0 at first; the first gradient then reaches only
+                the head) or "normal" (N(0, 1/(D+1)) from ``seed``).
+            seed: seed of the "normal" head.
+            dtype: parameter dtype; None = float32.
+        """
+        if head_init not in ("zeros", "normal"):
+            raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
+        if isinstance(path_or_model, nn.Module):
+            backbone, hidden_size, config = backbone_from_causal_lm(path_or_model)
+        else:
+            loaded = load_backbone(path_or_model)
+            backbone, hidden_size, config = loaded.backbone, loaded.hidden_size, loaded.config
+        model = cls(backbone, hidden_size, config)
+        if head_init == "zeros":
+            model.head.weight = mx.zeros((1, hidden_size))  # (1, D)
+        else:
+            std = 1.0 / math.sqrt(hidden_size + 1)
+            key = mx.random.key(seed)
+            model.head.weight = std * mx.random.normal((1, hidden_size), key=key)  # (1, D)
+        model.set_dtype(resolve_dtype(dtype))
+        mx.eval(model.parameters())
+        return model
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json :meth:`save_pretrained` writes: this model's config as a one-label
+        ``<Arch>ForSequenceClassification`` in its current parameter dtype."""
+        config = copy.deepcopy(dict(self.config))
+        config["architectures"] = [self.architecture]
+        config.pop("num_labels", None)  # transformers writes the labels, not their count
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+        config["dtype"] = _dtype_name(self.head.weight.dtype)
+        if "torch_dtype" in config:  # the name transformers < 5 reads
+            config["torch_dtype"] = config["dtype"]
+        return config
+
+    def load_pretrained_weights(self, path: str | Path) -> None:
+        """Load, in place, the weights of a checkpoint directory this model's architecture wrote
+        (e.g. with :meth:`save_pretrained`; one file or shards), cast to the current dtype.
+        Every parameter must be present (strict), so a partial checkpoint raises ValueError."""
+        dtype = self.head.weight.dtype
+        weights = read_checkpoint_weights(resolve_model_path(path))
+        self.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+        mx.eval(self.parameters())
+
+    def save_pretrained(
+        self,
+        save_dir: str | Path,
+        tokenizer: Any = None,
+        *,
+        max_shard_bytes: int = _DEFAULT_MAX_SHARD_BYTES,
+    ) -> Path:
+        """Write the Hugging Face ``*ForSequenceClassification`` layout (see the module doc),
+        loadable by transformers' ``AutoModelForSequenceClassification`` and by
+        :meth:`from_pretrained`.
+
+        Args:
+            save_dir: directory to write (created if needed).
+            tokenizer: saved alongside with its ``save_pretrained`` when given; its
+                ``pad_token_id`` fills the config's when that is unset (transformers needs it to
+                pool a padded batch).
+            max_shard_bytes: largest weights file; bigger models are split into shards.
+
+        Returns:
+            The directory.
+        """
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        save_dir = Path(save_dir)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        weights = _flat_parameters(self)  # Hugging Face names: model.*, score.weight
+        shards: list[dict[str, mx.array]] = []
+        shard_bytes = 0
+        for name, value in weights.items():
+            if not shards or shard_bytes + value.nbytes > max_shard_bytes:
+                shards.append({})
+                shard_bytes = 0
+            shards[-1][name] = value
+            shard_bytes += value.nbytes
+        # Stale files of an earlier save in another layout would be read back with these.
+        for old in glob.glob(str(save_dir / "model*.safetensors*")):
+            Path(old).unlink()
+        if len(shards) == 1:
+            mx.save_safetensors(str(save_dir / "model.safetensors"), shards[0], {"format": "pt"})
+        else:
+            weight_map: dict[str, str] = {}
+            for i, shard in enumerate(shards, start=1):
+                file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                mx.save_safetensors(str(save_dir / file_name), shard, {"format": "pt"})
+                weight_map.update({name: file_name for name in shard})
+            index = {
+                "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            with open(save_dir / "model.safetensors.index.json", "w") as f:
+                json.dump(index, f, indent=2)
+        config = self.hf_config()
+        if tokenizer is not None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+            if config.get("pad_token_id") is None and pad_token_id is not None:
+                config["pad_token_id"] = pad_token_id
+            tokenizer.save_pretrained(str(save_dir))
+        save_config(config, save_dir / "config.json")
+        return save_dir
+
+
+def _sequence_classification_architecture(config: Mapping[str, Any]) -> str:
+    """``<Arch>ForSequenceClassification`` for a config: from its ``architectures`` (e.g.
+    Qwen3ForCausalLM -> Qwen3ForSequenceClassification), else transformers' class for its
+    ``model_type``."""
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    for architecture in architectures:
+        if _ARCH_SUFFIX.search(architecture):
+            return _ARCH_SUFFIX.sub("ForSequenceClassification", architecture)
+    model_type = config.get("model_type")
+    # Imported only here (seconds to import): configs of in-memory models name no architecture.
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    name = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(str(model_type))
+    if name is None:
+        raise ValueError(
+            f"cannot name the *ForSequenceClassification architecture of model_type "
+            f"{model_type!r}: the config has no `architectures` and transformers has no such "
+            "class for it; load the model from its checkpoint directory instead"
+        )
+    return name
