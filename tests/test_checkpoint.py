@@ -5,7 +5,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from ppo_trainer.checkpoint import CheckpointManager
+from training.checkpoint import CheckpointManager
 
 
 def save(manager: CheckpointManager, step: int) -> Path:
