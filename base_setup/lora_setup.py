@@ -1,0 +1,272 @@
+"""LoRA adapters on an mlx-lm model, in mlx-lm's own layers and on-disk format.
+
+* :func:`apply_lora` freezes the model and swaps linear layers for mlx-lm's ``LoRALinear`` (via
+  ``mlx_lm.tuner.utils.linear_to_lora_layers``), so only ``lora_a`` / ``lora_b`` train.
+* :func:`save_adapters` / :func:`load_adapters` write and read an adapter directory exactly as
+  ``mlx_lm.lora`` does (``adapters.safetensors`` + ``adapter_config.json``), so
+  ``mlx_lm.generate --model <base> --adapter-path <dir>`` and ``mlx_lm.fuse`` accept it.
+* :func:`adapters_disabled` runs the base model through the same module tree: the reference model
+  of PPO when the policy trains LoRA, without a second copy of the base weights.
+* :func:`adapters_fused` temporarily replaces each LoRA layer by its fused linear layer (mlx-lm's
+  ``fuse``), e.g. to save a merged model without changing the live one.
+
+Convention: LoRA papers (and PEFT) write the update as ``(alpha / r) * B A x``; mlx-lm stores the
+product ``scale = alpha / r`` instead of ``alpha``. :class:`LoraSettings` takes ``alpha`` and
+converts; the adapter config records mlx-lm's ``scale``.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+ADAPTER_WEIGHTS_FILE = "adapters.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+# Leaf names of adapter parameters in mlx-lm's LoRA / DoRA layers.
+_ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """Where and how big the LoRA adapters are.
+
+    Attributes:
+        r: rank of each adapter (``lora_a``: (in, r), ``lora_b``: (r, out)).
+        alpha: LoRA alpha; the update is scaled by ``alpha / r`` (mlx-lm's ``scale``).
+        dropout: dropout on the adapter's input while training (never at generation or in the
+            reference model).
+        num_layers: adapt the last ``num_layers`` transformer blocks; ``-1`` means all of them.
+        keys: module paths inside a block to adapt, e.g. ``("self_attn.q_proj",
+            "self_attn.v_proj")``; ``None`` adapts every linear layer of the block (mlx-lm's
+            default).
+    """
+
+    r: int
+    alpha: float
+    dropout: float
+    num_layers: int = -1
+    keys: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"LoRA rank r must be positive, got {self.r}")
+        if self.alpha <= 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if self.num_layers != -1 and self.num_layers <= 0:
+            raise ValueError(f"num_layers must be -1 (all) or positive, got {self.num_layers}")
+        if self.keys is not None:
+            if isinstance(self.keys, str) or not self.keys:
+                raise ValueError(f"keys must be a non-empty list of module paths, got {self.keys}")
+            object.__setattr__(self, "keys", tuple(self.keys))
+
+    @property
+    def scale(self) -> float:
+        """mlx-lm's ``scale`` = ``alpha / r``."""
+        return self.alpha / self.r
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> LoraSettings:
+        """Read ``lora_r``, ``lora_alpha``, ``lora_dropout`` (required) and ``lora_layers``,
+        ``lora_keys`` (optional: -1 and None) from any object, e.g. the model config."""
+        missing = [f for f in ("lora_r", "lora_alpha", "lora_dropout") if not hasattr(cfg, f)]
+        if missing:
+            raise ValueError(f"{type(cfg).__name__} has no field(s) {missing} for LoRA settings")
+        return cls(
+            r=int(cfg.lora_r),
+            alpha=float(cfg.lora_alpha),
+            dropout=float(cfg.lora_dropout),
+            num_layers=int(getattr(cfg, "lora_layers", -1)),
+            keys=getattr(cfg, "lora_keys", None),
+        )
+
+    def to_mlx_lm(self) -> dict[str, Any]:
+        """``lora_parameters`` as mlx-lm's ``linear_to_lora_layers`` and adapter_config want."""
+        params: dict[str, Any] = {"rank": self.r, "scale": self.scale, "dropout": self.dropout}
+        if self.keys is not None:
+            params["keys"] = list(self.keys)
+        return params
+
+
+def _lm(model: nn.Module) -> nn.Module:
+    """The mlx-lm model (with ``.layers``) inside ``model`` (e.g. a PolicyModel wrapper)."""
+    if hasattr(model, "layers"):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
+        return inner
+    raise ValueError(f"{type(model).__name__} is not an mlx-lm model (no .layers)")
+
+
+def _is_adapter_module(module: nn.Module) -> bool:
+    return "lora_a" in module and "lora_b" in module
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` of every LoRA/DoRA layer in ``model``."""
+    return [(name, m) for name, m in model.named_modules() if _is_adapter_module(m)]
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze ``model`` and add LoRA adapters in place (mlx-lm's ``linear_to_lora_layers``).
+
+    Afterwards ``model.trainable_parameters()`` holds only ``lora_a`` / ``lora_b``; ``lora_b``
+    starts at zero, so the adapted model computes the same function as the base. The model keeps
+    its train/eval mode (adapter dropout acts only in train mode). Returns the mlx-lm model (the
+    same object, or the one inside a wrapper).
+
+    Raises:
+        ValueError: the model already has adapters, ``num_layers`` exceeds its blocks, or no
+            module matched ``settings.keys``.
+    """
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    lm = _lm(model)
+    if lora_modules(lm):
+        raise ValueError("the model already has LoRA adapters; apply_lora once per model")
+    n_blocks = len(lm.layers)
+    if settings.num_layers > n_blocks:
+        raise ValueError(
+            f"num_layers={settings.num_layers} but the model has {n_blocks} blocks; "
+            "use -1 for all"
+        )
+    was_training = lm.training
+    lm.freeze()
+    num_layers = n_blocks if settings.num_layers == -1 else settings.num_layers
+    linear_to_lora_layers(lm, num_layers, settings.to_mlx_lm())
+    lm.train(was_training)  # new layers start in train mode; keep the model's mode
+    if not lora_modules(lm):
+        block_keys = sorted(
+            name for name, m in lm.layers[-1].named_modules() if isinstance(m, nn.Linear)
+        )
+        raise ValueError(f"no module matched LoRA keys {settings.keys}; choose from {block_keys}")
+    return lm
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, mx.array]:
+    """Flat ``{name: array}`` of the adapter weights (``...lora_a`` / ``...lora_b``)."""
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(_lm(model).parameters()))
+    return {name: value for name, value in flat if name.rsplit(".", 1)[-1] in _ADAPTER_LEAVES}
+
+
+def save_adapters(model: nn.Module, settings: LoraSettings, adapter_dir: str | Path) -> Path:
+    """Write ``adapters.safetensors`` and ``adapter_config.json`` in mlx-lm's format.
+
+    The directory loads with :func:`load_adapters`, with ``mlx_lm.load(base,
+    adapter_path=dir)`` and with the ``mlx_lm.generate`` / ``mlx_lm.fuse`` command lines.
+    """
+    weights = adapter_parameters(model)
+    if not weights:
+        raise ValueError("the model has no LoRA adapters to save; call apply_lora first")
+    out = Path(adapter_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / ADAPTER_WEIGHTS_FILE), weights)
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": settings.num_layers,
+        "lora_parameters": settings.to_mlx_lm(),
+        "lora_alpha": settings.alpha,  # informational; mlx-lm reads lora_parameters.scale
+    }
+    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    return out
+
+
+def read_adapter_settings(adapter_dir: str | Path) -> LoraSettings:
+    """The :class:`LoraSettings` recorded in an mlx-lm adapter directory."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG_FILE} in {adapter_dir}")
+    config = json.loads(path.read_text(encoding="utf-8"))
+    fine_tune_type = config.get("fine_tune_type", "lora")
+    if fine_tune_type != "lora":
+        raise ValueError(f"{path}: fine_tune_type {fine_tune_type!r} is not supported, only 'lora'")
+    params = config["lora_parameters"]
+    rank = int(params["rank"])
+    return LoraSettings(
+        r=rank,
+        alpha=float(config.get("lora_alpha", params["scale"] * rank)),
+        dropout=float(params.get("dropout", 0.0)),
+        num_layers=int(config["num_layers"]),
+        keys=params.get("keys"),
+    )
+
+
+def load_adapters(model: nn.Module, adapter_dir: str | Path) -> LoraSettings:
+    """Add the adapters saved in ``adapter_dir`` to ``model`` (in place) and return their settings.
+
+    Uses mlx-lm's loader (which checks every tensor's name and shape), then freezes the base so
+    that, as after :func:`apply_lora`, only the adapters train.
+    """
+    from mlx_lm.tuner.utils import load_adapters as _mlx_load_adapters
+
+    if not Path(adapter_dir).is_dir():
+        raise FileNotFoundError(f"adapter directory {adapter_dir} does not exist")
+    settings = read_adapter_settings(adapter_dir)
+    lm = _lm(model)
+    if lora_modules(lm):
+        raise ValueError("the model already has LoRA adapters; load adapters into a fresh model")
+    was_training = lm.training
+    _mlx_load_adapters(lm, str(adapter_dir))
+    lm.train(was_training)  # new layers start in train mode; keep the model's mode
+    lm.freeze()
+    for _, module in lora_modules(lm):
+        module.unfreeze(keys=list(_ADAPTER_LEAVES), recurse=False)
+    return settings
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``model`` computes its base function exactly: adapters off, no dropout.
+
+    Each LoRA layer is swapped for the base layer it wraps (``.linear`` / ``.embedding``), so the
+    computation is the base model's own, bit for bit, and adapter dropout cannot apply; the model
+    is also put in eval mode. Everything is restored on exit, even on an exception. No weights are
+    copied. Arrays computed inside stay valid after the block (they hold weights, not modules).
+    Do not take gradients or optimizer steps inside the block: the trainable tree is different.
+    """
+    lm = _lm(model)
+    swapped: list[tuple[str, nn.Module]] = []
+    for name, module in lora_modules(lm):
+        base = module.get("linear", module.get("embedding"))
+        if not isinstance(base, nn.Module):
+            raise ValueError(f"{name}: {type(module).__name__} has no base layer to restore")
+        swapped.append((name, module))
+    was_training = lm.training
+    if swapped:
+        lm.update_modules(
+            tree_unflatten([(name, m.get("linear", m.get("embedding"))) for name, m in swapped])
+        )
+    lm.eval()
+    try:
+        yield lm
+    finally:
+        if swapped:
+            lm.update_modules(tree_unflatten(swapped))
+        lm.train(was_training)
+
+
+@contextmanager
+def adapters_fused(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, each LoRA layer is replaced by one linear layer with the adapter merged
+    in (``W + scale * B^T A^T``, mlx-lm's ``LoRALinear.fuse``), as ``mlx_lm.fuse`` does.
+
+    The fused weights are new arrays (one per adapted matrix); the LoRA layers, and so the
+    trainable adapters, are put back on exit. Used to save a merged checkpoint mid-training.
+    """
+    lm = _lm(model)
+    adapted = lora_modules(lm)
+    if adapted:
+        lm.update_modules(tree_unflatten([(name, m.fuse(dequantize=False)) for name, m in adapted]))
+    try:
+        yield lm
+    finally:
+        if adapted:
+            lm.update_modules(tree_unflatten(adapted))

@@ -1,0 +1,212 @@
+"""Batched sampling of responses for prompts of different lengths, with a KV cache.
+
+How: the prompts are left-padded into one ``(B, L)`` array and run through the model once with
+mlx-lm's ``BatchKVCache`` (``BatchRotatingKVCache`` for sliding-window layers). Those caches keep a
+per-sequence offset, so every sequence's tokens get the positions they would have alone (RoPE
+starts at 0 at its first real token) and the attention mask hides the padding. Each decoding step
+then feeds one token per sequence. Greedy outputs therefore equal one-prompt-at-a-time decoding
+(up to float rounding of different matmul shapes; the tests check token equality).
+
+Why not mlx-lm's ``BatchGenerator``: it is built for serving (continuous batching, per-token
+Python lists and a ``tolist()`` per step, text-level stop sequences); PPO needs fixed batches, token
+ids, log-probs of the sampled tokens, and few host syncs. Here the only host sync per step is the
+"has every sequence stopped?" check, overlapped with the next step's forward pass (the next step
+is queued with ``mx.async_eval`` before the check blocks), plus one at the end.
+
+Randomness comes from ``mx.random``'s global state, which :func:`base_setup.seed_everything`
+seeds, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from models.policy_model import PolicyModel
+
+
+@dataclass
+class GenerationOutput:
+    """Sampled responses as token ids (never re-tokenised text).
+
+    Attributes:
+        responses: ``(B, T)`` int32, padded with ``pad_token_id`` after each sequence's end;
+            ``T`` is the longest response of the batch (``<= max_new_tokens``).
+        lengths: ``(B,)`` int32 tokens per response, including the stop token when there is one.
+        ended_with_stop: ``(B,)`` bool, ``True`` where the response ends with a stop token
+            (``False``: cut at ``max_new_tokens``).
+        logprobs: ``(B, T)`` float32 log-prob of each sampled token under
+            ``log_softmax(logits / temperature)`` (``temperature`` taken as 1 when greedy), before
+            top-k / top-p filtering; 0 after the end. ``None`` unless requested.
+    """
+
+    responses: mx.array
+    lengths: mx.array
+    ended_with_stop: mx.array
+    logprobs: mx.array | None = None
+
+
+def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
+    """One batched cache per layer, for left-padded prompts, from the model's own cache layout."""
+    from mlx_lm.models.cache import (
+        BatchKVCache,
+        BatchRotatingKVCache,
+        KVCache,
+        RotatingKVCache,
+        make_prompt_cache,
+    )
+
+    caches: list[Any] = []
+    for layer_cache in make_prompt_cache(model):
+        if type(layer_cache) is KVCache:
+            caches.append(BatchKVCache(left_padding))
+        elif type(layer_cache) is RotatingKVCache and layer_cache.keep == 0:
+            caches.append(BatchRotatingKVCache(layer_cache.max_size, left_padding))
+        else:
+            raise ValueError(
+                f"batched generation supports attention KV caches; {type(model).__name__} uses "
+                f"{type(layer_cache).__name__}, which mlx-lm cannot batch with left padding"
+            )
+    return caches
+
+
+def _sample(
+    logits: mx.array, temperature: float, top_p: float, top_k: int
+) -> tuple[mx.array, mx.array]:
+    """Next tokens ``(B,)`` and their log-probs ``(B,)`` from last-position ``logits`` ``(B, V)``.
+
+    The log-prob is ``log_softmax(logits / temperature)[token]`` (temperature 1 when greedy),
+    before filtering: that is the distribution the trainer recomputes from a forward pass, so the
+    rollout's old log-probs and the trainer's new ones are the same function of the logits. (The
+    truncated top-k / top-p distribution, which actually sampled the token, would make every PPO
+    ratio start away from 1.)
+    """
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+    logits = logits.astype(mx.float32)
+    if temperature == 0:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, V)
+        tokens = mx.argmax(logits, axis=-1)
+    else:
+        scaled = logits * (1.0 / temperature)
+        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)  # (B, V)
+        filtered = logprobs
+        if 0 < top_k < logprobs.shape[-1]:
+            filtered = apply_top_k(filtered, top_k)
+        if top_p < 1.0:
+            filtered = apply_top_p(filtered, top_p)
+        tokens = mx.random.categorical(filtered, axis=-1)
+    tokens = tokens.astype(mx.int32)
+    token_logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logprobs
+
+
+def generate(
+    model: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    return_logprobs: bool = False,
+) -> GenerationOutput:
+    """Sample up to ``max_new_tokens`` tokens after each prompt, all prompts at once.
+
+    Args:
+        model: a :class:`~models.policy_model.PolicyModel` or an mlx-lm model. It runs in eval
+            mode (no LoRA dropout) and is put back in its previous mode afterwards.
+        prompts: ``B`` lists of token ids, of any (non-zero) lengths.
+        max_new_tokens: the most tokens per response.
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: nucleus sampling on the temperature-scaled distribution; ``1.0`` is off.
+        top_k: sample among the ``top_k`` most likely tokens; ``0`` (or >= vocabulary) is off.
+            Applied before ``top_p``, as in transformers.
+        stop_token_ids: a response ends at (and includes) the first of these; may be empty.
+        pad_token_id: fills ``responses`` after each end. Masks come from ``lengths``, never
+            from comparing ids with this value.
+        return_logprobs: also return the sampled tokens' log-probs (see
+            :class:`GenerationOutput`).
+
+    Decoding stops as soon as every sequence has produced a stop token.
+
+    Raises:
+        ValueError: empty ``prompts`` or an empty prompt, non-positive ``max_new_tokens``,
+            ``temperature < 0``, ``top_p`` outside (0, 1], ``top_k < 0``, or prompt plus
+            ``max_new_tokens`` longer than the model's ``max_position_embeddings``.
+    """
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one list of token ids")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+
+    lm = model.model if isinstance(model, PolicyModel) else model
+    lengths = [len(p) for p in prompts]
+    max_len = max(lengths)
+    context = getattr(getattr(lm, "args", None), "max_position_embeddings", None)
+    if isinstance(context, int) and max_len + max_new_tokens > context:
+        raise ValueError(
+            f"the longest prompt ({max_len} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {context} tokens; shorten the prompts or "
+            "lower max_new_tokens"
+        )
+
+    left_padding = [max_len - n for n in lengths]
+    batch = mx.array(
+        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, prompts)], dtype=mx.int32
+    )  # (B, L), left-padded
+    cache = _batch_cache(lm, left_padding)
+    stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
+    pad = mx.array(pad_token_id, dtype=mx.int32)
+
+    was_training = lm.training
+    lm.eval()
+    try:
+        logits = lm(batch, cache=cache)[:, -1, :]  # (B, V)
+        done = mx.zeros((len(prompts),), dtype=mx.bool_)  # stopped before this step
+        step_tokens: list[mx.array] = []
+        step_logprobs: list[mx.array] = []
+        step_alive: list[mx.array] = []
+        for t in range(max_new_tokens):
+            tokens, token_logprobs = _sample(logits, temperature, top_p, top_k)
+            alive = mx.logical_not(done)  # this step's token belongs to the response
+            tokens = mx.where(alive, tokens, pad)
+            done = mx.logical_or(done, (tokens[:, None] == stop_ids[None, :]).any(axis=1))
+            step_tokens.append(tokens)
+            step_logprobs.append(mx.where(alive, token_logprobs, 0.0))
+            step_alive.append(alive)
+            if t == max_new_tokens - 1:
+                break
+            logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
+            mx.async_eval(logits, done, tokens, token_logprobs)
+            if stop_ids.size and done.all().item():  # the one host sync of the step
+                break
+    finally:
+        lm.train(was_training)
+
+    alive_all = mx.stack(step_alive, axis=1)  # (B, T_run)
+    response_lengths = alive_all.sum(axis=1).astype(mx.int32)  # (B,)
+    responses = mx.stack(step_tokens, axis=1)  # (B, T_run)
+    logprobs = mx.stack(step_logprobs, axis=1).astype(mx.float32) if return_logprobs else None
+    mx.eval(response_lengths, responses, done, logprobs)
+    width = cast(int, response_lengths.max().item())  # T: the longest response
+    return GenerationOutput(
+        responses=responses[:, :width],
+        lengths=response_lengths,
+        ended_with_stop=done,
+        logprobs=None if logprobs is None else logprobs[:, :width],
+    )

@@ -1,0 +1,302 @@
+"""Batched generation against one-prompt-at-a-time decoding with full forward passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from base_setup import seed_everything
+from base_setup.lora_setup import LoraSettings, lora_modules
+from models.policy_model import PolicyModel
+from ppo_trainer.generator import GenerationOutput, generate
+
+PROMPT_TEXTS = [
+    "Review of the camera:",
+    "Review of the sushi bar: The food was",
+    "Hi",
+    "Review of the documentary: I hated the plot and the pacing. The",
+    "Review of the new phone: The battery",
+]
+PAD = 1
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir: Path) -> PolicyModel:
+    return PolicyModel.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy: PolicyModel) -> list[list[int]]:
+    ids = [policy.tokenizer.encode(t) for t in PROMPT_TEXTS]
+    assert len({len(p) for p in ids}) == len(ids)  # mixed lengths
+    return ids
+
+
+def _np(a: mx.array | None) -> np.ndarray:
+    """The array as NumPy (its ``tolist``/``item`` are typed loosely enough for the checks)."""
+    assert a is not None
+    return np.array(a)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _naive_greedy(
+    model: Any, prompt: list[int], max_new_tokens: int, stop: set[int]
+) -> tuple[list[int], list[float]]:
+    """One prompt, no cache: a full forward pass over the whole sequence at every step."""
+    ids, logprobs = list(prompt), []
+    for _ in range(max_new_tokens):
+        logp = _log_softmax(np.array(model(mx.array([ids]))[0, -1]))
+        token = int(np.argmax(logp))
+        ids.append(token)
+        logprobs.append(float(logp[token]))
+        if token in stop:
+            break
+    return ids[len(prompt) :], logprobs
+
+
+def _recomputed_logprobs(
+    model: Any, prompts: list[list[int]], out: GenerationOutput, temperature: float
+) -> list[np.ndarray]:
+    """Log-probs of each response token from one full forward pass over prompt + response."""
+    result = []
+    for b, prompt in enumerate(prompts):
+        n = int(_np(out.lengths)[b].item())
+        response = _np(out.responses)[b, :n].tolist()
+        logits = np.array(model(mx.array([prompt + response]))[0]) / temperature  # (L, V)
+        logp = _log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + n])
+        result.append(logp[np.arange(n), response])
+    return result
+
+
+def _check_padding(out: GenerationOutput, pad: int) -> None:
+    width = out.responses.shape[1]
+    for b in range(out.responses.shape[0]):
+        n = int(_np(out.lengths)[b].item())
+        assert _np(out.responses)[b, n:].tolist() == [pad] * (width - n)
+        if out.logprobs is not None:
+            assert _np(out.logprobs)[b, n:].tolist() == [0.0] * (width - n)
+
+
+def test_batched_greedy_equals_one_at_a_time(policy: PolicyModel, prompts: list[list[int]]) -> None:
+    out = generate(
+        policy,
+        prompts,
+        max_new_tokens=12,
+        temperature=0.0,
+        stop_token_ids=[],
+        pad_token_id=PAD,
+        return_logprobs=True,
+    )
+    assert out.responses.dtype == mx.int32 and out.lengths.dtype == mx.int32
+    assert out.logprobs is not None and out.logprobs.dtype == mx.float32
+    assert out.responses.shape == (len(prompts), 12)
+    assert _np(out.lengths).tolist() == [12] * len(prompts)
+    assert _np(out.ended_with_stop).tolist() == [False] * len(prompts)
+    for b, prompt in enumerate(prompts):
+        tokens, logprobs = _naive_greedy(policy.model, prompt, 12, set())
+        assert _np(out.responses)[b].tolist() == tokens, b
+        assert np.allclose(_np(out.logprobs)[b], logprobs, atol=1e-4), b
+    # Not a degenerate model: responses differ between prompts and contain several tokens.
+    assert len({tuple(r) for r in _np(out.responses).tolist()}) == len(prompts)
+    assert max(len(set(r)) for r in _np(out.responses).tolist()) > 3
+
+
+def test_plain_mlx_lm_model_gives_the_same(policy: PolicyModel, prompts: list[list[int]]) -> None:
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=6, temperature=0.0, stop_token_ids=[0], pad_token_id=PAD
+    )
+    a = generate(policy, prompts, **kwargs)
+    b = generate(policy.model, prompts, **kwargs)
+    assert _np(a.responses).tolist() == _np(b.responses).tolist()
+
+
+def test_stop_tokens_truncate_and_pad(policy: PolicyModel, prompts: list[list[int]]) -> None:
+    free = generate(
+        policy, prompts, max_new_tokens=10, temperature=0.0, stop_token_ids=[], pad_token_id=PAD
+    )
+    # Stop on a token prompt 0 produces at step 3 (a random model rarely emits EOS itself).
+    stop = _np(free.responses)[0, 3].item()
+    out = generate(
+        policy,
+        prompts,
+        max_new_tokens=10,
+        temperature=0.0,
+        stop_token_ids=[stop, 0],
+        pad_token_id=PAD,
+        return_logprobs=True,
+    )
+    for b, prompt in enumerate(prompts):
+        full = _np(free.responses)[b].tolist()
+        expected_len = full.index(stop) + 1 if stop in full else 10
+        assert _np(out.lengths)[b].item() == expected_len, b
+        assert _np(out.ended_with_stop)[b].item() == (stop in full), b
+        assert _np(out.responses)[b, :expected_len].tolist() == full[:expected_len]
+        tokens, _ = _naive_greedy(policy.model, prompt, 10, {stop, 0})
+        assert _np(out.responses)[b, :expected_len].tolist() == tokens
+    assert _np(out.lengths)[0].item() <= 4 and _np(out.ended_with_stop)[0].item()
+    assert out.responses.shape[1] == max(_np(out.lengths).tolist())
+    _check_padding(out, PAD)
+
+
+class _CountingModel(nn.Module):
+    """Forwards to an mlx-lm model and counts the forward passes."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return list(self.inner.layers)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        self.calls += 1
+        logits: mx.array = self.inner(x, cache=cache)
+        return logits
+
+
+def test_stops_early_when_every_sequence_stopped(
+    policy: PolicyModel, prompts: list[list[int]]
+) -> None:
+    free = generate(
+        policy, prompts, max_new_tokens=4, temperature=0.0, stop_token_ids=[], pad_token_id=PAD
+    )
+    # Every sequence stops within 3 tokens if its first three tokens are stop tokens.
+    stops = sorted({t for row in _np(free.responses)[:, :3].tolist() for t in row})
+    counting = _CountingModel(policy.model)
+    out = generate(
+        counting,
+        prompts,
+        max_new_tokens=50,
+        temperature=0.0,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+    )
+    assert out.ended_with_stop.all().item()
+    assert _np(out.lengths).tolist() == [1] * len(prompts)
+    assert out.responses.shape == (len(prompts), 1)
+    assert _np(out.responses)[:, 0].tolist() == _np(free.responses)[:, 0].tolist()
+    # One prefill, one decoding step queued before the "all stopped" check, then it stops.
+    assert counting.calls <= 3
+
+
+def test_sampling_is_reproducible_and_logprobs_are_unfiltered(
+    policy: PolicyModel, prompts: list[list[int]]
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=16,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=[0],
+        pad_token_id=PAD,
+        return_logprobs=True,
+    )
+    seed_everything(123)
+    a = generate(policy, prompts, **kwargs)
+    seed_everything(123)
+    b = generate(policy, prompts, **kwargs)
+    seed_everything(124)
+    c = generate(policy, prompts, **kwargs)
+    assert _np(a.responses).tolist() == _np(b.responses).tolist()
+    assert a.logprobs is not None and b.logprobs is not None
+    assert mx.array_equal(a.logprobs, b.logprobs).item()
+    assert _np(a.responses).tolist() != _np(c.responses).tolist()
+    _check_padding(a, PAD)
+
+    # log_softmax(logits / temperature) at the sampled token, before top-k / top-p filtering,
+    # and every sampled token is inside the top-k set.
+    recomputed = _recomputed_logprobs(policy.model, prompts, a, temperature=0.7)
+    for b_idx, prompt in enumerate(prompts):
+        n = int(_np(a.lengths)[b_idx].item())
+        assert np.allclose(_np(a.logprobs)[b_idx, :n], recomputed[b_idx], atol=1e-4)
+        response = _np(a.responses)[b_idx, :n].tolist()
+        logits = np.array(policy.model(mx.array([prompt + response]))[0])
+        for j, token in enumerate(response):
+            rank = int((logits[len(prompt) - 1 + j] > logits[len(prompt) - 1 + j, token]).sum())
+            assert rank < 20
+
+
+def test_filters_select_the_argmax(policy: PolicyModel, prompts: list[list[int]]) -> None:
+    greedy = generate(
+        policy, prompts, max_new_tokens=8, temperature=0.0, stop_token_ids=[], pad_token_id=PAD
+    )
+    seed_everything(0)
+    top1 = generate(
+        policy,
+        prompts,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_k=1,
+        stop_token_ids=[],
+        pad_token_id=PAD,
+    )
+    nucleus = generate(
+        policy,
+        prompts,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=1e-6,
+        stop_token_ids=[],
+        pad_token_id=PAD,
+    )
+    assert _np(top1.responses).tolist() == _np(greedy.responses).tolist()
+    assert _np(nucleus.responses).tolist() == _np(greedy.responses).tolist()
+
+
+def test_lora_policy_generates_in_eval_mode(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    mx.random.seed(0)
+    policy = PolicyModel.from_pretrained(
+        tiny_model_dir, lora=LoraSettings(r=4, alpha=8.0, dropout=0.5)
+    )
+    for _, module in lora_modules(policy.model):
+        module.lora_b = mx.random.normal(module.lora_b.shape) * 0.1
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=8,
+        temperature=0.0,
+        stop_token_ids=[],
+        pad_token_id=PAD,
+        return_logprobs=True,
+    )
+    expected = generate(policy, prompts, **kwargs)
+    policy.train()  # dropout would make greedy decoding random; generation switches it off
+    got = generate(policy, prompts, **kwargs)
+    assert policy.training and policy.model.training  # mode restored
+    assert _np(got.responses).tolist() == _np(expected.responses).tolist()
+    assert got.logprobs is not None and expected.logprobs is not None
+    assert mx.array_equal(got.logprobs, expected.logprobs).item()
+    policy.eval()
+    for b, prompt in enumerate(prompts):
+        tokens, _ = _naive_greedy(policy.model, prompt, 8, set())
+        assert _np(got.responses)[b].tolist() == tokens
+
+
+def test_bad_inputs_raise(policy: PolicyModel) -> None:
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=4, temperature=1.0, stop_token_ids=[0], pad_token_id=PAD
+    )
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(policy, [], **kwargs)
+    with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+        generate(policy, [[5, 6], []], **kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(policy, [[5]], **{**kwargs, "max_new_tokens": 0})
+    with pytest.raises(ValueError, match="temperature"):
+        generate(policy, [[5]], **{**kwargs, "temperature": -1.0})
+    with pytest.raises(ValueError, match="top_p"):
+        generate(policy, [[5]], **kwargs, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        generate(policy, [[5]], **kwargs, top_k=-1)
+    with pytest.raises(ValueError, match="context"):
+        generate(policy, [[5] * 2000], **{**kwargs, "max_new_tokens": 100})
