@@ -144,9 +144,7 @@ def _load_openblas() -> BlasInfo:
     # where libmlx's cblas_* references will bind when mlx.core is imported.
     ctypes.CDLL(str(lib_path), os.RTLD_GLOBAL)
     threads = lib.openblas_get_num_threads()
-    return BlasInfo(
-        "openblas", f"{config} ({threads} threads) from {lib_path}{gfortran_note}"
-    )
+    return BlasInfo("openblas", f"{config} ({threads} threads) from {lib_path}{gfortran_note}")
 
 
 def setup_blas() -> BlasInfo:

@@ -137,15 +137,7 @@ def load_tokenizer(path: str | Path, *, pad_token: str | None = None) -> Any:
     return tokenizer
 
 
-def apply_chat_template(
-    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) in the chat format.
-
-    With ``add_generation_prompt`` the ids end with the header of an assistant turn, ready for
-    generation. Raises ``ValueError`` if the tokenizer has no chat template (base models): build the
-    prompt text yourself and ``encode`` it instead.
-    """
+def _check_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> None:
     has_template = getattr(tokenizer, "has_chat_template", None)
     if has_template is None:
         has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -156,9 +148,32 @@ def apply_chat_template(
         )
     if not messages:
         raise ValueError("messages is empty; pass at least one {'role': ..., 'content': ...}")
+
+
+def apply_chat_template(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) in the chat format.
+
+    With ``add_generation_prompt`` the ids end with the header of an assistant turn, ready for
+    generation. Raises ``ValueError`` if the tokenizer has no chat template (base models): build the
+    prompt text yourself and ``encode`` it instead.
+    """
+    _check_chat(tokenizer, messages)
     ids = tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
     )
     if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def chat_template_text(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+) -> str:
+    """The chat-formatted text of ``messages`` (what :func:`apply_chat_template` tokenises)."""
+    _check_chat(tokenizer, messages)
+    text = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    return str(text)

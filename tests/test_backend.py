@@ -77,7 +77,7 @@ def test_blas_info_is_a_dataclass() -> None:
 
 def test_seed_everything_seeds_all_three_rngs() -> None:
     def draw() -> tuple[float, float, float]:
-        return random.random(), float(np.random.rand()), mx.random.uniform().item()
+        return random.random(), float(np.random.rand()), float(np.asarray(mx.random.uniform()))
 
     seed_everything(123)
     first = draw()

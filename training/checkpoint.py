@@ -84,7 +84,9 @@ class CheckpointManager:
             )
         return path
 
-    def save(self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any]
+    ) -> Path:
         """Write a checkpoint for ``step`` atomically and prune old ones; returns its directory.
 
         ``arrays`` maps a file stem to a flat ``{name: array}`` dict; ``state`` must be JSON-serialisable.
@@ -119,7 +121,11 @@ class CheckpointManager:
         """Read a checkpoint directory written by :meth:`save`."""
         path = Path(path)
         state = json.loads((path / STATE_FILE).read_text())
-        arrays = {f.stem: dict(mx.load(str(f)).items()) for f in path.glob("*.safetensors")}
+        arrays: dict[str, dict[str, mx.array]] = {}
+        for file in path.glob("*.safetensors"):
+            loaded = mx.load(str(file))
+            assert isinstance(loaded, dict)
+            arrays[file.stem] = loaded
         return arrays, state
 
     def _prune(self) -> None:

@@ -1,0 +1,939 @@
+"""PPOTrainer: the RLHF loop (PPO with a value model and GAE, or GRPO), with callbacks and resumable
+checkpoints.
+
+One iteration (:meth:`PPOTrainer.step`) reads as the phases of the data flow:
+
+1. generate responses for a batch of prompts (batched, KV cache), truncated after the stop token;
+2. log-probs under the rollout policy and the reference model, and values (no gradients);
+3. scores (reward model or function), KL per token, per-token rewards;
+4. advantages and returns (GAE for PPO, group-relative for GRPO);
+5. ``num_ppo_epochs`` passes over shuffled minibatches: clipped policy loss, clipped value loss;
+6. KL controller update, metrics, callbacks (checkpoints are written by :meth:`train`).
+
+Customise a task by overriding :meth:`format_prompt`, :meth:`compute_scores` and
+:meth:`evaluate` (see ``examples/``), or observe it with callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from tqdm import tqdm
+
+from advantage.gae_advantage import compute_gae
+from advantage.group_advantage import group_advantages
+from advantage.whitening import masked_mean, masked_whiten
+from base_setup import seed_everything
+from base_setup.lora_setup import LoraSettings
+from base_setup.tokenizer_setup import chat_template_text, eos_token_ids
+from config.loading import config_to_dict
+from config.ppo_config import PPOConfig
+from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
+from models.policy_model import PolicyModel
+from models.reward_model import RewardFunction, RewardModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+from ppo_trainer.callbacks import CallbackLike, TrainerCallback, as_callbacks
+from training.checkpoint import CheckpointManager
+from ppo_trainer.generator import GenerationOutput, generate
+from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
+from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
+from token_attribution.sequences import (
+    build_query_responses,
+    gather_positions,
+    response_logprobs,
+    response_positions,
+)
+from training.policy_loss import grpo_policy_loss, ppo_policy_loss
+from training.value_loss import clipped_value_loss
+
+logger = logging.getLogger("ppo_mlx")
+
+Prompt = Union[str, list[dict[str, str]]]
+"""A prompt: plain text, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
+
+
+@dataclass
+class Rollout:
+    """What phases 1-3 produce for one batch, before advantages (host-side texts included)."""
+
+    prompts: list[str]
+    completions: list[str]
+    prompt_ids: list[list[int]]
+    generation: GenerationOutput
+    query_responses: mx.array  # (B, L)
+    prompt_lengths: mx.array  # (B,)
+    mask: mx.array  # (B, T)
+    logprobs: mx.array  # (B, T)
+    ref_logprobs: mx.array  # (B, T)
+    entropy: mx.array  # (B, T)
+    values: mx.array | None  # (B, T)
+    scores: mx.array  # (B,)
+
+
+class PPOTrainer:
+    """RLHF with PPO (policy, reference, reward and value models) or GRPO (no value model).
+
+    Args:
+        config: the run configuration.
+        policy: a ready policy; default: loaded from ``config.model_name`` (with LoRA if
+            ``config.use_lora``).
+        ref_model: a ready reference model; default: the policy's base weights with the adapters
+            switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``.
+        reward_model: a :class:`RewardModel` or a function ``(prompts, completions) -> list[float]``;
+            default: loaded from ``config.reward_model_name``.
+        value_model: a ready value model (PPO only); default: from ``config.value_model_name``, else
+            from the reward model checkpoint, else from the policy's backbone.
+        tokenizer: default: the policy's tokenizer.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        policy: PolicyModel | None = None,
+        ref_model: ReferenceModel | None = None,
+        reward_model: RewardModel | RewardFunction | None = None,
+        value_model: ValueModel | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config
+        seed_everything(config.seed)
+        lora = LoraSettings.from_model_config(config) if config.use_lora else None
+        self.policy = policy or PolicyModel.from_pretrained(
+            config.model_name, dtype=config.dtype, lora=lora
+        )
+        self.tokenizer = tokenizer if tokenizer is not None else self.policy.tokenizer
+        self.ref_model = ref_model or self._build_reference()
+        self.reward_model: RewardModel | None = None
+        self.reward_fn: RewardFunction | None = None
+        if isinstance(reward_model, RewardModel):
+            self.reward_model = reward_model
+        elif reward_model is not None:
+            if not callable(reward_model):
+                raise ValueError(
+                    "reward_model must be a RewardModel or a function "
+                    f"(prompts, completions) -> list[float], got {type(reward_model).__name__}"
+                )
+            self.reward_fn = reward_model
+        elif config.reward_model_name:
+            self.reward_model = RewardModel.from_pretrained(
+                config.reward_model_name, dtype=config.dtype
+            )
+        else:
+            raise ValueError(
+                "no reward: pass reward_model=<RewardModel or function (prompts, completions) -> "
+                "list[float]> or set reward_model_name in the config"
+            )
+        self.value_model: ValueModel | None = None
+        if config.algorithm == "ppo":
+            self.value_model = value_model or self._build_value_model()
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.stop_token_ids = self._stop_token_ids()
+        if self.pad_token_id in self.stop_token_ids:
+            raise ValueError(
+                f"the pad token ({self.pad_token_id}) is also a stop token: responses would end "
+                "at padding. Give the tokenizer a dedicated pad token (base_setup.tokenizer_setup)"
+            )
+        self.kl_ctl: FixedKLController | AdaptiveKLController = (
+            AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+            if config.adaptive_kl
+            else FixedKLController(config.kl_coef)
+        )
+        self.global_step = 0
+        self.epoch = 0
+        self.step_in_epoch = 0
+        self.history: list[dict[str, float]] = []
+        self.run_dir = Path(config.output_dir)
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
+        )
+        self.policy_optimizer: optim.Optimizer | None = None
+        self.value_optimizer: optim.Optimizer | None = None
+        self._policy_grad = nn.value_and_grad(self.policy, self._policy_loss)
+        self._value_grad = (
+            nn.value_and_grad(self.value_model, self._value_loss)
+            if self.value_model is not None
+            else None
+        )
+        self._stop_requested = False
+        self._updating = False
+        self._callbacks: list[TrainerCallback] = []
+
+    # ------------------------------------------------------------------ components
+    def _build_reference(self) -> ReferenceModel:
+        cfg = self.config
+        if cfg.use_lora and cfg.ref_model_name == cfg.model_name:
+            # Same base weights with the adapters switched off: no second copy in memory.
+            return ReferenceModel.from_policy(self.policy)
+        return ReferenceModel.from_pretrained(cfg.ref_model_name, dtype=cfg.dtype)
+
+    def _build_value_model(self) -> ValueModel:
+        kind, path = self.config.value_source
+        if kind == "policy":
+            return ValueModel.from_policy_backbone(path, dtype=self.config.dtype)
+        return ValueModel.from_pretrained(path, dtype=self.config.dtype)
+
+    def _stop_token_ids(self) -> list[int]:
+        if self.config.stop_token_ids:
+            return list(self.config.stop_token_ids)
+        ids = eos_token_ids(self.tokenizer)
+        if not ids:
+            raise ValueError(
+                "the tokenizer has no EOS token: set stop_token_ids in the config so that "
+                "responses can end"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ task seams
+    def format_prompt(self, prompt: Prompt) -> str:
+        """Turn one dataset prompt into the text the policy continues.
+
+        Default: text is used as is; chat messages go through the tokenizer's chat template with a
+        generation prompt. Override for a task-specific prompt format.
+        """
+        if isinstance(prompt, str):
+            return prompt
+        return chat_template_text(self.tokenizer, prompt)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a formatted prompt (no special tokens added)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_completion(self, tokens: Sequence[int]) -> str:
+        """Text of a response's tokens (the stop token excluded by the caller)."""
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+    def _decode_completions(self, gen: GenerationOutput) -> list[str]:
+        """Texts of the generated responses, each without its stop token."""
+        ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()
+        rows = np.array(gen.responses).tolist()
+        return [self.decode_completion(row[:end]) for row, end in zip(rows, ends)]
+
+    def compute_scores(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        query_responses: mx.array,
+        sequence_lengths: mx.array,
+    ) -> mx.array:
+        """One scalar score per completion, shape (B,).
+
+        Default: the reward model scores the token ids at each sequence's last token (prompt +
+        response up to and including the stop token), or the reward function scores the texts.
+        Override to compute a task's own reward (see ``examples/``).
+        """
+        if self.reward_model is not None:
+            return self.reward_model.score(query_responses, sequence_lengths)
+        assert self.reward_fn is not None
+        return mx.array(self.reward_fn(prompts, completions), dtype=mx.float32)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
+        """One PPO/GRPO iteration on ``batch_size`` prompts; returns its metrics."""
+        cfg = self.config
+        if len(prompts) != cfg.batch_size:
+            raise ValueError(
+                f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
+            )
+        texts = [self.format_prompt(p) for p in prompts]
+        prompt_ids = [self.encode_prompt(t) for t in texts]
+        self._check_prompt_lengths(prompt_ids, texts)
+        self._ensure_optimizers(total_steps=None)
+        mx.random.seed(self._step_seed(self.global_step))
+        t0 = time.perf_counter()
+
+        # 1-3. Generate, score with every model, compute scores.
+        group = cfg.group_size
+        rollout = self._rollout(
+            [t for t in texts for _ in range(group)], [p for p in prompt_ids for _ in range(group)]
+        )
+        t_rollout = time.perf_counter()
+
+        # 3-4. Per-token rewards, KL, advantages.
+        batch, stats = self._make_batch(rollout)
+        t_adv = time.perf_counter()
+        return self._learn(rollout, batch, stats, t0, t_rollout, t_adv)
+
+    def _rollout(self, texts: list[str], prompt_ids: list[list[int]]) -> Rollout:
+        cfg = self.config
+        # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
+        gen = generate(
+            self.policy,
+            prompt_ids,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            stop_token_ids=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+        )
+        num_tokens = gen.responses.shape[1]
+        mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)
+        query_responses, prompt_lengths = build_query_responses(
+            prompt_ids, gen.responses, self.pad_token_id
+        )
+        # 2. Log-probs under the rollout policy and the reference, and values: no gradients here.
+        logprobs, entropy = response_logprobs(
+            self.policy(query_responses),
+            prompt_lengths,
+            gen.responses,
+            cfg.temperature,
+            with_entropy=True,
+        )
+        ref_logprobs, _ = response_logprobs(
+            self.ref_model(query_responses), prompt_lengths, gen.responses, cfg.temperature
+        )
+        values = None
+        if self.value_model is not None:
+            positions = response_positions(prompt_lengths, num_tokens)
+            values = gather_positions(self.value_model(query_responses), positions)
+        mx.eval(logprobs, entropy, ref_logprobs, values)
+        assert entropy is not None
+
+        # 3. Scores of the completions (text without the stop token).
+        completions = self._decode_completions(gen)
+        scores = self.compute_scores(
+            texts, completions, query_responses, prompt_lengths + gen.lengths
+        )
+        scores = self._validate_scores(scores, len(texts))
+        if cfg.missing_eos_penalty is not None:
+            scores = apply_missing_eos_penalty(scores, gen.ended_with_stop, cfg.missing_eos_penalty)
+        return Rollout(
+            texts,
+            completions,
+            prompt_ids,
+            gen,
+            query_responses,
+            prompt_lengths,
+            mask,
+            logprobs,
+            ref_logprobs,
+            entropy,
+            values,
+            scores,
+        )
+
+    def _make_batch(self, r: Rollout) -> tuple[RolloutBatch, dict[str, mx.array]]:
+        cfg = self.config
+        if cfg.algorithm == "grpo":
+            kl = kl_estimate(r.logprobs, r.ref_logprobs, "k3") * r.mask
+            advantages = group_advantages(r.scores, cfg.group_size, cfg.grpo_advantage_scale)
+            stats = {"kl": kl, "non_score": -cfg.beta * kl}
+            returns = None
+        else:
+            assert r.values is not None
+            kl = kl_estimate(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * r.mask
+            rewards, non_score = per_token_rewards(r.scores, kl, r.mask, self.kl_ctl.value)
+            if cfg.whiten_rewards:
+                rewards = masked_whiten(rewards, r.mask, shift_mean=False)
+            advantages, returns = compute_gae(rewards, r.values, r.mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = masked_whiten(advantages, r.mask)
+            stats = {"kl": kl, "non_score": non_score}
+        batch = RolloutBatch(
+            query_responses=r.query_responses,
+            prompt_lengths=r.prompt_lengths,
+            responses=r.generation.responses,
+            mask=r.mask,
+            logprobs=r.logprobs,
+            ref_logprobs=r.ref_logprobs,
+            scores=r.scores,
+            advantages=advantages,
+            values=r.values,
+            returns=returns,
+        )
+        mx.eval(batch.advantages, batch.returns, stats)
+        return batch, stats
+
+    def _learn(
+        self,
+        r: Rollout,
+        batch: RolloutBatch,
+        stats: dict[str, mx.array],
+        t0: float,
+        t_rollout: float,
+        t_adv: float,
+    ) -> dict[str, float]:
+        cfg = self.config
+        for cb in self._callbacks:
+            cb.on_rollout_end(self, self.global_step + 1, batch)
+
+        # 5. PPO epochs over shuffled minibatches, with gradient accumulation.
+        rng = np.random.default_rng([cfg.seed, self.global_step, 1])
+        step_metrics: list[dict[str, mx.array]] = []
+        self._updating = True
+        for _ in range(cfg.num_ppo_epochs):
+            for minibatch in iterate_minibatches(batch, cfg.num_mini_batches, rng):
+                micro = split_micro_batches(minibatch, cfg.gradient_accumulation_steps)
+                assert self.policy_optimizer is not None
+                metrics = self._optimizer_step(
+                    self.policy, self.policy_optimizer, self._policy_grad, micro, "policy"
+                )
+                if self.value_model is not None:
+                    assert self.value_optimizer is not None and self._value_grad is not None
+                    metrics.update(
+                        self._optimizer_step(
+                            self.value_model, self.value_optimizer, self._value_grad, micro, "val"
+                        )
+                    )
+                step_metrics.append(metrics)
+        self._updating = False
+        t_update = time.perf_counter()
+
+        # 6. KL controller, metrics.
+        mask = r.mask
+        kl_sum = stats["kl"].sum(axis=1)  # (B,)
+        non_score_sum = stats["non_score"].sum(axis=1)
+        if cfg.algorithm == "ppo":
+            self.kl_ctl.update(_to_float(kl_sum.mean()), cfg.rollout_batch_size)
+        out: dict[str, mx.array | float] = {
+            "objective/kl": kl_sum.mean(),
+            "objective/entropy": (r.entropy * mask).sum(axis=1).mean(),
+            "objective/non_score_reward": non_score_sum.mean(),
+            "objective/rlhf_reward": (r.scores + non_score_sum).mean(),
+            "objective/scores": r.scores.mean(),
+            "objective/scores_std": mx.sqrt(mx.var(r.scores)),
+            "objective/kl_coef": float(self.kl_ctl.value),
+            "val/num_eos_tokens": r.generation.ended_with_stop.astype(mx.float32).sum(),
+            "episode/response_length": r.generation.lengths.astype(mx.float32).mean(),
+        }
+        if batch.values is not None and batch.returns is not None:
+            residual_var = _masked_var(batch.returns - batch.values, mask)
+            out["val/explained_variance"] = 1.0 - residual_var / (
+                _masked_var(batch.returns, mask) + 1e-8
+            )
+        for key in step_metrics[0]:
+            out[key] = mx.stack([m[key] for m in step_metrics]).mean()
+        assert self.policy_optimizer is not None
+        out["lr"] = self.policy_optimizer.learning_rate
+        result = {k: _to_float(v) if isinstance(v, mx.array) else v for k, v in out.items()}
+        num_generated = _to_float(mask.sum())
+        t_end = time.perf_counter()
+        result.update(
+            {
+                "avg_reward": result["objective/scores"],
+                "time/rollout": t_rollout - t0,
+                "time/advantages": t_adv - t_rollout,
+                "time/update": t_update - t_adv,
+                "time/step": t_end - t0,
+                "tokens_per_second": num_generated / max(t_end - t0, 1e-9),
+            }
+        )
+        self.global_step += 1
+        return result
+
+    def _optimizer_step(
+        self,
+        model: nn.Module,
+        optimizer: optim.Optimizer,
+        value_and_grad: Callable[..., Any],
+        micro_batches: list[RolloutBatch],
+        prefix: str,
+    ) -> dict[str, mx.array]:
+        """One optimiser step, gradients averaged over micro-batches, clipped by global norm."""
+        grads: Any = None
+        totals: dict[str, mx.array] = {}
+        for mb in micro_batches:
+            (loss, metrics), g = value_and_grad(model, mb)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            for key, value in {"loss": loss, **metrics}.items():
+                totals[key] = totals.get(key, 0.0) + value
+        n = len(micro_batches)
+        if n > 1:
+            grads = tree_map(lambda g: g / n, grads)
+        grads, grad_norm = optim.clip_grad_norm(grads, self.config.max_grad_norm)
+        optimizer.update(model, grads)
+        metrics = {f"{prefix}/{k}": v / n for k, v in totals.items()}
+        metrics[f"{prefix}/grad_norm"] = grad_norm
+        # The one evaluation of this optimiser step: new weights, optimiser state and metrics.
+        mx.eval(model.trainable_parameters(), optimizer.state, metrics)
+        return _rename_loss(metrics, prefix)
+
+    def _policy_loss(self, policy: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict]:
+        cfg = self.config
+        # The model call is inside the differentiated function; every mb.* array is a rollout
+        # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
+        logprobs, _ = response_logprobs(
+            policy(mb.query_responses), mb.prompt_lengths, mb.responses, cfg.temperature
+        )
+        if cfg.algorithm == "grpo":
+            return grpo_policy_loss(
+                logprobs,
+                mb.logprobs,
+                mb.ref_logprobs,
+                mb.advantages,
+                mb.mask,
+                cfg.clip_epsilon,
+                cfg.beta,
+            )
+        return ppo_policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.clip_epsilon)
+
+    def _value_loss(self, value_model: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict]:
+        cfg = self.config
+        assert mb.values is not None and mb.returns is not None
+        positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])
+        vpred = gather_positions(value_model(mb.query_responses), positions)  # (b, T)
+        # mb.values (rollout values) and mb.returns (GAE targets) are constants.
+        loss, metrics = clipped_value_loss(
+            vpred, mb.values, mb.returns, mb.mask, cfg.cliprange_value
+        )
+        return cfg.vf_coef * loss, metrics
+
+    # ------------------------------------------------------------------ validation
+    def _check_prompt_lengths(self, prompt_ids: list[list[int]], texts: list[str]) -> None:
+        cfg = self.config
+        context = self._context_length()
+        for i, ids in enumerate(prompt_ids):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty after formatting and tokenisation")
+            if len(ids) > cfg.max_prompt_length:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens, more than max_prompt_length="
+                    f"{cfg.max_prompt_length} ({texts[i][:60]!r}...): shorten it or raise "
+                    "max_prompt_length"
+                )
+            if context is not None and len(ids) + cfg.max_new_tokens > context:
+                raise ValueError(
+                    f"prompt {i} ({len(ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceeds "
+                    f"the model's context of {context} tokens: shorten the prompt or lower "
+                    "max_new_tokens"
+                )
+
+    def _context_length(self) -> int | None:
+        args = getattr(self.policy.model, "args", None)
+        value = getattr(args, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def _validate_scores(self, scores: Any, expected: int) -> mx.array:
+        scores = (
+            mx.array(scores, dtype=mx.float32).reshape(-1)
+            if not isinstance(scores, mx.array)
+            else scores.astype(mx.float32)
+        )
+        if scores.size != expected:
+            raise ValueError(
+                f"the reward returned {scores.size} scores for {expected} completions: it must "
+                "return exactly one float per completion"
+            )
+        scores = scores.reshape(expected)
+        finite = np.isfinite(np.array(scores))
+        if not finite.all():
+            bad = np.flatnonzero(~finite).tolist()
+            raise ValueError(
+                f"the reward returned non-finite scores (NaN or inf) for completions {bad[:10]}: "
+                "fix the reward function or model; no update was made for this batch"
+            )
+        return scores
+
+    # ------------------------------------------------------------------ the loop
+    def train(
+        self,
+        prompts: Sequence[Prompt],
+        num_epochs: int | None = None,
+        callbacks: Sequence[CallbackLike] | None = None,
+        eval_prompts: Sequence[Prompt] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> list[dict[str, float]]:
+        """Run PPO/GRPO over ``prompts`` for ``num_epochs`` passes; returns the per-step metrics.
+
+        Args:
+            prompts: the training prompts (text or chat messages).
+            num_epochs: passes over the prompts (default ``config.num_epochs``); each pass is
+                ``ceil(len(prompts) / batch_size)`` iterations, capped by ``config.total_steps``.
+            callbacks: :class:`TrainerCallback` objects and/or plain ``fn(epoch, metrics)``.
+            eval_prompts: evaluated every ``config.eval_every`` steps (and at the end) if given.
+            resume_from: a checkpoint directory or ``"latest"``: continue exactly where it stopped.
+        """
+        cfg = self.config
+        if not prompts:
+            raise ValueError("train() got an empty prompt list: give at least one prompt")
+        epochs = cfg.num_epochs if num_epochs is None else num_epochs
+        if epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1, got {epochs}")
+        texts = [self.format_prompt(p) for p in prompts]
+        self._check_prompt_lengths([self.encode_prompt(t) for t in texts], texts)
+        steps_per_epoch = math.ceil(len(prompts) / cfg.batch_size)
+        total = epochs * steps_per_epoch
+        if cfg.total_steps is not None:
+            total = min(total, cfg.total_steps)
+        self._callbacks = as_callbacks(callbacks)
+        self._ensure_optimizers(total_steps=total)
+        resume_step = None
+        if resume_from is not None:
+            path = self.checkpoints.resolve(resume_from)
+            self.load_checkpoint(path)
+            resume_step = self.global_step
+            logger.info("resumed from %s at step %d", path, self.global_step)
+        metrics_logger = MetricsLogger(
+            self.run_dir,
+            cfg.log_with,
+            config_to_dict(cfg),
+            resume_step=resume_step,
+            project=cfg.wandb_project,
+        )
+        for cb in self._callbacks:
+            cb.on_train_begin(self)
+        previous_handler = self._install_interrupt_handler()
+        last_saved = self.global_step if resume_step is not None else -1
+        epoch_records: list[dict[str, float]] = [
+            h for h in self.history if h.get("epoch") == self.epoch
+        ]
+        bar = tqdm(
+            total=total,
+            initial=self.global_step,
+            desc=cfg.algorithm.upper(),
+            disable=not cfg.progress_bar,
+            dynamic_ncols=True,
+        )
+        try:
+            while self.global_step < total and not self._stop_requested:
+                order = np.random.default_rng([cfg.seed, self.epoch]).permutation(len(prompts))
+                start = self.step_in_epoch * cfg.batch_size
+                idx = [int(order[(start + k) % len(prompts)]) for k in range(cfg.batch_size)]
+                metrics = self.step([prompts[i] for i in idx])
+                metrics["epoch"] = self.epoch
+                self.step_in_epoch += 1
+                if eval_prompts and cfg.eval_every and self.global_step % cfg.eval_every == 0:
+                    metrics.update(self._periodic_eval(eval_prompts))
+                self.history.append(metrics)
+                epoch_records.append(metrics)
+                metrics_logger.log(self.global_step, metrics)
+                for cb in self._callbacks:
+                    cb.on_step_end(self, self.global_step, metrics)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{metrics['objective/scores']:.3f}",
+                    kl=f"{metrics['objective/kl']:.3f}",
+                )
+                if self.step_in_epoch == steps_per_epoch or self.global_step == total:
+                    self._end_epoch(epoch_records)
+                    epoch_records = []
+                if cfg.save_every and self.global_step % cfg.save_every == 0:
+                    self.save_checkpoint()
+                    last_saved = self.global_step
+            if self._stop_requested:
+                logger.warning("interrupted: saving a checkpoint at step %d", self.global_step)
+            if last_saved != self.global_step:
+                self.save_checkpoint()
+        except BaseException:
+            # A failure between steps (bad reward, bad prompt, Ctrl-C twice) leaves the models at
+            # the end of the last completed step: save it so no training is lost, then re-raise.
+            if not self._updating and self.global_step > max(last_saved, 0):
+                path = self.save_checkpoint()
+                logger.error("training stopped by an error; state saved to %s", path)
+            raise
+        finally:
+            bar.close()
+            signal.signal(signal.SIGINT, previous_handler)
+            metrics_logger.close()
+            records = read_metrics(metrics_logger.path)
+            if records:
+                plot_metrics(records, self.run_dir / PLOT_FILE)
+        if eval_prompts and not self._stop_requested:
+            final = self._periodic_eval(eval_prompts)
+            metrics_logger_final = self.run_dir / "eval_final.json"
+            metrics_logger_final.write_text(_json_dumps(final))
+        for cb in self._callbacks:
+            cb.on_train_end(self, self.history)
+        return self.history
+
+    def request_stop(self) -> None:
+        """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
+        does); callbacks use it for early stopping."""
+        self._stop_requested = True
+
+    def _end_epoch(self, records: list[dict[str, float]]) -> None:
+        keys = [k for k in records[0] if isinstance(records[0][k], (int, float))]
+        summary = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+        summary["steps"] = float(len(records))
+        for cb in self._callbacks:
+            cb.on_epoch_end(self, self.epoch, summary)
+        self.epoch += 1
+        self.step_in_epoch = 0
+
+    def _periodic_eval(self, eval_prompts: Sequence[Prompt]) -> dict[str, float]:
+        result = self.evaluate(eval_prompts)
+        scalars = {k: v for k, v in result.items() if isinstance(v, float)}
+        for cb in self._callbacks:
+            cb.on_evaluate(self, self.global_step, scalars)
+        return scalars
+
+    def _install_interrupt_handler(self) -> Any:
+        self._stop_requested = False
+        self._updating = False
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            logger.warning("Ctrl-C: finishing this step, then saving a checkpoint (again to abort)")
+
+        try:
+            return signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: leave Ctrl-C alone
+            return signal.getsignal(signal.SIGINT)
+
+    def _step_seed(self, step: int) -> int:
+        # Each step's sampling and dropout randomness derives from (seed, step), so a resumed run
+        # draws exactly what an uninterrupted one would, with no RNG state to carry.
+        return (self.config.seed * 1_000_003 + step) % (2**63)
+
+    def _ensure_optimizers(self, total_steps: int | None) -> None:
+        """Build the AdamW optimisers with a schedule over ``total_steps`` iterations.
+
+        Called by :meth:`train` with the run's length (and by :meth:`step` with None, which keeps
+        existing optimisers). Rebuilding keeps the moments and step count of the previous ones.
+        """
+        if self.policy_optimizer is not None and total_steps is None:
+            return
+        previous = {
+            name: opt.state
+            for name, opt in (
+                ("policy_optimizer", self.policy_optimizer),
+                ("value_optimizer", self.value_optimizer),
+            )
+            if opt is not None
+        }
+        cfg = self.config
+        updates = cfg.num_ppo_epochs * cfg.num_mini_batches
+        horizon = max((total_steps or cfg.total_steps or 1000) * updates, 1)
+        self.policy_optimizer = optim.AdamW(
+            learning_rate=_schedule(cfg.learning_rate, cfg, horizon),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        if self.value_model is not None:
+            lr = cfg.value_learning_rate or cfg.learning_rate
+            self.value_optimizer = optim.AdamW(
+                learning_rate=_schedule(lr, cfg, horizon),
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+            )
+        if previous:
+            self._apply_optimizer_state(previous)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        num_samples: int = 4,
+    ) -> dict[str, Any]:
+        """Mean reward and KL to the reference on ``prompts``, with sample completions.
+
+        Generation is greedy when the temperature (default ``config.eval_temperature``) is 0.
+        Returns ``{"eval/mean_reward", "eval/kl", "eval/response_length", "samples": [...]}``
+        where each sample is ``{"prompt", "completion", "reward"}``.
+        """
+        cfg = self.config
+        if not prompts:
+            raise ValueError("evaluate() got an empty prompt list")
+        temp = cfg.eval_temperature if temperature is None else temperature
+        max_new = max_new_tokens or cfg.eval_tokens
+        chunk = cfg.rollout_batch_size
+        rewards: list[float] = []
+        kls: list[float] = []
+        lengths: list[float] = []
+        samples: list[dict[str, Any]] = []
+        for start in range(0, len(prompts), chunk):
+            texts = [self.format_prompt(p) for p in prompts[start : start + chunk]]
+            ids = [self.encode_prompt(t) for t in texts]
+            self._check_prompt_lengths(ids, texts)
+            gen = generate(
+                self.policy,
+                ids,
+                max_new_tokens=max_new,
+                temperature=temp,
+                top_p=cfg.top_p if temp > 0 else 1.0,
+                top_k=cfg.top_k if temp > 0 else 0,
+                stop_token_ids=self.stop_token_ids,
+                pad_token_id=self.pad_token_id,
+            )
+            query_responses, prompt_lengths = build_query_responses(
+                ids, gen.responses, self.pad_token_id
+            )
+            mask = (mx.arange(gen.responses.shape[1])[None, :] < gen.lengths[:, None]).astype(
+                mx.float32
+            )
+            logp, _ = response_logprobs(self.policy(query_responses), prompt_lengths, gen.responses)
+            ref, _ = response_logprobs(
+                self.ref_model(query_responses), prompt_lengths, gen.responses
+            )
+            kl = ((logp - ref) * mask).sum(axis=1)
+            lens = np.array(gen.lengths)
+            completions = self._decode_completions(gen)
+            scores = self._validate_scores(
+                self.compute_scores(
+                    texts, completions, query_responses, prompt_lengths + gen.lengths
+                ),
+                len(ids),
+            )
+            rewards.extend(np.array(scores).tolist())
+            kls.extend(np.array(kl).tolist())
+            lengths.extend(lens.tolist())
+            for i in range(len(ids)):
+                if len(samples) < num_samples:
+                    samples.append(
+                        {
+                            "prompt": texts[i],
+                            "completion": completions[i],
+                            "reward": rewards[-len(ids) + i],
+                        }
+                    )
+        return {
+            "eval/mean_reward": float(np.mean(rewards)),
+            "eval/kl": float(np.mean(kls)),
+            "eval/response_length": float(np.mean(lengths)),
+            "samples": samples,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write everything needed to continue (atomically) under ``<output_dir>/checkpoints``."""
+        arrays: dict[str, dict[str, mx.array]] = {
+            "policy": dict(tree_flatten(self.policy.trainable_parameters())),
+        }
+        if self.policy_optimizer is not None:
+            arrays["policy_optimizer"] = dict(tree_flatten(self.policy_optimizer.state))
+        if self.value_model is not None:
+            arrays["value"] = dict(tree_flatten(self.value_model.trainable_parameters()))
+            if self.value_optimizer is not None:
+                arrays["value_optimizer"] = dict(tree_flatten(self.value_optimizer.state))
+        state = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "kl_controller": self.kl_ctl.state_dict(),
+            "history": self.history,
+            "config": config_to_dict(self.config),
+        }
+        path = self.checkpoints.save(self.global_step, arrays, state)
+        for cb in getattr(self, "_callbacks", []):
+            cb.on_save(self, self.global_step, path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore models, optimiser states, KL controller and counters from a checkpoint."""
+        arrays, state = CheckpointManager.load(path)
+        saved = state["config"]
+        for key in ("algorithm", "model_name", "batch_size", "group_size", "use_lora", "seed"):
+            if saved.get(key) != getattr(self.config, key):
+                raise ValueError(
+                    f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run has "
+                    f"{key}={getattr(self.config, key)!r}: resume with the same configuration"
+                )
+        self.policy.load_weights(list(arrays["policy"].items()), strict=False)
+        if self.value_model is not None:
+            self.value_model.load_weights(list(arrays["value"].items()), strict=False)
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.history = list(state["history"])
+        self._apply_optimizer_state(
+            {
+                k: dict(tree_unflatten(list(v.items())))
+                for k, v in arrays.items()
+                if k.endswith("_optimizer")
+            }
+        )
+        mx.eval(self.policy.parameters())
+
+    def _apply_optimizer_state(self, saved: dict[str, dict[str, mx.array]]) -> None:
+        for name, opt in (
+            ("policy_optimizer", self.policy_optimizer),
+            ("value_optimizer", self.value_optimizer),
+        ):
+            if opt is not None and name in saved:
+                opt.state = saved[name]
+
+    def save_model(self, path: str | Path) -> Path:
+        """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for
+        PPO, the value model under ``<path>/value_model``."""
+        path = Path(path)
+        self.policy.save_pretrained(path)
+        if self.value_model is not None:
+            self.value_model.save_pretrained(path / "value_model")
+        return path
+
+    def load_model(self, path: str | Path) -> None:
+        """Load weights saved by :meth:`save_model` into this trainer's policy (and value model)."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"no saved model at {path}")
+        if self.policy.lora is not None:
+            # The policy already carries adapters: overwrite their weights (names are checked).
+            adapter_file = path / "adapters.safetensors"
+            if not adapter_file.is_file():
+                raise FileNotFoundError(
+                    f"{path} has no adapters.safetensors: this trainer uses LoRA, so load_model "
+                    "expects the adapter directory written by save_model"
+                )
+            self.policy.model.load_weights(str(adapter_file), strict=False)
+        else:
+            weights: dict[str, mx.array] = {}
+            for shard in sorted(path.glob("model*.safetensors")):
+                weights.update(_load_safetensors(shard))
+            if not weights:
+                raise FileNotFoundError(f"{path} has no model*.safetensors weights to load")
+            self.policy.model.load_weights(list(weights.items()), strict=True)
+        if self.value_model is not None and (path / "value_model").exists():
+            self.value_model.load_pretrained_weights(path / "value_model")
+
+
+def _schedule(lr: float, cfg: PPOConfig, horizon: int) -> Any:
+    """The learning-rate schedule over ``horizon`` optimiser updates (warm-up, then decay)."""
+    warmup = min(cfg.warmup_steps, horizon - 1) if horizon > 1 else 0
+    if cfg.lr_scheduler == "constant":
+        main: Any = lambda step: mx.array(lr)  # noqa: E731
+    elif cfg.lr_scheduler == "linear":
+        main = optim.linear_schedule(lr, 0.0, max(horizon - warmup, 1))
+    else:
+        main = optim.cosine_decay(lr, max(horizon - warmup, 1))
+    if warmup == 0:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
+
+
+def _to_float(x: mx.array) -> float:
+    """A scalar array as a Python float (one host sync)."""
+    return float(np.asarray(x))
+
+
+def _load_safetensors(path: Path) -> dict[str, mx.array]:
+    loaded = mx.load(str(path))
+    assert isinstance(loaded, dict)
+    return loaded
+
+
+def _masked_var(x: mx.array, mask: mx.array) -> mx.array:
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def _rename_loss(metrics: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
+    """``policy/loss`` -> ``loss/policy`` and ``val/loss`` -> ``loss/value`` (TRL's names)."""
+    renamed = dict(metrics)
+    loss = renamed.pop(f"{prefix}/loss")
+    renamed["loss/policy" if prefix == "policy" else "loss/value"] = loss
+    return renamed
+
+
+def _json_dumps(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=1)

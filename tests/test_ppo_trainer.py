@@ -1,0 +1,291 @@
+"""PPOTrainer end to end on the embedded tiny model: updates, learning, resume, callbacks, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from config.ppo_config import PPOConfig
+from experience_buffer.buffer import RolloutBatch
+from models.tiny_corpus import review_prompts
+from ppo_trainer.callbacks import TrainerCallback
+from ppo_trainer.ppo_trainer import PPOTrainer
+
+PROMPTS = review_prompts(16, seed=0)
+
+
+def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward the tiny model can move: the share of the letter 'e' in the completion."""
+    return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def make_config(tiny_model_dir: Path, tmp_path: Path, **overrides: Any) -> PPOConfig:
+    settings: dict[str, Any] = dict(
+        model_name=str(tiny_model_dir),
+        max_new_tokens=8,
+        batch_size=4,
+        learning_rate=1e-3,
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        seed=0,
+    )
+    settings.update(overrides)
+    return PPOConfig(**settings)
+
+
+def trainable(model: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in dict(tree_flatten(model.trainable_parameters())).items()}
+
+
+def assert_all_changed(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> None:
+    assert before.keys() == after.keys() and before
+    unchanged = [k for k in before if np.array_equal(before[k], after[k])]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_ppo_step_updates_every_trainable_parameter(
+    tiny_model_dir: Path, tmp_path: Path, use_lora: bool
+) -> None:
+    trainer = PPOTrainer(
+        make_config(tiny_model_dir, tmp_path, use_lora=use_lora), reward_model=e_rate
+    )
+    assert trainer.value_model is not None
+    policy_before = trainable(trainer.policy)
+    value_before = trainable(trainer.value_model)
+    if use_lora:
+        assert all("lora_" in k for k in policy_before)
+    frozen_before = {
+        k: np.array(v) for k, v in dict(tree_flatten(trainer.policy.parameters())).items()
+    }
+    metrics = trainer.step(PROMPTS[:4])
+    assert_all_changed(policy_before, trainable(trainer.policy))
+    assert_all_changed(value_before, trainable(trainer.value_model))
+    if use_lora:  # the base weights stay frozen
+        after = dict(tree_flatten(trainer.policy.parameters()))
+        for k, v in frozen_before.items():
+            if "lora_" not in k:
+                assert np.array_equal(v, np.array(after[k])), k
+    for key in (
+        "objective/kl",
+        "objective/entropy",
+        "objective/scores",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "policy/approxkl",
+        "policy/clipfrac",
+        "loss/policy",
+        "loss/value",
+        "val/clipfrac",
+        "val/explained_variance",
+        "val/num_eos_tokens",
+        "lr",
+        "avg_reward",
+        "tokens_per_second",
+    ):
+        assert math.isfinite(metrics[key]), key
+    assert trainer.global_step == 1
+
+
+def test_grpo_step_updates_policy_without_value_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=4, batch_size=2)
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    assert trainer.value_model is None
+    before = trainable(trainer.policy)
+    metrics = trainer.step(PROMPTS[:2])
+    assert_all_changed(before, trainable(trainer.policy))
+    assert "loss/value" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_first_update_starts_from_the_rollout_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rollout log-probs and the first training forward agree: ratio 1, nothing clipped."""
+    config = make_config(
+        tiny_model_dir, tmp_path, num_ppo_epochs=1, num_mini_batches=1, learning_rate=1e-12
+    )
+    metrics = PPOTrainer(config, reward_model=e_rate).step(PROMPTS[:4])
+    assert metrics["policy/approxkl"] < 1e-10
+    assert metrics["policy/clipfrac"] == 0.0
+    assert abs(metrics["policy/ratio"] - 1.0) < 1e-5
+
+
+def brevity(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward the random tiny model can learn in a few steps: end the response early."""
+    return [-len(c) / 50 for c in completions]
+
+
+def test_short_ppo_run_raises_the_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = make_config(
+        tiny_model_dir,
+        tmp_path,
+        batch_size=8,
+        max_new_tokens=16,
+        num_ppo_epochs=4,
+        learning_rate=3e-3,
+        kl_coef=0.01,
+    )
+    trainer = PPOTrainer(config, reward_model=brevity)
+    eval_prompts = review_prompts(32, seed=7)
+    before = trainer.evaluate(eval_prompts, temperature=config.temperature)["eval/mean_reward"]
+    trainer.train(review_prompts(80, seed=1), num_epochs=2)
+    after = trainer.evaluate(eval_prompts, temperature=config.temperature)["eval/mean_reward"]
+    assert after > before + 0.2, (before, after)
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.stop_at = stop_at
+
+    def on_train_begin(self, trainer: PPOTrainer) -> None:
+        self.calls.append(("begin", trainer.global_step))
+
+    def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+        self.calls.append(("rollout", step, len(batch)))
+
+    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict[str, float]) -> None:
+        self.calls.append(("step", step, "objective/kl" in metrics))
+        if self.stop_at == step:
+            trainer.request_stop()
+
+    def on_epoch_end(self, trainer: PPOTrainer, epoch: int, metrics: dict[str, float]) -> None:
+        self.calls.append(("epoch", epoch, metrics["steps"]))
+
+    def on_save(self, trainer: PPOTrainer, step: int, path: Path) -> None:
+        self.calls.append(("save", step, path.is_dir()))
+
+    def on_train_end(self, trainer: PPOTrainer, history: list[dict[str, float]]) -> None:
+        self.calls.append(("end", len(history)))
+
+
+def test_callbacks_are_called_with_the_right_arguments(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(tiny_model_dir, tmp_path, save_every=2, num_ppo_epochs=1)
+    recorder = Recorder()
+    epoch_calls: list[tuple[int, float]] = []
+    PPOTrainer(config, reward_model=e_rate).train(
+        PROMPTS[:8],
+        num_epochs=2,
+        callbacks=[recorder, lambda epoch, m: epoch_calls.append((epoch, m["avg_reward"]))],
+    )
+    assert recorder.calls == [
+        ("begin", 0),
+        ("rollout", 1, 4),
+        ("step", 1, True),
+        ("rollout", 2, 4),
+        ("step", 2, True),
+        ("epoch", 0, 2.0),
+        ("save", 2, True),
+        ("rollout", 3, 4),
+        ("step", 3, True),
+        ("rollout", 4, 4),
+        ("step", 4, True),
+        ("epoch", 1, 2.0),
+        ("save", 4, True),
+        ("end", 4),
+    ]
+    assert [e for e, _ in epoch_calls] == [0, 1]
+    assert all(math.isfinite(r) for _, r in epoch_calls)
+
+
+def _comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [
+        {k: v for k, v in h.items() if not k.startswith("time/") and k != "tokens_per_second"}
+        for h in history
+    ]
+
+
+def test_stop_and_resume_equals_an_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    prompts = PROMPTS[:12]
+    straight_cfg = make_config(tiny_model_dir, tmp_path / "a", save_every=100)
+    straight = PPOTrainer(straight_cfg, reward_model=e_rate)
+    straight_history = straight.train(prompts, num_epochs=2)
+    assert len(straight_history) == 6
+
+    resumed_cfg = make_config(tiny_model_dir, tmp_path / "b", save_every=100)
+    first = PPOTrainer(resumed_cfg, reward_model=e_rate)
+    first.train(prompts, num_epochs=2, callbacks=[Recorder(stop_at=4)])  # like Ctrl-C at step 4
+    assert first.global_step == 4
+    second = PPOTrainer(resumed_cfg, reward_model=e_rate)
+    resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
+
+    assert _comparable(resumed_history) == _comparable(straight_history)
+    for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
+        wa, wb = trainable(a), trainable(b)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+    lines = (Path(resumed_cfg.output_dir) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert (Path(resumed_cfg.output_dir) / "training_curves.png").is_file()
+
+
+def test_bad_inputs_fail_before_training_state_is_lost(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(tiny_model_dir, tmp_path)
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    with pytest.raises(ValueError, match="empty prompt list"):
+        trainer.train([])
+    with pytest.raises(ValueError, match="context|max_prompt_length"):
+        trainer.train(["word " * 2000])
+    assert trainer.global_step == 0
+
+    calls = {"n": 0}
+
+    def flaky(prompts: list[str], completions: list[str]) -> list[float]:
+        calls["n"] += 1
+        return (
+            [float("nan")] * len(completions) if calls["n"] == 3 else e_rate(prompts, completions)
+        )
+
+    trainer = PPOTrainer(config, reward_model=flaky)
+    with pytest.raises(ValueError, match="non-finite"):
+        trainer.train(PROMPTS[:12], num_epochs=1)
+    # Steps 1-2 completed and were saved before the error surfaced; nothing was half-applied.
+    assert trainer.global_step == 2
+    saved = trainer.checkpoints.latest()
+    assert saved is not None and saved.name == "step_000002"
+    restored = PPOTrainer(config, reward_model=e_rate)
+    restored.load_checkpoint(saved)
+    for k, v in trainable(trainer.policy).items():
+        np.testing.assert_array_equal(v, trainable(restored.policy)[k])
+
+    wrong_count = PPOTrainer(config, reward_model=lambda p, c: [0.0])
+    with pytest.raises(ValueError, match="1 scores for 4 completions"):
+        wrong_count.step(PROMPTS[:4])
+    with pytest.raises(ValueError, match="reward"):
+        PPOTrainer(make_config(tiny_model_dir, tmp_path))  # no reward at all
+
+
+def test_batch_that_does_not_split_into_minibatches_is_rejected(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="num_mini_batches"):
+        PPOConfig(model_name=str(tiny_model_dir), batch_size=6, num_mini_batches=4)
+
+
+def test_evaluate_and_save_load_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path), reward_model=e_rate)
+    trainer.step(PROMPTS[:4])
+    result = trainer.evaluate(PROMPTS[:6], num_samples=3)
+    assert set(result) >= {"eval/mean_reward", "eval/kl", "eval/response_length", "samples"}
+    assert len(result["samples"]) == 3
+    assert {"prompt", "completion", "reward"} <= set(result["samples"][0])
+    out = trainer.save_model(tmp_path / "saved")
+    fresh = PPOTrainer(make_config(tiny_model_dir, tmp_path), reward_model=e_rate)
+    fresh.load_model(out)
+    probe = mx.array([[5, 6, 7, 8]])
+    np.testing.assert_allclose(np.array(fresh.policy(probe)), np.array(trainer.policy(probe)))
+    assert fresh.value_model is not None and trainer.value_model is not None
+    np.testing.assert_allclose(
+        np.array(fresh.value_model(probe)), np.array(trainer.value_model(probe)), atol=1e-6
+    )

@@ -1,0 +1,85 @@
+"""Which positions of a prompt+response sequence are actions, and their per-token log-probs.
+
+Sequences are right-padded: row ``i`` holds its ``p_i`` prompt tokens, then its ``T`` response
+columns (response tokens, then pad), then pad up to ``L = max_i p_i + T``. A causal model's logits at
+position ``t`` score the token at ``t + 1``, so response token ``j`` of row ``i`` is scored by the
+logits (and valued by the value model) at position ``p_i - 1 + j``. Padding after a row's content
+never influences earlier positions of a causal model, so right padding is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
+
+
+def build_query_responses(
+    prompts: Sequence[Sequence[int]], responses: mx.array, pad_token_id: int
+) -> tuple[mx.array, mx.array]:
+    """Concatenate each prompt with its response columns, right-padded.
+
+    Args:
+        prompts: B token-id lists (lengths may differ, each >= 1).
+        responses: (B, T) int response tokens (already padded after the stop token).
+        pad_token_id: id used for padding.
+
+    Returns:
+        ``(query_responses, prompt_lengths)``: (B, L) int32 with ``L = max p_i + T``, and (B,) int32.
+    """
+    if len(prompts) != responses.shape[0]:
+        raise ValueError(f"{len(prompts)} prompts but {responses.shape[0]} response rows")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    num_tokens = responses.shape[1]
+    lengths = np.array([len(p) for p in prompts], dtype=np.int32)
+    out = np.full((len(prompts), int(lengths.max()) + num_tokens), pad_token_id, dtype=np.int32)
+    resp = np.array(responses, dtype=np.int32)
+    for i, prompt in enumerate(prompts):
+        out[i, : lengths[i]] = prompt
+        out[i, lengths[i] : lengths[i] + num_tokens] = resp[i]
+    return mx.array(out), mx.array(lengths)
+
+
+def response_positions(prompt_lengths: mx.array, num_tokens: int) -> mx.array:
+    """(B, T) int32 positions whose outputs score (or value) response tokens 0..T-1."""
+    return (prompt_lengths[:, None] - 1 + mx.arange(num_tokens)[None, :]).astype(mx.int32)
+
+
+def gather_positions(x: mx.array, positions: mx.array) -> mx.array:
+    """Rows of ``x`` (B, L, ...) at ``positions`` (B, T): returns (B, T, ...)."""
+    index = positions.reshape(*positions.shape, *([1] * (x.ndim - 2)))
+    return mx.take_along_axis(x, index, axis=1)
+
+
+def response_logprobs(
+    logits: mx.array,
+    prompt_lengths: mx.array,
+    responses: mx.array,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[mx.array, mx.array | None]:
+    """Per-token log-probs of the responses under ``logits / temperature``.
+
+    Args:
+        logits: (B, L, V) logits of the model on the query_responses.
+        prompt_lengths: (B,) prompt lengths.
+        responses: (B, T) response tokens.
+        temperature: the sampling temperature (the trainer scores at the temperature it sampled at).
+        with_entropy: also return the (B, T) entropy of the scaled distribution.
+
+    Returns:
+        ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
+    positions = response_positions(prompt_lengths, responses.shape[1])
+    scored = gather_positions(logits, positions)  # (B, T, V)
+    if temperature != 1.0:
+        scored = scored / temperature
+    logprobs = selective_log_softmax(scored, responses)
+    entropy = entropy_from_logits(scored) if with_entropy else None
+    return logprobs, entropy
