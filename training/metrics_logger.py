@@ -18,6 +18,11 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("value loss", ("loss/value",)),
     ("entropy", ("objective/entropy",)),
     ("clip fraction", ("policy/clipfrac", "val/clipfrac")),
+    # SFT and reward-model training (training/sft_trainer.py, training/reward_trainer.py).
+    ("loss", ("loss/sft", "loss/reward", "eval/loss")),
+    ("next-token accuracy", ("sft/token_accuracy", "eval/token_accuracy")),
+    ("preference accuracy", ("reward/accuracy", "eval/accuracy")),
+    ("reward margin (chosen - rejected)", ("reward/margin", "eval/margin")),
 )
 
 
@@ -95,7 +100,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], out_path: str | Path) -> Path:
-    """Draw reward, KL, losses, entropy and clip fractions over steps into a PNG."""
+    """Draw the panels of :data:`PLOT_PANELS` that have data (PPO: reward, KL, losses, entropy,
+    clip fractions; SFT and reward-model runs: losses and accuracies) over steps into a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,0 +1,274 @@
+"""Tests for training/sft_trainer.py, the shared loop (training/supervised_trainer.py) and
+config/sft_config.py: the loss against a naive reference, full and LoRA fine-tuning on the tiny
+model, gradient accumulation, resuming, and the saved model loading as PPO's policy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from base_setup.lora_setup import LoraSettings
+from config.loading import load_config
+from config.sft_config import SFTConfig
+from models.demo_data import sft_records, write_sft_data
+from models.policy_model import PolicyModel
+from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
+from training.sft_trainer import SFTTrainer, run_sft, sft_loss
+from training.supervised_trainer import lr_schedule
+
+PROMPTS = ["Review of the camera:", "Review of the sushi bar:"]
+
+
+def flat(tree: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in cast(list[tuple[str, Any]], tree_flatten(tree))}
+
+
+def config(model_dir: Path, out: Path, **overrides: Any) -> SFTConfig:
+    values: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        output_dir=str(out),
+        learning_rate=3e-3,
+        batch_size=8,
+        num_epochs=1,
+        lr_scheduler="constant",
+        progress_bar=False,
+        keep_last_checkpoints=0,
+    )
+    values.update(overrides)
+    return SFTConfig(**values)
+
+
+def prompt_logits(model: PolicyModel) -> np.ndarray:
+    ids = [model.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    width = max(len(i) for i in ids)
+    batch = mx.array([i + [model.tokenizer.pad_token_id] * (width - len(i)) for i in ids])
+    return np.array(model(batch))
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def test_sft_loss_matches_a_naive_reference() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    targets = rng.integers(0, 7, size=(2, 5))
+    mask = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=np.float32)
+
+    def naive(lg: np.ndarray) -> float:
+        total, count = 0.0, 0
+        for b in range(2):
+            for t in range(5):
+                if mask[b, t]:
+                    row = lg[b, t].astype(np.float64)
+                    total += np.log(np.exp(row - row.max()).sum()) + row.max() - row[targets[b, t]]
+                    count += 1
+        return total / count
+
+    loss, metrics = sft_loss(mx.array(logits), mx.array(targets), mx.array(mask))
+    np.testing.assert_allclose(loss.item(), naive(logits), rtol=1e-5)
+    hits = (logits.argmax(-1) == targets) * mask
+    np.testing.assert_allclose(metrics["sft/token_accuracy"].item(), hits.sum() / mask.sum())
+    # Gradient against central differences of the naive loss; masked positions get none.
+    grad = np.array(
+        mx.grad(lambda x: sft_loss(x, mx.array(targets), mx.array(mask))[0])(mx.array(logits))
+    )
+    eps = 1e-3
+    for b, t, v in [(0, 2, 3), (1, 1, 0), (0, 4, 6)]:
+        up, down = logits.copy(), logits.copy()
+        up[b, t, v] += eps
+        down[b, t, v] -= eps
+        np.testing.assert_allclose(grad[b, t, v], (naive(up) - naive(down)) / (2 * eps), atol=1e-3)
+    assert np.all(grad[mask == 0] == 0)
+
+
+def test_lr_schedule_warmup_then_decay() -> None:
+    sched = lr_schedule(1.0, "linear", warmup_steps=2, total_steps=6)
+    values = [float(sched(mx.array(s))) for s in range(6)]
+    np.testing.assert_allclose(values, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25], atol=1e-6)
+    cosine = lr_schedule(1.0, "cosine", warmup_steps=0, total_steps=4)
+    np.testing.assert_allclose(
+        [float(cosine(mx.array(s))) for s in range(4)],
+        [0.5 * (1 + np.cos(np.pi * s / 4)) for s in range(4)],
+        atol=1e-6,
+    )
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_full_sft_learns_and_loads_as_the_ppo_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = write_sft_data(tmp_path / "sft.jsonl", 20, seed=1)
+    cfg = config(
+        tiny_model_dir,
+        tmp_path / "run",
+        dataset=str(data),
+        eval_fraction=0.2,
+        num_epochs=4,
+        batch_size=8,
+        eval_every=4,
+        save_every=3,
+    )
+    base = PolicyModel.from_pretrained(tiny_model_dir)
+    out = run_sft(cfg)
+    assert out == tmp_path / "run" / "model"
+
+    records = read_metrics(tmp_path / "run" / METRICS_FILE)
+    steps = [r["step"] for r in records]
+    assert steps == list(range(9))  # step 0: the evaluation before training; 2 batches x 4 epochs
+    assert records[-1]["epoch"] == 3
+    assert records[-1]["eval/loss"] < records[0]["eval/loss"] - 0.5  # held-out loss falls
+    assert records[-1]["loss/sft"] < records[1]["loss/sft"]
+    assert (tmp_path / "run" / PLOT_FILE).stat().st_size > 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step_000003",
+        "step_000006",
+        "step_000008",
+    ]
+
+    # The output loads as PPO's policy/reference; every weight moved.
+    trained = PolicyModel.from_pretrained(out)
+    assert trained.tokenizer.pad_token_id == base.tokenizer.pad_token_id
+    assert not np.allclose(prompt_logits(trained), prompt_logits(base), atol=1e-3)
+    before, after = flat(base.trainable_parameters()), flat(trained.trainable_parameters())
+    assert before.keys() == after.keys()
+    unchanged = [k for k in before if np.array_equal(before[k], after[k])]
+    assert unchanged == []
+
+
+def test_lora_sft_trains_only_adapters_and_saves_merged(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = config(tiny_model_dir, tmp_path / "run", use_lora=True, lora_r=4, lora_alpha=8.0)
+    trainer = SFTTrainer(cfg)
+    assert trainer.policy.lora == LoraSettings(r=4, alpha=8.0, dropout=0.0)
+    before = flat(trainer.model.parameters())
+    trainable = set(flat(trainer.model.trainable_parameters()))
+    assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
+    trainer.train(sft_records(16, seed=0))
+    after = flat(trainer.model.parameters())
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed == trainable  # every adapter moved (lora_b leaves zero), no base weight did
+
+    out = trainer.save_pretrained(tmp_path / "merged")
+    assert not (out / "adapters.safetensors").exists()
+    merged = PolicyModel.from_pretrained(out)
+    assert merged.lora is None
+    assert not any(k.endswith(("lora_a", "lora_b")) for k in flat(merged.parameters()))
+    np.testing.assert_allclose(
+        prompt_logits(merged), prompt_logits(trainer.policy), rtol=1e-4, atol=1e-4
+    )
+    base = PolicyModel.from_pretrained(tiny_model_dir)
+    assert not np.allclose(prompt_logits(merged), prompt_logits(base), atol=1e-3)
+
+
+def test_gradient_accumulation_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Examples of different lengths, so micro-batches hold different numbers of target tokens.
+    records = sft_records(8, seed=4)
+    base = flat(PolicyModel.from_pretrained(tiny_model_dir).trainable_parameters())
+    updates, losses = [], []
+    for accumulation in (1, 4):
+        # adam_eps=1 makes AdamW's first update (about 0.1 * lr * g) linear in the gradient, so
+        # comparing the updates compares the gradients (a tiny eps would compare their signs).
+        cfg = config(
+            tiny_model_dir,
+            tmp_path / f"acc{accumulation}",
+            gradient_accumulation_steps=accumulation,
+            learning_rate=1.0,
+            adam_eps=1.0,
+            max_grad_norm=float("inf"),
+            total_steps=1,
+        )
+        trainer = SFTTrainer(cfg)
+        losses.append(trainer.train(records)[-1]["loss/sft"])
+        after = flat(trainer.model.trainable_parameters())
+        updates.append({k: after[k] - base[k] for k in base})
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    scale = max(np.abs(u).max() for u in updates[0].values())
+    assert scale > 1e-4
+    for key, update in updates[0].items():
+        np.testing.assert_allclose(
+            updates[1][key], update, rtol=1e-3, atol=1e-4 * scale, err_msg=key
+        )
+
+
+def test_resume_continues_to_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    records = sft_records(24, seed=2)
+    common: dict[str, Any] = dict(
+        num_epochs=2, batch_size=8, save_every=2, lr_scheduler="cosine", warmup_steps=1
+    )
+    full = SFTTrainer(config(tiny_model_dir, tmp_path / "full", **common))
+    full_history = full.train(records)
+    assert full.global_step == 6
+
+    # A second run that has only the step-2 checkpoint of the first resumes from "latest".
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "full" / "checkpoints" / "step_000002",
+        resumed_dir / "checkpoints" / "step_000002",
+    )
+    (resumed_dir / METRICS_FILE).write_text(
+        "".join(json.dumps(r) + "\n" for r in full_history[:3])  # and a line past the checkpoint
+    )
+    resumed = SFTTrainer(config(tiny_model_dir, resumed_dir, **common))
+    history = resumed.train(records, resume_from="latest")
+    assert resumed.global_step == 6 and resumed.epoch == 2
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(resumed_dir / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose(
+        [r["loss/sft"] for r in history[2:]], [r["loss/sft"] for r in full_history[2:]], rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        [r["lr"] for r in history[2:]], [r["lr"] for r in full_history[2:]], rtol=1e-6
+    )
+    w_full, w_resumed = flat(full.model.parameters()), flat(resumed.model.parameters())
+    for key in w_full:
+        np.testing.assert_allclose(w_resumed[key], w_full[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+    # A checkpoint of another configuration is refused.
+    other = SFTTrainer(config(tiny_model_dir, resumed_dir, **{**common, "batch_size": 4}))
+    with pytest.raises(ValueError, match="batch_size=8 but this run has batch_size=4"):
+        other.train(records, resume_from=resumed_dir / "checkpoints" / "step_000002")
+    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        SFTTrainer(config(tiny_model_dir, tmp_path / "empty", **common)).train(
+            records, resume_from="latest"
+        )
+
+
+# --------------------------------------------------------------------------- config and errors
+
+
+def test_sft_config_validation_and_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gradient_accumulation_steps to one of \\[1, 2, 3, 6\\]"):
+        SFTConfig(model_name="m", batch_size=6, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match="eval_fraction must be in \\[0, 1\\), got 1.0"):
+        SFTConfig(model_name="m", eval_fraction=1.0)
+    with pytest.raises(ValueError, match="lora_dropout must be in \\[0, 1\\)"):
+        SFTConfig(model_name="m", use_lora=True, lora_dropout=1.5)
+    with pytest.raises(ValueError, match="lr_scheduler must be one of"):
+        SFTConfig(model_name="m", lr_scheduler="step")  # type: ignore[arg-type]
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name: runs/base\ndataset: sft.jsonl\nlearning_rate: 1e-4\n")
+    cfg = load_config(path, ["use_lora=true", "batch-size=16"], cls=SFTConfig)
+    assert (cfg.dataset, cfg.learning_rate, cfg.use_lora, cfg.batch_size) == (
+        "sft.jsonl",
+        1e-4,
+        True,
+        16,
+    )
+    assert cfg.output_dir == "runs/sft" and cfg.micro_batch_size == 16
+
+
+def test_model_and_config_must_agree_on_lora(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = PolicyModel.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="has no LoRA adapters but config.use_lora=True"):
+        SFTTrainer(config(tiny_model_dir, tmp_path, use_lora=True), model=model)
+    with pytest.raises(ValueError, match="dataset is not set"):
+        run_sft(config(tiny_model_dir, tmp_path))

@@ -1,0 +1,579 @@
+"""Data of the first RLHF stages: SFT demonstrations and preference pairs.
+
+Formats, one JSON object per line (a local JSONL file), or the same columns in a Hugging Face Hub
+dataset:
+
+* SFT, text: ``{"prompt": "Review of the laptop:", "completion": " The screen is superb."}``. The
+  model reads ``prompt + completion + EOS``; the loss covers the completion and the EOS only.
+* SFT, text with a system message: ``{"system": ..., "prompt": ..., "completion": ...}`` is the
+  conversation system / user (prompt) / assistant (completion), rendered with the tokenizer's
+  chat template (so the tokenizer needs one).
+* SFT, chat: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}``,
+  rendered with the chat template; the loss covers every assistant turn (its content and the
+  template's end-of-turn tokens), the rest is context. The conversation must end with an
+  assistant turn.
+* Preferences: ``{"prompt": ..., "chosen": ..., "rejected": ..., "margin": 0.5}`` (``margin``
+  optional). Each side is scored as ``prompt + answer + EOS``, the token sequence PPO's reward
+  model sees (prompt, response, stop token).
+
+Tokenisation matches PPO: no special tokens are added (PPO encodes prompts with
+``add_special_tokens=False``), and the prompt/completion boundary is where the tokens of
+``prompt + completion`` stop agreeing with the tokens of ``prompt`` alone (TRL's rule), so the
+context is what PPO's prompt encoding gives whenever the prompt's tokens are a prefix.
+
+Loading (:func:`load_sft_data`, :func:`load_preference_data`) goes through the ``datasets``
+library, so a local file and a Hub dataset name both work. A local file is first checked line by
+line, so a malformed line fails with ``<file>:<line>: <what is wrong>`` (the ``datasets`` JSON
+reader does not name the line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from base_setup.tokenizer_setup import apply_chat_template
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger("ppo_mlx")
+
+#: What a record check does: raise ValueError naming ``where`` if the record is malformed.
+RecordCheck = Callable[[Any, str], None]
+
+# "name" or "namespace/name", as the Hugging Face Hub accepts them.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_LOCAL_SUFFIXES = (".json", ".jsonl", ".jsonlines")
+
+
+# --------------------------------------------------------------------------- record checks
+
+
+def _require_text(record: Mapping[str, Any], key: str, where: str, what: str) -> str:
+    value = record.get(key)
+    if value is None:
+        raise ValueError(f"{where}: missing field {key!r} ({what})")
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{where}: field {key!r} is empty; give it some text or drop the record")
+    return value
+
+
+def _require_object(record: Any, where: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(record, Mapping):
+        raise ValueError(f"{where}: expected a JSON object ({what}), got {type(record).__name__}")
+    return record
+
+
+_SFT_FIELDS = "an SFT record has 'prompt' and 'completion' (optionally 'system'), or 'messages'"
+_PREFERENCE_FIELDS = "a preference record has 'prompt', 'chosen' and 'rejected'"
+
+
+def check_sft_record(record: Any, where: str) -> None:
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid SFT record.
+
+    Valid: ``prompt`` and ``completion`` non-empty strings (``system``, if present and not null,
+    a non-empty string), or ``messages``: a non-empty list of ``{"role", "content"}`` objects
+    with string roles and contents, at least one assistant turn, not first, and an assistant
+    turn last.
+    """
+    record = _require_object(record, where, _SFT_FIELDS)
+    messages = record.get("messages")
+    if messages is None:
+        _require_text(record, "prompt", where, _SFT_FIELDS)
+        _require_text(record, "completion", where, _SFT_FIELDS)
+        if record.get("system") is not None:
+            _require_text(record, "system", where, "a system message")
+        return
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}} '
+            f"objects, got {messages!r:.80}"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not all(
+            isinstance(message.get(k), str) for k in ("role", "content")
+        ):
+            raise ValueError(
+                f"{where}: messages[{i}] must be an object with string 'role' and 'content', "
+                f"got {message!r:.80}"
+            )
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise ValueError(f"{where}: messages[{i}] is an empty assistant turn; nothing to learn")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(
+            f"{where}: the last message has role {messages[-1]['role']!r}; a conversation for SFT "
+            "must end with an assistant turn (drop the trailing messages)"
+        )
+    if messages[0]["role"] == "assistant":
+        raise ValueError(
+            f"{where}: the conversation starts with an assistant turn; put the user (or system) "
+            "message it answers before it"
+        )
+
+
+def check_preference_record(record: Any, where: str) -> None:
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid preference record:
+    non-empty strings ``prompt``, ``chosen``, ``rejected`` (chosen != rejected) and, if present
+    and not null, a finite number ``margin``."""
+    record = _require_object(record, where, _PREFERENCE_FIELDS)
+    for key in ("prompt", "chosen", "rejected"):
+        _require_text(record, key, where, _PREFERENCE_FIELDS)
+    if record["chosen"] == record["rejected"]:
+        raise ValueError(
+            f"{where}: 'chosen' and 'rejected' are the same text, so the pair prefers nothing; "
+            "drop it"
+        )
+    margin = record.get("margin")
+    if margin is not None and (
+        isinstance(margin, bool)
+        or not isinstance(margin, (int, float))
+        or not np.isfinite(float(margin))
+    ):
+        raise ValueError(f"{where}: 'margin' must be a finite number or null, got {margin!r}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def check_jsonl_file(path: str | Path, check: RecordCheck) -> int:
+    """Check every line of a JSON Lines file with ``check``; return the number of records.
+
+    Blank lines are skipped (as the ``datasets`` JSON reader skips them).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: ``"<path>:<line>: ..."`` for a line that is not UTF-8, not valid JSON, or
+            fails ``check``; ``"<path>: ..."`` when the file holds no record.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist (or is not a file)")
+    count = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 text ({err.reason}); save as UTF-8") from err
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must "
+                    "be one JSON object"
+                ) from err
+            check(record, where)
+            count += 1
+    if count == 0:
+        raise ValueError(f"{path}: the file holds no records; write one JSON object per line")
+    return count
+
+
+def load_records(
+    source: str | Path, check: RecordCheck, *, split: str = "train"
+) -> datasets.Dataset:
+    """Load a local JSONL file or a Hub dataset through ``datasets``, every record checked.
+
+    Args:
+        source: a local JSON Lines file, or a Hugging Face Hub dataset name ("owner/name").
+        check: the record check (:func:`check_sft_record`, :func:`check_preference_record`).
+        split: the split of a Hub dataset (a local file is read as its one "train" split).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a Hub name that cannot be fetched.
+        ValueError: a malformed record, named by ``<file>:<line>`` (local) or
+            ``<name>[<split>] row <i>`` (Hub).
+    """
+    import datasets
+
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir():
+            raise FileNotFoundError(f"{path} is a directory; pass a JSONL file (one JSON per line)")
+        check_jsonl_file(path, check)
+        return datasets.load_dataset("json", data_files=str(path), split="train")
+    looks_local = path.suffix in _LOCAL_SUFFIXES or text.startswith((".", "/", "~"))
+    if looks_local or not _HUB_ID.match(text):
+        raise FileNotFoundError(f"data file {text} does not exist")
+    try:
+        dataset = datasets.load_dataset(text, split=split)
+    except OSError as err:  # offline, unknown or gated repository: all OSErrors in datasets
+        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise FileNotFoundError(
+            f"{text} is not a local file and the Hugging Face Hub could not provide it "
+            f"({type(err).__name__}: {first_line}); check the path, or load the dataset while "
+            "online (it is then read from the datasets cache)"
+        ) from err
+    for i, record in enumerate(dataset):
+        check(record, f"{text}[{split}] row {i}")
+    if len(dataset) == 0:
+        raise ValueError(f"{text}[{split}] holds no records")
+    return dataset
+
+
+def load_sft_data(source: str | Path, *, split: str = "train") -> datasets.Dataset:
+    """SFT records (prompt/completion, optionally system, or messages) from a JSONL file or a Hub
+    dataset; see :func:`load_records` and :func:`check_sft_record`."""
+    return load_records(source, check_sft_record, split=split)
+
+
+def load_preference_data(source: str | Path, *, split: str = "train") -> datasets.Dataset:
+    """Preference records (prompt, chosen, rejected, optional margin) from a JSONL file or a Hub
+    dataset; see :func:`load_records` and :func:`check_preference_record`."""
+    return load_records(source, check_preference_record, split=split)
+
+
+def train_eval_split(
+    records: Iterable[Mapping[str, Any]], eval_fraction: float, seed: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split records into (train, held-out) with a seeded permutation.
+
+    ``round(n * eval_fraction)`` records (at least one when ``eval_fraction > 0``) are held out;
+    both parts keep the records' original order. ``eval_fraction == 0`` holds out nothing.
+
+    Raises:
+        ValueError: ``eval_fraction`` outside [0, 1), or too few records to leave both parts
+            non-empty.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    rows = [dict(r) for r in records]  # iterating is much faster than indexing a Dataset
+    n = len(rows)
+    n_eval = max(1, round(n * eval_fraction)) if eval_fraction > 0 else 0
+    if n_eval >= n:
+        raise ValueError(
+            f"cannot hold out {n_eval} of {n} records and still train: give more data, lower "
+            "eval_fraction, or set it to 0"
+        )
+    held_out = set(np.random.default_rng(seed).permutation(n)[:n_eval].tolist())
+    train = [row for i, row in enumerate(rows) if i not in held_out]
+    evaluation = [rows[i] for i in sorted(held_out)]
+    return train, evaluation
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """One tokenised SFT example.
+
+    Attributes:
+        input_ids: (L,) token ids: context and answer tokens (and EOS for text records).
+        loss_mask: (L,) 1 where the token is a target (answer tokens), 0 for context. Token 0 is
+            never a target (nothing predicts it).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_targets(self) -> int:
+        """Number of tokens the loss covers."""
+        return sum(self.loss_mask[1:])
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One tokenised preference pair (each side ``prompt + answer + EOS``).
+
+    Attributes:
+        chosen_ids: token ids of the preferred sequence.
+        rejected_ids: token ids of the other sequence.
+        margin: the pair's own margin, or None to use the trainer's.
+    """
+
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    margin: float | None = None
+
+    def __len__(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError(
+            "the tokenizer has no eos_token_id: completions must end with an end-of-sequence "
+            "token so the model learns to stop; use a tokenizer with an EOS token"
+        )
+    return int(eos)
+
+
+def prompt_completion_tokens(
+    tokenizer: Any, prompt: str, completion: str
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of ``prompt + completion + EOS``, loss on completion and EOS.
+
+    The boundary is the length of the common prefix of ``encode(prompt)`` and
+    ``encode(prompt + completion)``: all of ``encode(prompt)`` when the prompt's tokens are a
+    prefix of the whole (the usual case), else the token that straddles the boundary is counted
+    as completion.
+    """
+    full = _encode(tokenizer, prompt + completion)
+    boundary = _common_prefix(_encode(tokenizer, prompt), full)
+    ids = full + [_eos_id(tokenizer)]
+    mask = [0] * boundary + [1] * (len(ids) - boundary)
+    return ids, mask
+
+
+def chat_tokens(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str = "conversation"
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, loss_mask)`` of a conversation in the chat template, loss on assistant turns.
+
+    Each assistant turn ``i`` covers the tokens between the template of ``messages[:i]`` with a
+    generation prompt and the template of ``messages[:i + 1]`` (its content and end-of-turn
+    tokens). A template that renders earlier turns differently once later turns follow (e.g.
+    one that drops the reasoning of past turns) only lets the last turn be found: earlier
+    assistant turns whose tokens do not line up are left as context.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the last assistant turn cannot be
+            located in the rendered conversation.
+    """
+    dicts = [{"role": m["role"], "content": m["content"]} for m in messages]
+    try:
+        ids = apply_chat_template(tokenizer, dicts, add_generation_prompt=False)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+    mask = [0] * len(ids)
+    last = max(i for i, m in enumerate(dicts) if m["role"] == "assistant")
+    for i, message in enumerate(dicts):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        before = apply_chat_template(tokenizer, dicts[:i], add_generation_prompt=True)
+        through = apply_chat_template(tokenizer, dicts[: i + 1], add_generation_prompt=False)
+        start, end = len(before), len(through)
+        lines_up = through[:start] == before and ids[:end] == through and end > start
+        if not lines_up:
+            if i == last:
+                raise ValueError(
+                    f"{where}: cannot find the last assistant turn in the chat template's output "
+                    "(the template does not render the conversation up to it as a prefix of the "
+                    "whole); use prompt/completion records instead"
+                )
+            logger.debug("%s: assistant turn %d does not line up; trained as context", where, i)
+            continue
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def tokenize_sft(
+    records: Iterable[Mapping[str, Any]], tokenizer: Any, max_length: int
+) -> list[SFTExample]:
+    """Check and tokenise SFT records (see the module docstring for the formats).
+
+    Examples longer than ``max_length`` are truncated on the right (a warning counts them).
+
+    Raises:
+        ValueError: a malformed record (named by its index), an example left with no target
+            token after truncation (the prompt fills ``max_length``), or no records.
+    """
+    examples: list[SFTExample] = []
+    truncated = 0
+    for i, record in enumerate(records):
+        where = f"SFT record {i}"
+        check_sft_record(record, where)
+        messages = record.get("messages")
+        if messages is None and record.get("system") is not None:
+            messages = [
+                {"role": "system", "content": record["system"]},
+                {"role": "user", "content": record["prompt"]},
+                {"role": "assistant", "content": record["completion"]},
+            ]
+        if messages is not None:
+            ids, mask = chat_tokens(tokenizer, messages, where)
+        else:
+            ids, mask = prompt_completion_tokens(tokenizer, record["prompt"], record["completion"])
+        if len(ids) > max_length:
+            ids, mask = ids[:max_length], mask[:max_length]
+            truncated += 1
+        example = SFTExample(ids, mask)
+        if example.num_targets == 0:
+            context = mask.index(1) if 1 in mask else len(mask)
+            raise ValueError(
+                f"{where}: its context takes {context} tokens, so max_length={max_length} leaves "
+                "no completion token to learn; raise max_length or shorten the prompt"
+            )
+        examples.append(example)
+    if not examples:
+        raise ValueError("no SFT records to train on: the data is empty")
+    if truncated:
+        logger.warning(
+            "%d of %d SFT examples are longer than max_length=%d tokens and were truncated",
+            truncated,
+            len(examples),
+            max_length,
+        )
+    return examples
+
+
+def tokenize_preferences(
+    records: Iterable[Mapping[str, Any]], tokenizer: Any, max_length: int
+) -> list[PreferenceExample]:
+    """Check and tokenise preference records: ``prompt + chosen + EOS`` and
+    ``prompt + rejected + EOS``.
+
+    A pair with a side longer than ``max_length`` is dropped (a warning counts them): truncating
+    would move the scored last token away from the EOS that PPO's reward model is read at.
+
+    Raises:
+        ValueError: a malformed record (named by its index), or no pair left.
+    """
+    eos = _eos_id(tokenizer)
+    examples: list[PreferenceExample] = []
+    seen = dropped = 0
+    for i, record in enumerate(records):
+        check_preference_record(record, f"preference record {i}")
+        seen += 1
+        chosen = _encode(tokenizer, record["prompt"] + record["chosen"]) + [eos]
+        rejected = _encode(tokenizer, record["prompt"] + record["rejected"]) + [eos]
+        if max(len(chosen), len(rejected)) > max_length:
+            dropped += 1
+            continue
+        margin = record.get("margin")
+        examples.append(PreferenceExample(chosen, rejected, None if margin is None else margin))
+    if not examples:
+        if seen == 0:
+            raise ValueError("no preference records to train on: the data is empty")
+        raise ValueError(
+            f"all {seen} preference pairs are longer than max_length={max_length} tokens; "
+            "raise max_length"
+        )
+    if dropped:
+        logger.warning(
+            "dropped %d of %d preference pairs longer than max_length=%d tokens",
+            dropped,
+            seen,
+            max_length,
+        )
+    return examples
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, *, window: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """One epoch's batches of example indices, similar lengths batched together.
+
+    The indices are shuffled with ``(seed, epoch)``, cut into windows of ``window * batch_size``,
+    sorted by length within each window and cut into batches of ``batch_size``; the order of the
+    batches is then shuffled, so short and long batches alternate. Every index appears once; only
+    the last batch of the last window can be smaller. ``window == 1`` gives plain shuffled
+    batches. Deterministic in ``(seed, epoch)``, so a resumed run recomputes the same epoch.
+    """
+    if batch_size < 1 or window < 1:
+        raise ValueError(f"batch_size and window must be >= 1, got {batch_size} and {window}")
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths)).tolist()
+    span = batch_size * window
+    batches: list[list[int]] = []
+    for start in range(0, len(order), span):
+        chunk = sorted(order[start : start + span], key=lambda i: lengths[i])  # stable
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+    if window > 1:
+        batches = [batches[i] for i in rng.permutation(len(batches)).tolist()]
+    return batches
+
+
+def split_micro_batches(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """``items`` cut into at most ``parts`` contiguous, non-empty pieces of near-equal size."""
+    parts = max(1, min(parts, len(items)))
+    bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
+    return [list(items[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass
+class SFTBatch:
+    """A right-padded SFT micro-batch.
+
+    Attributes:
+        input_ids: (B, L) int32 token ids, padded with the pad token.
+        loss_mask: (B, L) float32, 1 where the token is a target (0 at padding).
+        num_targets: number of target tokens (``loss_mask[:, 1:].sum()``), as a Python int.
+    """
+
+    input_ids: mx.array
+    loss_mask: mx.array
+    num_targets: int
+
+
+def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> SFTBatch:
+    """Pad SFT examples on the right into one :class:`SFTBatch`."""
+    width = max(len(e) for e in examples)
+    ids = np.full((len(examples), width), pad_token_id, dtype=np.int32)  # (B, L)
+    mask = np.zeros((len(examples), width), dtype=np.float32)  # (B, L)
+    for row, example in enumerate(examples):
+        ids[row, : len(example)] = example.input_ids
+        mask[row, : len(example)] = example.loss_mask
+    num_targets = int(mask[:, 1:].sum())
+    return SFTBatch(mx.array(ids), mx.array(mask), num_targets)
+
+
+@dataclass
+class PreferenceBatch:
+    """A right-padded micro-batch of preference pairs, both sides in one array.
+
+    Attributes:
+        input_ids: (2B, L) int32: rows 0..B-1 the chosen sequences, rows B..2B-1 the rejected
+            ones of the same pairs, padded with the pad token.
+        lengths: (2B,) int32 tokens per row (the reward is read at ``lengths - 1``).
+        margins: (B,) float32 margin of each pair.
+        num_pairs: B.
+    """
+
+    input_ids: mx.array
+    lengths: mx.array
+    margins: mx.array
+    num_pairs: int
+
+
+def collate_preferences(
+    examples: Sequence[PreferenceExample], pad_token_id: int, default_margin: float = 0.0
+) -> PreferenceBatch:
+    """Pad preference pairs into one :class:`PreferenceBatch` (chosen rows, then rejected rows);
+    a pair without its own margin gets ``default_margin``."""
+    rows = [e.chosen_ids for e in examples] + [e.rejected_ids for e in examples]
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_token_id, dtype=np.int32)  # (2B, L)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    lengths = np.array([len(r) for r in rows], dtype=np.int32)  # (2B,)
+    margins = np.array(
+        [default_margin if e.margin is None else e.margin for e in examples], dtype=np.float32
+    )  # (B,)
+    return PreferenceBatch(mx.array(ids), mx.array(lengths), mx.array(margins), len(examples))

@@ -1,0 +1,186 @@
+"""Supervised fine-tuning (SFT): the first stage of RLHF, and PPO's policy and reference.
+
+The policy learns to continue prompts with the demonstrated completions: next-token
+cross-entropy on the completion tokens (and EOS) only, the prompt being context. Full fine-tuning
+or LoRA; with LoRA the saved model has the adapters merged, so the output is a plain model
+directory that ``PolicyModel.from_pretrained`` (PPO's policy and reference) and ``mlx_lm.load``
+read.
+
+::
+
+    config = SFTConfig(model_name="Qwen/Qwen3-0.6B-Base", dataset="sft.jsonl", learning_rate=2e-5)
+    model_dir = run_sft(config)            # <output_dir>/model
+
+or, with records in memory, ``SFTTrainer(config).train(train_records, eval_records)`` and
+``trainer.save_pretrained(dir)``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from base_setup import seed_everything
+from base_setup.lora_setup import LoraSettings
+from config.sft_config import SFTConfig
+from models.policy_model import PolicyModel
+from training.data import (
+    SFTBatch,
+    SFTExample,
+    collate_sft,
+    load_sft_data,
+    tokenize_sft,
+    train_eval_split,
+)
+from training.supervised_trainer import MODEL_DIR, SupervisedTrainer
+
+
+def sft_loss(
+    logits: mx.array, targets: mx.array, mask: mx.array
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """Mean next-token cross-entropy over the target tokens.
+
+    ``loss = sum_{b,t} mask[b,t] * -log softmax(logits[b,t])[targets[b,t]] / sum_{b,t} mask[b,t]``
+
+    Args:
+        logits: (B, T, V) logits at positions 0..T-1 (the model's output for the input tokens
+            without the last).
+        targets: (B, T) the next tokens (the input tokens shifted left by one).
+        mask: (B, T) 1 where the target is a completion token, 0 for prompt tokens and padding.
+
+    Returns:
+        ``(loss, metrics)``: ``sft/token_accuracy``, the fraction of targets that are the
+        argmax of the logits. Cross-entropy is computed in float32 whatever the logits' dtype.
+    """
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets)  # (B, T)
+    num_targets = mx.maximum(mask.sum(), 1.0)
+    loss = (ce * mask).sum() / num_targets
+    correct = (mx.argmax(logits, axis=-1) == targets).astype(mx.float32)  # (B, T)
+    return loss, {"sft/token_accuracy": (correct * mask).sum() / num_targets}
+
+
+class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
+    """Supervised fine-tuning of a :class:`PolicyModel` (see the module docstring).
+
+    Args:
+        config: the run's :class:`SFTConfig`.
+        model: a ready policy; default: loaded from ``config.model_name`` with fresh LoRA
+            adapters when ``config.use_lora``. A given model must match ``config.use_lora``
+            (have adapters exactly when it is true).
+
+    Metrics per step: ``loss/sft``, ``sft/perplexity`` (``exp`` of it), ``sft/token_accuracy``,
+    ``sft/tokens`` (target tokens in the batch), ``grad_norm``, ``lr``, ``time/step``; on the
+    held-out data ``eval/loss``, ``eval/perplexity``, ``eval/token_accuracy``.
+    """
+
+    name = "SFT"
+    loss_key = "loss/sft"
+
+    def __init__(self, config: SFTConfig, model: PolicyModel | None = None) -> None:
+        seed_everything(config.seed)
+        if model is None:
+            lora = None
+            if config.use_lora:
+                lora = LoraSettings(
+                    r=config.lora_r,
+                    alpha=config.lora_alpha,
+                    dropout=config.lora_dropout,
+                    num_layers=config.lora_layers,
+                    keys=config.lora_keys,
+                )
+            model = PolicyModel.from_pretrained(config.model_name, dtype=config.dtype, lora=lora)
+        elif (model.lora is not None) != config.use_lora:
+            has = "has" if model.lora is not None else "has no"
+            raise ValueError(
+                f"the given model {has} LoRA adapters but config.use_lora={config.use_lora}: set "
+                "use_lora to match, or pass model=None to load config.model_name"
+            )
+        self.policy = model
+        self.tokenizer = model.tokenizer
+        self.pad_token_id = int(model.tokenizer.pad_token_id)
+        super().__init__(config, model)
+        self.config: SFTConfig = config
+
+    def prepare(self, data: Iterable[Mapping[str, Any]]) -> list[SFTExample]:
+        return tokenize_sft(data, self.tokenizer, self.config.max_length)
+
+    def collate(self, examples: Sequence[SFTExample]) -> tuple[SFTBatch, int]:
+        batch = collate_sft(examples, self.pad_token_id)
+        return batch, batch.num_targets
+
+    def loss_fn(self, model: nn.Module, batch: SFTBatch) -> tuple[mx.array, dict[str, mx.array]]:
+        logits = model(batch.input_ids[:, :-1])  # (B, L-1, V)
+        return sft_loss(logits, batch.input_ids[:, 1:], batch.loss_mask[:, 1:])
+
+    def step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
+        metrics = super().step(examples)
+        metrics["sft/perplexity"] = math.exp(min(metrics[self.loss_key], 50.0))
+        metrics["sft/tokens"] = float(sum(e.num_targets for e in examples))
+        return metrics
+
+    def evaluate(self, examples: Sequence[SFTExample]) -> dict[str, float]:
+        """Token-weighted cross-entropy, perplexity and token accuracy on held-out examples."""
+        if not examples:
+            raise ValueError("evaluate() got no examples")
+        was_training = self.model.training
+        self.model.eval()
+        loss_sum = correct_sum = 0.0
+        count = 0
+        for chunk in self.eval_chunks(examples):
+            batch = collate_sft(chunk, self.pad_token_id)
+            loss, metrics = self.loss_fn(self.model, batch)
+            mx.eval(loss, metrics)
+            loss_sum += float(loss) * batch.num_targets
+            correct_sum += float(metrics["sft/token_accuracy"]) * batch.num_targets
+            count += batch.num_targets
+        self.model.train(was_training)
+        loss_mean = loss_sum / count
+        return {
+            "eval/loss": loss_mean,
+            "eval/perplexity": math.exp(min(loss_mean, 50.0)),
+            "eval/token_accuracy": correct_sum / count,
+        }
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """A full model directory (LoRA adapters merged into the weights) that
+        ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read: PPO's policy and reference."""
+        return self.policy.save_pretrained(path, merged=True)
+
+    def _resume_keys(self) -> tuple[str, ...]:
+        return ("use_lora", "lora_r", "lora_layers", "lora_keys")
+
+
+def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path:
+    """Supervised fine-tuning from the config alone (what ``main.py sft`` calls).
+
+    Reads ``config.dataset`` (and ``config.eval_dataset``, or holds out ``eval_fraction`` of the
+    data with ``seed``), trains, and saves the model to ``<output_dir>/model``.
+
+    Returns:
+        The saved model directory (load it with ``PolicyModel.from_pretrained``; use it as
+        PPO's ``model_name`` and reward-model training's ``model_name``).
+
+    Raises:
+        ValueError: ``config.dataset`` is not set, or the data is malformed.
+    """
+    if config.dataset is None:
+        raise ValueError(
+            "dataset is not set: point it at a JSONL file of prompt/completion (or messages) "
+            "records, or a Hugging Face dataset name"
+        )
+    data = load_sft_data(config.dataset, split=config.dataset_split)
+    if config.eval_dataset is not None:
+        train_records: Sequence[Mapping[str, Any]] = data
+        eval_records: Sequence[Mapping[str, Any]] | None = load_sft_data(
+            config.eval_dataset, split=config.dataset_split
+        )
+    else:
+        train_records, held_out = train_eval_split(data, config.eval_fraction, config.seed)
+        eval_records = held_out or None
+    trainer = SFTTrainer(config)
+    trainer.train(train_records, eval_records, resume_from=resume_from)
+    return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

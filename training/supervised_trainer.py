@@ -1,0 +1,352 @@
+"""The loop that SFT and reward-model training share: batches, optimiser steps, evaluation,
+checkpoints and metrics.
+
+:meth:`SupervisedTrainer.train` reads top to bottom:
+
+1. tokenise the training and held-out data (:meth:`~SupervisedTrainer.prepare`);
+2. build AdamW with a warm-up + decay schedule over the run's steps, and resume from a checkpoint;
+3. each step: the epoch's next length-bucketed batch, split into micro-batches; per micro-batch
+   ``nn.value_and_grad`` of :meth:`~SupervisedTrainer.loss_fn` (which calls the model), the
+   gradients weighted by the micro-batch's share of the batch's targets (tokens or pairs), so
+   accumulation gives the gradient of the whole batch; clipping, one update, one ``mx.eval``;
+4. evaluation on the held-out data (before the first step, every ``eval_every`` steps, after
+   the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps;
+5. ``training_curves.png``.
+
+:class:`training.sft_trainer.SFTTrainer` and :class:`training.reward_trainer.RewardTrainer` fill
+in the task: :meth:`~SupervisedTrainer.prepare`, :meth:`~SupervisedTrainer.collate`,
+:meth:`~SupervisedTrainer.loss_fn`, :meth:`~SupervisedTrainer.evaluate` and
+:meth:`~SupervisedTrainer.save_pretrained`.
+
+A resumed run continues exactly: the data order of an epoch is a function of ``(seed, epoch)``,
+dropout is seeded from ``(seed, step)``, and a checkpoint holds the trainable weights, the
+optimiser state (moments and step count, hence the learning-rate schedule), the step, the epoch
+and the position in the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from tqdm import tqdm
+
+from config.loading import config_to_dict, save_config
+from config.sft_config import FineTuneConfig
+from training.checkpoint import CheckpointManager
+from training.data import length_bucketed_batches, split_micro_batches
+from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
+
+logger = logging.getLogger("ppo_mlx")
+
+E = TypeVar("E")  # one tokenised example
+B = TypeVar("B")  # one collated micro-batch
+
+#: Name of the trained model's directory under ``output_dir``.
+MODEL_DIR = "model"
+#: The run's config, written to ``output_dir`` when training starts.
+CONFIG_FILE = "config.yaml"
+# Config fields a checkpoint must agree on to be resumed.
+_RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window")
+
+
+def lr_schedule(
+    learning_rate: float, scheduler: str, warmup_steps: int, total_steps: int
+) -> Callable[[mx.array], mx.array]:
+    """The learning rate at each optimiser step: linear warm-up from 0 over ``warmup_steps``,
+    then ``"constant"``, ``"linear"`` decay to 0, or ``"cosine"`` decay to 0 at ``total_steps``.
+    """
+    warmup = min(warmup_steps, total_steps - 1) if total_steps > 1 else 0
+    decay_steps = max(total_steps - warmup, 1)
+    if scheduler == "constant":
+        main: Any = lambda step: mx.array(learning_rate)  # noqa: E731
+    elif scheduler == "linear":
+        main = optim.linear_schedule(learning_rate, 0.0, decay_steps)
+    elif scheduler == "cosine":
+        main = optim.cosine_decay(learning_rate, decay_steps)
+    else:
+        raise ValueError(
+            f"lr_scheduler must be 'constant', 'linear' or 'cosine', got {scheduler!r}"
+        )
+    if warmup == 0:
+        return main
+    return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), main], [warmup])
+
+
+class SupervisedTrainer(Generic[E, B]):
+    """Minibatch training of one model on tokenised examples; see the module docstring.
+
+    Args:
+        config: the run's :class:`FineTuneConfig` (an SFT or reward config).
+        model: the model to train; its trainable parameters are what the optimiser updates.
+
+    Attributes:
+        global_step: optimiser steps taken.
+        epoch: the current pass over the training data (0-based).
+        batch_in_epoch: batches of the current epoch already trained on.
+        history: one metrics dict per step (with ``"step"`` and ``"epoch"``), plus a first
+            ``{"step": 0, "eval/...": ...}`` record when evaluating before training.
+    """
+
+    #: Progress-bar label.
+    name = "train"
+    #: Metric key of the training loss.
+    loss_key = "loss/train"
+
+    def __init__(self, config: FineTuneConfig, model: nn.Module) -> None:
+        self.config = config
+        self.model = model
+        self.global_step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.history: list[dict[str, Any]] = []
+        self.run_dir = Path(config.output_dir)
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
+        )
+        self.optimizer: optim.Optimizer | None = None
+        self._num_train_examples: int | None = None
+        self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
+
+    # ------------------------------------------------------------------ task seams
+    def prepare(self, data: Iterable[Mapping[str, Any]]) -> list[E]:
+        """Check and tokenise records into examples."""
+        raise NotImplementedError
+
+    def collate(self, examples: Sequence[E]) -> tuple[B, int]:
+        """One micro-batch of ``examples`` and its number of loss targets (tokens or pairs)."""
+        raise NotImplementedError
+
+    def loss_fn(self, model: nn.Module, batch: B) -> tuple[mx.array, dict[str, mx.array]]:
+        """``(loss, metrics)`` of one micro-batch, each a mean over its targets; calls ``model``
+        (the function ``nn.value_and_grad`` differentiates)."""
+        raise NotImplementedError
+
+    def evaluate(self, examples: Sequence[E]) -> dict[str, float]:
+        """Metrics (``eval/...``) on held-out examples, without gradients."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Save the trained model where the next stage loads it; returns the directory."""
+        raise NotImplementedError
+
+    @staticmethod
+    def example_length(example: E) -> int:
+        """Tokens of an example, for length bucketing (``len(example)``)."""
+        return len(example)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the loop
+    def train(
+        self,
+        train_data: Iterable[Mapping[str, Any]],
+        eval_data: Iterable[Mapping[str, Any]] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> list[dict[str, Any]]:
+        """Train on ``train_data`` for the configured epochs/steps; returns the metrics history.
+
+        Args:
+            train_data: records (dicts, a list or a ``datasets.Dataset``) in the trainer's format.
+            eval_data: held-out records, evaluated before the first step, every ``eval_every``
+                steps and after the last; None = no evaluation.
+            resume_from: a checkpoint directory or ``"latest"`` (the newest under
+                ``<output_dir>/checkpoints``): continue where it stopped.
+        """
+        cfg = self.config
+        # 1. Tokenise (every record is checked before any training).
+        examples = self.prepare(train_data)
+        eval_examples = self.prepare(eval_data) if eval_data is not None else []
+        self._num_train_examples = len(examples)
+        lengths = [self.example_length(e) for e in examples]
+        steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
+        total = cfg.num_epochs * steps_per_epoch
+        if cfg.total_steps is not None:
+            total = min(total, cfg.total_steps)
+
+        # 2. Optimiser over the run's length; resume.
+        self.optimizer = optim.AdamW(
+            learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+        )
+        resume_step = None
+        if resume_from is not None:
+            path = self.checkpoints.resolve(resume_from)
+            self.load_checkpoint(path)
+            resume_step = self.global_step
+            logger.info("resumed from %s at step %d", path, self.global_step)
+        save_config(cfg, self.run_dir / CONFIG_FILE)
+        metrics_logger = MetricsLogger(
+            self.run_dir,
+            cfg.log_with,
+            config_to_dict(cfg),
+            resume_step=resume_step,
+            project=cfg.wandb_project,
+        )
+        bar = tqdm(
+            total=total,
+            initial=self.global_step,
+            desc=self.name,
+            disable=not cfg.progress_bar,
+            dynamic_ncols=True,
+        )
+        last_saved = self.global_step if resume_step is not None else -1
+        try:
+            if eval_examples and cfg.eval_every and self.global_step == 0:
+                record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
+                self.history.append(record)
+                metrics_logger.log(0, record)
+            batches: list[list[int]] = []
+            batches_epoch = -1
+            # 3. Steps.
+            while self.global_step < total:
+                if batches_epoch != self.epoch:
+                    batches = length_bucketed_batches(
+                        lengths,
+                        cfg.batch_size,
+                        window=cfg.bucket_window,
+                        seed=cfg.seed,
+                        epoch=self.epoch,
+                    )
+                    batches_epoch = self.epoch
+                metrics = self.step([examples[i] for i in batches[self.batch_in_epoch]])
+                record = {"step": self.global_step, "epoch": self.epoch, **metrics}
+                self.batch_in_epoch += 1
+                if self.batch_in_epoch == len(batches):
+                    self.epoch += 1
+                    self.batch_in_epoch = 0
+                # 4. Evaluation, logging, checkpoints.
+                due = cfg.eval_every and self.global_step % cfg.eval_every == 0
+                if eval_examples and (due or self.global_step == total):
+                    record.update(self.evaluate(eval_examples))
+                self.history.append(record)
+                metrics_logger.log(self.global_step, record)
+                bar.update(1)
+                bar.set_postfix(self._postfix(record))
+                if cfg.save_every and self.global_step % cfg.save_every == 0:
+                    self.save_checkpoint()
+                    last_saved = self.global_step
+            if last_saved != self.global_step:
+                self.save_checkpoint()
+        finally:
+            bar.close()
+            metrics_logger.close()
+            # 5. Curves.
+            records = read_metrics(metrics_logger.path)
+            if records:
+                plot_metrics(records, self.run_dir / PLOT_FILE)
+        return self.history
+
+    def step(self, examples: Sequence[E]) -> dict[str, float]:
+        """One optimiser step on ``examples`` (one batch); returns its metrics."""
+        cfg = self.config
+        if self.optimizer is None:
+            raise ValueError("no optimiser: call train(), which builds it for the run's length")
+        t0 = time.perf_counter()
+        self.model.train()
+        # Dropout randomness from (seed, step): a resumed run draws what an uninterrupted one did.
+        mx.random.seed((cfg.seed * 1_000_003 + self.global_step) % (2**63))
+        micro = [
+            self.collate(mb)
+            for mb in split_micro_batches(examples, cfg.gradient_accumulation_steps)
+        ]
+        total = sum(n for _, n in micro)
+        grads: Any = None
+        sums: dict[str, mx.array] = {}
+        for batch, n in micro:
+            (loss, metrics), g = self._value_and_grad(self.model, batch)
+            # Each micro-batch loss is a mean over its n targets: weighting by n / total makes
+            # the sum the mean over the whole batch, as without accumulation.
+            weight = n / total
+            if len(micro) > 1:
+                g = tree_map(lambda x: x * weight, g)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            for key, value in {self.loss_key: loss, **metrics}.items():
+                sums[key] = sums[key] + weight * value if key in sums else weight * value
+        grads, grad_norm = optim.clip_grad_norm(grads, cfg.max_grad_norm)
+        self.optimizer.update(self.model, grads)
+        # The one evaluation of this optimiser step: new weights, optimiser state and metrics.
+        mx.eval(self.model.trainable_parameters(), self.optimizer.state, sums, grad_norm)
+        out = {key: float(value) for key, value in sums.items()}
+        if not math.isfinite(out[self.loss_key]):
+            raise ValueError(
+                f"the training loss is {out[self.loss_key]} at step {self.global_step + 1}: "
+                "lower learning_rate, add warmup_steps, or keep max_grad_norm finite"
+            )
+        out["grad_norm"] = float(grad_norm)
+        out["lr"] = float(self.optimizer.learning_rate)
+        out["time/step"] = time.perf_counter() - t0
+        self.global_step += 1
+        return out
+
+    def eval_chunks(self, examples: Sequence[E]) -> list[list[E]]:
+        """Held-out examples in evaluation micro-batches, similar lengths together."""
+        size = self.config.eval_micro_batch_size
+        ordered = sorted(examples, key=self.example_length)
+        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+    def _postfix(self, record: Mapping[str, Any]) -> dict[str, str]:
+        postfix = {"loss": f"{record[self.loss_key]:.3f}"}
+        postfix.update(
+            {k.split("/")[-1]: f"{v:.3f}" for k, v in record.items() if k.startswith("eval/")}
+        )
+        return postfix
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write the trainable weights, optimiser state and position (atomically) under
+        ``<output_dir>/checkpoints/step_NNNNNN``."""
+        arrays: dict[str, dict[str, mx.array]] = {
+            "model": dict(tree_flatten(self.model.trainable_parameters())),
+        }
+        if self.optimizer is not None:
+            arrays["optimizer"] = dict(tree_flatten(self.optimizer.state))
+        state = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "num_train_examples": self._num_train_examples,
+            "history": self.history,
+            "config": config_to_dict(self.config),
+        }
+        return self.checkpoints.save(self.global_step, arrays, state)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore weights, optimiser state and position from a checkpoint of the same run.
+
+        Raises:
+            ValueError: the checkpoint was written with another model, batch size, seed or
+                data size (the data order would differ).
+        """
+        arrays, state = CheckpointManager.load(path)
+        saved = state["config"]
+        current = config_to_dict(self.config)
+        for key in _RESUME_KEYS + self._resume_keys():
+            if saved.get(key) != current.get(key):
+                raise ValueError(
+                    f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run "
+                    f"has {key}={current.get(key)!r}: resume with the same configuration"
+                )
+        if state["num_train_examples"] != self._num_train_examples:
+            raise ValueError(
+                f"checkpoint {path} was trained on {state['num_train_examples']} examples but "
+                f"this run has {self._num_train_examples}: resume with the same data"
+            )
+        self.model.load_weights(list(arrays["model"].items()), strict=False)
+        if self.optimizer is not None and "optimizer" in arrays:
+            self.optimizer.state = tree_unflatten(list(arrays["optimizer"].items()))
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+        self.batch_in_epoch = int(state["batch_in_epoch"])
+        self.history = list(state["history"])
+        mx.eval(self.model.parameters())
+
+    def _resume_keys(self) -> tuple[str, ...]:
+        """Further config fields a resumed run must share with its checkpoint."""
+        return ()
