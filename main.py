@@ -77,19 +77,22 @@ def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _build_trainer(args: argparse.Namespace) -> Any:
+def _build_trainer(args: argparse.Namespace) -> tuple[Any, list[Any]]:
+    """The trainer and the prompts; the config and the prompt file are checked before any model
+    is loaded."""
     from config.loading import load_config
-    from ppo_trainer.ppo_trainer import PPOTrainer
 
     config = load_config(args.config, args.overrides)
     reward = load_function(args.reward_fn) if args.reward_fn else None
-    return PPOTrainer(config, reward_model=reward)
+    prompts = read_prompts(args.prompts)
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    return PPOTrainer(config, reward_model=reward), prompts
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    prompts = read_prompts(args.prompts)
     eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else None
-    trainer = _build_trainer(args)
+    trainer, prompts = _build_trainer(args)
     history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
     out = trainer.save_model(Path(trainer.config.output_dir) / "final")
     last = history[-1] if history else {}
@@ -100,19 +103,19 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    trainer = _build_trainer(args)
+    trainer, prompts = _build_trainer(args)
     if args.checkpoint:
         trainer.load_checkpoint(args.checkpoint)
     elif args.model:
         trainer.load_model(args.model)
-    result = trainer.evaluate(read_prompts(args.prompts), num_samples=args.samples)
+    result = trainer.evaluate(prompts, num_samples=args.samples)
     print(json.dumps(result, indent=1))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from examples.sentiment_demo import run_demo
 
-    run_demo(Path(args.output_dir), fresh=args.fresh, ppo_steps=args.ppo_steps)
+    run_demo(Path(args.output_dir), fresh=args.fresh, ppo_steps=args.ppo_steps, smoke=args.smoke)
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -120,7 +123,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from config.sft_config import SFTConfig
     from training.sft_trainer import run_sft
 
-    overrides = list(args.overrides) + [f"data={args.data}"] if args.data else args.overrides
+    overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
     out = run_sft(load_config(args.config, overrides, cls=SFTConfig))
     print(f"SFT model: {out}")
 
@@ -130,7 +133,7 @@ def cmd_reward(args: argparse.Namespace) -> None:
     from config.reward_config import RewardConfig
     from training.reward_trainer import run_reward_training
 
-    overrides = list(args.overrides) + [f"data={args.data}"] if args.data else args.overrides
+    overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
     out = run_reward_training(load_config(args.config, overrides, cls=RewardConfig))
     print(f"reward model: {out}")
 
@@ -144,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fresh", action="store_true", help="rebuild every stage, ignore caches")
     demo.add_argument(
         "--ppo-steps", type=int, default=None, help="PPO iterations (default: demo's)"
+    )
+    demo.add_argument(
+        "--smoke", action="store_true", help="every stage at toy scale in seconds (for tests)"
     )
     demo.set_defaults(func=cmd_demo)
 
@@ -178,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logger.info(base_setup.blas_info().describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -53,6 +53,10 @@ class BlasInfo:
     name: str
     detail: str
 
+    def describe(self) -> str:
+        """The one log line: ``BLAS: <name> (<detail>)``."""
+        return f"BLAS: {self.name} ({self.detail})"
+
 
 _BLAS_INFO: BlasInfo | None = None
 
@@ -171,7 +175,7 @@ def setup_blas() -> BlasInfo:
     else:
         info = BlasInfo("reference", f"no fast BLAS known for {sys.platform}/{platform.machine()}")
     _BLAS_INFO = info
-    logger.info("BLAS: %s (%s)", info.name, info.detail)
+    logger.info(info.describe())
     return info
 
 

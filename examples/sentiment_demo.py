@@ -1,0 +1,216 @@
+"""The demo: the whole RLHF pipeline (SFT -> reward model -> PPO) on the embedded tiny model.
+
+1. Build the tiny Qwen3 checkpoint (tokenizer trained on the project's review corpus, random weights).
+2. SFT it on reviews of mixed sentiment: it learns to write short product reviews.
+3. Train a reward model (from the SFT weights) on pairs that prefer the more positive review.
+4. PPO (LoRA policy, the SFT model as reference, the reward model as reward and value init) makes the
+   reviews more positive, within a KL budget.
+
+The reward is a learned number; to make it checkable the demo also prints each sample's sentiment
+words (positive minus negative words of the corpus lexicon), which the reader can verify by eye.
+Stage outputs are cached under the output directory and reused on the next run (``--fresh`` rebuilds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from config.ppo_config import PPOConfig
+from config.reward_config import RewardConfig
+from config.sft_config import SFTConfig
+from models.demo_data import write_preference_data, write_sft_data
+from models.tiny_corpus import lexicon_score, review_prompts
+from models.tiny_model import build_tiny_checkpoint
+from ppo_trainer.ppo_trainer import PPOTrainer
+from training.metrics_logger import read_metrics
+from training.reward_trainer import run_reward_training
+from training.sft_trainer import run_sft
+
+logger = logging.getLogger("ppo_mlx")
+
+STAMP = "demo_stage.json"
+
+# Stage settings, chosen so that the three stages finish in a few minutes on 2 CPU cores.
+SFT_SETTINGS: dict[str, Any] = dict(
+    learning_rate=3e-3,
+    batch_size=32,
+    num_epochs=2,
+    warmup_steps=10,
+    lr_scheduler="cosine",
+    eval_fraction=0.05,
+    progress_bar=True,
+)
+REWARD_SETTINGS: dict[str, Any] = dict(
+    learning_rate=1e-3,
+    batch_size=32,
+    num_epochs=1,
+    warmup_steps=5,
+    eval_fraction=0.1,
+    progress_bar=True,
+)
+PPO_SETTINGS: dict[str, Any] = dict(
+    max_new_tokens=24,
+    batch_size=16,
+    learning_rate=3e-4,
+    kl_coef=0.1,
+    temperature=0.7,
+    num_ppo_epochs=2,
+    num_mini_batches=2,
+    use_lora=True,
+    lora_r=16,
+    lora_alpha=32.0,
+    value_learning_rate=3e-4,
+    save_every=10,
+)
+NUM_SFT_EXAMPLES = 3000
+NUM_PREFERENCE_PAIRS = 1500
+PPO_STEPS = 40
+
+# A seconds-long pass through every stage on the test-size model (``--smoke``; used by the tests).
+SMOKE: dict[str, Any] = dict(
+    size="test",
+    sft_examples=96,
+    preference_pairs=96,
+    sft={"batch_size": 16, "num_epochs": 1, "warmup_steps": 0},
+    reward={"batch_size": 16, "num_epochs": 1, "warmup_steps": 0},
+    ppo={"batch_size": 4, "max_new_tokens": 8, "save_every": 0},
+    ppo_steps=2,
+    eval_prompts=4,
+)
+
+
+def _cached(stage_dir: Path, settings: dict[str, Any]) -> Path | None:
+    """The stage's model directory if a previous run completed it with the same settings."""
+    stamp = stage_dir / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()).get("settings") == settings:
+        return Path(json.loads(stamp.read_text())["model"])
+    return None
+
+
+def _stamp(stage_dir: Path, settings: dict[str, Any], model: Path) -> None:
+    (stage_dir / STAMP).write_text(json.dumps({"settings": settings, "model": str(model)}))
+
+
+def _stage(name: str, stage_dir: Path, settings: dict[str, Any], fresh: bool, run: Any) -> Path:
+    cached = None if fresh else _cached(stage_dir, settings)
+    if cached is not None:
+        print(f"[{name}] reusing the cached result in {cached} (--fresh to rebuild)")
+        return cached
+    start = time.perf_counter()
+    model = Path(run())
+    _stamp(stage_dir, settings, model)
+    print(f"[{name}] done in {time.perf_counter() - start:.0f} s -> {model}")
+    return model
+
+
+def _show(title: str, result: dict[str, Any]) -> None:
+    print(
+        f"\n{title}: mean reward {result['eval/mean_reward']:+.3f}, KL to reference "
+        f"{result['eval/kl']:.3f}, sentiment words {result['sentiment']:+.2f}"
+    )
+    for sample in result["samples"]:
+        words = lexicon_score(sample["completion"])
+        print(
+            f"  [{sample['reward']:+.2f} | words {words:+d}] {sample['prompt']}{sample['completion']}"
+        )
+
+
+def _evaluate(trainer: PPOTrainer, prompts: list[str]) -> dict[str, Any]:
+    """Evaluate at the sampling temperature; add the mean lexicon sentiment of every completion."""
+    result = trainer.evaluate(
+        prompts, temperature=trainer.config.temperature, num_samples=len(prompts)
+    )
+    samples = result["samples"]
+    result["sentiment"] = sum(lexicon_score(s["completion"]) for s in samples) / len(samples)
+    result["samples"] = samples[:6]
+    return result
+
+
+def run_demo(
+    output_dir: Path, *, fresh: bool = False, ppo_steps: int | None = None, smoke: bool = False
+) -> dict[str, Any]:
+    """Run the three stages under ``output_dir``; returns the before/after evaluation.
+
+    ``smoke`` runs every stage at toy scale on the test-size model (seconds, for tests): the
+    code path is the same, the results are not meaningful.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    scale: dict[str, Any] = SMOKE if smoke else {}
+    base = build_tiny_checkpoint(output_dir / "base", size=scale.get("size", "demo"), seed=0)
+    print(f"[base] tiny Qwen3 checkpoint: {base}")
+    data_dir = output_dir / "data"
+    sft_data = write_sft_data(
+        data_dir / "sft.jsonl", scale.get("sft_examples", NUM_SFT_EXAMPLES), seed=0
+    )
+    pref_data = write_preference_data(
+        data_dir / "preferences.jsonl", scale.get("preference_pairs", NUM_PREFERENCE_PAIRS), seed=1
+    )
+
+    sft_dir = output_dir / "sft"
+    sft_settings = {
+        **SFT_SETTINGS,
+        **scale.get("sft", {}),
+        "model_name": str(base),
+        "dataset": str(sft_data),
+    }
+    sft_model = _stage(
+        "SFT",
+        sft_dir,
+        sft_settings,
+        fresh,
+        lambda: run_sft(SFTConfig(**sft_settings, output_dir=str(sft_dir))),
+    )
+    reward_dir = output_dir / "reward"
+    reward_settings = {
+        **REWARD_SETTINGS,
+        **scale.get("reward", {}),
+        "model_name": str(sft_model),
+        "dataset": str(pref_data),
+    }
+    reward_model = _stage(
+        "reward model",
+        reward_dir,
+        reward_settings,
+        fresh,
+        lambda: run_reward_training(RewardConfig(**reward_settings, output_dir=str(reward_dir))),
+    )
+    evals = [r for r in read_metrics(reward_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    if evals:
+        print(f"[reward model] held-out accuracy {evals[-1]['eval/accuracy']:.3f} (chance 0.5)")
+
+    steps = ppo_steps or scale.get("ppo_steps", PPO_STEPS)
+    ppo_dir = output_dir / "ppo"
+    config = PPOConfig(
+        **{
+            **PPO_SETTINGS,
+            **scale.get("ppo", {}),
+            "model_name": str(sft_model),
+            "reward_model_name": str(reward_model),
+            "output_dir": str(ppo_dir),
+            "total_steps": steps,
+        }
+    )
+    trainer = PPOTrainer(config)
+    prompts = review_prompts(steps * config.batch_size, seed=2)
+    eval_prompts = review_prompts(scale.get("eval_prompts", 48), seed=3)
+    before = _evaluate(trainer, eval_prompts)
+    _show("Before PPO", before)
+    print(f"\n[PPO] {steps} iterations of {config.batch_size} prompts ...")
+    trainer.train(prompts, num_epochs=1)
+    after = _evaluate(trainer, eval_prompts)
+    _show("After PPO", after)
+    model_dir = trainer.save_model(ppo_dir / "final")
+    print(
+        f"\nmean reward {before['eval/mean_reward']:+.3f} -> {after['eval/mean_reward']:+.3f}; "
+        f"sentiment words per review {before['sentiment']:+.2f} -> {after['sentiment']:+.2f}; "
+        f"KL to the SFT model {after['eval/kl']:.3f}"
+    )
+    print(f"metrics: {ppo_dir / 'metrics.jsonl'}\nplot:    {ppo_dir / 'training_curves.png'}")
+    print(f"policy:  {model_dir} (LoRA adapters over {sft_model})")
+    print(f"total time {time.perf_counter() - start:.0f} s")
+    return {"before": before, "after": after}
