@@ -1,0 +1,345 @@
+"""Code generation with PPO: the policy completes Python functions, rewarded by the fraction of
+their unit tests that the generated code passes.
+
+Each task is a function stub (signature and docstring) with assert-based tests. The policy either
+continues the stub (``prompt_style="completion"``, base models: the program is the stub plus the
+completion, cut where top-level code starts, with the Codex paper's stop sequences) or answers a
+chat request with a fenced code block (``prompt_style="chat"``, instruct models: the program is
+the stub followed by the block, whose function replaces the stub's). The program and the tests
+run in :mod:`examples.code_sandbox` (a separate, limited, disposable process per program, several
+in parallel): a completion that loops, crashes or exits early scores what its tests honestly
+passed, usually 0 (the sandbox's docstring says which hostile actions each platform stops).
+
+Data: JSONL records ``{"prompt": <stub>, "tests": ["assert f(1) == 2", ...]}`` (the bundled
+``data/code_tasks.jsonl``, 32 small functions written for this project, each with a reference
+``solution`` that passes its tests), or the Hub datasets MBPP (``google-research-datasets/mbpp``:
+``text``, ``code``, ``test_list``) and HumanEval (``openai/openai_humaneval``: ``prompt``,
+``test``, ``entry_point``; one test: ``check``).
+
+Run: ``python -m examples.code_generation --steps 2`` (the embedded tiny model; it writes no
+working code, so its reward stays 0), or ``--model <dir or repo id>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+
+from config.ppo_config import PPOConfig
+from examples.code_sandbox import SandboxLimits, extract_code, score_completions
+from examples.task_common import (
+    DATA_DIR,
+    PromptIndex,
+    TaskData,
+    require_object,
+    run_task_cli,
+    require_text,
+    task_argument_parser,
+    task_records,
+    train_on_prompts,
+)
+from models.policy_model import PolicyModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+from ppo_trainer.callbacks import CallbackLike
+from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
+from training.data import train_eval_split
+
+logger = logging.getLogger("ppo_mlx")
+
+BUNDLED_DATA = DATA_DIR / "code_tasks.jsonl"
+PromptStyle = Literal["completion", "chat"]
+CHAT_REQUEST = (
+    "Complete this Python function. Reply with the whole function in a ```python code block."
+    "\n\n{stub}"
+)
+#: A completion of a stub ends at the first of these (top-level code after the function).
+STOP_SEQUENCES: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "```")
+_OPEN_FENCE = re.compile(r"```[ \t]*[\w+-]*[^\n]*\n")
+
+#: PPO settings of the command line (overridable with --set or --config).
+TASK_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=64,
+    batch_size=4,
+    learning_rate=1e-4,
+    num_ppo_epochs=2,
+    num_mini_batches=2,
+    kl_coef=0.05,
+    temperature=0.7,
+    total_steps=20,
+)
+
+
+# --------------------------------------------------------------------------- the reward
+
+
+def build_program(stub: str, completion: str) -> str:
+    """The program a completion stands for.
+
+    A completion with a fenced code block (a chat answer) is the stub followed by the block's
+    code (:func:`examples.code_sandbox.extract_code`), which redefines the function. Otherwise it
+    continues the stub: the stub plus the completion up to the first of :data:`STOP_SEQUENCES`.
+    """
+    if _OPEN_FENCE.search(completion):
+        return f"{stub}\n{extract_code(completion)}\n"
+    ends = [i for i in (completion.find(s) for s in STOP_SEQUENCES) if i >= 0]
+    return stub + completion[: min(ends, default=len(completion))]
+
+
+def score_programs(
+    stubs: Sequence[str],
+    completions: Sequence[str],
+    tests: Sequence[Sequence[str]],
+    *,
+    limits: SandboxLimits | None = None,
+    max_workers: int | None = None,
+) -> list[float]:
+    """Fraction of its tests each completion's program (:func:`build_program`) passes, in [0, 1].
+
+    Runs :func:`examples.code_sandbox.score_completions`: one sandbox per program, at most
+    ``max_workers`` at once (default: half the CPU cores).
+    """
+    if not len(stubs) == len(completions) == len(tests):
+        raise ValueError(
+            f"stubs, completions and tests must have one entry per program, got {len(stubs)}, "
+            f"{len(completions)} and {len(tests)}"
+        )
+    programs = [build_program(s, c) for s, c in zip(stubs, completions)]
+    return score_completions(programs, tests, limits=limits, max_workers=max_workers)
+
+
+# --------------------------------------------------------------------------- the data
+
+
+@dataclass(frozen=True)
+class CodeTask:
+    """A function stub (signature and docstring, ending with a newline) and its test snippets."""
+
+    stub: str
+    tests: tuple[str, ...]
+
+
+def _mbpp_stub(record: Mapping[str, Any], where: str) -> str:
+    """MBPP: the reference solution's ``def`` line of the function the first test calls, with the
+    task text as its docstring."""
+    text = require_text(record, "text", where)
+    code = require_text(record, "code", where)
+    called = re.findall(r"\b([A-Za-z_]\w*)\s*\(", record["test_list"][0])
+    for match in re.finditer(r"^def\s+(\w+)\s*\(.*?\)\s*(->[^:]*)?:", code, re.M | re.S):
+        if match.group(1) in called:
+            docstring = text.strip().replace('"""', "'''")
+            return f'{match.group(0)}\n    """{docstring}"""\n'
+    raise ValueError(
+        f"{where}: the 'code' field defines none of the functions its first test calls"
+    )
+
+
+def code_task(record: Any, where: str) -> CodeTask:
+    """A record (bundled, MBPP or HumanEval format) as a :class:`CodeTask`.
+
+    Raises:
+        ValueError: ``"<where>: ..."`` for a malformed record or a test that does not compile.
+    """
+    fields = "'prompt' and 'tests' (or MBPP/HumanEval columns)"
+    record = require_object(record, where, fields)
+    if "tests" in record:
+        stub, tests = require_text(record, "prompt", where), record["tests"]
+    elif "test_list" in record:  # MBPP
+        tests = record["test_list"]
+        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+            raise ValueError(f"{where}: 'test_list' must be a non-empty list of test snippets")
+        stub = _mbpp_stub(record, where)
+        setup = record.get("test_setup_code") or ""
+        tests = [f"{setup}\n{t}" if setup else t for t in tests]
+    elif "entry_point" in record:  # HumanEval: one test, its check() function
+        stub = require_text(record, "prompt", where)
+        test = require_text(record, "test", where)
+        tests = [f"{test}\ncheck({require_text(record, 'entry_point', where)})"]
+    else:
+        raise ValueError(f"{where}: expected {fields}; found fields {sorted(record)}")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError(f"{where}: 'tests' must be a non-empty list of test snippets (strings)")
+    for i, test in enumerate(tests):
+        try:
+            compile(test, f"<test {i}>", "exec")
+        except SyntaxError as err:
+            raise ValueError(f"{where}: tests[{i}] does not compile: {err.msg}") from err
+    return CodeTask(stub if stub.endswith("\n") else stub + "\n", tuple(tests))
+
+
+def check_code_record(record: Any, where: str) -> None:
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid task (see
+    :func:`code_task`)."""
+    code_task(record, where)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class CodeGenerationTrainer(PPOTrainer):
+    """PPO on function stubs, rewarded by the fraction of unit tests the code passes.
+
+    Overrides :meth:`format_prompt` (the stub, or a chat request for it) and :meth:`evaluate`
+    (adds ``eval/pass_rate``). The reward, :meth:`test_reward`, runs every program in the code
+    sandbox; the config must name no reward model.
+
+    Args:
+        config: the run configuration.
+        prompt_style: "completion" (the policy continues the stub) or "chat" (the policy answers
+            a chat request with a code block; needs a chat template).
+        limits: sandbox limits per program; default: ``SandboxLimits()`` (5 s, 512 MB).
+        max_workers: programs run at once; None = half the CPU cores.
+        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        prompt_style: PromptStyle = "completion",
+        limits: SandboxLimits | None = None,
+        max_workers: int | None = None,
+        policy: PolicyModel | None = None,
+        ref_model: ReferenceModel | None = None,
+        value_model: ValueModel | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if config.reward_model_name is not None:
+            raise ValueError(
+                "the code-generation reward is the unit tests' pass rate: unset "
+                f"reward_model_name ({config.reward_model_name!r})"
+            )
+        if prompt_style not in ("completion", "chat"):
+            raise ValueError(f'prompt_style must be "completion" or "chat", got {prompt_style!r}')
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1 or None, got {max_workers}")
+        self.prompt_style = prompt_style
+        self.limits = limits or SandboxLimits()
+        self.max_workers = max_workers
+        self.tasks: PromptIndex[CodeTask] = PromptIndex("unit tests")
+        super().__init__(
+            config,
+            policy=policy,
+            ref_model=ref_model,
+            reward_model=self.test_reward,
+            value_model=value_model,
+            tokenizer=tokenizer,
+        )
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        """The stub itself ("completion"), or a chat request for it in the chat template."""
+        if not isinstance(prompt, str):
+            raise ValueError("CodeGenerationTrainer prompts are function stubs, not chat messages")
+        if self.prompt_style == "completion":
+            return prompt
+        return super().format_prompt(
+            [{"role": "user", "content": CHAT_REQUEST.format(stub=prompt)}]
+        )
+
+    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Register tasks (see :func:`code_task`); returns their stubs, the prompts to train or
+        evaluate on.
+
+        Raises:
+            ValueError: a record is malformed, or two tasks share a stub but not their tests.
+        """
+        stubs = []
+        for i, record in enumerate(records):
+            task = code_task(record, f"record {i}")
+            text = self.format_prompt(task.stub)
+            known = self.tasks.get(text)
+            if known is not None and known.tests != task.tests:
+                raise ValueError(
+                    f"record {i}: another task has the same prompt but different tests "
+                    f"({task.stub[:60]!r}...): merge them into one record"
+                )
+            self.tasks.add(text, task)
+            stubs.append(task.stub)
+        return stubs
+
+    def test_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
+        """:func:`score_programs` of each completion against its task's tests (in parallel)."""
+        tasks = self.tasks.lookup(prompts)
+        return score_programs(
+            [t.stub for t in tasks],
+            completions,
+            [t.tests for t in tasks],
+            limits=self.limits,
+            max_workers=self.max_workers,
+        )
+
+    def evaluate(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        num_samples: int = 4,
+    ) -> dict[str, Any]:
+        """:meth:`PPOTrainer.evaluate` plus ``eval/pass_rate``: the share of programs that pass
+        every test (pass@1 at the evaluation temperature)."""
+        result = super().evaluate(prompts, max_new_tokens, temperature, num_samples=len(prompts))
+        samples = result["samples"]
+        result["eval/pass_rate"] = float(np.mean([s["reward"] == 1.0 for s in samples]))
+        result["samples"] = samples[:num_samples]
+        return result
+
+    def train_on_dataset(
+        self,
+        name_or_path: TaskData = BUNDLED_DATA,
+        *,
+        split: str = "train",
+        eval_fraction: float = 0.0,
+        num_epochs: int | None = None,
+        callbacks: Sequence[CallbackLike] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> list[dict[str, float]]:
+        """Train on function stubs with unit tests: a JSONL file, a Hub dataset or records.
+
+        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
+        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
+        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
+        """
+        records = task_records(name_or_path, check_code_record, split=split)
+        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
+        prompts = self.add_records(train)
+        eval_prompts = self.add_records(held_out)
+        return train_on_prompts(
+            self,
+            prompts,
+            eval_prompts,
+            num_epochs=num_epochs,
+            callbacks=callbacks,
+            resume_from=resume_from,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m examples.code_generation [--model DIR] [--steps N] ...``"""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = task_argument_parser(__doc__.split("\n\n")[0], BUNDLED_DATA)
+    parser.add_argument("--prompt-style", choices=("completion", "chat"), default="completion")
+    parser.add_argument("--workers", type=int, help="sandboxes run at once (default: cores / 2)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per program")
+    args = parser.parse_args(argv)
+    return run_task_cli(
+        args,
+        check=check_code_record,
+        task_defaults=TASK_DEFAULTS,
+        default_output_dir="runs/code_generation",
+        build=lambda config: CodeGenerationTrainer(
+            config,
+            prompt_style=args.prompt_style,
+            limits=SandboxLimits(timeout_s=args.timeout),
+            max_workers=args.workers,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

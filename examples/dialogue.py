@@ -1,0 +1,323 @@
+"""Multi-turn dialogue with PPO: the policy writes the next assistant turn of a conversation.
+
+Prompts are conversations (``[{"role": ..., "content": ...}, ...]`` ending with a user turn)
+rendered by the tokenizer's chat template, so the policy answers in its own chat format.
+
+The reward is a preference-trained reward model (``reward_model_name``: a
+``*ForSequenceClassification`` checkpoint, e.g. one written by ``python main.py reward``) that
+scores the rendered conversation + reply. Without one, the trainer falls back to
+:func:`keyword_heuristic_score`, a STAND-IN for tests and offline runs only: it counts politeness
+and helpfulness phrases, words shared with the user's last message, and penalises rude phrases
+and replies that are very short or very long. It does not measure whether a reply is helpful or
+true, and a policy trained on it learns to say "thank you" a lot.
+
+Data: JSONL records ``{"messages": [...]}`` (the bundled ``data/dialogue.jsonl``, 30 short
+conversations written for this project), or a Hub dataset with a ``messages`` column (e.g.
+``HuggingFaceH4/ultrachat_200k``, split ``train_sft``) or Anthropic HH's ``chosen`` text
+(``Anthropic/hh-rlhf``). A conversation is cut after its last user turn.
+
+Run: ``python -m examples.dialogue --steps 2`` (the embedded tiny model, heuristic reward), or
+``--model <chat model> --set reward_model_name=<reward model>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from config.ppo_config import PPOConfig
+from examples.task_common import (
+    DATA_DIR,
+    PromptIndex,
+    TaskData,
+    require_object,
+    run_task_cli,
+    task_argument_parser,
+    task_records,
+    train_on_prompts,
+)
+from models.policy_model import PolicyModel
+from models.reward_model import RewardFunction, RewardModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+from ppo_trainer.callbacks import CallbackLike
+from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
+from training.data import train_eval_split
+
+logger = logging.getLogger("ppo_mlx")
+
+BUNDLED_DATA = DATA_DIR / "dialogue.jsonl"
+ROLES = ("system", "user", "assistant")
+Messages = list[dict[str, str]]
+
+#: PPO settings of the command line (overridable with --set or --config).
+TASK_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=48,
+    batch_size=4,
+    learning_rate=1e-4,
+    num_ppo_epochs=2,
+    num_mini_batches=2,
+    kl_coef=0.05,
+    temperature=0.7,
+    total_steps=20,
+)
+
+# --------------------------------------------------------------------------- the stand-in reward
+
+POLITE_PHRASES = ("please", "thank", "glad", "happy to", "sorry", "you're welcome", "of course")
+HELPFUL_PHRASES = (
+    "you can",
+    "try",
+    "for example",
+    "first",
+    "then",
+    "because",
+    "i suggest",
+    "i recommend",
+    "step",
+)
+RUDE_PHRASES = ("stupid", "idiot", "shut up", "dumb", "whatever", "not my problem", "go away")
+_STOPWORDS = frozenset(
+    "about after also been before being could does doing from have having here into just like "
+    "more most much need only other over same should some such than that their them then there "
+    "these they this those very want were what when where which while will with would your "
+    "yours".split()
+)
+
+
+def _has_phrase(text: str, phrase: str) -> bool:
+    return re.search(r"\b" + re.escape(phrase), text) is not None
+
+
+def _content_words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z']+", text.lower()) if len(w) >= 4 and w not in _STOPWORDS}
+
+
+def keyword_heuristic_score(
+    messages: Sequence[Mapping[str, str]],
+    reply: str,
+    *,
+    min_words: int = 5,
+    max_words: int = 80,
+) -> float:
+    """A keyword heuristic for a reply to a conversation; a STAND-IN, not a learned reward.
+
+    ``score = 0.25 * min(2, #polite) + 0.25 * min(2, #helpful) + relevance - 0.5 * #rude
+    + length``, where ``#polite``/``#helpful``/``#rude`` count the distinct phrases of
+    :data:`POLITE_PHRASES`/:data:`HELPFUL_PHRASES`/:data:`RUDE_PHRASES` in the reply
+    (lower-cased, at a word start), ``relevance`` is the share of the last user message's content
+    words (4+ letters, not stop words) that the reply repeats, and ``length`` is -0.5 below
+    ``min_words`` words, ``-min(1, 0.01 * (words - max_words))`` above ``max_words``, else 0.
+    An empty reply scores -1. Range about [-1.5 - 0.5 * #rude, 2].
+    """
+    words = reply.split()
+    if not words:
+        return -1.0
+    text = reply.lower()
+    polite = sum(_has_phrase(text, p) for p in POLITE_PHRASES)
+    helpful = sum(_has_phrase(text, p) for p in HELPFUL_PHRASES)
+    rude = sum(_has_phrase(text, p) for p in RUDE_PHRASES)
+    user_turns = [m["content"] for m in messages if m["role"] == "user"]
+    asked = _content_words(user_turns[-1]) if user_turns else set()
+    relevance = len(asked & _content_words(reply)) / len(asked) if asked else 0.0
+    if len(words) < min_words:
+        length = -0.5
+    elif len(words) > max_words:
+        length = -min(1.0, 0.01 * (len(words) - max_words))
+    else:
+        length = 0.0
+    return 0.25 * min(2, polite) + 0.25 * min(2, helpful) + relevance - 0.5 * rude + length
+
+
+# --------------------------------------------------------------------------- the data
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+def parse_hh_dialogue(text: str) -> Messages:
+    """Anthropic HH text (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``) as chat messages."""
+    parts = _HH_TURN.split(text)
+    if len(parts) < 3 or parts[0].strip():
+        raise ValueError("not an Anthropic HH dialogue (expected '\\n\\nHuman: ...' turns)")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [
+        {"role": roles[role], "content": content.strip()}
+        for role, content in zip(parts[1::2], parts[2::2])
+    ]
+
+
+def conversation_prompt(messages: Sequence[Mapping[str, Any]], where: str) -> Messages:
+    """The conversation up to and including its last user turn (the turn the policy answers).
+
+    Raises:
+        ValueError: malformed messages, or no user turn.
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of messages")
+    out: Messages = []
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, Mapping)
+            or m.get("role") not in ROLES
+            or not isinstance(m.get("content"), str)
+        ):
+            raise ValueError(
+                f"{where}: messages[{i}] must be {{'role': one of {ROLES}, 'content': text}}, "
+                f"got {m!r:.80}"
+            )
+        out.append({"role": str(m["role"]), "content": str(m["content"])})
+    last_user = max((i for i, m in enumerate(out) if m["role"] == "user"), default=None)
+    if last_user is None or not out[last_user]["content"].strip():
+        raise ValueError(f"{where}: the conversation has no (non-empty) user turn to answer")
+    return out[: last_user + 1]
+
+
+def _record_messages(record: Any, where: str) -> Messages:
+    record = require_object(record, where, "'messages' (or Anthropic HH 'chosen')")
+    if "messages" in record:
+        return conversation_prompt(record["messages"], where)
+    if isinstance(record.get("chosen"), str):
+        try:
+            messages = parse_hh_dialogue(record["chosen"])
+        except ValueError as err:
+            raise ValueError(f"{where}: 'chosen' is {err}") from err
+        return conversation_prompt(messages, where)
+    raise ValueError(
+        f"{where}: expected 'messages' (a list of {{'role', 'content'}}) or an Anthropic HH "
+        f"'chosen' text; found fields {sorted(record)}"
+    )
+
+
+def check_dialogue_record(record: Any, where: str) -> None:
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` holds a conversation with a user turn
+    (``messages``, or Anthropic HH ``chosen`` text)."""
+    _record_messages(record, where)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class DialogueTrainer(PPOTrainer):
+    """PPO on conversations: the policy writes the next assistant turn.
+
+    Overrides :meth:`format_prompt` (an optional system message, then the chat template). The
+    reward is the configured reward model; without one, :meth:`heuristic_reward` (a stand-in).
+
+    Args:
+        config: the run configuration; set ``reward_model_name`` for a real reward.
+        system_prompt: a system message put before conversations that have none; None = none.
+        reward_model: overrides the reward (a :class:`RewardModel` or a function
+            ``(prompts, completions) -> list[float]``).
+        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        system_prompt: str | None = None,
+        policy: PolicyModel | None = None,
+        ref_model: ReferenceModel | None = None,
+        reward_model: RewardModel | RewardFunction | None = None,
+        value_model: ValueModel | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.system_prompt = system_prompt
+        self.conversations: PromptIndex[Messages] = PromptIndex("conversation")
+        if reward_model is None and config.reward_model_name is None:
+            logger.warning(
+                "DialogueTrainer: no reward_model_name, so replies are scored by "
+                "keyword_heuristic_score, a stand-in for tests and offline runs (not a "
+                "measure of helpfulness)"
+            )
+            reward_model = self.heuristic_reward
+        super().__init__(
+            config,
+            policy=policy,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            value_model=value_model,
+            tokenizer=tokenizer,
+        )
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        """The conversation (with ``system_prompt`` first if it has no system message) in the
+        tokenizer's chat template, ending with the header of the assistant's turn."""
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        messages = conversation_prompt(prompt, "prompt")
+        if len(messages) != len(prompt):
+            raise ValueError(
+                "a dialogue prompt must end with the user turn to answer; drop the trailing "
+                "assistant turns"
+            )
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return super().format_prompt(messages)
+
+    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[Messages]:
+        """Register checked records (see :func:`check_dialogue_record`); returns their
+        conversations (cut after the last user turn), the prompts to train or evaluate on."""
+        conversations = []
+        for i, record in enumerate(records):
+            messages = _record_messages(record, f"record {i}")
+            self.conversations.add(self.format_prompt(messages), messages)
+            conversations.append(messages)
+        return conversations
+
+    def heuristic_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
+        """:func:`keyword_heuristic_score` of each reply to its conversation (the stand-in reward
+        when the config names no reward model)."""
+        conversations = self.conversations.lookup(prompts)
+        return [keyword_heuristic_score(m, c) for m, c in zip(conversations, completions)]
+
+    def train_on_dataset(
+        self,
+        name_or_path: TaskData = BUNDLED_DATA,
+        *,
+        split: str = "train",
+        eval_fraction: float = 0.0,
+        num_epochs: int | None = None,
+        callbacks: Sequence[CallbackLike] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> list[dict[str, float]]:
+        """Train on conversations: a JSONL file, a Hub dataset or records.
+
+        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
+        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
+        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
+        """
+        records = task_records(name_or_path, check_dialogue_record, split=split)
+        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
+        prompts: list[Prompt] = list(self.add_records(train))
+        eval_prompts: list[Prompt] = list(self.add_records(held_out))
+        return train_on_prompts(
+            self,
+            prompts,
+            eval_prompts,
+            num_epochs=num_epochs,
+            callbacks=callbacks,
+            resume_from=resume_from,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m examples.dialogue [--model DIR] [--steps N] ...``"""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = task_argument_parser(__doc__.split("\n\n")[0], BUNDLED_DATA)
+    parser.add_argument("--system-prompt", help="system message for conversations without one")
+    args = parser.parse_args(argv)
+    return run_task_cli(
+        args,
+        check=check_dialogue_record,
+        task_defaults=TASK_DEFAULTS,
+        default_output_dir="runs/dialogue",
+        build=lambda config: DialogueTrainer(config, system_prompt=args.system_prompt),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

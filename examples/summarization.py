@@ -1,0 +1,373 @@
+"""Summarization with PPO: ``Summarize: <article>\\nTL;DR:`` prompts, rewarded for faithful, concise
+summaries.
+
+The reward of a summary ``y`` of an article with reference summaries ``refs`` is
+
+    score(y) = quality(y) - length_penalty * min(1, max(0, words(y) - max_length_ratio * L) / L)
+
+where ``L = max(words(ref) for ref in refs)`` and ``quality`` is
+
+* the trained reward model named by ``reward_model_name`` (a ``*ForSequenceClassification``
+  checkpoint that scores the prompt + summary tokens), if the config names one;
+* else :func:`rouge_quality`: the mean of the ROUGE-1, ROUGE-2 and ROUGE-L F1 of ``y`` against
+  its best-matching reference (``rouge-score``, Porter stemming), in [0, 1].
+
+Overlap with a reference rewards saying what the article says (faithfulness, in the limited sense
+ROUGE can measure); the F1's precision and the length term penalise padding.
+
+Data: JSONL records ``{"article": ..., "summary": ...}`` (the bundled ``data/summarization.jsonl``,
+36 short news stories written for this project), or a Hub dataset whose columns are one of
+:data:`FIELD_PAIRS` (XSum's document/summary, CNN/DailyMail's article/highlights, SAMSum's
+dialogue/summary); ``summary`` may also be a list of references.
+
+Run: ``python -m examples.summarization --steps 2`` (the embedded tiny model), or
+``--model <dir or repo id>`` for a real one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from config.ppo_config import PPOConfig
+from examples.task_common import (
+    DATA_DIR,
+    PromptIndex,
+    TaskData,
+    require_object,
+    run_task_cli,
+    task_argument_parser,
+    task_records,
+    train_on_prompts,
+)
+from models.policy_model import PolicyModel
+from models.reward_model import RewardFunction, RewardModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+from ppo_trainer.callbacks import CallbackLike
+from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
+from training.data import train_eval_split
+
+logger = logging.getLogger("ppo_mlx")
+
+BUNDLED_DATA = DATA_DIR / "summarization.jsonl"
+PROMPT_TEMPLATE = "Summarize: {article}\nTL;DR:"
+
+#: (article column, summary column) pairs recognised in a dataset, first match wins.
+FIELD_PAIRS: tuple[tuple[str, str], ...] = (
+    ("article", "summary"),
+    ("document", "summary"),
+    ("article", "highlights"),
+    ("dialogue", "summary"),
+    ("text", "summary"),
+)
+
+#: PPO settings of the command line (overridable with --set or --config).
+TASK_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=32,
+    batch_size=4,
+    learning_rate=1e-4,
+    num_ppo_epochs=2,
+    num_mini_batches=2,
+    kl_coef=0.05,
+    temperature=0.7,
+    total_steps=20,
+)
+
+
+# --------------------------------------------------------------------------- the reward
+
+
+@functools.lru_cache(maxsize=1)
+def _rouge_scorer() -> Any:
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError as err:
+        raise ImportError(
+            "the summarization reward needs rouge-score: pip install rouge-score"
+        ) from err
+    logging.getLogger("absl").setLevel(logging.WARNING)  # "Using default tokenizer." at INFO
+    return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+
+
+def rouge_quality(summary: str, references: Sequence[str]) -> float:
+    """Mean of the ROUGE-1, ROUGE-2 and ROUGE-L F1 of ``summary`` against ``references``.
+
+    ``(F1_rouge1 + F1_rouge2 + F1_rougeL) / 3``, each F1 the best over the references
+    (``rouge_score.RougeScorer.score_multi``; lower-cased words, Porter-stemmed). In [0, 1]: 1 for
+    a summary equal to a reference, 0 for one sharing no word with any (or empty).
+    """
+    if not references:
+        raise ValueError("rouge_quality needs at least one reference summary")
+    scores = _rouge_scorer().score_multi(list(references), summary)
+    return float(np.mean([scores[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")]))
+
+
+def length_penalty(
+    summary: str, references: Sequence[str], *, max_length_ratio: float, coef: float
+) -> float:
+    """``coef * min(1, max(0, words(summary) - max_length_ratio * L) / L)``, ``L`` the longest
+    reference's word count: zero up to the length budget, then linear in the excess words
+    (relative to L), capped at ``coef`` so that one rambling sample cannot dominate the batch's
+    rewards (quality is in [0, 1])."""
+    longest = max(len(r.split()) for r in references)
+    if longest == 0:
+        raise ValueError("length_penalty needs a non-empty reference summary")
+    excess = max(0.0, len(summary.split()) - max_length_ratio * longest)
+    return coef * min(1.0, excess / longest)
+
+
+# --------------------------------------------------------------------------- the data
+
+
+@dataclass(frozen=True)
+class SummaryExample:
+    """One article and its reference summaries."""
+
+    article: str
+    references: tuple[str, ...]
+
+
+def _fields(record: Mapping[str, Any], where: str) -> tuple[str, str]:
+    for article, summary in FIELD_PAIRS:
+        if article in record and summary in record:
+            return article, summary
+    pairs = ", ".join(f"{a}/{s}" for a, s in FIELD_PAIRS)
+    raise ValueError(
+        f"{where}: expected an article and its summary as one of the column pairs {pairs}; "
+        f"found columns {sorted(record)}"
+    )
+
+
+def check_summary_record(record: Any, where: str) -> None:
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` holds a non-empty article and a
+    non-empty summary (a string, or a non-empty list of strings) under one of
+    :data:`FIELD_PAIRS`."""
+    record = require_object(record, where, "'article' and 'summary'")
+    article_key, summary_key = _fields(record, where)
+    article, summary = record[article_key], record[summary_key]
+    if not isinstance(article, str) or not article.strip():
+        raise ValueError(f"{where}: {article_key!r} must be a non-empty string")
+    refs = [summary] if isinstance(summary, str) else summary
+    if (
+        not isinstance(refs, list)
+        or not refs
+        or not all(isinstance(r, str) and r.strip() for r in refs)
+    ):
+        raise ValueError(
+            f"{where}: {summary_key!r} must be a non-empty string or a list of them, got "
+            f"{summary!r:.60}"
+        )
+
+
+def summary_example(record: Mapping[str, Any]) -> SummaryExample:
+    """A checked record as a :class:`SummaryExample`."""
+    article_key, summary_key = _fields(record, "record")
+    summary = record[summary_key]
+    refs = (summary,) if isinstance(summary, str) else tuple(summary)
+    return SummaryExample(record[article_key].strip(), tuple(r.strip() for r in refs))
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class SummarizationTrainer(PPOTrainer):
+    """PPO on article -> summary prompts, rewarded for faithful, concise summaries.
+
+    Overrides :meth:`format_prompt` (the TL;DR prompt, the article's tail cut to fit
+    ``max_prompt_length``), :meth:`compute_scores` (the length penalty on top of the reward
+    model's or ROUGE's quality) and :meth:`evaluate` (adds ROUGE and summary length).
+
+    Args:
+        config: the run configuration; ``reward_model_name`` set = quality from that reward
+            model, else ROUGE against the references.
+        reward_model: overrides the quality reward (a :class:`RewardModel` or a function
+            ``(prompts, completions) -> list[float]``).
+        length_penalty: ``coef`` of :func:`length_penalty` (0 = no penalty).
+        max_length_ratio: summaries up to this many times the longest reference's word count go
+            unpenalised.
+        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        *,
+        policy: PolicyModel | None = None,
+        ref_model: ReferenceModel | None = None,
+        reward_model: RewardModel | RewardFunction | None = None,
+        value_model: ValueModel | None = None,
+        tokenizer: Any = None,
+        length_penalty: float = 1.0,
+        max_length_ratio: float = 1.5,
+    ) -> None:
+        if length_penalty < 0 or max_length_ratio <= 0:
+            raise ValueError(
+                f"length_penalty must be >= 0 and max_length_ratio > 0, got {length_penalty} "
+                f"and {max_length_ratio}"
+            )
+        self.length_penalty = length_penalty
+        self.max_length_ratio = max_length_ratio
+        self.examples: PromptIndex[SummaryExample] = PromptIndex("reference summary")
+        if reward_model is None and config.reward_model_name is None:
+            reward_model = self.rouge_reward
+        super().__init__(
+            config,
+            policy=policy,
+            ref_model=ref_model,
+            reward_model=reward_model,
+            value_model=value_model,
+            tokenizer=tokenizer,
+        )
+
+    def format_prompt(self, prompt: Prompt) -> str:
+        """``Summarize: <article>\\nTL;DR:``; an article too long for ``max_prompt_length`` keeps
+        its beginning (news puts the essentials first)."""
+        if not isinstance(prompt, str):
+            raise ValueError("SummarizationTrainer prompts are article texts, not chat messages")
+        text = PROMPT_TEMPLATE.format(article=prompt)
+        limit = self.config.max_prompt_length
+        excess = len(self.encode_prompt(text)) - limit
+        if excess <= 0:
+            return text
+        article_ids = self.encode_prompt(prompt)
+        keep = len(article_ids) - excess
+        while keep > 0:
+            text = PROMPT_TEMPLATE.format(article=self.decode_completion(article_ids[:keep]))
+            excess = len(self.encode_prompt(text)) - limit
+            if excess <= 0:
+                return text
+            keep -= excess  # re-tokenising at the cut can add a token or two
+        raise ValueError(
+            f"max_prompt_length={limit} leaves no room for the article after the prompt template "
+            f"{PROMPT_TEMPLATE!r}: raise max_prompt_length"
+        )
+
+    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Register checked records (see :func:`check_summary_record`); returns their articles,
+        the prompts to train or evaluate on. Records with the same article pool their
+        references."""
+        articles = []
+        for record in records:
+            example = summary_example(record)
+            text = self.format_prompt(example.article)
+            known = self.examples.get(text)
+            if known is not None:
+                refs = known.references + tuple(
+                    r for r in example.references if r not in known.references
+                )
+                example = SummaryExample(example.article, refs)
+            self.examples.add(text, example)
+            articles.append(example.article)
+        return articles
+
+    def rouge_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
+        """:func:`rouge_quality` of each completion against its prompt's references (the quality
+        reward when the config names no reward model)."""
+        examples = self.examples.lookup(prompts)
+        return [rouge_quality(c, ex.references) for c, ex in zip(completions, examples)]
+
+    def compute_scores(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        query_responses: mx.array,
+        sequence_lengths: mx.array,
+    ) -> mx.array:
+        """Quality (reward model or ROUGE, via :meth:`PPOTrainer.compute_scores`) minus the
+        length penalty; shape (B,)."""
+        quality = super().compute_scores(prompts, completions, query_responses, sequence_lengths)
+        examples = self.examples.lookup(prompts)
+        penalties = [self._penalty(c, ex.references) for c, ex in zip(completions, examples)]
+        return quality.astype(mx.float32) - mx.array(penalties, dtype=mx.float32)  # (B,)
+
+    def _penalty(self, summary: str, references: Sequence[str]) -> float:
+        return length_penalty(
+            summary, references, max_length_ratio=self.max_length_ratio, coef=self.length_penalty
+        )
+
+    def evaluate(
+        self,
+        prompts: Sequence[Prompt],
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        num_samples: int = 4,
+    ) -> dict[str, Any]:
+        """:meth:`PPOTrainer.evaluate` plus ``eval/rouge`` (mean :func:`rouge_quality`),
+        ``eval/length_penalty`` (mean :func:`length_penalty`) and ``eval/summary_words`` (mean
+        words per summary). Without a reward model, ``eval/mean_reward`` is ``eval/rouge -
+        eval/length_penalty``."""
+        result = super().evaluate(prompts, max_new_tokens, temperature, num_samples=len(prompts))
+        samples = result["samples"]
+        examples = self.examples.lookup([s["prompt"] for s in samples])
+        pairs = [(s["completion"], ex.references) for s, ex in zip(samples, examples)]
+        result["eval/rouge"] = float(np.mean([rouge_quality(c, refs) for c, refs in pairs]))
+        result["eval/length_penalty"] = float(
+            np.mean([self._penalty(c, refs) for c, refs in pairs])
+        )
+        result["eval/summary_words"] = float(np.mean([len(c.split()) for c, _ in pairs]))
+        result["samples"] = samples[:num_samples]
+        return result
+
+    def train_on_dataset(
+        self,
+        name_or_path: TaskData = BUNDLED_DATA,
+        *,
+        split: str = "train",
+        eval_fraction: float = 0.0,
+        num_epochs: int | None = None,
+        callbacks: Sequence[CallbackLike] | None = None,
+        resume_from: str | Path | None = None,
+    ) -> list[dict[str, float]]:
+        """Train on articles with reference summaries: a JSONL file, a Hub dataset or records.
+
+        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
+        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
+        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
+        """
+        records = task_records(name_or_path, check_summary_record, split=split)
+        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
+        prompts = self.add_records(train)
+        eval_prompts = self.add_records(held_out)
+        return train_on_prompts(
+            self,
+            prompts,
+            eval_prompts,
+            num_epochs=num_epochs,
+            callbacks=callbacks,
+            resume_from=resume_from,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m examples.summarization [--model DIR] [--steps N] ...``"""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = task_argument_parser(__doc__.split("\n\n")[0], BUNDLED_DATA)
+    parser.add_argument("--length-penalty", type=float, default=1.0, help="0 = no penalty")
+    parser.add_argument(
+        "--max-length-ratio",
+        type=float,
+        default=1.5,
+        help="summary words allowed before the penalty, as a multiple of the reference's",
+    )
+    args = parser.parse_args(argv)
+    return run_task_cli(
+        args,
+        check=check_summary_record,
+        task_defaults=TASK_DEFAULTS,
+        default_output_dir="runs/summarization",
+        build=lambda config: SummarizationTrainer(
+            config, length_penalty=args.length_penalty, max_length_ratio=args.max_length_ratio
+        ),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

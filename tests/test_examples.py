@@ -1,0 +1,512 @@
+"""The task trainers in examples/: their rewards on hand-made completions, their data checks, one
+in-process PPO step each (the scores the step trains on are the task's own reward), and one
+command-line run each on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from config.ppo_config import PPOConfig
+from examples import code_generation, dialogue, summarization
+from examples.code_generation import (
+    CodeGenerationTrainer,
+    build_program,
+    check_code_record,
+    code_task,
+    score_programs,
+)
+from examples.code_sandbox import SandboxLimits
+from examples.dialogue import (
+    DialogueTrainer,
+    check_dialogue_record,
+    conversation_prompt,
+    keyword_heuristic_score,
+    parse_hh_dialogue,
+)
+from examples.summarization import (
+    SummarizationTrainer,
+    check_summary_record,
+    length_penalty,
+    rouge_quality,
+)
+from examples.task_common import load_task_records
+from models.reward_model import RewardModel
+from token_attribution.sequences import build_query_responses
+
+REPO = Path(__file__).resolve().parents[1]
+LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=3, memory_mb=256)
+
+ARTICLE = (
+    "The town council of Millbrook voted on Tuesday to turn the empty lot behind the train "
+    "station into a community garden. The plan includes forty raised beds, a tool shed and a "
+    "rainwater tank. Residents can rent a bed for twenty dollars a season, and the first plots "
+    "will be handed out in April."
+)
+REFERENCE = (
+    "Millbrook will turn the lot behind its train station into a community garden with forty "
+    "rentable beds from April."
+)
+ADD_TASK: dict[str, Any] = {
+    "prompt": 'def add(a, b):\n    """Return the sum of a and b."""\n',
+    "tests": ["assert add(1, 2) == 3", "assert add(-4, 4) == 0", "assert add(2.5, 0.5) == 3.0"],
+}
+EVEN_TASK: dict[str, Any] = {
+    "prompt": 'def is_even(n):\n    """Return True if n is even."""\n',
+    "tests": ["assert is_even(4) is True", "assert is_even(7) is False"],
+}
+FLOWERS = [
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "How do I keep cut flowers fresh longer?"},
+]
+
+
+def make_config(model_dir: Path, tmp_path: Path, **overrides: Any) -> PPOConfig:
+    settings: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        max_new_tokens=6,
+        batch_size=2,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        learning_rate=1e-3,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    settings.update(overrides)
+    return PPOConfig(**settings)
+
+
+def write_jsonl(path: Path, lines: Sequence[Any]) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+# --------------------------------------------------------------------------- summarization reward
+
+
+def test_rouge_quality_matches_a_hand_computation() -> None:
+    # unigrams: 2 of 3 match 2 of 4 -> F1 = 2 * (2/3) * (2/4) / (2/3 + 2/4) = 4/7
+    # bigrams: "the cat" of {the cat, cat sat} and {the cat, cat ran, ran away}:
+    #   F1 = 2 * (1/2) * (1/3) / (1/2 + 1/3) = 0.4
+    # LCS "the cat" (2 words) -> same as unigrams, 4/7
+    expected = (4 / 7 + 0.4 + 4 / 7) / 3
+    assert rouge_quality("the cat sat", ["the cat ran away"]) == pytest.approx(expected)
+    assert rouge_quality(REFERENCE, [REFERENCE]) == pytest.approx(1.0)
+    assert rouge_quality("zebra quantum", [REFERENCE]) == 0.0
+    assert rouge_quality("", [REFERENCE]) == 0.0
+    # the best reference counts
+    assert rouge_quality("the cat sat", ["dogs bark", "the cat ran away"]) == pytest.approx(
+        expected
+    )
+
+
+def test_length_penalty_is_zero_within_budget_then_linear() -> None:
+    ref = " ".join(["w"] * 10)  # 10 words: budget 1.5 * 10 = 15 words
+    assert length_penalty(" ".join(["x"] * 15), [ref], max_length_ratio=1.5, coef=1.0) == 0.0
+    assert length_penalty(" ".join(["x"] * 20), [ref], max_length_ratio=1.5, coef=1.0) == 0.5
+    assert length_penalty(" ".join(["x"] * 20), [ref], max_length_ratio=1.5, coef=2.0) == 1.0
+    # capped at coef once the excess reaches the reference's length
+    assert length_penalty(" ".join(["x"] * 25), [ref], max_length_ratio=1.5, coef=2.0) == 2.0
+    assert length_penalty(" ".join(["x"] * 90), [ref], max_length_ratio=1.5, coef=2.0) == 2.0
+    # the longest reference sets the budget
+    assert length_penalty(" ".join(["x"] * 20), ["a b", ref], max_length_ratio=2.0, coef=1.0) == 0
+
+
+def test_summary_score_prefers_the_faithful_concise_summary() -> None:
+    def score(summary: str) -> float:
+        refs = [REFERENCE]
+        return rouge_quality(summary, refs) - length_penalty(
+            summary, refs, max_length_ratio=1.5, coef=1.0
+        )
+
+    faithful = "Millbrook will turn the lot behind the station into a garden with forty beds."
+    padded = faithful + " " + ARTICLE
+    unrelated = "A storm knocked down dozens of trees in the central park on Monday night."
+    wrong_facts = "Millbrook will sell the station lot to a supermarket chain next year."
+    assert score(faithful) > score(padded)
+    assert score(faithful) > score(wrong_facts) > score(unrelated)
+    assert score(faithful) > 0.5 and score(unrelated) < 0.1
+    assert score(padded) >= -1.0  # the length penalty is capped at its coefficient
+
+
+# --------------------------------------------------------------------------- dialogue reward
+
+
+def test_keyword_heuristic_score_hand_computed() -> None:
+    # asked: keep, flowers, fresh, longer; the reply repeats keep, flowers, fresh (3/4),
+    # one polite phrase ("thank") and one helpful phrase ("you can"); 15 words, in [5, 80].
+    reply = "Thank you for asking! You can trim the stems and keep the flowers in fresh water."
+    assert keyword_heuristic_score(FLOWERS, reply) == pytest.approx(0.25 + 0.25 + 0.75)
+    # two rude phrases, nothing else, exactly min_words words
+    assert keyword_heuristic_score(FLOWERS, "Whatever, figure it out, stupid.") == -1.0
+    assert keyword_heuristic_score(FLOWERS, "Thanks!") == pytest.approx(0.25 - 0.5)  # too short
+    assert keyword_heuristic_score(FLOWERS, "") == -1.0
+    long_reply = " ".join(["word"] * 180)  # 100 words over max_words: -min(1, 0.01 * 100)
+    assert keyword_heuristic_score(FLOWERS, long_reply) == pytest.approx(-1.0)
+    assert keyword_heuristic_score(FLOWERS, " ".join(["word"] * 130)) == pytest.approx(-0.5)
+
+
+def test_conversations_are_cut_after_the_last_user_turn() -> None:
+    hh = "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: Any tea tips?\n\nAssistant: Yes."
+    messages = parse_hh_dialogue(hh)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert conversation_prompt(messages, "x") == messages[:3]
+    assert messages[2]["content"] == "Any tea tips?"
+    with pytest.raises(ValueError, match="no .*user turn"):
+        conversation_prompt([{"role": "system", "content": "Be nice."}], "here")
+    with pytest.raises(ValueError, match="here: messages\\[0\\]"):
+        conversation_prompt([{"role": "robot", "content": "beep"}], "here")
+
+
+# --------------------------------------------------------------------------- code reward
+
+
+def test_build_program_continues_the_stub_or_takes_the_fenced_block() -> None:
+    stub = ADD_TASK["prompt"]
+    assert build_program(stub, "    return a + b\n\ndef other():\n    pass") == (
+        stub + "    return a + b\n"
+    )
+    assert build_program(stub, "    return a + b\nprint(add(1, 2))") == stub + "    return a + b"
+    answer = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+    assert build_program(stub, answer) == stub + "\ndef add(a, b):\n    return a + b\n"
+
+
+def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> None:
+    stub, tests = ADD_TASK["prompt"], ADD_TASK["tests"]
+    completions = [
+        "    return a + b\n",  # 3/3
+        "    return 3\n",  # add(1, 2) == 3 and add(2.5, 0.5) == 3.0 pass, add(-4, 4) fails
+        "    return a - b\n",  # -1, -8, 2.0: none pass
+        "    while True:\n        pass\n",  # the first test never ends: timeout
+        "    import os\n    os.kill(os.getpid(), 9)\n",  # kills itself in the first test
+        "    raise SystemExit(0)\n",  # leaving early is a failure, not a pass
+        "    print('PASS 0 1 2')\n    return None\n",  # fake results on stdout are not parsed
+        "import sys; sys.exit(0)",  # top-level code that exits before any test runs
+    ]
+    scores = score_programs(
+        [stub] * len(completions),
+        completions,
+        [tests] * len(completions),
+        limits=LIMITS,
+        max_workers=2,
+    )
+    assert scores == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_bundled_code_solutions_pass_every_test() -> None:
+    records = load_task_records(code_generation.BUNDLED_DATA, check_code_record)
+    assert len(records) == 32
+    tasks = [code_task(r, "bundled") for r in records]
+    solved = score_programs(
+        [t.stub for t in tasks],
+        [r["solution"] for r in records],
+        [t.tests for t in tasks],
+        limits=LIMITS,
+        max_workers=2,
+    )
+    assert solved == [1.0] * len(records)
+
+
+def test_mbpp_and_humaneval_records_become_stub_tasks() -> None:
+    mbpp = {
+        "text": "Write a function to triple a number.",
+        "code": "import math\ndef triple(x):\r\n  return 3 * x",
+        "test_list": ["assert triple(2) == 6", "assert triple(0) == 0"],
+        "test_setup_code": "",
+    }
+    task = code_task(mbpp, "mbpp row 0")
+    assert task.stub == 'def triple(x):\n    """Write a function to triple a number."""\n'
+    assert task.tests == tuple(mbpp["test_list"])
+    humaneval = {
+        "prompt": 'def inc(x):\n    """Add one."""\n',
+        "test": "def check(candidate):\n    assert candidate(1) == 2\n",
+        "entry_point": "inc",
+    }
+    task = code_task(humaneval, "he row 0")
+    assert task.tests == (humaneval["test"] + "\ncheck(inc)",)
+    scores = score_programs(
+        [task.stub] * 2, ["    return x + 1\n", "    return x\n"], [task.tests] * 2, limits=LIMITS
+    )
+    assert scores == [1.0, 0.0]
+
+
+# --------------------------------------------------------------------------- data files
+
+
+def test_bundled_datasets_pass_their_checks() -> None:
+    summaries = load_task_records(summarization.BUNDLED_DATA, check_summary_record)
+    conversations = load_task_records(dialogue.BUNDLED_DATA, check_dialogue_record)
+    assert len(summaries) == 36 and len(conversations) == 30
+    assert all(c["messages"][-1]["role"] == "user" for c in conversations)
+
+
+@pytest.mark.parametrize(
+    "check, good, bad, message",
+    [
+        (check_summary_record, {"article": "A.", "summary": "B."}, {"article": "A."}, "column"),
+        (
+            check_summary_record,
+            {"article": "A.", "summary": "B."},
+            {"document": "A.", "summary": []},
+            "'summary'",
+        ),
+        (check_dialogue_record, {"messages": FLOWERS}, {"messages": FLOWERS[:2][1:]}, "user turn"),
+        (check_code_record, ADD_TASK, {"prompt": "def f():\n", "tests": "assert f()"}, "tests"),
+        (check_code_record, ADD_TASK, {"prompt": "def f():\n", "tests": ["assert ("]}, "compile"),
+        (check_code_record, ADD_TASK, '{"prompt": "def f():\\n", "tests": [', "not valid JSON"),
+    ],
+)
+def test_malformed_lines_are_named_by_file_and_line(
+    tmp_path: Path, check: Any, good: Any, bad: Any, message: str
+) -> None:
+    path = write_jsonl(tmp_path / "data.jsonl", [good, bad, good])
+    with pytest.raises(ValueError, match=f"{path}:2: .*{message}"):
+        load_task_records(path, check)
+
+
+# --------------------------------------------------------------------------- one step each
+
+
+def scripted(cls: type, completion: str) -> type:
+    """``cls`` whose completions all decode to ``completion`` (the rollout tokens are unchanged),
+    so the step's scores are known."""
+
+    class Scripted(cls):
+        def decode_completion(self, tokens: Sequence[int]) -> str:
+            return completion
+
+    return Scripted
+
+
+def spy_on(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """Record every call of ``module.name`` (which still runs)."""
+    calls: list[Any] = []
+    real = getattr(module, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        calls.append((args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_summarization_step_trains_on_rouge_minus_length_penalty(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = spy_on(monkeypatch, summarization, "rouge_quality")
+    other_ref = "Scientists tagged twelve young sea turtles with satellite trackers."
+    records = [
+        {"article": ARTICLE, "summary": REFERENCE},
+        {"article": "Researchers tagged turtles with trackers.", "summary": other_ref},
+    ]
+    summary = REFERENCE + " " + " ".join(["garden"] * 20)  # 38 words: over 1.5 x 18 (ref words)
+    trainer = scripted(SummarizationTrainer, summary)(
+        make_config(tiny_model_dir, tmp_path), length_penalty=0.5
+    )
+    assert trainer.reward_model is None and trainer.reward_fn == trainer.rouge_reward
+    articles = trainer.add_records(records)
+    metrics = trainer.step(articles)
+    expected = [
+        rouge_quality(summary, [REFERENCE])
+        - length_penalty(summary, [REFERENCE], max_length_ratio=1.5, coef=0.5),
+        rouge_quality(summary, [other_ref])
+        - length_penalty(summary, [other_ref], max_length_ratio=1.5, coef=0.5),
+    ]
+    assert expected[0] < rouge_quality(summary, [REFERENCE])  # the penalty applies
+    assert len(calls) == 2  # the trainer's reward, once per completion
+    assert metrics["objective/scores"] == pytest.approx(float(np.mean(expected)), abs=1e-6)
+    result = trainer.evaluate(articles, num_samples=1)
+    assert result["eval/mean_reward"] == pytest.approx(float(np.mean(expected)), abs=1e-6)
+    assert result["eval/rouge"] - result["eval/length_penalty"] == pytest.approx(
+        result["eval/mean_reward"], abs=1e-6
+    )
+    assert result["eval/summary_words"] == len(summary.split())
+    assert len(result["samples"]) == 1
+
+
+def test_summarization_prompt_format_and_truncation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = SummarizationTrainer(make_config(tiny_model_dir, tmp_path, max_prompt_length=40))
+    short = "Rain fell."
+    assert trainer.format_prompt(short) == "Summarize: Rain fell.\nTL;DR:"
+    text = trainer.format_prompt(ARTICLE)
+    assert len(trainer.encode_prompt(text)) <= 40
+    assert text.startswith("Summarize: The town council") and text.endswith("\nTL;DR:")
+    with pytest.raises(ValueError, match="add_records"):
+        trainer.rouge_reward([trainer.format_prompt("Never registered.")], ["x"])
+
+
+def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rm = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=1)
+    trainer = SummarizationTrainer(make_config(tiny_model_dir, tmp_path), reward_model=rm)
+    assert trainer.reward_model is rm and trainer.reward_fn is None
+    [article] = trainer.add_records(
+        [{"article": ARTICLE, "summary": "The garden will offer forty beds in April."}]
+    )
+    prompt = trainer.format_prompt(article)
+    completions = [
+        "A garden.",
+        "A garden with forty beds for rent behind the old train station from next April.",
+    ]
+    responses = [trainer.encode_prompt(c) for c in completions]
+    width = max(len(r) for r in responses)
+    padded = mx.array([r + [trainer.pad_token_id] * (width - len(r)) for r in responses])
+    prompt_ids = [trainer.encode_prompt(prompt)] * 2
+    query_responses, prompt_lengths = build_query_responses(
+        prompt_ids, padded, trainer.pad_token_id
+    )
+    lengths = prompt_lengths + mx.array([len(r) for r in responses])
+    scores = trainer.compute_scores([prompt] * 2, completions, query_responses, lengths)
+    # reference: 8 words -> budget 12 words; 15 words -> penalty (15 - 12) / 8 = 0.375
+    expected = np.array(rm.score(query_responses, lengths)) - np.array([0.0, 0.375])
+    np.testing.assert_allclose(np.array(scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dialogue_step_trains_on_the_heuristic_stand_in(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = spy_on(monkeypatch, dialogue, "keyword_heuristic_score")
+    reply = "Thank you! You can keep the flowers fresh in cool water."
+    trainer = scripted(DialogueTrainer, reply)(
+        make_config(tiny_model_dir, tmp_path), system_prompt="Be brief."
+    )
+    assert trainer.reward_model is None and trainer.reward_fn == trainer.heuristic_reward
+    other = [{"role": "system", "content": "Own system."}, {"role": "user", "content": "Hi."}]
+    conversations = trainer.add_records([{"messages": FLOWERS + FLOWERS[1:2]}, {"messages": other}])
+    assert conversations[0] == FLOWERS  # cut after the last user turn
+    text = trainer.format_prompt(conversations[0])
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "Be brief." not in trainer.format_prompt(other)  # its own system message stays
+    with pytest.raises(ValueError, match="end with the user turn"):
+        trainer.format_prompt(FLOWERS[:2])
+    metrics = trainer.step(conversations)
+    assert len(calls) == 2  # the trainer's reward, once per completion
+    expected = [keyword_heuristic_score(c, reply) for c in conversations]
+    assert expected[0] > expected[1]
+    assert metrics["objective/scores"] == pytest.approx(float(np.mean(expected)), abs=1e-6)
+
+
+def test_dialogue_with_a_reward_model_uses_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rm = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=1)
+    trainer = DialogueTrainer(make_config(tiny_model_dir, tmp_path), reward_model=rm)
+    assert trainer.reward_model is rm and trainer.reward_fn is None
+
+
+def test_code_step_trains_on_the_sandboxed_pass_fraction(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = spy_on(monkeypatch, code_generation, "score_completions")
+    trainer = scripted(CodeGenerationTrainer, "    return a + b\n")(
+        make_config(tiny_model_dir, tmp_path), limits=LIMITS, max_workers=1
+    )
+    assert trainer.reward_model is None and trainer.reward_fn == trainer.test_reward
+    stubs = trainer.add_records([ADD_TASK, EVEN_TASK])
+    metrics = trainer.step(stubs)
+    [(args, kwargs, scores)] = calls
+    programs, tests = args
+    assert programs == [
+        ADD_TASK["prompt"] + "    return a + b\n",
+        EVEN_TASK["prompt"] + "    return a + b\n",
+    ]
+    assert tests == [tuple(ADD_TASK["tests"]), tuple(EVEN_TASK["tests"])]
+    assert kwargs["max_workers"] == 1 and kwargs["limits"] is LIMITS
+    assert scores == [1.0, 0.0]  # is_even has no a or b: NameError in every test
+    assert metrics["objective/scores"] == pytest.approx(0.5)
+    result = trainer.evaluate(stubs, num_samples=1)
+    assert result["eval/pass_rate"] == 0.5 and result["eval/mean_reward"] == pytest.approx(0.5)
+    assert len(result["samples"]) == 1
+
+
+def test_code_trainer_rejects_a_reward_model_and_conflicting_tasks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="unset reward_model_name"):
+        CodeGenerationTrainer(
+            make_config(tiny_model_dir, tmp_path, reward_model_name=str(tiny_model_dir))
+        )
+    trainer = CodeGenerationTrainer(make_config(tiny_model_dir, tmp_path), prompt_style="chat")
+    assert trainer.format_prompt(ADD_TASK["prompt"]).startswith("<|im_start|>user\nComplete")
+    with pytest.raises(ValueError, match="same prompt but different tests"):
+        trainer.add_records([ADD_TASK, {**ADD_TASK, "tests": ["assert add(0, 0) == 0"]}])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def cli_args(module: str, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--output-dir",
+        str(tmp_path / module),
+        "--set",
+        "progress_bar=false",
+        "--set",
+        "num_ppo_epochs=1",
+        "--set",
+        "num_mini_batches=1",
+        *extra,
+    ]
+
+
+def run_cli(module: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", f"examples.{module}", *cli_args(module, tmp_path, *extra)]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["summarization", "dialogue", "code_generation"])
+def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path, module: str) -> None:
+    # dialogue builds its own tiny model (no --model); the others get the session's
+    model_args = (
+        ["--tiny-size", "test"] if module == "dialogue" else ["--model", str(tiny_model_dir)]
+    )
+    data_args = ["--eval-fraction", "0"]  # the bundled dataset, nothing held out
+    if module == "summarization":  # 10 short articles (fast); 2 held out, evaluated at the end
+        records = [
+            {"article": f"Story {i}: {ARTICLE[:80]}", "summary": REFERENCE} for i in range(10)
+        ]
+        data = write_jsonl(tmp_path / "short.jsonl", records)
+        data_args = ["--data", str(data), "--eval-fraction", "0.2"]
+    result = run_cli(module, tmp_path, *model_args, *data_args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / module
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and np.isfinite(records[0]["objective/scores"])
+    assert (out / "final").is_dir()
+    if module == "summarization":  # ROUGE reward: mean reward = ROUGE - length penalty
+        final = json.loads((out / "eval_final.json").read_text())
+        assert final["eval/mean_reward"] == pytest.approx(
+            final["eval/rouge"] - final["eval/length_penalty"], abs=1e-6
+        )
+        assert "2 held out" in result.stderr
+    if module == "dialogue":
+        assert (out / "tiny_model" / "config.json").is_file()
+        assert "keyword_heuristic_score" in result.stderr  # the stand-in is announced
+
+
+def test_cli_reports_a_malformed_data_line_before_loading_a_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = write_jsonl(tmp_path / "bad.jsonl", [ADD_TASK, {"prompt": "def f():\n"}])
+    args = cli_args("code_generation", tmp_path, "--model", str(tmp_path / "no_model"))
+    assert code_generation.main([*args, "--data", str(bad)]) == 2
+    assert f"error: {bad}:2:" in capsys.readouterr().err  # not the missing model
