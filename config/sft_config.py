@@ -29,8 +29,9 @@ class FineTuneConfig:
             (needs network or the datasets cache); None = the caller passes records to the
             trainer itself (run_sft / run_reward_training need it set).
         dataset_split: Split of a Hub dataset to read (a local file is one "train" split).
-        eval_dataset: Held-out data (a JSONL file or Hub dataset name, read from its
-            dataset_split); None = hold out eval_fraction of the training data instead.
+        eval_dataset: Held-out data (a JSONL file or Hub dataset name); None = hold out
+            eval_fraction of the training data instead.
+        eval_dataset_split: Split of a Hub eval_dataset to read.
         eval_fraction: Fraction of the training data held out for evaluation when eval_dataset
             is None (chosen with seed); 0 = no evaluation.
         max_length: Most tokens per sequence (prompt + completion + EOS). SFT truncates longer
@@ -72,6 +73,7 @@ class FineTuneConfig:
     dataset: str | None = None
     dataset_split: str = "train"
     eval_dataset: str | None = None
+    eval_dataset_split: str = "test"
     eval_fraction: float = 0.05
     max_length: int = 1024
     learning_rate: float = 1e-5
@@ -118,13 +120,15 @@ class FineTuneConfig:
                 "a non-empty path or dataset name, or null",
                 f"set {name} to a JSONL file or a Hugging Face dataset name, or null",
             )
-        require(
-            bool(self.dataset_split.strip()),
-            "dataset_split",
-            self.dataset_split,
-            "a non-empty split name",
-            'set e.g. "train"',
-        )
+        for name in ("dataset_split", "eval_dataset_split"):
+            value = getattr(self, name)
+            require(
+                bool(value.strip()),
+                name,
+                value,
+                "a non-empty split name",
+                'set e.g. "train" or "test"',
+            )
         require(
             0.0 <= self.eval_fraction < 1.0,
             "eval_fraction",

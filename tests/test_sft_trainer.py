@@ -15,13 +15,14 @@ import pytest
 from mlx.utils import tree_flatten
 
 from base_setup.lora_setup import LoraSettings
-from config.loading import load_config
+from config.loading import load_config, save_config
 from config.sft_config import SFTConfig
 from models.demo_data import sft_records, write_sft_data
 from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from training.sft_trainer import SFTTrainer, run_sft, sft_loss
-from training.supervised_trainer import lr_schedule
+from training.data import load_sft_data
+from training.supervised_trainer import CONFIG_FILE, load_run_data, lr_schedule
 
 PROMPTS = ["Review of the camera:", "Review of the sushi bar:"]
 
@@ -126,6 +127,7 @@ def test_full_sft_learns_and_loads_as_the_ppo_policy(tiny_model_dir: Path, tmp_p
     assert records[-1]["eval/loss"] < records[0]["eval/loss"] - 0.5  # held-out loss falls
     assert records[-1]["loss/sft"] < records[1]["loss/sft"]
     assert (tmp_path / "run" / PLOT_FILE).stat().st_size > 0
+    assert load_config(tmp_path / "run" / CONFIG_FILE, cls=SFTConfig) == cfg
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
         "step_000003",
         "step_000006",
@@ -264,6 +266,21 @@ def test_sft_config_validation_and_yaml(tmp_path: Path) -> None:
         16,
     )
     assert cfg.output_dir == "runs/sft" and cfg.micro_batch_size == 16
+    cfg.max_grad_norm = float("inf")
+    assert load_config(save_config(cfg, tmp_path / "saved.yaml"), cls=SFTConfig) == cfg
+
+
+def test_load_run_data_reads_an_eval_dataset_or_holds_out(tmp_path: Path) -> None:
+    train_file = write_sft_data(tmp_path / "train.jsonl", 20, seed=0)
+    eval_file = write_sft_data(tmp_path / "eval.jsonl", 3, seed=1)
+    cfg = SFTConfig(model_name="m", dataset=str(train_file), eval_dataset=str(eval_file))
+    train, held_out = load_run_data(cfg, load_sft_data)
+    assert (train, held_out) == (sft_records(20, seed=0), sft_records(3, seed=1))
+    cfg = SFTConfig(model_name="m", dataset=str(train_file), eval_fraction=0.25)
+    train, held_out = load_run_data(cfg, load_sft_data)
+    assert held_out is not None and (len(train), len(held_out)) == (15, 5)
+    cfg = SFTConfig(model_name="m", dataset=str(train_file), eval_fraction=0.0)
+    assert load_run_data(cfg, load_sft_data) == (sft_records(20, seed=0), None)
 
 
 def test_model_and_config_must_agree_on_lora(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -34,9 +34,8 @@ from training.data import (
     collate_preferences,
     load_preference_data,
     tokenize_preferences,
-    train_eval_split,
 )
-from training.supervised_trainer import MODEL_DIR, SupervisedTrainer
+from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
 def bradley_terry_loss(
@@ -187,8 +186,8 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
 def run_reward_training(config: RewardConfig, *, resume_from: str | Path | None = None) -> Path:
     """Reward-model training from the config alone (what ``main.py reward`` calls).
 
-    Reads ``config.dataset`` (and ``config.eval_dataset``, or holds out ``eval_fraction`` of the
-    pairs with ``seed``), trains, and saves the model to ``<output_dir>/model``.
+    Reads ``config.dataset`` and the held-out pairs (:func:`load_run_data`), trains, and saves
+    the model to ``<output_dir>/model``.
 
     Returns:
         The saved reward-model directory (PPO's ``reward_model_name``).
@@ -196,20 +195,7 @@ def run_reward_training(config: RewardConfig, *, resume_from: str | Path | None 
     Raises:
         ValueError: ``config.dataset`` is not set, or the data is malformed.
     """
-    if config.dataset is None:
-        raise ValueError(
-            "dataset is not set: point it at a JSONL file of prompt/chosen/rejected records, or "
-            "a Hugging Face dataset name"
-        )
-    data = load_preference_data(config.dataset, split=config.dataset_split)
-    if config.eval_dataset is not None:
-        train_records: Sequence[Mapping[str, Any]] = data
-        eval_records: Sequence[Mapping[str, Any]] | None = load_preference_data(
-            config.eval_dataset, split=config.dataset_split
-        )
-    else:
-        train_records, held_out = train_eval_split(data, config.eval_fraction, config.seed)
-        eval_records = held_out or None
+    train_records, eval_records = load_run_data(config, load_preference_data)
     trainer = RewardTrainer(config)
     trainer.train(train_records, eval_records, resume_from=resume_from)
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

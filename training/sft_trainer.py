@@ -28,15 +28,8 @@ from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings
 from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
-from training.data import (
-    SFTBatch,
-    SFTExample,
-    collate_sft,
-    load_sft_data,
-    tokenize_sft,
-    train_eval_split,
-)
-from training.supervised_trainer import MODEL_DIR, SupervisedTrainer
+from training.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
+from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
 def sft_loss(
@@ -157,8 +150,8 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
 def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path:
     """Supervised fine-tuning from the config alone (what ``main.py sft`` calls).
 
-    Reads ``config.dataset`` (and ``config.eval_dataset``, or holds out ``eval_fraction`` of the
-    data with ``seed``), trains, and saves the model to ``<output_dir>/model``.
+    Reads ``config.dataset`` and the held-out data (:func:`load_run_data`), trains, and saves
+    the model to ``<output_dir>/model``.
 
     Returns:
         The saved model directory (load it with ``PolicyModel.from_pretrained``; use it as
@@ -167,20 +160,7 @@ def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path
     Raises:
         ValueError: ``config.dataset`` is not set, or the data is malformed.
     """
-    if config.dataset is None:
-        raise ValueError(
-            "dataset is not set: point it at a JSONL file of prompt/completion (or messages) "
-            "records, or a Hugging Face dataset name"
-        )
-    data = load_sft_data(config.dataset, split=config.dataset_split)
-    if config.eval_dataset is not None:
-        train_records: Sequence[Mapping[str, Any]] = data
-        eval_records: Sequence[Mapping[str, Any]] | None = load_sft_data(
-            config.eval_dataset, split=config.dataset_split
-        )
-    else:
-        train_records, held_out = train_eval_split(data, config.eval_fraction, config.seed)
-        eval_records = held_out or None
+    train_records, eval_records = load_run_data(config, load_sft_data)
     trainer = SFTTrainer(config)
     trainer.train(train_records, eval_records, resume_from=resume_from)
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

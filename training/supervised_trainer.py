@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, Sized, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,12 +41,12 @@ from tqdm import tqdm
 from config.loading import config_to_dict, save_config
 from config.sft_config import FineTuneConfig
 from training.checkpoint import CheckpointManager
-from training.data import length_bucketed_batches, split_micro_batches
+from training.data import length_bucketed_batches, split_micro_batches, train_eval_split
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 
 logger = logging.getLogger("ppo_mlx")
 
-E = TypeVar("E")  # one tokenised example
+E = TypeVar("E", bound=Sized)  # one tokenised example; len() = its tokens
 B = TypeVar("B")  # one collated micro-batch
 
 #: Name of the trained model's directory under ``output_dir``.
@@ -78,6 +78,29 @@ def lr_schedule(
     if warmup == 0:
         return main
     return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), main], [warmup])
+
+
+def load_run_data(
+    config: FineTuneConfig, load: Callable[..., Iterable[Mapping[str, Any]]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The run's (training, held-out) records: ``config.dataset`` and ``config.eval_dataset``
+    read with ``load(source, split=...)``, or, without an eval_dataset, ``eval_fraction`` of the
+    training records held out with ``seed`` (None when eval_fraction is 0).
+
+    Raises:
+        ValueError: ``config.dataset`` is not set.
+    """
+    if config.dataset is None:
+        raise ValueError(
+            "dataset is not set: point it at a JSONL file (see training/data.py for the "
+            "formats) or a Hugging Face dataset name"
+        )
+    records = load(config.dataset, split=config.dataset_split)
+    if config.eval_dataset is not None:
+        held_out = load(config.eval_dataset, split=config.eval_dataset_split)
+        return [dict(r) for r in records], [dict(r) for r in held_out]
+    train, held_out_part = train_eval_split(records, config.eval_fraction, config.seed)
+    return train, held_out_part or None
 
 
 class SupervisedTrainer(Generic[E, B]):
@@ -137,11 +160,6 @@ class SupervisedTrainer(Generic[E, B]):
         """Save the trained model where the next stage loads it; returns the directory."""
         raise NotImplementedError
 
-    @staticmethod
-    def example_length(example: E) -> int:
-        """Tokens of an example, for length bucketing (``len(example)``)."""
-        return len(example)  # type: ignore[arg-type]
-
     # ------------------------------------------------------------------ the loop
     def train(
         self,
@@ -163,7 +181,7 @@ class SupervisedTrainer(Generic[E, B]):
         examples = self.prepare(train_data)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []
         self._num_train_examples = len(examples)
-        lengths = [self.example_length(e) for e in examples]
+        lengths = [len(e) for e in examples]
         steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
         total = cfg.num_epochs * steps_per_epoch
         if cfg.total_steps is not None:
@@ -288,7 +306,7 @@ class SupervisedTrainer(Generic[E, B]):
     def eval_chunks(self, examples: Sequence[E]) -> list[list[E]]:
         """Held-out examples in evaluation micro-batches, similar lengths together."""
         size = self.config.eval_micro_batch_size
-        ordered = sorted(examples, key=self.example_length)
+        ordered = sorted(examples, key=len)
         return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
     def _postfix(self, record: Mapping[str, Any]) -> dict[str, str]:
