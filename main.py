@@ -124,7 +124,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from training.sft_trainer import run_sft
 
     overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
-    out = run_sft(load_config(args.config, overrides, cls=SFTConfig))
+    out = run_sft(load_config(args.config, overrides, cls=SFTConfig), resume_from=args.resume)
     print(f"SFT model: {out}")
 
 
@@ -134,7 +134,9 @@ def cmd_reward(args: argparse.Namespace) -> None:
     from training.reward_trainer import run_reward_training
 
     overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
-    out = run_reward_training(load_config(args.config, overrides, cls=RewardConfig))
+    out = run_reward_training(
+        load_config(args.config, overrides, cls=RewardConfig), resume_from=args.resume
+    )
     print(f"reward model: {out}")
 
 
@@ -178,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         stage = sub.add_parser(name, help=help_text)
         _add_config_args(stage)
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
+        stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
         stage.set_defaults(func=func)
     return parser
 
