@@ -9,6 +9,8 @@ from typing import Literal
 
 import mlx.core as mx
 
+from advantage.whitening import masked_var
+from base_setup.distributed import Group
 from token_attribution.extractor import check_ndim
 
 # Added to the standard deviation (TRL's GRPOTrainer).
@@ -28,7 +30,11 @@ def _grouped(scores: mx.array, group_size: int) -> mx.array:
 
 
 def group_advantages(
-    scores: mx.array, group_size: int, scale: Literal["group", "batch", "none"] = "group"
+    scores: mx.array,
+    group_size: int,
+    scale: Literal["group", "batch", "none"] = "group",
+    *,
+    group: Group | None = None,
 ) -> mx.array:
     """Group-relative advantages (GRPO, Shao et al. 2024).
 
@@ -42,6 +48,10 @@ def group_advantages(
         scores: (B,) sequence scores (constants), B = P * group_size, group by group.
         group_size: g, samples per prompt (>= 2).
         scale: which standard deviation divides the centred scores.
+        group: data-parallel ranks (``mx.distributed`` group) holding the other slices of the
+            batch, whole prompt groups each: ``"batch"`` then uses the std of the global batch
+            (all-reduced). ``"group"`` and ``"none"`` need nothing from the other ranks. None:
+            the local batch is the whole batch.
 
     Returns:
         (B,) float32 advantages.
@@ -50,6 +60,10 @@ def group_advantages(
     centred = grouped - mx.mean(grouped, axis=1, keepdims=True)  # (P, g)
     if scale == "group":
         std = mx.sqrt(mx.sum(centred * centred, axis=1, keepdims=True) / (group_size - 1))  # (P, 1)
+        centred = centred / (std + GROUP_STD_EPS)
+    elif scale == "batch" and group is not None and group.size() > 1:
+        flat = grouped.reshape(-1)  # (B,)
+        std = mx.sqrt(masked_var(flat, mx.ones_like(flat), validate=False, group=group))  # ()
         centred = centred / (std + GROUP_STD_EPS)
     elif scale == "batch":
         flat = grouped.reshape(-1)  # (B,)

@@ -7,16 +7,28 @@ garbage values, even NaN or inf) never reaches a result.
 few: one host sync, fine once per rollout. Functions that run inside a differentiated or compiled
 step (the losses) pass ``validate=False``; the reward stage has already rejected empty rows, and a
 mask with no valid entry then gives NaN rather than a silent 0.
+
+``group`` (data-parallel training): each rank holds a slice of the batch, and the statistics are
+those of the global batch: sums and counts are all-reduced over the ranks of the
+``mx.distributed`` group (mean first, then the sum of squared deviations from it, the same two-pass
+formula as on one process). Every rank of the group must call the function at the same point.
+None, or a group of one, computes over the local array only.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from base_setup.distributed import Group, all_sum
 from token_attribution.extractor import check_same_shape, valid_mask
 
 # Added to the variance before the inverse square root (TRL, OpenRLHF).
 WHITEN_EPS = 1e-8
+
+
+def _over_ranks(local_sum: mx.array, group: Group | None) -> mx.array:
+    """A sum over this rank's entries -> the sum over every rank's (unchanged without a group)."""
+    return local_sum if group is None else all_sum(local_sum, group)
 
 
 def _require_count(count: mx.array, minimum: int, what: str) -> None:
@@ -34,6 +46,7 @@ def masked_mean(
     axis: int | tuple[int, ...] | None = None,
     *,
     validate: bool = True,
+    group: Group | None = None,
 ) -> mx.array:
     """Mean of ``x`` over the valid entries: ``sum(x * m, axis) / sum(m, axis)``, ``m = mask != 0``.
 
@@ -43,22 +56,29 @@ def masked_mean(
         axis: axis or axes to reduce; None reduces everything to a scalar.
         validate: raise (after one host sync) if any reduced slice has no valid entry. Pass False
             inside compiled/differentiated code; an empty slice then gives NaN.
+        group: sum over the ranks of this ``mx.distributed`` group too (global mean of a batch
+            split across ranks; see the module docstring). None: local only.
 
     Returns:
         float32 array of ``x``'s shape without ``axis`` (a scalar for ``axis=None``).
     """
     check_same_shape("mask", mask, "x", x)
     valid = valid_mask(mask)
-    count = mx.sum(valid.astype(mx.float32), axis=axis)
+    count = _over_ranks(mx.sum(valid.astype(mx.float32), axis=axis), group)
     if validate:
         _require_count(count, 1, "masked_mean")
     # where() rather than x * mask so that NaN/inf at invalid positions cannot leak in.
-    total = mx.sum(mx.where(valid, x.astype(mx.float32), 0.0), axis=axis)
+    total = _over_ranks(mx.sum(mx.where(valid, x.astype(mx.float32), 0.0), axis=axis), group)
     return total / count
 
 
 def masked_var(
-    x: mx.array, mask: mx.array, unbiased: bool = True, *, validate: bool = True
+    x: mx.array,
+    mask: mx.array,
+    unbiased: bool = True,
+    *,
+    validate: bool = True,
+    group: Group | None = None,
 ) -> mx.array:
     """Variance of the valid entries of ``x`` (all of them, a scalar).
 
@@ -70,27 +90,34 @@ def masked_var(
         mask: same shape as ``x``, nonzero on valid entries.
         unbiased: apply Bessel's correction (needs n >= 2).
         validate: raise (one host sync) when n < 2 (unbiased) or n < 1.
+        group: statistics of the batch split across the ranks of this ``mx.distributed`` group
+            (n, mean and the squared deviations summed over all ranks). None: local only.
 
     Returns:
         float32 scalar.
     """
     check_same_shape("mask", mask, "x", x)
     valid = valid_mask(mask)
-    count = mx.sum(valid.astype(mx.float32))
+    count = _over_ranks(mx.sum(valid.astype(mx.float32)), group)
     if validate:
         _require_count(
             count, 2 if unbiased else 1, "unbiased masked_var" if unbiased else "masked_var"
         )
-    mean = masked_mean(x, valid, validate=False)
+    mean = masked_mean(x, valid, validate=False, group=group)
     centred = mx.where(valid, x.astype(mx.float32) - mean, 0.0)
-    var = mx.sum(centred * centred) / count
+    var = _over_ranks(mx.sum(centred * centred), group) / count
     if unbiased:
         var = var * count / (count - 1.0)
     return var
 
 
 def masked_whiten(
-    x: mx.array, mask: mx.array, shift_mean: bool = True, *, validate: bool = True
+    x: mx.array,
+    mask: mx.array,
+    shift_mean: bool = True,
+    *,
+    validate: bool = True,
+    group: Group | None = None,
 ) -> mx.array:
     """Whiten the valid entries of ``x`` with their own mean and (unbiased) variance.
 
@@ -102,6 +129,8 @@ def masked_whiten(
         mask: same shape as ``x``, nonzero on valid entries (needs at least 2 of them).
         shift_mean: subtract the mean (True) or keep it (False).
         validate: raise (one host sync) when fewer than 2 entries are valid.
+        group: whiten with the mean and variance of the whole batch split across the ranks of
+            this ``mx.distributed`` group; each rank gets its own rows back. None: local only.
 
     Returns:
         float32 array of ``x``'s shape. All statistics are part of the graph (no stop_gradient).
@@ -109,8 +138,8 @@ def masked_whiten(
     check_same_shape("mask", mask, "x", x)
     valid = valid_mask(mask)
     x = x.astype(mx.float32)
-    mean = masked_mean(x, valid, validate=False)
-    var = masked_var(x, valid, unbiased=True, validate=validate)
+    mean = masked_mean(x, valid, validate=False, group=group)
+    var = masked_var(x, valid, unbiased=True, validate=validate, group=group)
     whitened = (x - mean) * mx.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean

@@ -14,7 +14,9 @@ ids, log-probs of the sampled tokens, and few host syncs. Here the only host syn
 is queued with ``mx.async_eval`` before the check blocks), plus one at the end.
 
 Randomness comes from ``mx.random``'s global state, which :func:`base_setup.seed_everything`
-seeds, so a run is reproducible.
+seeds, so a run is reproducible. With ``keys`` (one PRNG key per prompt) each row samples from its
+own key instead: its response then does not depend on the other rows of the batch, which lets
+data-parallel ranks generate any slice of a global batch and get the samples one process would.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
 
 
 def _sample(
-    logits: mx.array, temperature: float, top_p: float, top_k: int
+    logits: mx.array, temperature: float, top_p: float, top_k: int, keys: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """Next tokens ``(B,)`` and their log-probs ``(B,)`` from last-position ``logits`` ``(B, V)``.
+
+    ``keys`` (B, 2): row ``b`` samples ``argmax(filtered_b + Gumbel noise from keys[b])``, which is
+    ``mx.random.categorical(filtered_b, key=keys[b])``; None samples from the global random state.
 
     The log-prob is ``log_softmax(logits / temperature)[token]`` (temperature 1 when greedy),
     before filtering: that is the distribution the trainer recomputes from a forward pass, so the
@@ -98,7 +103,12 @@ def _sample(
             filtered = apply_top_k(filtered, top_k)
         if top_p < 1.0:
             filtered = apply_top_p(filtered, top_p)
-        tokens = mx.random.categorical(filtered, axis=-1)
+        if keys is None:
+            tokens = mx.random.categorical(filtered, axis=-1)
+        else:
+            vocab = filtered.shape[-1]
+            noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)  # (B, V)
+            tokens = mx.argmax(filtered + noise, axis=-1)
     tokens = tokens.astype(mx.int32)
     token_logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, token_logprobs
@@ -115,6 +125,7 @@ def generate(
     stop_token_ids: Sequence[int],
     pad_token_id: int,
     return_logprobs: bool = False,
+    keys: mx.array | None = None,
 ) -> GenerationOutput:
     """Sample up to ``max_new_tokens`` tokens after each prompt, all prompts at once.
 
@@ -132,6 +143,9 @@ def generate(
             from comparing ids with this value.
         return_logprobs: also return the sampled tokens' log-probs (see
             :class:`GenerationOutput`).
+        keys: ``(B, 2)`` uint32 PRNG keys (``mx.random.key`` / ``mx.random.split``), one per
+            prompt: row ``b``'s samples then depend only on ``keys[b]`` (and its prompt), not on
+            the other rows or the global random state. None: the global state. Unused if greedy.
 
     Decoding stops as soon as every sequence has produced a stop token.
 
@@ -153,6 +167,12 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+    if keys is not None and (tuple(keys.shape) != (len(prompts), 2) or keys.dtype != mx.uint32):
+        raise ValueError(
+            f"keys must be a ({len(prompts)}, 2) uint32 array, one PRNG key per prompt (e.g. "
+            f"mx.random.split(mx.random.key(seed), {len(prompts)})); got {keys.dtype} "
+            f"{tuple(keys.shape)}"
+        )
 
     lm = model.model if isinstance(model, PolicyModel) else model
     lengths = [len(p) for p in prompts]
@@ -173,6 +193,12 @@ def generate(
     stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
     pad = mx.array(pad_token_id, dtype=mx.int32)
 
+    # One key per row and decoding step: row b's t-th token uses step_keys[b, t].
+    step_keys = (
+        mx.vmap(lambda key: mx.random.split(key, max_new_tokens))(keys)  # (B, max_new_tokens, 2)
+        if keys is not None and temperature > 0
+        else None
+    )
     was_training = lm.training
     lm.eval()
     try:
@@ -182,7 +208,9 @@ def generate(
         step_logprobs: list[mx.array] = []
         step_alive: list[mx.array] = []
         for t in range(max_new_tokens):
-            tokens, token_logprobs = _sample(logits, temperature, top_p, top_k)
+            tokens, token_logprobs = _sample(
+                logits, temperature, top_p, top_k, None if step_keys is None else step_keys[:, t]
+            )
             alive = mx.logical_not(done)  # this step's token belongs to the response
             tokens = mx.where(alive, tokens, pad)
             done = mx.logical_or(done, (tokens[:, None] == stop_ids[None, :]).any(axis=1))

@@ -12,15 +12,28 @@ One iteration (:meth:`PPOTrainer.step`) reads as the phases of the data flow:
 
 Customise a task by overriding :meth:`format_prompt`, :meth:`compute_scores` and
 :meth:`evaluate` (see ``examples/``), or observe it with callbacks.
+
+Data parallelism (``mlx.launch -n N python main.py train ...``): every rank holds the same models
+and receives the same global batch of ``batch_size`` prompts; it generates, scores and computes
+log-probs and values for its contiguous share ``batch_size / N`` (phases 1-3 are local). Phase 4
+whitens with the statistics of the global batch, phase 5 averages the gradients over the ranks
+(token-weighted, so that the update is the one a single process would make on the global
+minibatch), and phase 6 logs the metrics of the global batch. Sequence ``k`` of the global rollout
+batch samples from its own PRNG key, so the responses do not depend on ``N``. Only rank 0 writes
+logs, plots and checkpoints; the ranks' weights stay identical, which :meth:`train` verifies at
+its start and end. Callbacks run on every rank (``on_rollout_end`` sees the rank's own share of
+the batch; use ``trainer.is_main_process`` to write files).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import signal
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
@@ -33,7 +46,8 @@ from tqdm import tqdm
 
 from advantage.gae_advantage import compute_gae
 from advantage.group_advantage import group_advantages
-from advantage.whitening import masked_mean, masked_whiten
+from advantage.whitening import masked_var, masked_whiten
+from base_setup import distributed as dist
 from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import chat_template_text, eos_token_ids
@@ -45,7 +59,7 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.callbacks import CallbackLike, TrainerCallback, as_callbacks
-from training.checkpoint import CheckpointManager
+from training.checkpoint import STATE_FILE, CheckpointManager
 from ppo_trainer.generator import GenerationOutput, generate
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
@@ -97,6 +111,9 @@ class PPOTrainer:
         value_model: a ready value model (PPO only); default: from ``config.value_model_name``, else
             from the reward model checkpoint, else from the policy's backbone.
         tokenizer: default: the policy's tokenizer.
+
+    Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
+    group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
     """
 
     def __init__(
@@ -110,6 +127,13 @@ class PPOTrainer:
         tokenizer: Any = None,
     ) -> None:
         self.config = config
+        # Data parallelism (mlx.launch): this process is rank `rank` of `world_size` (1 without
+        # the launcher). The collective checks run before anything is loaded or generated.
+        self.group = dist.world()
+        self.world_size = self.group.size()
+        self.rank = self.group.rank()
+        self.is_main_process = self.rank == 0
+        _check_data_parallel_config(config, self.group)
         seed_everything(config.seed)
         lora = LoraSettings.from_model_config(config) if config.use_lora else None
         self.policy = policy or PolicyModel.from_pretrained(
@@ -132,10 +156,11 @@ class PPOTrainer:
             self.reward_model = RewardModel.from_pretrained(
                 config.reward_model_name, dtype=config.dtype
             )
-        else:
+        elif type(self).compute_scores is PPOTrainer.compute_scores:
+            # A subclass that overrides compute_scores brings its own reward.
             raise ValueError(
                 "no reward: pass reward_model=<RewardModel or function (prompts, completions) -> "
-                "list[float]> or set reward_model_name in the config"
+                "list[float]>, set reward_model_name in the config, or override compute_scores"
             )
         self.value_model: ValueModel | None = None
         if config.algorithm == "ppo":
@@ -242,13 +267,20 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one iteration
     def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
-        """One PPO/GRPO iteration on ``batch_size`` prompts; returns its metrics."""
+        """One PPO/GRPO iteration on ``batch_size`` prompts; returns its metrics.
+
+        ``prompts`` is the global batch, the same on every rank of a data-parallel run: each rank
+        learns from its contiguous share of ``batch_size / world_size`` prompts, and the metrics
+        are those of the global batch.
+        """
         cfg = self.config
         if len(prompts) != cfg.batch_size:
             raise ValueError(
                 f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
             )
-        texts = [self.format_prompt(p) for p in prompts]
+        local = cfg.batch_size // self.world_size
+        first = self.rank * local
+        texts = [self.format_prompt(p) for p in prompts[first : first + local]]
         prompt_ids = [self.encode_prompt(t) for t in texts]
         self._check_prompt_lengths(prompt_ids, texts)
         self._ensure_optimizers(total_steps=None)
@@ -257,8 +289,11 @@ class PPOTrainer:
 
         # 1-3. Generate, score with every model, compute scores.
         group = cfg.group_size
+        keys = self._rollout_keys(self.global_step)[first * group : (first + local) * group]
         rollout = self._rollout(
-            [t for t in texts for _ in range(group)], [p for p in prompt_ids for _ in range(group)]
+            [t for t in texts for _ in range(group)],
+            [p for p in prompt_ids for _ in range(group)],
+            keys,
         )
         t_rollout = time.perf_counter()
 
@@ -267,7 +302,19 @@ class PPOTrainer:
         t_adv = time.perf_counter()
         return self._learn(rollout, batch, stats, t0, t_rollout, t_adv)
 
-    def _rollout(self, texts: list[str], prompt_ids: list[list[int]]) -> Rollout:
+    def _rollout_keys(self, step: int) -> mx.array:
+        """One PRNG key per sequence of the global rollout batch, (batch_size * group_size, 2).
+
+        Sequence ``k`` (sample ``k % group_size`` of prompt ``k // group_size``) samples from key
+        ``k`` whichever rank generates it, so a data-parallel run draws the responses one process
+        would, and a resumed run those of an uninterrupted one.
+        """
+        seed = int(np.random.default_rng([self.config.seed, step, 2]).integers(2**63))
+        return mx.random.split(mx.random.key(seed), self.config.rollout_batch_size)
+
+    def _rollout(
+        self, texts: list[str], prompt_ids: list[list[int]], keys: mx.array | None = None
+    ) -> Rollout:
         cfg = self.config
         # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
         gen = generate(
@@ -279,6 +326,7 @@ class PPOTrainer:
             top_k=cfg.top_k,
             stop_token_ids=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
+            keys=keys,
         )
         num_tokens = gen.responses.shape[1]
         mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)
@@ -330,7 +378,9 @@ class PPOTrainer:
         cfg = self.config
         if cfg.algorithm == "grpo":
             kl = kl_estimate(r.logprobs, r.ref_logprobs, "k3") * r.mask
-            advantages = group_advantages(r.scores, cfg.group_size, cfg.grpo_advantage_scale)
+            advantages = group_advantages(
+                r.scores, cfg.group_size, cfg.grpo_advantage_scale, group=self.group
+            )
             stats = {"kl": kl, "non_score": -cfg.beta * kl}
             returns = None
         else:
@@ -338,10 +388,10 @@ class PPOTrainer:
             kl = kl_estimate(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * r.mask
             rewards, non_score = per_token_rewards(r.scores, kl, r.mask, self.kl_ctl.value)
             if cfg.whiten_rewards:
-                rewards = masked_whiten(rewards, r.mask, shift_mean=False)
+                rewards = masked_whiten(rewards, r.mask, shift_mean=False, group=self.group)
             advantages, returns = compute_gae(rewards, r.values, r.mask, cfg.gamma, cfg.lam)
             if cfg.whiten_advantages:
-                advantages = masked_whiten(advantages, r.mask)
+                advantages = masked_whiten(advantages, r.mask, group=self.group)
             stats = {"kl": kl, "non_score": non_score}
         batch = RolloutBatch(
             query_responses=r.query_responses,
@@ -393,34 +443,44 @@ class PPOTrainer:
         self._updating = False
         t_update = time.perf_counter()
 
-        # 6. KL controller, metrics.
+        # 6. KL controller, metrics of the global batch: per-rank means of rows (equal numbers
+        # per rank) and of minibatch metrics (token-weighted in _optimizer_step) average over the
+        # ranks, counts add up (one all-reduce); spreads use all-reduced statistics.
         mask = r.mask
         kl_sum = stats["kl"].sum(axis=1)  # (B,)
         non_score_sum = stats["non_score"].sum(axis=1)
-        if cfg.algorithm == "ppo":
-            self.kl_ctl.update(_to_float(kl_sum.mean()), cfg.rollout_batch_size)
-        out: dict[str, mx.array | float] = {
+        means = {
             "objective/kl": kl_sum.mean(),
             "objective/entropy": (r.entropy * mask).sum(axis=1).mean(),
             "objective/non_score_reward": non_score_sum.mean(),
             "objective/rlhf_reward": (r.scores + non_score_sum).mean(),
             "objective/scores": r.scores.mean(),
-            "objective/scores_std": mx.sqrt(mx.var(r.scores)),
-            "objective/kl_coef": float(self.kl_ctl.value),
-            "val/num_eos_tokens": r.generation.ended_with_stop.astype(mx.float32).sum(),
             "episode/response_length": r.generation.lengths.astype(mx.float32).mean(),
         }
-        if batch.values is not None and batch.returns is not None:
-            residual_var = _masked_var(batch.returns - batch.values, mask)
-            out["val/explained_variance"] = 1.0 - residual_var / (
-                _masked_var(batch.returns, mask) + 1e-8
-            )
         for key in step_metrics[0]:
-            out[key] = mx.stack([m[key] for m in step_metrics]).mean()
+            means[key] = mx.stack([m[key] for m in step_metrics]).mean()
+        sums = {
+            "val/num_eos_tokens": r.generation.ended_with_stop.astype(mx.float32).sum(),
+            "num_generated": mask.sum(),
+        }
+        result: dict[str, float] = self._reduce_metrics(means, sums)
+        num_generated = result.pop("num_generated")
+        if cfg.algorithm == "ppo":
+            self.kl_ctl.update(result["objective/kl"], cfg.rollout_batch_size)
+        out: dict[str, mx.array | float] = {
+            "objective/scores_std": mx.sqrt(
+                masked_var(r.scores, mx.ones_like(r.scores), unbiased=False, group=self.group)
+            ),
+            "objective/kl_coef": float(self.kl_ctl.value),
+        }
+        if batch.values is not None and batch.returns is not None:
+            residual_var = _masked_var(batch.returns - batch.values, mask, self.group)
+            out["val/explained_variance"] = 1.0 - residual_var / (
+                _masked_var(batch.returns, mask, self.group) + 1e-8
+            )
         assert self.policy_optimizer is not None
         out["lr"] = self.policy_optimizer.learning_rate
-        result = {k: _to_float(v) if isinstance(v, mx.array) else v for k, v in out.items()}
-        num_generated = _to_float(mask.sum())
+        result.update({k: _to_float(v) if isinstance(v, mx.array) else v for k, v in out.items()})
         t_end = time.perf_counter()
         result.update(
             {
@@ -435,6 +495,31 @@ class PPOTrainer:
         self.global_step += 1
         return result
 
+    def _reduce_metrics(
+        self, means: dict[str, mx.array], sums: dict[str, mx.array]
+    ) -> dict[str, float]:
+        """Scalar ``means`` averaged over the ranks and ``sums`` added up, as host floats (one
+        all-reduce; the local values on one process)."""
+        local = mx.stack([*means.values(), *sums.values()]).astype(mx.float32)  # (K,)
+        scale = mx.array([1.0 / self.world_size] * len(means) + [1.0] * len(sums))  # (K,)
+        values = np.array(dist.all_sum(local, self.group) * scale).tolist()
+        return dict(zip([*means, *sums], values))
+
+    def _token_weights(self, micro_batches: list[RolloutBatch]) -> mx.array | None:
+        """This rank's gradient weight for each micro-batch in a data-parallel run, shape (n,).
+
+        The losses are means over the action tokens of a micro-batch, and ranks hold different
+        numbers of them: a plain mean of the ranks' gradients would weigh a token more on a rank
+        with few. With ``w_k = N c_k / sum_r c_{r,k}`` (``c_k``: this rank's action tokens in
+        micro-batch ``k``), ``sum_r w_{r,k} g_{r,k} / N`` is the gradient of the token mean over
+        the union of the ranks' ``k``-th micro-batches, what one process computes on that global
+        micro-batch. None on one process (all weights 1).
+        """
+        if self.world_size == 1:
+            return None
+        counts = mx.stack([(mb.mask != 0).sum().astype(mx.float32) for mb in micro_batches])
+        return self.world_size * counts / dist.all_sum(counts, self.group)  # (n,)
+
     def _optimizer_step(
         self,
         model: nn.Module,
@@ -443,17 +528,25 @@ class PPOTrainer:
         micro_batches: list[RolloutBatch],
         prefix: str,
     ) -> dict[str, mx.array]:
-        """One optimiser step, gradients averaged over micro-batches, clipped by global norm."""
+        """One optimiser step, gradients averaged over micro-batches and over the ranks of a
+        data-parallel run (token-weighted, see :meth:`_token_weights`), clipped by global norm."""
         grads: Any = None
         totals: dict[str, mx.array] = {}
-        for mb in micro_batches:
+        weights = self._token_weights(micro_batches)  # (n,) or None
+        for k, mb in enumerate(micro_batches):
             (loss, metrics), g = value_and_grad(model, mb)
+            if weights is not None:
+                g = tree_map(partial(mx.multiply, weights[k]), g)
+                loss = loss * weights[k]
+                metrics = {key: value * weights[k] for key, value in metrics.items()}
             grads = g if grads is None else tree_map(mx.add, grads, g)
             for key, value in {"loss": loss, **metrics}.items():
                 totals[key] = totals.get(key, 0.0) + value
         n = len(micro_batches)
         if n > 1:
             grads = tree_map(lambda g: g / n, grads)
+        # Data parallel: sum_r g_r / N, the same on every rank, so the weights stay identical.
+        grads = dist.average_gradients(grads, self.group)
         grads, grad_norm = optim.clip_grad_norm(grads, self.config.max_grad_norm)
         optimizer.update(model, grads)
         metrics = {f"{prefix}/{k}": v / n for k, v in totals.items()}
@@ -565,6 +658,12 @@ class PPOTrainer:
             raise ValueError(f"num_epochs must be >= 1, got {epochs}")
         texts = [self.format_prompt(p) for p in prompts]
         self._check_prompt_lengths([self.encode_prompt(t) for t in texts], texts)
+        dist.check_same_on_all_ranks(
+            json.dumps(texts).encode(),
+            "the training prompts",
+            "give every rank the same prompt file: each rank takes its slice of the same order",
+            self.group,
+        )
         steps_per_epoch = math.ceil(len(prompts) / cfg.batch_size)
         total = epochs * steps_per_epoch
         if cfg.total_steps is not None:
@@ -573,16 +672,22 @@ class PPOTrainer:
         self._ensure_optimizers(total_steps=total)
         resume_step = None
         if resume_from is not None:
-            path = self.checkpoints.resolve(resume_from)
+            path = self._resolve_checkpoint(resume_from)
             self.load_checkpoint(path)
             resume_step = self.global_step
             logger.info("resumed from %s at step %d", path, self.global_step)
-        metrics_logger = MetricsLogger(
-            self.run_dir,
-            cfg.log_with,
-            config_to_dict(cfg),
-            resume_step=resume_step,
-            project=cfg.wandb_project,
+        self._check_same_weights("at the start of training")
+        # Only rank 0 writes logs (the metrics are already those of the global batch).
+        metrics_logger = (
+            MetricsLogger(
+                self.run_dir,
+                cfg.log_with,
+                config_to_dict(cfg),
+                resume_step=resume_step,
+                project=cfg.wandb_project,
+            )
+            if self.is_main_process
+            else None
         )
         for cb in self._callbacks:
             cb.on_train_begin(self)
@@ -595,7 +700,7 @@ class PPOTrainer:
             total=total,
             initial=self.global_step,
             desc=cfg.algorithm.upper(),
-            disable=not cfg.progress_bar,
+            disable=not cfg.progress_bar or not self.is_main_process,
             dynamic_ncols=True,
         )
         try:
@@ -610,7 +715,8 @@ class PPOTrainer:
                     metrics.update(self._periodic_eval(eval_prompts))
                 self.history.append(metrics)
                 epoch_records.append(metrics)
-                metrics_logger.log(self.global_step, metrics)
+                if metrics_logger is not None:
+                    metrics_logger.log(self.global_step, metrics)
                 for cb in self._callbacks:
                     cb.on_step_end(self, self.global_step, metrics)
                 bar.update(1)
@@ -624,6 +730,8 @@ class PPOTrainer:
                 if cfg.save_every and self.global_step % cfg.save_every == 0:
                     self.save_checkpoint()
                     last_saved = self.global_step
+                # Stop on every rank or on none: Ctrl-C or a callback may reach only some.
+                self._stop_requested = dist.any_rank(self._stop_requested, self.group)
             if self._stop_requested:
                 logger.warning("interrupted: saving a checkpoint at step %d", self.global_step)
             if last_saved != self.global_step:
@@ -638,17 +746,52 @@ class PPOTrainer:
         finally:
             bar.close()
             signal.signal(signal.SIGINT, previous_handler)
-            metrics_logger.close()
-            records = read_metrics(metrics_logger.path)
-            if records:
-                plot_metrics(records, self.run_dir / PLOT_FILE)
+            if metrics_logger is not None:
+                metrics_logger.close()
+                records = read_metrics(metrics_logger.path)
+                if records:
+                    plot_metrics(records, self.run_dir / PLOT_FILE)
+        self._check_same_weights("at the end of training")
         if eval_prompts and not self._stop_requested:
             final = self._periodic_eval(eval_prompts)
-            metrics_logger_final = self.run_dir / "eval_final.json"
-            metrics_logger_final.write_text(_json_dumps(final))
+            if self.is_main_process:
+                metrics_logger_final = self.run_dir / "eval_final.json"
+                metrics_logger_final.write_text(_json_dumps(final))
         for cb in self._callbacks:
             cb.on_train_end(self, self.history)
         return self.history
+
+    def _resolve_checkpoint(self, resume_from: str | Path) -> Path:
+        """The checkpoint to resume from; every rank must find the same one (collective)."""
+        path: Path | None = None
+        error: FileNotFoundError | None = None
+        try:
+            path = self.checkpoints.resolve(resume_from)
+        except FileNotFoundError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", self.group)
+        assert path is not None
+        dist.check_same_on_all_ranks(
+            (path / STATE_FILE).read_bytes(),
+            f"the checkpoint {path}",
+            "every rank must read the same checkpoint: keep output_dir on storage that every "
+            "machine shares, or copy it to the same path on each",
+            self.group,
+        )
+        return path
+
+    def _check_same_weights(self, moment: str) -> None:
+        """Raise on every rank unless every rank holds the same models and optimiser states."""
+        tree: dict[str, Any] = {"policy": self.policy.parameters()}
+        if self.value_model is not None:
+            tree["value"] = self.value_model.parameters()
+        for name, opt in (
+            ("policy_optimizer", self.policy_optimizer),
+            ("value_optimizer", self.value_optimizer),
+        ):
+            if opt is not None:
+                tree[name] = opt.state
+        dist.check_same_weights(tree, f"the trained state {moment}", self.group)
 
     def request_stop(self) -> None:
         """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
@@ -803,7 +946,13 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write everything needed to continue (atomically) under ``<output_dir>/checkpoints``."""
+        """Write everything needed to continue (atomically) under ``<output_dir>/checkpoints``.
+
+        In a data-parallel run only rank 0 writes (every rank holds the same state); the others
+        return the directory rank 0 writes.
+        """
+        if not self.is_main_process:
+            return self.checkpoints.root / f"step_{self.global_step:06d}"
         arrays: dict[str, dict[str, mx.array]] = {
             "policy": dict(tree_flatten(self.policy.trainable_parameters())),
         }
@@ -820,6 +969,7 @@ class PPOTrainer:
             "kl_controller": self.kl_ctl.state_dict(),
             "history": self.history,
             "config": config_to_dict(self.config),
+            "world_size": self.world_size,
         }
         path = self.checkpoints.save(self.global_step, arrays, state)
         for cb in getattr(self, "_callbacks", []):
@@ -836,6 +986,14 @@ class PPOTrainer:
                     f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run has "
                     f"{key}={getattr(self.config, key)!r}: resume with the same configuration"
                 )
+        saved_world = int(state.get("world_size", 1))
+        if saved_world != self.world_size:
+            raise ValueError(
+                f"checkpoint {path} was written by a run on {saved_world} process(es) but this "
+                f"run has {self.world_size}: resume with the same number of processes "
+                f"(mlx.launch -n {saved_world} ..., or no launcher for 1); each rank's share of "
+                "the batch and its minibatch order depend on it"
+            )
         self.policy.load_weights(list(arrays["policy"].items()), strict=False)
         if self.value_model is not None:
             self.value_model.load_weights(list(arrays["value"].items()), strict=False)
@@ -863,8 +1021,11 @@ class PPOTrainer:
 
     def save_model(self, path: str | Path) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for
-        PPO, the value model under ``<path>/value_model``."""
+        PPO, the value model under ``<path>/value_model``. Only rank 0 of a data-parallel run
+        writes (the weights are the same on every rank)."""
         path = Path(path)
+        if not self.is_main_process:
+            return path
         self.policy.save_pretrained(path)
         if self.value_model is not None:
             self.value_model.save_pretrained(path / "value_model")
@@ -920,9 +1081,60 @@ def _load_safetensors(path: Path) -> dict[str, mx.array]:
     return loaded
 
 
-def _masked_var(x: mx.array, mask: mx.array) -> mx.array:
-    mean = masked_mean(x, mask)
-    return masked_mean((x - mean) ** 2, mask)
+def _masked_var(x: mx.array, mask: mx.array, group: dist.Group) -> mx.array:
+    """Population variance of the valid entries of the global batch (all ranks of ``group``)."""
+    return masked_var(x, mask, unbiased=False, group=group)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
+    """Start-up checks of a data-parallel run; every rank raises the same ``ValueError``.
+
+    First the configs must agree (hash compared across ranks), so that the checks after it see the
+    same numbers everywhere; then the global batch must split evenly over the ranks, and each
+    rank's rollout into ``num_mini_batches`` minibatches of ``gradient_accumulation_steps``
+    micro-batches.
+    """
+    n = group.size()
+    if n == 1:
+        return
+    dist.check_same_on_all_ranks(
+        json.dumps(config_to_dict(config), sort_keys=True).encode(),
+        "the configuration",
+        "launch every rank with the same --config file and --set overrides",
+        group,
+    )
+    rollout = config.batch_size // n * config.group_size
+    mini = rollout // config.num_mini_batches
+    problem = None
+    if config.batch_size % n:
+        multiple = n * max(1, round(config.batch_size / n))
+        problem = (
+            f"batch_size={config.batch_size} (the prompts of one iteration, over all ranks) does "
+            f"not split evenly over {n} processes: set batch_size to a multiple of {n} (e.g. "
+            f"{multiple}) or launch a number of processes that divides it "
+            f"({_divisors(config.batch_size)})"
+        )
+    elif rollout % config.num_mini_batches:
+        problem = (
+            f"each of the {n} processes generates batch_size / {n} * group_size = {rollout} "
+            f"sequences, which cannot be split into num_mini_batches={config.num_mini_batches} "
+            f"equal minibatches: set num_mini_batches to one of {_divisors(rollout)} or raise "
+            "batch_size"
+        )
+    elif mini % config.gradient_accumulation_steps:
+        problem = (
+            f"each process's minibatch has {rollout} / num_mini_batches="
+            f"{config.num_mini_batches} = {mini} sequences, which cannot be split into "
+            f"gradient_accumulation_steps={config.gradient_accumulation_steps} equal "
+            f"micro-batches: set gradient_accumulation_steps to one of {_divisors(mini)}"
+        )
+    if problem is not None:
+        # Same config on every rank, so every rank gets here: all report before any exits.
+        dist.fail_together(ValueError(problem), group)
 
 
 def _rename_loss(metrics: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:

@@ -1,0 +1,170 @@
+"""What tests/test_distributed.py runs on every rank of an ``mlx.launch``'ed job.
+
+* :func:`e_rate`: the reward function of the training runs (``--reward-fn
+  tests.distributed_helpers:e_rate``).
+* ``python -m tests.distributed_helpers train DUMP_DIR STOP_STEP -- <main.py train arguments>``:
+  ``main.py train`` stopped after ``STOP_STEP`` steps, then resumed with ``--resume latest`` to the
+  end; at the end each rank saves its final trainable weights to ``DUMP_DIR/rank<r>.safetensors``
+  (a test hook: the one extra callback, so that the test can compare the ranks' weights).
+* ``python -m tests.distributed_helpers checks RUN_YAML``: checks the all-reduced statistics and
+  the agreement checks of :mod:`base_setup.distributed` against single-process references, and
+  that PPOTrainer refuses ranks whose configs differ (rank 1 changes the learning rate of
+  ``RUN_YAML``), printing ``rank <r>: <check> ok`` lines.
+"""
+
+from __future__ import annotations
+
+import base_setup  # noqa: F401  (first: loads a fast BLAS before anything imports mlx)
+
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward the tiny model can move: the share of the letter 'e' in the completion."""
+    return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def _train_then_resume(dump_dir: Path, stop_step: int, argv: list[str]) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import main
+    from ppo_trainer.callbacks import TrainerCallback
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    class DumpWeights(TrainerCallback):
+        def on_train_end(self, trainer: Any, history: Any) -> None:
+            weights = dict(tree_flatten(trainer.policy.trainable_parameters()))
+            if trainer.value_model is not None:
+                value = dict(tree_flatten(trainer.value_model.trainable_parameters()))
+                weights.update({f"value.{k}": v for k, v in value.items()})
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(dump_dir / f"rank{trainer.rank}.safetensors"), weights)
+
+    original_train = PPOTrainer.train
+
+    def train_with_dump(self: PPOTrainer, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), DumpWeights()]
+        return original_train(self, prompts, *args, **kwargs)
+
+    setattr(PPOTrainer, "train", train_with_dump)
+    code = main.main([*argv, "--set", f"total_steps={stop_step}"])
+    if code != 0:
+        return code
+    return main.main([*argv, "--resume", "latest"])
+
+
+def _check_collectives() -> None:
+    """Global statistics over ranks equal the single-process ones on the concatenated batch."""
+    import mlx.core as mx
+    import numpy as np
+
+    from advantage.group_advantage import group_advantages
+    from advantage.whitening import masked_mean, masked_var, masked_whiten
+    from base_setup import distributed as dist
+
+    group = dist.world()
+    n, r = group.size(), group.rank()
+    rng = np.random.default_rng(0)  # the same global batch on every rank
+    x = mx.array(rng.normal(3.0, 2.0, size=(2 * n, 5)).astype(np.float32))  # (B, T)
+    # Ragged masks: rank r's rows have different numbers of valid tokens.
+    mask = mx.array((np.arange(5)[None, :] < np.arange(2 * n)[:, None] % 5 + 1).astype(np.float32))
+    rows = slice(2 * r, 2 * r + 2)
+    local_x, local_mask = x[rows], mask[rows]
+
+    def close(a: mx.array, b: mx.array) -> bool:
+        return bool(np.allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6))
+
+    assert close(masked_mean(local_x, local_mask, group=group), masked_mean(x, mask))
+    assert close(masked_var(local_x, local_mask, group=group), masked_var(x, mask))
+    assert close(masked_whiten(local_x, local_mask, group=group), masked_whiten(x, mask)[rows])
+    assert close(
+        masked_whiten(local_x, local_mask, shift_mean=False, group=group),
+        masked_whiten(x, mask, shift_mean=False)[rows],
+    )
+    # Without a group the statistics stay local.
+    assert close(masked_mean(local_x, local_mask), masked_mean(local_x, local_mask, group=None))
+    assert not close(masked_mean(local_x, local_mask), masked_mean(x, mask))
+    # GRPO: each rank holds whole prompt groups (2 prompts x 3 samples); "batch" uses the global std.
+    scores = mx.array(rng.normal(size=(6 * n,)).astype(np.float32))  # (B,)
+    local_scores = scores[6 * r : 6 * r + 6]
+    for scale in ("group", "batch", "none"):
+        want = group_advantages(scores, 3, scale)[6 * r : 6 * r + 6]
+        assert close(group_advantages(local_scores, 3, scale, group=group), want), scale
+    # Without the group, "batch" would use the local std.
+    want = group_advantages(scores, 3, "batch")[6 * r : 6 * r + 6]
+    assert not close(group_advantages(local_scores, 3, "batch"), want)
+    print(f"rank {r}: global whitening ok", flush=True)
+
+    assert dist.all_mean(mx.array([float(r)])).item() == (n - 1) / 2
+    assert dist.any_rank(r == n - 1) and not dist.any_rank(False)
+    grads = {"w": mx.full((3,), float(r + 1))}
+    assert close(dist.average_gradients(grads)["w"], mx.full((3,), (n + 1) / 2))
+    print(f"rank {r}: reductions ok", flush=True)
+
+    dist.check_same_on_all_ranks(b"same everywhere", "the payload", "fix it")
+    dist.check_same_weights({"w": mx.arange(4, dtype=mx.float32)}, "w")
+    _expect_error(
+        lambda: dist.check_same_on_all_ranks(
+            b"rank 0" if r == 0 else b"another", "the payload", "fix it"
+        ),
+        f"the payload differs between ranks: rank(s) {', '.join(map(str, range(1, n)))}",
+    )
+    _expect_error(
+        # One ulp apart on the ranks after 0: fingerprints compare bits, not values.
+        lambda: dist.check_same_weights(
+            {"w": mx.array([1.0, 2.0 if r == 0 else float(np.nextafter(np.float32(2), 3))])}, "w"
+        ),
+        "w differs between ranks",
+    )
+    error = ValueError("only rank 0 failed") if r == 0 else None
+    _expect_error(
+        lambda: dist.raise_if_any_rank_failed(error, "the step"),
+        "only rank 0 failed" if r == 0 else "the step failed on rank(s) 0",
+    )
+    print(f"rank {r}: agreement checks ok", flush=True)
+
+
+def _expect_error(fn: Any, message: str) -> None:
+    try:
+        fn()
+    except ValueError as err:
+        if message not in str(err):
+            raise AssertionError(f"expected {message!r} in the error, got {err}") from err
+        return
+    raise AssertionError(f"expected a ValueError with {message!r}")
+
+
+def _check_config_agreement(run_yaml: str) -> None:
+    """Ranks built from configs that differ (rank 1: another learning rate) fail together."""
+    from base_setup import distributed as dist
+    from config.loading import load_config
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    r, n = dist.rank(), dist.world_size()
+    config = load_config(run_yaml, [f"learning_rate={1e-3 if r == 0 else 2e-3}"])
+    expected = (
+        f"the configuration differs between ranks: rank(s) {', '.join(map(str, range(1, n)))}"
+    )
+    _expect_error(lambda: PPOTrainer(config, reward_model=e_rate), expected)
+    print(f"rank {r}: config agreement ok", flush=True)
+
+
+def run(argv: Sequence[str]) -> int:
+    """The command line of this module (see the module docstring)."""
+    if len(argv) == 2 and argv[0] == "checks":
+        _check_collectives()
+        _check_config_agreement(argv[1])
+        return 0
+    if len(argv) >= 4 and argv[0] == "train" and argv[3] == "--":
+        return _train_then_resume(Path(argv[1]), int(argv[2]), list(argv[4:]))
+    raise SystemExit(
+        "usage: python -m tests.distributed_helpers {checks RUN_YAML | train DUMP_DIR STOP_STEP -- "
+        "<main.py train arguments>}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
