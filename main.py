@@ -95,6 +95,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     trainer, prompts = _build_trainer(args)
     history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
     out = trainer.save_model(Path(trainer.config.output_dir) / "final")
+    if not trainer.is_main_process:
+        return
     last = history[-1] if history else {}
     print(
         f"trained {len(history)} steps; last mean reward {last.get('avg_reward', float('nan')):.4f}"
