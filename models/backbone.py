@@ -35,6 +35,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, _get_classes, load_config, save_config
 
+from base_setup.fast_math import accelerate_model
+
 #: How a fresh scalar head starts: "zeros" (every score 0 at first, so the first gradient reaches
 #: only the head) or "normal" (N(0, 1/(D+1)), as in OpenAI's lm-human-preferences).
 HeadInit = Literal["zeros", "normal"]
@@ -364,6 +366,7 @@ class ScalarHeadModel(nn.Module):
     def __init__(self, backbone: nn.Module, hidden_size: int, config: Mapping[str, Any]) -> None:
         super().__init__()
         self.model = backbone
+        accelerate_model(backbone)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
         # Item, not attribute, assignment: a subclass method named `score` must not shadow it.
         self["score"] = nn.Linear(hidden_size, 1, bias=False)
         # A read-only mapping, so nn.Module keeps it out of the parameter tree.

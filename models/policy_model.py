@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
+from base_setup.fast_math import accelerate_model
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_fused,
@@ -72,6 +73,53 @@ def resolve_model_path(path_or_hub_id: str | Path) -> Path:
         ) from err
 
 
+def lm_logits_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.array:
+    """Logits ``(B, T, V)`` of the causal LM ``lm`` at ``positions`` ``(B, T)`` of ``input_ids``.
+
+    Equal to ``take_along_axis(lm(input_ids), positions)``, but the LM head runs on the ``T``
+    gathered hidden states only, and the gradient of the gather is a (B, L, D) scatter instead
+    of a (B, L, V) one (the vocabulary is usually far wider than the hidden size). That takes the
+    mlx-lm layout ``lm(x) = head(lm.model(x))``, with ``head`` the ``lm_head`` or the tied
+    embedding; it is checked once per model on a 3-token input, and a model that computes its
+    logits some other way (soft-capping, scaling) gets the full forward pass and the gather.
+    """
+    head = _split_head(lm)
+    if head is None:
+        logits = lm(input_ids)  # (B, L, V)
+        return mx.take_along_axis(logits, positions[..., None], axis=1)  # (B, T, V)
+    hidden = lm.model(input_ids)  # (B, L, D)
+    return head(mx.take_along_axis(hidden, positions[..., None], axis=1))  # (B, T, V)
+
+
+def _split_head(lm: nn.Module) -> Any:
+    """The LM head of ``lm`` as a function of the backbone's output, or None (see
+    :func:`lm_logits_at`). Whether the split reproduces ``lm(x)`` is checked once and kept on
+    the module; the head itself is looked up on every call (LoRA may wrap it later)."""
+    inner: Any = getattr(lm, "model", None)
+    head: Any = None
+    if inner is not None and "lm_head" in lm:
+        head = lm["lm_head"]
+    elif inner is not None and hasattr(getattr(inner, "embed_tokens", None), "as_linear"):
+        head = inner.embed_tokens.as_linear
+    if head is None:
+        return None
+    verified = lm.__dict__.get("_ppo_mlx_split_head_ok")
+    if verified is None:
+        was_training = lm.training
+        lm.eval()
+        probe = mx.array([[1, 2, 3]], dtype=mx.int32)  # (1, 3)
+        try:
+            full = lm(probe)
+            split = head(inner(probe))
+            verified = tuple(full.shape) == tuple(split.shape) and bool(
+                mx.allclose(full, split, rtol=1e-4, atol=1e-4).item()
+            )
+        finally:
+            lm.train(was_training)
+        lm.__dict__["_ppo_mlx_split_head_ok"] = verified
+    return head if verified else None
+
+
 class PolicyModel(nn.Module):
     """An mlx-lm causal LM and its tokenizer, optionally with LoRA adapters.
 
@@ -94,6 +142,7 @@ class PolicyModel(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
+        accelerate_model(model)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
         self.tokenizer = tokenizer
         self.model_path = Path(model_path)
         self.lora = lora
@@ -157,6 +206,10 @@ class PolicyModel(nn.Module):
     def __call__(self, input_ids: mx.array, cache: list[Any] | None = None) -> mx.array:
         """Logits ``(B, L, V)`` for ``input_ids`` ``(B, L)``; ``cache`` is mlx-lm's KV cache."""
         return self.model(input_ids, cache=cache)
+
+    def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only (see :func:`lm_logits_at`)."""
+        return lm_logits_at(self.model, input_ids, positions)
 
     def save_pretrained(self, save_dir: str | Path, *, merged: bool = False) -> Path:
         """Save what ``mlx_lm.load`` / the mlx-lm command line can load back.

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup.lora_setup import adapters_disabled, lora_modules
-from models.policy_model import PolicyModel
+from models.policy_model import PolicyModel, lm_logits_at
 
 
 class ReferenceModel:
@@ -69,4 +69,14 @@ class ReferenceModel:
                 logits = self.model(input_ids)
         else:
             logits = self.model(input_ids)
+        return mx.stop_gradient(logits)
+
+    def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only, as a constant (see
+        :func:`models.policy_model.lm_logits_at`)."""
+        if self.shares_policy_weights:
+            with adapters_disabled(self.model):
+                logits = lm_logits_at(self.model, input_ids, positions)
+        else:
+            logits = lm_logits_at(self.model, input_ids, positions)
         return mx.stop_gradient(logits)

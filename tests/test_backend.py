@@ -110,3 +110,156 @@ def test_seed_everything_seeds_all_three_rngs() -> None:
 def test_seed_rejects_negative() -> None:
     with pytest.raises(ValueError, match="seed"):
         seed_everything(-1)
+
+
+# ------------------------------------------------------------------ fast CPU math
+from base_setup import fast_math  # noqa: E402
+
+ON_CPU = mx.default_device().type == mx.DeviceType.cpu
+
+
+def _rel_err(got: mx.array, want: np.ndarray) -> float:
+    got64 = np.array(got, dtype=np.float64)
+    return float(np.max(np.abs(got64 - want) / np.maximum(np.abs(want), 1e-30)))
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+def test_fast_math_is_enabled_and_env_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fast_math.fast_math_enabled()
+    monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")
+    assert not fast_math.fast_math_enabled()
+
+
+def test_fast_exp_matches_float64() -> None:
+    rng = np.random.default_rng(0)
+    small = rng.uniform(-1, 1, 100_000).astype(np.float32)
+    wide = rng.uniform(-87, 88, 100_000).astype(np.float32)
+    # float32's own rounding of x limits any exp to about |x| * 6e-8 relative error.
+    assert _rel_err(fast_math.exp(mx.array(small)), np.exp(small.astype(np.float64))) < 3e-7
+    assert _rel_err(fast_math.exp(mx.array(wide)), np.exp(wide.astype(np.float64))) < 1e-5
+    edge = np.array(fast_math.exp(mx.array([-np.inf, -200.0, 0.0, np.nan], dtype=mx.float32)))
+    assert edge[0] == 0.0 and edge[1] == 0.0 and edge[2] == 1.0 and np.isnan(edge[3])
+    half = fast_math.exp(mx.array([0.5, -2.0], dtype=mx.bfloat16))
+    assert half.dtype == mx.bfloat16
+
+
+def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:
+    rng = np.random.default_rng(1)
+    gate = rng.normal(0, 6, (64, 96)).astype(np.float32)
+    up = rng.normal(0, 1, (64, 96)).astype(np.float32)
+    g64, u64 = gate.astype(np.float64), up.astype(np.float64)
+    sig = 1 / (1 + np.exp(-g64))
+    assert _rel_err(fast_math.sigmoid(mx.array(gate)), sig) < 2e-6
+    assert _rel_err(fast_math.swiglu(mx.array(gate), mx.array(up)), g64 * sig * u64) < 2e-6
+
+    weights = mx.array(rng.normal(size=(64, 96)).astype(np.float32))
+    grads = mx.grad(lambda g, u: (fast_math.swiglu(g, u) * weights).sum(), argnums=(0, 1))(
+        mx.array(gate), mx.array(up)
+    )
+    w = np.array(weights, dtype=np.float64)
+    d_gate = w * u64 * sig * (1 + g64 * (1 - sig))  # d silu(g) = s (1 + g (1 - s))
+    np.testing.assert_allclose(np.array(grads[0]), d_gate, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.array(grads[1]), w * g64 * sig, rtol=1e-4, atol=1e-6)
+
+
+def test_fast_softmax_and_logsumexp_match_mlx_with_masked_entries() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 4, (6, 5, 300)).astype(np.float32)
+    x[0, 0, :10] = -np.inf
+    x[1, 1, :] = -np.inf  # a fully masked row: logsumexp -inf, not NaN
+    logits = mx.array(x)
+    lse = np.array(fast_math.logsumexp(logits, axis=-1))
+    assert lse[1, 1] == -np.inf
+    finite = np.isfinite(lse)
+    np.testing.assert_allclose(
+        lse[finite], np.array(mx.logsumexp(logits, axis=-1))[finite], rtol=1e-6, atol=1e-5
+    )
+    kept = mx.array(np.where(np.isinf(x), -30.0, x))  # softmax of a -inf row is NaN either way
+    np.testing.assert_allclose(
+        np.array(fast_math.softmax(kept, axis=1)), np.array(mx.softmax(kept, axis=1)), atol=1e-6
+    )
+    w = mx.array(rng.normal(size=(6, 5, 300)).astype(np.float32))
+
+    def ours(z: mx.array) -> mx.array:
+        return (fast_math.logsumexp(z, axis=-1, keepdims=True) * w).sum() + (
+            fast_math.softmax(z, axis=-1) * w
+        ).sum()
+
+    def theirs(z: mx.array) -> mx.array:
+        return (mx.logsumexp(z, axis=-1, keepdims=True) * w).sum() + (
+            mx.softmax(z, axis=-1) * w
+        ).sum()
+
+    np.testing.assert_allclose(
+        np.array(mx.grad(ours)(kept)), np.array(mx.grad(theirs)(kept)), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive", "per_head"])
+@pytest.mark.parametrize("length", [1, 5])
+def test_fast_attention_matches_mlx(mask_kind: str, length: int) -> None:
+    rng = np.random.default_rng(3)
+    b, h, hkv, s, d = 2, 4, 2, 7, 16
+    q = mx.array(rng.normal(size=(b, h, length, d)).astype(np.float32))
+    k = mx.array(rng.normal(size=(b, hkv, s, d)).astype(np.float32))
+    v = mx.array(rng.normal(size=(b, hkv, s, d)).astype(np.float32))
+    mask: mx.array | str | None = {
+        "none": None,
+        "causal": "causal",
+        "bool": mx.array(rng.uniform(size=(b, 1, length, s)) > 0.3),
+        "additive": mx.array(rng.normal(size=(length, s)).astype(np.float32)),
+        "per_head": mx.array(rng.uniform(size=(b, h, length, s)) > 0.3),
+    }[mask_kind]
+    if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+        mask[..., 0] = True  # every query sees a key (MLX's own gives NaN otherwise)
+    got = fast_math.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+    grad = mx.grad(
+        lambda a: fast_math.scaled_dot_product_attention(a, k, v, scale=0.25, mask=mask).sum()
+    )(q)
+    grad_want = mx.grad(
+        lambda a: mx.fast.scaled_dot_product_attention(a, k, v, scale=0.25, mask=mask).sum()
+    )(q)
+    np.testing.assert_allclose(np.array(grad), np.array(grad_want), atol=1e-5)
+
+
+def test_fast_attention_fully_masked_row_is_finite() -> None:
+    q = mx.ones((1, 2, 2, 4))
+    k = mx.ones((1, 1, 3, 4))
+    v = mx.arange(12, dtype=mx.float32).reshape(1, 1, 3, 4)
+    mask = mx.array([[False, False, False], [True, True, False]])  # (L, S)
+    out = np.array(fast_math.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[0, :, 1], [[2.0, 3.0, 4.0, 5.0]] * 2, atol=1e-6)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+def test_accelerated_model_matches_mlx_functions(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny qwen3's logits and gradients with the fast functions equal MLX's own."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from models.policy_model import PolicyModel
+
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    module = sys.modules[type(policy.model).__module__]
+    assert module.swiglu is fast_math.swiglu  # installed by PolicyModel
+    tokens = mx.array(np.random.default_rng(4).integers(0, 500, (3, 11)))
+
+    def loss(model: nn.Module) -> mx.array:
+        return (model(tokens)[:, 3:] ** 2).mean()
+
+    def run() -> tuple[mx.array, dict]:
+        value, grads = nn.value_and_grad(policy, loss)(policy)
+        return policy(tokens), dict(tree_flatten(grads))
+
+    fast_logits, fast_grads = run()
+    monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")  # the same modules defer to MLX's functions
+    logits, grads = run()
+    np.testing.assert_allclose(np.array(fast_logits), np.array(logits), atol=1e-4)
+    for name, g in grads.items():
+        scale = float(mx.abs(g).max()) + 1e-12
+        assert float(mx.abs(fast_grads[name] - g).max()) / scale < 1e-4, name

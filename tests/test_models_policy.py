@@ -456,3 +456,34 @@ def test_apply_chat_template(tiny_model_dir: Path) -> None:
     assert no_prompt == tok.encode("<|im_start|>user\nReview the camera.<|im_end|>\n")
     with pytest.raises(ValueError, match="chat template"):
         apply_chat_template(_word_tokenizer(["a", "<eos>"], eos="<eos>"), messages)
+
+
+def test_logits_at_positions_equal_the_full_forward(tiny_model_dir: Path) -> None:
+    """PolicyModel/ReferenceModel.logits_at run the LM head on the gathered rows only, and give
+    the full forward pass's logits there; a model whose logits are not head(backbone) (here:
+    scaled) is detected and takes the full pass."""
+    from models.policy_model import lm_logits_at
+
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 500, (3, 9)))
+    positions = mx.array([[0, 4, 8], [2, 2, 3], [7, 5, 1]])
+    full = policy(tokens)  # (B, L, V)
+    want = np.take_along_axis(np.array(full), np.array(positions)[..., None], axis=1)
+    np.testing.assert_allclose(np.array(policy.logits_at(tokens, positions)), want, atol=1e-5)
+    reference = ReferenceModel.from_pretrained(tiny_model_dir)
+    np.testing.assert_allclose(np.array(reference.logits_at(tokens, positions)), want, atol=1e-5)
+
+    class Scaled(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.model = inner.model
+            self.inner = inner
+
+        def __call__(self, x: mx.array) -> mx.array:
+            return 2.0 * self.inner(x)
+
+    scaled = Scaled(policy.model)
+    np.testing.assert_allclose(
+        np.array(lm_logits_at(scaled, tokens, positions)), 2.0 * want, rtol=1e-5, atol=1e-5
+    )
+    assert scaled.__dict__["_ppo_mlx_split_head_ok"] is False  # checked once, then kept
