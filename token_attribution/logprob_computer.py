@@ -6,8 +6,11 @@ policy is ``softmax(logits / tau)``, so divide by ``tau`` before calling (TRL an
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 
+from base_setup import fast_math
 from token_attribution.extractor import check_ndim
 
 _HALF_DTYPES = (mx.float16, mx.bfloat16)
@@ -25,11 +28,38 @@ def _check_logits_tokens(logits: mx.array, tokens: mx.array) -> None:
         raise ValueError(f"tokens must be an integer array, got dtype {tokens.dtype}")
 
 
+@mx.custom_function
+def _log_softmax_gather(logits: mx.array, tokens: mx.array) -> mx.array:
+    """(..., V) logits, (...) tokens -> (...) float32 ``logits[tokens] - logsumexp(logits)``.
+
+    Its gradient is written out, ``cot * (onehot(tokens) - softmax(logits))``, from the saved
+    output (``softmax = exp(logits - logits[tokens] + out)``): one exp pass and a put along the
+    token axis, instead of autodiff's second reduction and a scatter of the gather's cotangent
+    into a (..., V) array of zeros (which made the backward pass of the LM head's log-probs
+    three times its forward on the CPU).
+    """
+    x = logits.astype(mx.float32)  # (..., V), the only float32 copy alive
+    chosen = mx.take_along_axis(x, tokens[..., None], axis=-1)  # (..., 1)
+    return (chosen - fast_math.logsumexp(x, axis=-1, keepdims=True))[..., 0]
+
+
+@_log_softmax_gather.vjp
+def _log_softmax_gather_vjp(
+    primals: list[mx.array], cotangent: mx.array, output: mx.array
+) -> tuple[mx.array, mx.array]:
+    logits, tokens = primals
+    x = logits.astype(mx.float32)
+    index = tokens[..., None]  # (..., 1)
+    lse = mx.take_along_axis(x, index, axis=-1) - output[..., None]  # (..., 1)
+    cot = cotangent.astype(mx.float32)[..., None]  # (..., 1)
+    grad = -cot * fast_math.exp(x - lse)  # (..., V): -cot * softmax
+    grad = mx.put_along_axis(grad, index, mx.take_along_axis(grad, index, axis=-1) + cot, axis=-1)
+    return grad.astype(logits.dtype), mx.zeros_like(tokens)
+
+
 def _row_log_softmax_gather(row_logits: mx.array, row_tokens: mx.array) -> mx.array:
     """(T, V) logits, (T,) tokens -> (T,) float32 ``log_softmax(row_logits)[t, tokens[t]]``."""
-    row = row_logits.astype(mx.float32)  # (T, V), the only float32 copy alive for this row
-    chosen = mx.take_along_axis(row, row_tokens[:, None], axis=-1)[:, 0]  # (T,)
-    return chosen - mx.logsumexp(row, axis=-1)
+    return cast(mx.array, _log_softmax_gather(row_logits, row_tokens))
 
 
 def selective_log_softmax(logits: mx.array, tokens: mx.array) -> mx.array:
@@ -40,10 +70,11 @@ def selective_log_softmax(logits: mx.array, tokens: mx.array) -> mx.array:
         mx.take_along_axis(logits - mx.logsumexp(logits, -1, keepdims=True),
                            tokens[..., None], axis=-1)[..., 0]
 
-    Here: ``logit[tokens] - logsumexp(logits)``, gathering one logit per position. float32 logits are
-    handled in one shot; float16/bfloat16 logits are upcast to float32 one row (T, V) at a time, so the
-    float32 copy never exceeds one sequence (logsumexp in half precision loses too much, as TRL notes).
-    Temperature is the caller's job: pass ``logits / temperature``.
+    Here: ``logit[tokens] - logsumexp(logits)``, gathering one logit per position, with a
+    hand-written gradient ``cot * (onehot(tokens) - softmax(logits))``. float32 logits are
+    handled in one shot; float16/bfloat16 logits are upcast to float32 one row (T, V) at a time,
+    so the float32 copy never exceeds one sequence (logsumexp in half precision loses too much,
+    as TRL notes). Temperature is the caller's job: pass ``logits / temperature``.
 
     Args:
         logits: (B, T, V) logits (any float dtype) at the positions that predict ``tokens``.
@@ -57,16 +88,14 @@ def selective_log_softmax(logits: mx.array, tokens: mx.array) -> mx.array:
     if logits.dtype in _HALF_DTYPES:
         rows = [_row_log_softmax_gather(logits[b], tokens[b]) for b in range(logits.shape[0])]
         return mx.stack(rows, axis=0)  # (B, T)
-    logits = logits.astype(mx.float32)
-    chosen = mx.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]  # (B, T)
-    return chosen - mx.logsumexp(logits, axis=-1)  # (B, T)
+    return cast(mx.array, _log_softmax_gather(logits, tokens))  # (B, T)
 
 
 def _row_entropy(row_logits: mx.array) -> mx.array:
     """(..., V) logits -> (...) float32 entropy ``logsumexp(l) - sum softmax(l) * l``."""
     row = row_logits.astype(mx.float32)
-    probs = mx.softmax(row, axis=-1)
-    return mx.logsumexp(row, axis=-1) - mx.sum(probs * row, axis=-1)
+    probs = fast_math.softmax(row, axis=-1)
+    return fast_math.logsumexp(row, axis=-1) - mx.sum(probs * row, axis=-1)
 
 
 def entropy_from_logits(logits: mx.array) -> mx.array:

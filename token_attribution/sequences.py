@@ -74,10 +74,30 @@ def response_logprobs(
     Returns:
         ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
     """
+    positions = response_positions(prompt_lengths, responses.shape[1])
+    return token_logprobs(gather_positions(logits, positions), responses, temperature, with_entropy)
+
+
+def token_logprobs(
+    scored: mx.array,
+    responses: mx.array,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[mx.array, mx.array | None]:
+    """Per-token log-probs of the responses under ``scored / temperature``.
+
+    Args:
+        scored: (B, T, V) logits at the response positions (``response_positions``), e.g. from
+            ``PolicyModel.logits_at``, which runs the LM head on those positions only.
+        responses: (B, T) response tokens.
+        temperature: the sampling temperature.
+        with_entropy: also return the (B, T) entropy of the scaled distribution.
+
+    Returns:
+        ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
+    """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
-    positions = response_positions(prompt_lengths, responses.shape[1])
-    scored = gather_positions(logits, positions)  # (B, T, V)
     if temperature != 1.0:
         scored = scored / temperature
     logprobs = selective_log_softmax(scored, responses)
