@@ -307,3 +307,42 @@ def test_losses_run_compiled_without_host_sync():
         assert metrics_c[key].item() == pytest.approx(metrics_e[key].item(), rel=1e-6, abs=1e-7)
     for g_e, g_c in zip(grads_e, grads_c):
         np.testing.assert_allclose(np.array(g_c), np.array(g_e), rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ compiled AdamW
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_compiled_adamw_equals_mlx_adamw(weight_decay: float, bias_correction: bool) -> None:
+    """training.optimizer.AdamW gives MLX's AdamW's parameters and state, bit for bit."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from training.optimizer import AdamW
+
+    models = [nn.Linear(24, 8), nn.Linear(24, 8)]
+    models[1].update(models[0].parameters())
+    optimizers = [
+        cls(
+            learning_rate=optim.linear_schedule(1e-2, 1e-3, 5),
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+        )
+        for cls in (optim.AdamW, AdamW)
+    ]
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        grads = {
+            "weight": mx.array(rng.normal(size=(8, 24)).astype(np.float32)),
+            "bias": mx.array(rng.normal(size=(8,)).astype(np.float32)),
+        }
+        for model, optimizer in zip(models, optimizers):
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state)
+    ours, theirs = (dict(tree_flatten(m.parameters())) for m in (models[1], models[0]))
+    assert optimizers[0].step.item() == 4
+    for name in theirs:
+        assert mx.array_equal(ours[name], theirs[name]).item(), name
+    state_ours, state_theirs = (dict(tree_flatten(o.state)) for o in optimizers[::-1])
+    for name in state_theirs:
+        assert mx.array_equal(state_ours[name], state_theirs[name]).item(), name

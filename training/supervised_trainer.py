@@ -41,6 +41,7 @@ from tqdm import tqdm
 from config.loading import config_to_dict, save_config
 from config.sft_config import FineTuneConfig
 from training.checkpoint import CheckpointManager
+from training.optimizer import AdamW
 from training.data import length_bucketed_batches, split_micro_batches, train_eval_split
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 
@@ -188,7 +189,7 @@ class SupervisedTrainer(Generic[E, B]):
             total = min(total, cfg.total_steps)
 
         # 2. Optimiser over the run's length; resume.
-        self.optimizer = optim.AdamW(
+        self.optimizer = AdamW(
             learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
