@@ -12,6 +12,7 @@ from config.training_config import TrainingConfig
 Algorithm = Literal["ppo", "grpo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 GRPOAdvantageScale = Literal["group", "batch", "none"]
+RolloutLogprobs = Literal["sampling", "forward"]
 
 
 @dataclass(kw_only=True)
@@ -40,6 +41,11 @@ class PPOConfig(ModelConfig, TrainingConfig):
         top_k: Sample among the k most likely tokens; 0 = off.
         stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids; [] = never
             stop before max_new_tokens.
+        rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
+            KL's policy side) come from: "sampling" keeps those the sampler computed from the
+            same logits, the same function of the same weights, saving one forward pass of the
+            policy per iteration; "forward" recomputes them with a forward pass over the whole
+            sequences. They agree to float rounding (about 1e-6; tests check 1e-4).
         kl_coef: Weight of the per-token KL penalty in the PPO reward, reward - kl_coef * kl
             (the initial value when adaptive_kl is on).
         kl_estimator: Per-token KL estimator of the PPO reward penalty: "k1", "k2" or "k3".
@@ -73,6 +79,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: list[int] | None = None
+    rollout_logprobs: RolloutLogprobs = "sampling"
     kl_coef: float = 0.05
     kl_estimator: KLEstimator = "k1"
     adaptive_kl: bool = False

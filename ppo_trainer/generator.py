@@ -27,6 +27,7 @@ from typing import Any, Sequence, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from base_setup import fast_math
 from models.policy_model import PolicyModel
 
 
@@ -43,12 +44,15 @@ class GenerationOutput:
         logprobs: ``(B, T)`` float32 log-prob of each sampled token under
             ``log_softmax(logits / temperature)`` (``temperature`` taken as 1 when greedy), before
             top-k / top-p filtering; 0 after the end. ``None`` unless requested.
+        entropy: ``(B, T)`` float32 entropy (nats) of that distribution at each step; 0 after
+            the end. ``None`` unless log-probs are requested.
     """
 
     responses: mx.array
     lengths: mx.array
     ended_with_stop: mx.array
     logprobs: mx.array | None = None
+    entropy: mx.array | None = None
 
 
 def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
@@ -76,9 +80,15 @@ def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
 
 
 def _sample(
-    logits: mx.array, temperature: float, top_p: float, top_k: int, keys: mx.array | None = None
-) -> tuple[mx.array, mx.array]:
-    """Next tokens ``(B,)`` and their log-probs ``(B,)`` from last-position ``logits`` ``(B, V)``.
+    logits: mx.array,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    keys: mx.array | None = None,
+    with_entropy: bool = False,
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Next tokens ``(B,)``, their log-probs ``(B,)`` and, if asked, the entropy ``(B,)`` of the
+    distribution they were scored under, from last-position ``logits`` ``(B, V)``.
 
     ``keys`` (B, 2): row ``b`` samples ``argmax(filtered_b + Gumbel noise from keys[b])``, which is
     ``mx.random.categorical(filtered_b, key=keys[b])``; None samples from the global random state.
@@ -93,11 +103,11 @@ def _sample(
 
     logits = logits.astype(mx.float32)
     if temperature == 0:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, V)
+        logprobs = logits - fast_math.logsumexp(logits, axis=-1, keepdims=True)  # (B, V)
         tokens = mx.argmax(logits, axis=-1)
     else:
         scaled = logits * (1.0 / temperature)
-        logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)  # (B, V)
+        logprobs = scaled - fast_math.logsumexp(scaled, axis=-1, keepdims=True)  # (B, V)
         filtered = logprobs
         if 0 < top_k < logprobs.shape[-1]:
             filtered = apply_top_k(filtered, top_k)
@@ -111,7 +121,11 @@ def _sample(
             tokens = mx.argmax(filtered + noise, axis=-1)
     tokens = tokens.astype(mx.int32)
     token_logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, token_logprobs
+    entropy = None
+    if with_entropy:
+        probs = fast_math.exp(logprobs)  # (B, V); 0 where a logit is -inf
+        entropy = -mx.where(probs > 0, probs * logprobs, 0.0).sum(axis=-1)  # (B,)
+    return tokens, token_logprobs, entropy
 
 
 def generate(
@@ -141,8 +155,8 @@ def generate(
         stop_token_ids: a response ends at (and includes) the first of these; may be empty.
         pad_token_id: fills ``responses`` after each end. Masks come from ``lengths``, never
             from comparing ids with this value.
-        return_logprobs: also return the sampled tokens' log-probs (see
-            :class:`GenerationOutput`).
+        return_logprobs: also return the sampled tokens' log-probs and the entropy of each
+            step's distribution (see :class:`GenerationOutput`).
         keys: ``(B, 2)`` uint32 PRNG keys (``mx.random.key`` / ``mx.random.split``), one per
             prompt: row ``b``'s samples then depend only on ``keys[b]`` (and its prompt), not on
             the other rows or the global random state. None: the global state. Unused if greedy.
@@ -206,16 +220,24 @@ def generate(
         done = mx.zeros((len(prompts),), dtype=mx.bool_)  # stopped before this step
         step_tokens: list[mx.array] = []
         step_logprobs: list[mx.array] = []
+        step_entropy: list[mx.array] = []
         step_alive: list[mx.array] = []
         for t in range(max_new_tokens):
-            tokens, token_logprobs = _sample(
-                logits, temperature, top_p, top_k, None if step_keys is None else step_keys[:, t]
+            tokens, token_logprobs, entropy = _sample(
+                logits,
+                temperature,
+                top_p,
+                top_k,
+                None if step_keys is None else step_keys[:, t],
+                with_entropy=return_logprobs,
             )
             alive = mx.logical_not(done)  # this step's token belongs to the response
             tokens = mx.where(alive, tokens, pad)
             done = mx.logical_or(done, (tokens[:, None] == stop_ids[None, :]).any(axis=1))
             step_tokens.append(tokens)
             step_logprobs.append(mx.where(alive, token_logprobs, 0.0))
+            if entropy is not None:
+                step_entropy.append(mx.where(alive, entropy, 0.0))
             step_alive.append(alive)
             if t == max_new_tokens - 1:
                 break
@@ -230,11 +252,13 @@ def generate(
     response_lengths = alive_all.sum(axis=1).astype(mx.int32)  # (B,)
     responses = mx.stack(step_tokens, axis=1)  # (B, T_run)
     logprobs = mx.stack(step_logprobs, axis=1).astype(mx.float32) if return_logprobs else None
-    mx.eval(response_lengths, responses, done, logprobs)
+    entropies = mx.stack(step_entropy, axis=1) if return_logprobs else None
+    mx.eval(response_lengths, responses, done, logprobs, entropies)
     width = cast(int, response_lengths.max().item())  # T: the longest response
     return GenerationOutput(
         responses=responses[:, :width],
         lengths=response_lengths,
         ended_with_stop=done,
         logprobs=None if logprobs is None else logprobs[:, :width],
+        entropy=None if entropies is None else entropies[:, :width],
     )

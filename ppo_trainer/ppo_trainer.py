@@ -67,9 +67,10 @@ from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewar
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
-    response_logprobs,
     response_positions,
+    token_logprobs,
 )
+from training.optimizer import AdamW
 from training.policy_loss import grpo_policy_loss, ppo_policy_loss
 from training.value_loss import clipped_value_loss
 
@@ -212,7 +213,7 @@ class PPOTrainer:
         return ValueModel.from_pretrained(path, dtype=self.config.dtype)
 
     def _stop_token_ids(self) -> list[int]:
-        if self.config.stop_token_ids:
+        if self.config.stop_token_ids is not None:  # [] = never stop early
             return list(self.config.stop_token_ids)
         ids = eos_token_ids(self.tokenizer)
         if not ids:
@@ -326,6 +327,7 @@ class PPOTrainer:
             top_k=cfg.top_k,
             stop_token_ids=self.stop_token_ids,
             pad_token_id=self.pad_token_id,
+            return_logprobs=True,
             keys=keys,
         )
         num_tokens = gen.responses.shape[1]
@@ -334,22 +336,25 @@ class PPOTrainer:
             prompt_ids, gen.responses, self.pad_token_id
         )
         # 2. Log-probs under the rollout policy and the reference, and values: no gradients here.
-        logprobs, entropy = response_logprobs(
-            self.policy(query_responses),
-            prompt_lengths,
-            gen.responses,
-            cfg.temperature,
-            with_entropy=True,
-        )
-        ref_logprobs, _ = response_logprobs(
-            self.ref_model(query_responses), prompt_lengths, gen.responses, cfg.temperature
+        # The sampler's log-probs are log_softmax(logits / temperature) of the same weights
+        # (eval mode, as here): "forward" recomputes them over whole sequences instead.
+        positions = response_positions(prompt_lengths, num_tokens)  # (B, T)
+        logprobs, entropy = gen.logprobs, gen.entropy
+        if cfg.rollout_logprobs == "forward":
+            logprobs, entropy = token_logprobs(
+                self.policy.logits_at(query_responses, positions),
+                gen.responses,
+                cfg.temperature,
+                with_entropy=True,
+            )
+        assert logprobs is not None and entropy is not None
+        ref_logprobs, _ = token_logprobs(
+            self.ref_model.logits_at(query_responses, positions), gen.responses, cfg.temperature
         )
         values = None
         if self.value_model is not None:
-            positions = response_positions(prompt_lengths, num_tokens)
             values = gather_positions(self.value_model(query_responses), positions)
         mx.eval(logprobs, entropy, ref_logprobs, values)
-        assert entropy is not None
 
         # 3. Scores of the completions (text without the stop token).
         completions = self._decode_completions(gen)
@@ -559,8 +564,9 @@ class PPOTrainer:
         cfg = self.config
         # The model call is inside the differentiated function; every mb.* array is a rollout
         # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
-        logprobs, _ = response_logprobs(
-            policy(mb.query_responses), mb.prompt_lengths, mb.responses, cfg.temperature
+        positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])  # (b, T)
+        logprobs, _ = token_logprobs(
+            policy.logits_at(mb.query_responses, positions), mb.responses, cfg.temperature
         )
         if cfg.algorithm == "grpo":
             return grpo_policy_loss(
@@ -853,14 +859,14 @@ class PPOTrainer:
         cfg = self.config
         updates = cfg.num_ppo_epochs * cfg.num_mini_batches
         horizon = max((total_steps or cfg.total_steps or 1000) * updates, 1)
-        self.policy_optimizer = optim.AdamW(
+        self.policy_optimizer = AdamW(
             learning_rate=_schedule(cfg.learning_rate, cfg, horizon),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
         if self.value_model is not None:
             lr = cfg.value_learning_rate or cfg.learning_rate
-            self.value_optimizer = optim.AdamW(
+            self.value_optimizer = AdamW(
                 learning_rate=_schedule(lr, cfg, horizon),
                 eps=cfg.adam_eps,
                 weight_decay=cfg.weight_decay,
@@ -912,9 +918,12 @@ class PPOTrainer:
             mask = (mx.arange(gen.responses.shape[1])[None, :] < gen.lengths[:, None]).astype(
                 mx.float32
             )
-            logp, _ = response_logprobs(self.policy(query_responses), prompt_lengths, gen.responses)
-            ref, _ = response_logprobs(
-                self.ref_model(query_responses), prompt_lengths, gen.responses
+            positions = response_positions(prompt_lengths, gen.responses.shape[1])  # (B, T)
+            logp, _ = token_logprobs(
+                self.policy.logits_at(query_responses, positions), gen.responses
+            )
+            ref, _ = token_logprobs(
+                self.ref_model.logits_at(query_responses, positions), gen.responses
             )
             kl = ((logp - ref) * mask).sum(axis=1)
             lens = np.array(gen.lengths)

@@ -300,3 +300,31 @@ def test_bad_inputs_raise(policy: PolicyModel) -> None:
         generate(policy, [[5]], **kwargs, top_k=-1)
     with pytest.raises(ValueError, match="context"):
         generate(policy, [[5] * 2000], **{**kwargs, "max_new_tokens": 100})
+
+
+def test_sampling_entropy_equals_the_forward_entropy(
+    policy: PolicyModel, prompts: list[list[int]]
+) -> None:
+    """The entropy the sampler returns is that of log_softmax(logits / temperature) at each step,
+    as ``entropy_from_logits`` computes it from a full forward pass; 0 after the end."""
+    from token_attribution.logprob_computer import entropy_from_logits
+
+    seed_everything(5)
+    out = generate(
+        policy,
+        prompts,
+        max_new_tokens=12,
+        temperature=0.8,
+        stop_token_ids=[0],
+        pad_token_id=PAD,
+        return_logprobs=True,
+    )
+    assert out.entropy is not None
+    entropy = _np(out.entropy)
+    for b, prompt in enumerate(prompts):
+        n = int(_np(out.lengths)[b].item())
+        response = _np(out.responses)[b, :n].tolist()
+        logits = policy.model(mx.array([prompt + response]))[:, len(prompt) - 1 : -1]
+        want = np.array(entropy_from_logits(logits / 0.8))[0]
+        np.testing.assert_allclose(entropy[b, :n], want, atol=1e-4)
+        assert (entropy[b, n:] == 0).all()
