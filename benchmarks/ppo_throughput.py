@@ -1,0 +1,718 @@
+"""Throughput of a PPO / GRPO iteration: how long it takes, where the time goes, how far it is from
+the floor of this design, how it grows, and how it compares with TRL on the same weights.
+
+Usage::
+
+    python -m benchmarks.ppo_throughput                   # MLX only
+    python -m benchmarks.ppo_throughput --compare trl     # and TRL (pip install -r requirements-bench.txt)
+    python -m benchmarks.ppo_throughput --smoke           # toy sizes, seconds (what the test runs)
+
+Configurations (every one: random weights, float32, temperature 1, no stop token, so every
+response has exactly the stated number of tokens; one PPO epoch over one minibatch; full-weight
+training, a separate frozen reference; reward model = value model's start = the same
+``Qwen3ForSequenceClassification`` checkpoint):
+
+* ``tiny``: qwen3, hidden 256, 4 layers, 4 heads (2 KV heads, head_dim 64), MLP 768, vocabulary
+  2048, tied embeddings (3.7M parameters). PPO: 16 prompts of about 14 tokens x 32 new tokens;
+  GRPO: 4 prompts x 4 completions x 32 new tokens.
+* ``medium``: hidden 768, 12 layers, 12 heads (4 KV heads), MLP 3072, vocabulary 2048 (about
+  100M parameters). PPO: 8 prompts x 128 new tokens; GRPO: 2 prompts x 4 completions x 128.
+* scaling (tiny PPO): 32, 64, 128 and 256 new tokens at batch 16; batch 8, 16 and 32 at 32 tokens.
+
+Each configuration runs in a fresh subprocess per system (so peak memory is its own): ``warmup``
+untimed iterations, then ``iterations`` timed ones. The MLX worker then times, in the same process,
+the irreducible pieces of an iteration (``benchmarks.throughput_mlx``): batched KV-cache sampling,
+one forward pass, one forward+backward+AdamW step, for the policy (LM head) and a scalar-head
+model. Printed ratios:
+
+* ``iter / (sample + fwd + train)``: the iteration against its three basic pieces;
+* ``iter / design floor``: against what this design cannot avoid: sampling, the reference
+  forward, the reward (and PPO's value) forward, and one training step per model per minibatch
+  (policy log-probs could come from sampling, so they do not count).
+
+Machine noise: before every configuration the script waits (up to ``--quiet-wait`` seconds) for
+the other processes on the machine to go idle, each row reports how many cores others kept busy
+while it was measured (``other``), and a configuration measured while others used more than 0.3
+cores is measured again (``--retries``), keeping the quieter result.
+Writes ``results.json`` and ``ppo_throughput.png`` under ``--out`` (default
+``runs/benchmarks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from benchmarks.throughput_spec import FLOOR_KEYS, SPLIT_KEYS, RunResult, RunSpec
+from models.tiny_model import TINY_SIZES, TinyModelSpec
+
+#: The benchmark's model sizes (``toy`` is the smoke test's).
+MODEL_SHAPES: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(
+        vocab_size=2048,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+    ),
+    "medium": TinyModelSpec(
+        vocab_size=2048,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=3072,
+    ),
+    "toy": TINY_SIZES["test"],
+}
+
+#: What ``--compare trl`` needs, and the versions it was written against.
+COMPARE_REQUIREMENTS: dict[str, str] = {"torch": "2.13.0", "trl": "1.12.0", "requests": ""}
+
+SweepKind = Literal["tokens", "batch"]
+SWEEP_KINDS: tuple[SweepKind, ...] = ("tokens", "batch")
+
+QUIET_CORES = 0.3  # other processes' CPU use below which the machine counts as quiet
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the plan: ``batch_size`` prompts x ``group_size`` completions x
+    ``max_new_tokens`` tokens of model ``model``."""
+
+    label: str
+    model: str
+    algorithm: Literal["ppo", "grpo"]
+    batch_size: int
+    group_size: int
+    max_new_tokens: int
+    kind: Literal["main", "tokens", "batch"] = "main"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run measures: the main configurations (floor measured too), the scaling sweep
+    (tiny PPO), and how many iterations each gets."""
+
+    main: tuple[Config, ...]
+    sweep: tuple[Config, ...]
+    warmup: int
+    iterations: int
+    medium_warmup: int
+    medium_iterations: int
+    floor_repeats: int
+    isolate: bool  # each configuration in its own subprocess
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """The configurations of a full run, or the toy ones of ``--smoke``."""
+    if args.smoke:
+        toy_main = (
+            Config("toy", "toy", "ppo", 4, 1, 4),
+            Config("toy", "toy", "grpo", 2, 2, 4),
+        )
+        toy_sweep = (
+            Config("tokens=8", "toy", "ppo", 4, 1, 8, "tokens"),
+            Config("batch=2", "toy", "ppo", 2, 1, 4, "batch"),
+        )
+        return Plan(toy_main, toy_sweep, 1, 2, 1, 2, 1, isolate=False)
+    main_list = [
+        Config("tiny", "tiny", "ppo", 16, 1, 32),
+        Config("tiny", "tiny", "grpo", 4, 4, 32),
+    ]
+    if not args.no_medium:
+        main_list += [
+            Config("medium", "medium", "ppo", 8, 1, 128),
+            Config("medium", "medium", "grpo", 2, 4, 128),
+        ]
+    sweep: tuple[Config, ...] = ()
+    if not args.no_sweep:
+        sweep = tuple(
+            Config(f"tokens={t}", "tiny", "ppo", 16, 1, t, "tokens") for t in (64, 128, 256)
+        ) + tuple(Config(f"batch={b}", "tiny", "ppo", b, 1, 32, "batch") for b in (8, 32))
+    return Plan(
+        tuple(main_list),
+        sweep,
+        args.warmup,
+        args.iterations,
+        args.medium_warmup,
+        args.medium_iterations,
+        args.floor_repeats,
+        isolate=True,
+    )
+
+
+# ---------------------------------------------------------------------------------- environment
+def missing_compare_requirements() -> str | None:
+    """Why ``--compare trl`` cannot run in this environment, or None when it can."""
+    for name in COMPARE_REQUIREMENTS:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{name} is not installed"
+    return None
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return None
+
+
+def cpu_threads() -> int:
+    """Cores this process may run on: what OpenBLAS (MLX's BLAS here) uses, and what PyTorch
+    gets for the comparison."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def machine_lines(compare: bool) -> list[str]:
+    """A few lines that describe the machine and the libraries."""
+    memory = _memory_gib()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    lines = [
+        f"CPU: {_cpu_name()}, {cpu_threads()} cores"
+        + (f", {memory:.0f} GiB memory" if memory else ""),
+        f"OS: {platform.system()} {platform.release()}; Python {platform.python_version()}",
+        f"MLX {_version('mlx')} (CPU backend), mlx-lm {_version('mlx-lm')}; "
+        f"math threads: {cpu_threads()}",
+    ]
+    if compare:
+        lines.append(
+            f"PyTorch {_version('torch')} (torch.set_num_threads({cpu_threads()})), "
+            f"TRL {_version('trl')}, transformers {_version('transformers')}"
+        )
+    if load is not None:
+        quiet = "quiet" if load[0] < 1.5 else "BUSY: timings are inflated"
+        lines.append(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({quiet})")
+    return lines
+
+
+def wait_for_quiet(max_wait: float) -> float | None:
+    """Wait up to ``max_wait`` seconds for other processes to use less than ``QUIET_CORES``
+    cores over a 1-second window; returns the last window's busy cores (None without
+    /proc/stat)."""
+    from benchmarks.throughput_spec import CpuMonitor
+
+    deadline = time.monotonic() + max_wait
+    while True:
+        monitor = CpuMonitor()
+        monitor.start()
+        time.sleep(1.0)
+        busy = monitor.other_cores()
+        if busy is None or busy < QUIET_CORES or time.monotonic() >= deadline:
+            return busy
+
+
+# ---------------------------------------------------------------------------------- running
+def run_spec(spec: RunSpec, isolate: bool, log_dir: Path) -> RunResult:
+    """Measure one spec: in a fresh ``benchmarks.throughput_worker`` subprocess when
+    ``isolate`` (always for TRL: it must not share a process with MLX's BLAS), else here."""
+    if not isolate and spec.system == "mlx":
+        from benchmarks.throughput_worker import run_spec as run_here
+
+        return run_here(spec)
+    name = f"{spec.system}_{spec.algorithm}_{spec.label}".replace("=", "")
+    spec_file = log_dir / f"{name}.spec.json"
+    result_file = log_dir / f"{name}.result.json"
+    log_file = log_dir / f"{name}.log"
+    spec_file.write_text(spec.to_json(), encoding="utf-8")
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
+    with open(log_file, "w", encoding="utf-8") as log:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.throughput_worker",
+                str(spec_file),
+                str(result_file),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    if done.returncode != 0:
+        tail = log_file.read_text(encoding="utf-8").splitlines()[-25:]
+        raise RuntimeError(
+            f"the {spec.system} worker for {spec.algorithm} {spec.label} failed (exit "
+            f"{done.returncode}); its log is {log_file}:\n" + "\n".join(tail)
+        )
+    return RunResult.load(result_file)
+
+
+def _spec(
+    config: Config,
+    system: Literal["mlx", "trl"],
+    plan: Plan,
+    dirs: dict[str, tuple[Path, Path, list[str]]],
+    measure_floor: bool,
+) -> RunSpec:
+    policy_dir, reward_dir, prompts = dirs[config.model]
+    medium = config.model == "medium"
+    return RunSpec(
+        system=system,
+        algorithm=config.algorithm,
+        label=config.label,
+        model=config.model,
+        policy_dir=str(policy_dir),
+        reward_dir=str(reward_dir),
+        prompts=tuple(prompts),
+        batch_size=config.batch_size,
+        group_size=config.group_size,
+        max_new_tokens=config.max_new_tokens,
+        warmup=plan.medium_warmup if medium else plan.warmup,
+        iterations=plan.medium_iterations if medium else plan.iterations,
+        threads=cpu_threads(),
+        measure_floor=measure_floor and system == "mlx",
+        floor_repeats=plan.floor_repeats,
+    )
+
+
+# ---------------------------------------------------------------------------------- reporting
+def design_floor(result: RunResult) -> tuple[float, float]:
+    """``(basic, design)`` floors in seconds of a result with ``floor`` pieces.
+
+    basic = sample + lm_forward + lm_train_step. design = sample + reference forward (LM) +
+    reward forward (head) [+ value forward (head)] + one training step of the policy [+ the value
+    model] per minibatch (one here).
+    """
+    f = result.floor
+    if f is None:
+        raise ValueError("this result has no floor measurement")
+    basic = f["sample"] + f["lm_forward"] + f["lm_train_step"]
+    if result.spec.algorithm == "ppo":
+        design = (
+            f["sample"]
+            + f["lm_forward"]
+            + 2 * f["head_forward"]
+            + f["lm_train_step"]
+            + f["head_train_step"]
+        )
+    else:
+        design = f["sample"] + f["lm_forward"] + f["head_forward"] + f["lm_train_step"]
+    return basic, design
+
+
+def _fmt_load(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def iteration_table(results: Sequence[RunResult]) -> list[str]:
+    head = (
+        f"{'config':<10} {'algo':<5} {'system':<6} {'seqs x new':>10} {'median s':>9} "
+        f"{'min s':>7} {'max s':>7} {'tok/s':>7} | {'gen':>6} {'score':>6} {'update':>6} "
+        f"{'other':>6} | {'RSS MB':>7} {'MLX MB':>7} {'other':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s = r.spec
+        split = " ".join(f"{r.split_median(k):>6.3f}" for k in SPLIT_KEYS)
+        mlx_mb = "-" if r.mlx_peak_mb is None else f"{r.mlx_peak_mb:.0f}"
+        lines.append(
+            f"{s.label:<10} {s.algorithm:<5} {s.system:<6} "
+            f"{f'{s.rollout_size}x{s.max_new_tokens}':>10} {r.median:>9.3f} "
+            f"{min(r.seconds):>7.3f} {max(r.seconds):>7.3f} {r.tokens_per_second:>7.0f} | "
+            f"{split} | {r.peak_rss_mb:>7.0f} {mlx_mb:>7} {_fmt_load(r.other_load):>5}"
+        )
+    return lines
+
+
+def compare_table(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[str]:
+    head = (
+        f"{'config':<10} {'algo':<5} {'MLX s':>8} {'TRL s':>8} {'MLX/TRL':>8} | "
+        f"{'gen':>5} {'score':>6} {'update':>6} (MLX/TRL per part) | {'RSS MLX/TRL':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for ours, theirs in pairs:
+        parts = []
+        for key in ("generation", "scoring", "update"):
+            mine = ours.split_median(key) + (ours.split_median("other") if key == "update" else 0)
+            other = theirs.split_median(key)
+            parts.append(f"{mine / other:.2f}" if other > 0 else "-")
+        lines.append(
+            f"{ours.spec.label:<10} {ours.spec.algorithm:<5} {ours.median:>8.3f} "
+            f"{theirs.median:>8.3f} {ours.median / theirs.median:>8.2f} | {parts[0]:>5} "
+            f"{parts[1]:>6} {parts[2]:>6}                     | "
+            f"{ours.peak_rss_mb / theirs.peak_rss_mb:>11.2f}"
+        )
+    return lines
+
+
+def floor_table(results: Sequence[RunResult]) -> list[str]:
+    head = (
+        f"{'config':<10} {'algo':<5} "
+        + " ".join(f"{k:>15}" for k in FLOOR_KEYS)
+        + f" | {'iter s':>7} {'iter/basic':>10} {'iter/design':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.floor is None:
+            continue
+        basic, design = design_floor(r)
+        lines.append(
+            f"{r.spec.label:<10} {r.spec.algorithm:<5} "
+            + " ".join(f"{r.floor[k]:>15.3f}" for k in FLOOR_KEYS)
+            + f" | {r.median:>7.3f} {r.median / basic:>10.2f} {r.median / design:>11.2f}"
+        )
+    return lines
+
+
+def scaling_table(results: Sequence[RunResult], kind: SweepKind, compare: bool) -> list[str]:
+    name = "new tokens" if kind == "tokens" else "batch"
+    head = f"{name:>10} {'MLX s':>8} {'MLX tok/s':>9}"
+    if compare:
+        head += f" {'TRL s':>8} {'TRL tok/s':>9} {'MLX/TRL':>8}"
+    lines = [head, "-" * len(head)]
+    for x, ours, theirs in scaling_points(results, kind):
+        line = f"{x:>10} {ours.median:>8.3f} {ours.tokens_per_second:>9.0f}"
+        if compare and theirs is not None:
+            line += (
+                f" {theirs.median:>8.3f} {theirs.tokens_per_second:>9.0f} "
+                f"{ours.median / theirs.median:>8.2f}"
+            )
+        lines.append(line)
+    return lines
+
+
+def scaling_points(
+    results: Sequence[RunResult], kind: SweepKind
+) -> list[tuple[int, RunResult, RunResult | None]]:
+    """``(x, mlx result, trl result or None)`` of the sweep along ``kind``, sorted by x; the
+    main PPO configuration of the sweep's model is the shared point."""
+    sweep = [r for r in results if r.spec.label.startswith(("tokens=", "batch="))]
+    if not sweep:
+        return []
+    model = sweep[0].spec.model
+    base = [
+        r
+        for r in results
+        if r.spec.label == model and r.spec.algorithm == "ppo" and r.spec.model == model
+    ]
+    points: dict[tuple[int, str], RunResult] = {}
+    for r in [*sweep, *base]:
+        s = r.spec
+        if r in base:
+            xs = [s.max_new_tokens] if kind == "tokens" else [s.batch_size]
+        elif s.label.startswith(f"{kind}="):
+            xs = [int(s.label.split("=")[1])]
+        else:
+            xs = []
+        for x in xs:
+            points[(x, s.system)] = r
+    return [
+        (x, points[(x, "mlx")], points.get((x, "trl")))
+        for x in sorted({x for x, _ in points})
+        if (x, "mlx") in points
+    ]
+
+
+def write_chart(results: Sequence[RunResult], path: Path) -> Path:
+    """A 2x2 PNG: seconds per iteration (MLX vs TRL), the time split, and the two sweeps."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            "the chart needs matplotlib: pip install matplotlib (it is in requirements.txt)"
+        ) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
+    colors = {"mlx": "#1f77b4", "trl": "#ff7f0e"}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+
+    ax = axes[0][0]
+    configs = sorted({(r.spec.label, r.spec.algorithm) for r in main}, key=_config_order)
+    systems = sorted({r.spec.system for r in main})
+    width = 0.8 / max(len(systems), 1)
+    for j, system in enumerate(systems):
+        xs, ys, lo, hi = [], [], [], []
+        for i, (label, algo) in enumerate(configs):
+            r = _find(main, label, algo, system)
+            if r is not None:
+                xs.append(i + j * width)
+                ys.append(r.median)
+                lo.append(r.median - min(r.seconds))
+                hi.append(max(r.seconds) - r.median)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=system, color=colors[system])
+    for i, (label, algo) in enumerate(configs):
+        ours = _find(main, label, algo, "mlx")
+        theirs = _find(main, label, algo, "trl")
+        if ours is not None and ours.floor is not None:
+            ax.hlines(
+                design_floor(ours)[1],
+                i - width / 2,
+                i + width / 2,
+                colors="black",
+                label="mlx design floor" if i == 0 else None,
+            )
+        if ours is not None and theirs is not None:
+            top = max(max(ours.seconds), max(theirs.seconds)) * 1.15
+            ax.text(i + width / 2, top, f"mlx/trl {ours.median / theirs.median:.2f}", ha="center")
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"{label}\n{algo.upper()}" for label, algo in configs])
+    ax.set_yscale("log")
+    ax.set_ylim(top=2.5 * max(max(r.seconds) for r in main))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.set_ylabel("seconds per iteration (median, min-max)")
+    ax.set_title("Seconds per iteration (lower is better)")
+    ax.legend(fontsize=8)
+
+    ax = axes[0][1]
+    bars = [(r, f"{r.spec.label}\n{r.spec.algorithm.upper()}\n{r.spec.system}") for r in main]
+    bars.sort(key=lambda b: (_config_order((b[0].spec.label, b[0].spec.algorithm)), b[1]))
+    part_colors = {
+        "generation": "#2ca02c",
+        "scoring": "#9467bd",
+        "update": "#d62728",
+        "other": "#7f7f7f",
+    }
+    for i, (r, _) in enumerate(bars):
+        total = sum(r.split_median(k) for k in SPLIT_KEYS)
+        bottom = 0.0
+        for key in SPLIT_KEYS:
+            share = 100 * r.split_median(key) / total
+            ax.bar(i, share, bottom=bottom, color=part_colors[key], label=key if i == 0 else None)
+            bottom += share
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([name for _, name in bars], fontsize=7)
+    ax.set_ylabel("% of the iteration")
+    ax.set_title("Where the time goes")
+    ax.legend(loc="lower right", fontsize=8)
+
+    for ax, kind in zip(axes[1], SWEEP_KINDS):
+        points = scaling_points(results, kind)
+        if points:
+            xs = [x for x, _, _ in points]
+            ax.plot(xs, [o.median for _, o, _ in points], "o-", color=colors["mlx"], label="mlx")
+            trl = [(x, t.median) for x, _, t in points if t is not None]
+            if trl:
+                ax.plot(*zip(*trl), "s-", color=colors["trl"], label="trl")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.legend()
+            fixed = points[0][1].spec
+            if kind == "tokens":
+                ax.set_xlabel(f"new tokens per response ({fixed.rollout_size} sequences)")
+            else:
+                ax.set_xlabel(f"prompts per iteration ({fixed.max_new_tokens} new tokens)")
+        ax.set_ylabel("seconds per iteration (median)")
+        ax.set_title(f"PPO cost vs {'response length' if kind == 'tokens' else 'batch size'}")
+        ax.grid(True, which="both", alpha=0.3)
+
+    fig.suptitle("PPO / GRPO iteration throughput (CPU, float32)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _config_order(key: tuple[str, str]) -> tuple[int, str, int]:
+    """Sort key of a (label, algorithm) pair: toy, tiny, medium, then the rest; PPO first."""
+    order = {"toy": 0, "tiny": 1, "medium": 2}
+    return order.get(key[0], 3), key[0], 0 if key[1] == "ppo" else 1
+
+
+def _find(results: Sequence[RunResult], label: str, algo: str, system: str) -> RunResult | None:
+    for r in results:
+        if (r.spec.label, r.spec.algorithm, r.spec.system) == (label, algo, system):
+            return r
+    return None
+
+
+# ---------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--compare",
+        choices=["trl"],
+        help="also run TRL's PPOTrainer and GRPOTrainer (pip install -r requirements-bench.txt)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, in seconds (tests)")
+    parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (tiny)")
+    parser.add_argument("--iterations", type=int, default=5, help="timed iterations (tiny)")
+    parser.add_argument("--medium-warmup", type=int, default=1)
+    parser.add_argument("--medium-iterations", type=int, default=3)
+    parser.add_argument("--floor-repeats", type=int, default=5)
+    parser.add_argument("--no-medium", action="store_true", help="skip the ~100M model")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait, before each configuration, for other processes to go idle",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="measure a configuration again when other processes were busy meanwhile",
+    )
+    args = parser.parse_args(argv)
+    if args.warmup < 0 or args.iterations < 1 or args.medium_iterations < 1 or args.retries < 0:
+        parser.error(
+            "--warmup and --retries must be >= 0 and --iterations / --medium-iterations >= 1"
+        )
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[RunResult]:
+    """Run the benchmark, print its tables, write the chart; returns every result."""
+    args = parse_args(argv)
+    plan = build_plan(args)
+    compare = args.compare == "trl"
+    print("== Machine ==")
+    for line in machine_lines(compare):
+        print(line)
+    if compare:
+        missing = missing_compare_requirements()
+        if missing is not None:
+            print(
+                f"--compare trl skipped: {missing}. Install the comparison's requirements with "
+                "`pip install -r requirements-bench.txt` (PyTorch 2.13.0 CPU, TRL 1.12.0)."
+            )
+            compare = False
+    systems: list[Literal["mlx", "trl"]] = ["mlx", "trl"] if compare else ["mlx"]
+
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="ppo_throughput_") as tmp:
+        work = Path(tmp)
+        dirs = _prepare_models(plan, work)
+        for config in (*plan.main, *plan.sweep):
+            for system in systems:
+                spec = _spec(config, system, plan, dirs, measure_floor=config in plan.main)
+                results.append(_measure(spec, plan, work, args))
+
+    _print_report(results, compare)
+    args.out.mkdir(parents=True, exist_ok=True)
+    chart = write_chart(results, args.out / "ppo_throughput.png")
+    data = [json.loads(r.to_json()) for r in results]
+    for item in data:
+        item["spec"].pop("prompts")
+    (args.out / "results.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    print(f"\nchart: {chart}\nresults: {args.out / 'results.json'}")
+    return results
+
+
+def _measure(spec: RunSpec, plan: Plan, work: Path, args: argparse.Namespace) -> RunResult:
+    """Measure ``spec`` after waiting for a quiet machine; measure again (up to ``--retries``
+    times) when other processes kept more than ``QUIET_CORES`` busy meanwhile, and keep the
+    quietest measurement."""
+    best: RunResult | None = None
+    for attempt in range(1 + (0 if args.smoke else args.retries)):
+        busy = None if args.smoke else wait_for_quiet(args.quiet_wait)
+        start = time.perf_counter()
+        result = run_spec(spec, plan.isolate, work)
+        print(
+            f"  measured {spec.system} {spec.algorithm} {spec.label}: median "
+            f"{result.median:.3f} s/iteration ({time.perf_counter() - start:.0f} s, "
+            f"other load before {_fmt_load(busy)}, during {_fmt_load(result.other_load)})",
+            flush=True,
+        )
+        if best is None or (result.other_load or 0.0) < (best.other_load or 0.0):
+            best = result
+        if result.other_load is None or result.other_load < QUIET_CORES:
+            break
+        if attempt < args.retries:
+            print("    the machine was busy: measuring again", flush=True)
+    assert best is not None
+    return best
+
+
+def _prepare_models(plan: Plan, work: Path) -> dict[str, tuple[Path, Path, list[str]]]:
+    """Checkpoints and prompts of every model size the plan uses (built once, shared by both
+    systems): ``{model: (policy_dir, reward_dir, prompts)}``."""
+    from benchmarks.throughput_models import benchmark_prompts, build_benchmark_checkpoints
+
+    dirs: dict[str, tuple[Path, Path, list[str]]] = {}
+    needed = {c.model for c in (*plan.main, *plan.sweep)}
+    most_prompts = max(c.batch_size for c in (*plan.main, *plan.sweep))
+    for model in sorted(needed, key=lambda m: _config_order((m, ""))):
+        start = time.perf_counter()
+        policy_dir, reward_dir = build_benchmark_checkpoints(work / model, MODEL_SHAPES[model])
+        prompts = benchmark_prompts(policy_dir, most_prompts)
+        dirs[model] = (policy_dir, reward_dir, prompts)
+        print(f"  built the {model} checkpoints in {time.perf_counter() - start:.1f} s")
+    return dirs
+
+
+def _print_report(results: list[RunResult], compare: bool) -> None:
+    main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
+    params = {r.spec.model: r.params_millions for r in results if r.spec.system == "mlx"}
+    print("\n== Iterations ==")
+    print(
+        "seconds per iteration over the timed iterations; tok/s = generated tokens / median "
+        "iteration; gen/score/update/other = median seconds of each part (TRL's update includes "
+        "its advantage code); RSS = the worker's peak resident memory (loading included); "
+        "MLX MB = MLX's peak array memory; other = cores busy with other processes meanwhile"
+    )
+    print("models: " + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items()))
+    for line in iteration_table(results):
+        print(line)
+    if compare:
+        pairs = []
+        for ours in main:
+            theirs = _find(results, ours.spec.label, ours.spec.algorithm, "trl")
+            if ours.spec.system == "mlx" and theirs is not None:
+                pairs.append((ours, theirs))
+        print("\n== MLX / TRL (time per iteration; below 1: MLX is faster) ==")
+        for line in compare_table(pairs):
+            print(line)
+    print("\n== Floor (MLX, measured in the same process as the iterations) ==")
+    print(
+        "median seconds of each piece; basic = sample + lm_forward + lm_train_step; design = "
+        "what this design cannot avoid (sampling, reference LM forward, reward [and value] head "
+        "forward, one training step per model)"
+    )
+    for line in floor_table(results):
+        print(line)
+    for kind in SWEEP_KINDS:
+        if scaling_points(results, kind):
+            title = "response length" if kind == "tokens" else "batch size"
+            print(f"\n== Scaling with {title} (PPO) ==")
+            for line in scaling_table(results, kind, compare):
+                print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The MLX side of ``benchmarks.ppo_throughput``: time ``PPOTrainer.step`` and the irreducible
+pieces of an iteration, in one process.
+
+Iterations: a :class:`~ppo_trainer.ppo_trainer.PPOTrainer` with full-weight training (no LoRA),
+a separate frozen reference, the reward checkpoint as reward model and as the value model's start,
+float32, temperature 1, no stop tokens (every response has exactly ``max_new_tokens`` tokens,
+which is checked), one PPO epoch over one minibatch. The time split comes from the step's own
+``time/*`` metrics plus a timer around the trainer's ``generate`` call.
+
+Irreducible pieces (:data:`~benchmarks.throughput_spec.FLOOR_KEYS`), timed on the trainer's own
+models and shapes right after the iterations (median of ``floor_repeats`` after one warm-up):
+
+* ``sample``: batched sampling of ``rollout_size x max_new_tokens`` tokens with mlx-lm's KV cache
+  (prompts of equal length, no padding, no log-probs: the plainest decoding loop);
+* ``lm_forward``: one forward pass of the policy on the (B, prompt + response) batch, logits
+  evaluated;
+* ``head_forward``: the same for a scalar-head model (reward / value: no vocabulary projection);
+* ``lm_train_step``: forward + backward + AdamW update of the policy (the mean log-prob of the
+  response tokens, through the same ``lm_logits_at`` / ``selective_log_softmax`` / compiled
+  ``AdamW`` the trainer uses);
+* ``head_train_step``: the same for the value (or reward) model with a squared loss.
+"""
+
+from __future__ import annotations
+
+import base_setup  # noqa: F401  (first: MLX's fast BLAS)
+
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from config.ppo_config import PPOConfig
+from models.policy_model import lm_logits_at
+from ppo_trainer import ppo_trainer as trainer_module
+from ppo_trainer.ppo_trainer import PPOTrainer
+from token_attribution.logprob_computer import selective_log_softmax
+from training.optimizer import AdamW
+
+#: Prompt length of the floor's sampling piece: the benchmark prompts' mean.
+FLOOR_PROMPT_TOKENS = 14
+
+
+def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
+    """The ``PPOTrainer`` of ``spec``: full weights, float32, no stop tokens."""
+    config = PPOConfig(
+        model_name=spec.policy_dir,
+        reward_model_name=spec.reward_dir,
+        algorithm=spec.algorithm,
+        use_lora=False,
+        dtype="float32",
+        batch_size=spec.batch_size,
+        group_size=spec.group_size,
+        max_new_tokens=spec.max_new_tokens,
+        temperature=1.0,
+        stop_token_ids=[],
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        learning_rate=1e-6,
+        seed=spec.seed,
+        output_dir=output_dir,
+        progress_bar=False,
+    )
+    # stop_token_ids=[]: never stop before max_new_tokens (run_mlx checks every response has
+    # max_new_tokens tokens).
+    return PPOTrainer(config)
+
+
+def _version(name: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(name)
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
+    """Median seconds of each irreducible piece on the trainer's models (see module docstring)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = trainer.policy.model
+    head_model = trainer.value_model if trainer.value_model is not None else trainer.reward_model
+    if head_model is None:
+        raise ValueError("the floor needs a reward or value model with a scalar head")
+    num_seqs, new_tokens = spec.rollout_size, spec.max_new_tokens
+    vocab = int(trainer.policy.config["vocab_size"])
+    key = mx.random.key(spec.seed)
+    prompt = mx.random.randint(4, vocab, (num_seqs, FLOOR_PROMPT_TOKENS), key=key)  # (B, P)
+    sequence = mx.random.randint(
+        4, vocab, (num_seqs, FLOOR_PROMPT_TOKENS + new_tokens), key=key
+    )  # (B, L)
+    mx.eval(prompt, sequence)
+    lm.eval()
+
+    def sample() -> None:
+        cache = make_prompt_cache(lm)
+        logits = lm(prompt, cache=cache)[:, -1, :]  # (B, V)
+        tokens = []
+        for t in range(new_tokens):
+            token = mx.random.categorical(logits)  # (B,)
+            tokens.append(token)
+            if t < new_tokens - 1:
+                logits = lm(token[:, None], cache=cache)[:, -1, :]
+                mx.async_eval(logits)
+        mx.eval(tokens)
+
+    def lm_forward() -> None:
+        mx.eval(lm(sequence))
+
+    def head_forward() -> None:
+        mx.eval(cast(Any, head_model)(sequence))
+
+    response = sequence[:, FLOOR_PROMPT_TOKENS:]  # (B, T)
+
+    positions = mx.broadcast_to(
+        mx.arange(FLOOR_PROMPT_TOKENS - 1, FLOOR_PROMPT_TOKENS - 1 + new_tokens), response.shape
+    )  # (B, T)
+
+    def lm_loss(model: nn.Module, ids: mx.array) -> mx.array:
+        logits = lm_logits_at(model, ids, positions)  # (B, T, V)
+        return -selective_log_softmax(logits, response).mean()
+
+    def head_loss(model: nn.Module, ids: mx.array) -> mx.array:
+        return mx.square(model(ids)).mean()
+
+    def train_step(model: nn.Module, loss_fn: Callable[..., mx.array]) -> Callable[[], None]:
+        optimizer = AdamW(learning_rate=1e-6)
+        value_and_grad = nn.value_and_grad(model, loss_fn)
+
+        def step() -> None:
+            loss, grads = value_and_grad(model, sequence)
+            optimizer.update(model, grads)
+            mx.eval(model.trainable_parameters(), optimizer.state, loss)
+
+        return step
+
+    repeats = spec.floor_repeats
+    floor = {
+        "sample": _median_seconds(sample, repeats),
+        "lm_forward": _median_seconds(lm_forward, repeats),
+        "head_forward": _median_seconds(head_forward, repeats),
+    }
+    lm.train()
+    floor["lm_train_step"] = _median_seconds(train_step(lm, lm_loss), repeats)
+    floor["head_train_step"] = _median_seconds(train_step(head_model, head_loss), repeats)
+    return floor
+
+
+def run_mlx(spec: RunSpec) -> RunResult:
+    """Time ``spec.warmup + spec.iterations`` PPO/GRPO iterations (and the floor if asked)."""
+    if spec.system != "mlx":
+        raise ValueError(f"run_mlx runs system 'mlx', got {spec.system!r}")
+    generation_seconds: list[float] = []
+    original_generate = trainer_module.generate
+
+    def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = original_generate(*args, **kwargs)  # ends with mx.eval: the time is real
+        generation_seconds.append(time.perf_counter() - start)
+        return out
+
+    prompts = list(spec.prompts[: spec.batch_size])
+    seconds: list[float] = []
+    split: dict[str, list[float]] = {k: [] for k in ("generation", "scoring", "update", "other")}
+    monitor = CpuMonitor()
+    trainer_module.generate = timed_generate
+    try:
+        with tempfile.TemporaryDirectory() as output_dir:
+            trainer = build_trainer(spec, output_dir)
+            for i in range(spec.warmup + spec.iterations):
+                if i == spec.warmup:
+                    mx.reset_peak_memory()
+                    monitor.start()
+                start = time.perf_counter()
+                metrics = trainer.step(prompts)
+                wall = time.perf_counter() - start
+                length = metrics["episode/response_length"]
+                if length != spec.max_new_tokens:
+                    raise ValueError(
+                        f"responses averaged {length} tokens, not max_new_tokens="
+                        f"{spec.max_new_tokens}: the benchmark must generate every token"
+                    )
+                if i < spec.warmup:
+                    continue
+                generation = generation_seconds[-1]
+                scoring = metrics["time/rollout"] - generation
+                update = metrics["time/update"]
+                seconds.append(wall)
+                split["generation"].append(generation)
+                split["scoring"].append(scoring)
+                split["update"].append(update)
+                split["other"].append(wall - generation - scoring - update)
+            mlx_peak = mx.get_peak_memory() / 2**20
+            rss = peak_rss_mb()
+            flat = cast(list[tuple[str, mx.array]], tree_flatten(trainer.policy.parameters()))
+            params = sum(v.size for _, v in flat) / 1e6
+            floor = measure_floor(trainer, spec) if spec.measure_floor else None
+            other_load = monitor.other_cores()  # over the timed iterations and the floor
+    finally:
+        trainer_module.generate = original_generate
+    return RunResult(
+        spec=spec,
+        seconds=seconds,
+        split=split,
+        peak_rss_mb=rss,
+        mlx_peak_mb=mlx_peak,
+        params_millions=params,
+        floor=floor,
+        other_load=other_load,
+        versions={"mlx": _version("mlx"), "mlx_lm": _version("mlx-lm")},
+    )

@@ -1,0 +1,235 @@
+"""What one throughput measurement runs and what it returns (shared by both workers).
+
+Standard library only: the TRL worker imports this without MLX (and so without ``base_setup``,
+which would put OpenBLAS in the process's global symbol scope before PyTorch loads), and the MLX
+worker without PyTorch. A :class:`RunSpec` travels to a worker subprocess as JSON and a
+:class:`RunResult` comes back the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+System = Literal["mlx", "trl"]
+Algorithm = Literal["ppo", "grpo"]
+
+#: The parts of an iteration that :class:`RunResult.split` times, in print order.
+SPLIT_KEYS: tuple[str, ...] = ("generation", "scoring", "update", "other")
+
+#: The irreducible pieces the MLX worker times beside the iterations (see ``throughput_mlx``).
+FLOOR_KEYS: tuple[str, ...] = (
+    "sample",
+    "lm_forward",
+    "head_forward",
+    "lm_train_step",
+    "head_train_step",
+)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration to time on one system.
+
+    Attributes:
+        system: "mlx" (this library's ``PPOTrainer``) or "trl" (TRL's PPOTrainer / GRPOTrainer).
+        algorithm: "ppo" (policy, reference, value and reward models) or "grpo" (no value model).
+        label: the configuration's name in the tables ("tiny", "medium", "tokens=64", ...).
+        model: the model size's name (a key of ``ppo_throughput.MODEL_SHAPES``).
+        policy_dir: the policy checkpoint (Hugging Face layout, also the reference's weights).
+        reward_dir: the reward checkpoint (``Qwen3ForSequenceClassification``, one label), also
+            the value model's initial weights.
+        prompts: the prompt texts; the first ``batch_size`` are used.
+        batch_size: prompts per iteration.
+        group_size: completions per prompt (1 for PPO).
+        max_new_tokens: tokens generated per completion, exactly (stop tokens are ignored).
+        warmup: iterations run first and not timed (compilation, allocator warm-up).
+        iterations: timed iterations.
+        seed: seed of both systems' random generators.
+        threads: CPU threads of the math libraries (torch.set_num_threads; MLX's BLAS uses the
+            same number of cores).
+        measure_floor: also time the irreducible pieces (MLX worker only).
+        floor_repeats: timed repeats of each irreducible piece (their median is reported).
+    """
+
+    system: System
+    algorithm: Algorithm
+    label: str
+    model: str
+    policy_dir: str
+    reward_dir: str
+    prompts: tuple[str, ...]
+    batch_size: int
+    group_size: int
+    max_new_tokens: int
+    warmup: int
+    iterations: int
+    seed: int = 0
+    threads: int = 2
+    measure_floor: bool = False
+    floor_repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if self.batch_size > len(self.prompts):
+            raise ValueError(
+                f"batch_size={self.batch_size} needs at least that many prompts, got "
+                f"{len(self.prompts)}"
+            )
+        if self.iterations < 1 or self.warmup < 0:
+            raise ValueError(
+                f"need iterations >= 1 and warmup >= 0, got {self.iterations} and {self.warmup}"
+            )
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+
+    @property
+    def rollout_size(self) -> int:
+        """Sequences generated per iteration: ``batch_size * group_size``."""
+        return self.batch_size * self.group_size
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        """Generated tokens per iteration: every sequence gets exactly ``max_new_tokens``."""
+        return self.rollout_size * self.max_new_tokens
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        data = json.loads(text)
+        data["prompts"] = tuple(data["prompts"])
+        return cls(**data)
+
+
+@dataclass
+class RunResult:
+    """What a worker measured for one :class:`RunSpec`.
+
+    Attributes:
+        spec: the configuration.
+        seconds: wall-clock seconds of each timed iteration.
+        split: per timed iteration, seconds of ``generation`` (sampling with a KV cache),
+            ``scoring`` (the no-gradient forward passes: log-probs, reference, value, reward, and
+            the host work around them), ``update`` (PPO epochs: forward, backward, optimiser) and
+            ``other`` (advantages, metrics, bookkeeping: the rest of the iteration).
+        peak_rss_mb: the worker process's peak resident memory (:func:`peak_rss_mb`), loading
+            included.
+        mlx_peak_mb: MLX's peak memory of arrays over the timed iterations (MLX worker only).
+        params_millions: parameters of the policy.
+        floor: median seconds of each irreducible piece (``FLOOR_KEYS``), when measured.
+        other_load: CPU cores busy with other work (other processes, hypervisor steal) on
+            average during the timed iterations (and the floor); None where /proc/stat is
+            missing.
+        versions: library versions of the worker.
+    """
+
+    spec: RunSpec
+    seconds: list[float]
+    split: dict[str, list[float]]
+    peak_rss_mb: float
+    mlx_peak_mb: float | None
+    params_millions: float
+    floor: dict[str, float] | None = None
+    other_load: float | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of a median iteration."""
+        return self.spec.tokens_per_iteration / self.median
+
+    def split_median(self, key: str) -> float:
+        return statistics.median(self.split[key])
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["spec"] = json.loads(self.spec.to_json())
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunResult:
+        data = json.loads(text)
+        data["spec"] = RunSpec.from_json(json.dumps(data["spec"]))
+        return cls(**data)
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.to_json() + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path) -> RunResult:
+        return cls.from_json(path.read_text(encoding="utf-8"))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB.
+
+    Linux: ``VmHWM`` of /proc/self/status, the high-water mark of this program's own memory.
+    (``ru_maxrss`` is no good for a subprocess: Linux carries it over from the parent across
+    fork and exec, so a worker would report at least its parent's peak.) Elsewhere ru_maxrss.
+    """
+    import resource
+    import sys
+
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def _busy_seconds() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy since boot (all cores), from
+    /proc/stat (user, nice, system, irq, softirq, steal); None where it does not exist."""
+    import os
+
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMonitor:
+    """How many cores other work kept busy while this process ran a measurement.
+
+    ``other cores = (machine busy CPU seconds - this process's CPU seconds) / wall seconds``.
+    Steal time (the hypervisor running other guests on our cores) counts as other work.
+    """
+
+    def __init__(self) -> None:
+        self._start: tuple[float | None, float, float] | None = None
+
+    @staticmethod
+    def _now() -> tuple[float | None, float, float]:
+        import os
+        import time
+
+        times = os.times()
+        return _busy_seconds(), times.user + times.system, time.perf_counter()
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def other_cores(self) -> float | None:
+        """Average cores used by others since :meth:`start`; None without /proc/stat."""
+        if self._start is None:
+            raise ValueError("call CpuMonitor.start() before other_cores()")
+        busy0, own0, wall0 = self._start
+        busy1, own1, wall1 = self._now()
+        if busy0 is None or busy1 is None or wall1 <= wall0:
+            return None
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (wall1 - wall0))

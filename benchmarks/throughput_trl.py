@@ -1,0 +1,282 @@
+"""The TRL side of ``benchmarks.ppo_throughput``: TRL's PPOTrainer and GRPOTrainer on the same
+checkpoints and settings (needs ``pip install -r requirements-bench.txt``).
+
+Runs in its own process, without MLX (this module imports neither MLX nor ``base_setup``).
+PyTorch gets ``spec.threads`` threads, the cores MLX's BLAS uses.
+
+* PPO: ``trl.experimental.ppo.PPOTrainer`` (TRL 1.x keeps it under ``experimental``), with the
+  policy and a separate reference loaded with ``AutoModelForCausalLM`` and the reward and value
+  models with ``AutoModelForSequenceClassification`` from the same reward checkpoint the MLX
+  side uses; ``stop_token=None`` so that every response has exactly ``response_length`` tokens;
+  one PPO epoch, one minibatch, ``local_rollout_forward_batch_size`` = the whole batch.
+* GRPO: ``trl.GRPOTrainer`` with the reward checkpoint as reward model, ``beta`` 0.04 (so it
+  loads a reference model, as the MLX side does), ``generation_kwargs={"min_new_tokens": T}``
+  with ``max_completion_length=T`` (EOS cannot end a completion early).
+
+Both in float32 (``bf16=False``), without gradient checkpointing, on the CPU. One iteration is
+the time between two ``on_step_end`` callbacks (the first from ``on_train_begin``). The split
+comes from timers wrapped around TRL's own functions: PPO's ``batch_generation`` (generation) and
+its no-gradient ``forward`` / ``get_reward`` calls (scoring); GRPO's ``_generate`` (generation)
+and ``_generate_and_score_completions`` (generation + scoring).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
+
+#: GRPO's KL weight on both sides (PPOConfig.beta's default).
+GRPO_BETA = 0.04
+LEARNING_RATE = 1e-6
+
+
+class _Timers:
+    """Seconds accumulated by the wrapped TRL functions in the current iteration."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {"generation": 0.0, "scoring": 0.0, "rollout": 0.0}
+        self.iterations: list[dict[str, float]] = []
+        self.marks: list[float] = []
+        self.widths: list[int] = []
+        self.monitor = CpuMonitor()
+        self.warmup = 0
+
+    def wrap(self, fn: Callable[..., Any], key: str, when: Callable[[], bool]) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not when():
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.current[key] += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def step_end(self) -> None:
+        self.marks.append(time.perf_counter())
+        if len(self.marks) == self.warmup + 1:
+            self.monitor.start()
+        self.iterations.append(dict(self.current))
+        self.current = {k: 0.0 for k in self.current}
+
+
+def _timer_callback(timers: _Timers) -> Any:
+    from transformers import TrainerCallback
+
+    class IterationTimer(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            timers.marks = [time.perf_counter()]
+            timers.current = {k: 0.0 for k in timers.current}
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            timers.step_end()
+
+    return IterationTimer()
+
+
+def _common_args(spec: RunSpec, output_dir: str) -> dict[str, Any]:
+    return {
+        "output_dir": output_dir,
+        "learning_rate": LEARNING_RATE,
+        "bf16": False,
+        "fp16": False,
+        "gradient_checkpointing": False,
+        "use_cpu": True,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 10**6,
+        "disable_tqdm": True,
+        "seed": spec.seed,
+        "gradient_accumulation_steps": 1,
+        "dataloader_num_workers": 0,
+    }
+
+
+def _run_ppo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as ppo_module
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir, padding_side="left")
+    load = {"dtype": torch.float32}
+    policy = AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
+    ref_policy = AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
+    value_model = AutoModelForSequenceClassification.from_pretrained(
+        spec.reward_dir, num_labels=1, **load
+    )
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        spec.reward_dir, num_labels=1, **load
+    )
+    prompts = list(spec.prompts[: spec.batch_size])
+    dataset = Dataset.from_dict(
+        {"input_ids": [tokenizer.encode(p, add_special_tokens=False) for p in prompts]}
+    )
+    args = PPOConfig(
+        **_common_args(spec, output_dir),
+        per_device_train_batch_size=spec.batch_size,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        total_episodes=spec.batch_size * (spec.warmup + spec.iterations),
+        local_rollout_forward_batch_size=spec.batch_size,
+        response_length=spec.max_new_tokens,
+        stop_token=None,
+        temperature=1.0,
+        num_sample_generations=0,
+        missing_eos_penalty=None,
+        sft_model_path=spec.policy_dir,
+        reward_model_path=spec.reward_dir,
+    )
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=[_timer_callback(timers)],
+    )
+
+    original_generation = ppo_module.batch_generation
+
+    def generation(*a: Any, **k: Any) -> Any:
+        query_responses, logits = original_generation(*a, **k)
+        timers.widths.append(int(logits.shape[1]))  # generated tokens (queries are left-padded)
+        return query_responses, logits
+
+    always = lambda: True  # noqa: E731
+    no_grad = lambda: not torch.is_grad_enabled()  # noqa: E731
+    ppo_module.batch_generation = timers.wrap(generation, "generation", always)
+    ppo_module.forward = timers.wrap(ppo_module.forward, "scoring", no_grad)
+    ppo_module.get_reward = timers.wrap(ppo_module.get_reward, "scoring", no_grad)
+    return trainer
+
+
+def _run_grpo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir, padding_side="left")
+    load = {"dtype": torch.float32}
+    policy = AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        spec.reward_dir, num_labels=1, **load
+    )
+    reward_tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir, padding_side="right")
+    dataset = Dataset.from_dict({"prompt": list(spec.prompts[: spec.batch_size])})
+    args = GRPOConfig(
+        **_common_args(spec, output_dir),
+        per_device_train_batch_size=spec.rollout_size,
+        num_generations=spec.group_size,
+        max_completion_length=spec.max_new_tokens,
+        generation_kwargs={"min_new_tokens": spec.max_new_tokens},
+        temperature=1.0,
+        beta=GRPO_BETA,
+        num_iterations=1,
+        max_steps=spec.warmup + spec.iterations,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=reward_model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        reward_processing_classes=reward_tokenizer,
+        callbacks=[_timer_callback(timers)],
+    )
+    original_generate = trainer._generate
+
+    def generate(prompts: list) -> Any:
+        out = original_generate(prompts)
+        timers.widths.extend(len(ids) for ids in out[1])  # completion_ids_list
+        return out
+
+    always = lambda: True  # noqa: E731
+    # Instance attributes shadow the methods for this trainer only.
+    setattr(trainer, "_generate", timers.wrap(generate, "generation", always))
+    setattr(
+        trainer,
+        "_generate_and_score_completions",
+        timers.wrap(trainer._generate_and_score_completions, "rollout", always),
+    )
+    return trainer
+
+
+def run_trl(spec: RunSpec) -> RunResult:
+    """Time ``spec.warmup + spec.iterations`` iterations of TRL's PPO or GRPO trainer."""
+    if spec.system != "trl":
+        raise ValueError(f"run_trl runs system 'trl', got {spec.system!r}")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+    import trl
+
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(spec.seed)
+    timers = _Timers()
+    timers.warmup = spec.warmup
+    if spec.warmup == 0:
+        timers.monitor.start()
+    with tempfile.TemporaryDirectory() as output_dir:
+        build = _run_ppo if spec.algorithm == "ppo" else _run_grpo
+        trainer = build(spec, output_dir, timers)
+        policy_params = sum(
+            p.numel()
+            for p in (
+                trainer.policy_model if spec.algorithm == "ppo" else trainer.model
+            ).parameters()
+        )
+        trainer.train()
+        other_load = timers.monitor.other_cores()
+    total = spec.warmup + spec.iterations
+    if len(timers.marks) != total + 1:
+        raise ValueError(f"TRL ran {len(timers.marks) - 1} iterations, expected {total}")
+    bad = sorted({w for w in timers.widths if w != spec.max_new_tokens})
+    if bad:
+        raise ValueError(
+            f"TRL generated responses of {bad} tokens, not max_new_tokens={spec.max_new_tokens}"
+        )
+    seconds: list[float] = []
+    split: dict[str, list[float]] = {k: [] for k in ("generation", "scoring", "update", "other")}
+    for i in range(spec.warmup, total):
+        wall = timers.marks[i + 1] - timers.marks[i]
+        parts = timers.iterations[i]
+        generation = parts["generation"]
+        if spec.algorithm == "ppo":
+            scoring = parts["scoring"]
+        else:
+            scoring = parts["rollout"] - generation
+        rest = wall - generation - scoring
+        seconds.append(wall)
+        split["generation"].append(generation)
+        split["scoring"].append(scoring)
+        # TRL's loops interleave the advantage and metric code with the update; count it there.
+        split["update"].append(rest)
+        split["other"].append(0.0)
+    return RunResult(
+        spec=spec,
+        seconds=seconds,
+        split=split,
+        peak_rss_mb=peak_rss_mb(),
+        mlx_peak_mb=None,
+        params_millions=policy_params / 1e6,
+        other_load=other_load,
+        versions={
+            "torch": torch.__version__,
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+        },
+    )

@@ -1,0 +1,37 @@
+"""Run one throughput measurement in this process: ``python -m benchmarks.throughput_worker
+SPEC.json RESULT.json`` (what ``benchmarks.ppo_throughput`` starts for every configuration).
+
+A separate module, so that a TRL worker imports neither MLX nor ``base_setup`` (this one imports
+only the standard library and the worker of the spec's system).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from benchmarks.throughput_spec import RunResult, RunSpec
+
+
+def run_spec(spec: RunSpec) -> RunResult:
+    """Measure ``spec`` on its system, in this process."""
+    if spec.system == "mlx":
+        from benchmarks.throughput_mlx import run_mlx
+
+        return run_mlx(spec)
+    if spec.system == "trl":
+        from benchmarks.throughput_trl import run_trl
+
+        return run_trl(spec)
+    raise ValueError(f"unknown system {spec.system!r}; use 'mlx' or 'trl'")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m benchmarks.throughput_worker SPEC.json RESULT.json")
+    spec = RunSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
+    run_spec(spec).save(Path(argv[1]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,237 @@
+"""The throughput benchmark: its smoke run end to end, and the pieces it is built from."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import ppo_throughput
+from benchmarks.ppo_throughput import design_floor, main, scaling_points
+from benchmarks.throughput_models import benchmark_prompts, pad_vocabulary
+from benchmarks.throughput_spec import FLOOR_KEYS, SPLIT_KEYS, CpuMonitor, RunResult, RunSpec
+from models.tiny_model import TINY_SIZES, build_checkpoint
+
+
+def _spec(**overrides: object) -> RunSpec:
+    fields: dict = dict(
+        system="mlx",
+        algorithm="ppo",
+        label="tiny",
+        model="tiny",
+        policy_dir="/p",
+        reward_dir="/r",
+        prompts=("a", "b", "c", "d"),
+        batch_size=4,
+        group_size=1,
+        max_new_tokens=8,
+        warmup=1,
+        iterations=3,
+    )
+    fields.update(overrides)
+    return RunSpec(**fields)
+
+
+def _result(
+    spec: RunSpec, seconds: list[float], floor: dict[str, float] | None = None
+) -> RunResult:
+    split = {k: [0.1] * len(seconds) for k in SPLIT_KEYS}
+    return RunResult(spec, seconds, split, 100.0, 10.0, 1.0, floor=floor)
+
+
+def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "trl":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    results = main(["--smoke", "--compare", "trl", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+
+    assert "--compare trl skipped: trl is not installed" in out
+    assert "requirements-bench.txt" in out
+    for section in (
+        "== Machine ==",
+        "== Iterations ==",
+        "== Floor (MLX",
+        "== Scaling with response length (PPO) ==",
+        "== Scaling with batch size (PPO) ==",
+    ):
+        assert section in out
+    assert "== MLX / TRL" not in out
+    # Two main configurations (PPO, GRPO) and the two sweep points, MLX only, 2 timed iterations.
+    assert [(r.spec.algorithm, r.spec.label) for r in results] == [
+        ("ppo", "toy"),
+        ("grpo", "toy"),
+        ("ppo", "tokens=8"),
+        ("ppo", "batch=2"),
+    ]
+    for r in results:
+        assert r.spec.system == "mlx"
+        assert len(r.seconds) == 2 and all(s > 0 for s in r.seconds)
+        # the parts of an iteration add up to its wall time
+        for i, wall in enumerate(r.seconds):
+            assert sum(r.split[k][i] for k in SPLIT_KEYS) == pytest.approx(wall, rel=1e-6)
+        assert r.mlx_peak_mb is not None and r.mlx_peak_mb > 0
+    floors = [r.floor for r in results]
+    assert floors[2] is None and floors[3] is None  # the floor is measured for main configs only
+    for floor in floors[:2]:
+        assert floor is not None and set(floor) == set(FLOOR_KEYS)
+        assert all(v > 0 for v in floor.values())
+    png = tmp_path / "ppo_throughput.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [item["spec"]["label"] for item in saved] == ["toy", "toy", "tokens=8", "batch=2"]
+
+
+def test_missing_compare_requirements_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    def version(name: str) -> str:
+        if name == "torch":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "1.0"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert ppo_throughput.missing_compare_requirements() == "torch is not installed"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.0")
+    assert ppo_throughput.missing_compare_requirements() is None
+
+
+def test_pad_vocabulary_grows_tokenizer_embedding_and_config(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    model_dir = build_checkpoint(tmp_path / "m", TINY_SIZES["test"], seed=0)
+    before = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    have = before.shape[0]
+    pad_vocabulary(model_dir, have + 40, seed=3)
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == have + 40
+    after = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    assert after.shape == (have + 40, before.shape[1])
+    np.testing.assert_array_equal(after[:have], before)  # old rows untouched
+    new_std = after[have:].std()
+    assert 0.5 < new_std / (2.5 / np.sqrt(before.shape[1])) < 1.5  # drawn like the others
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["vocab_size"] == have + 40
+    # every added id decodes to text that encodes back to that one id
+    for token_id in (have, have + 17, have + 39):
+        text = tokenizer.decode([token_id])
+        assert tokenizer.encode(text, add_special_tokens=False).ids == [token_id]
+    with pytest.raises(ValueError, match="more than"):
+        pad_vocabulary(model_dir, have, seed=0)
+
+
+def test_benchmark_prompts_have_12_to_16_tokens(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    model_dir = build_checkpoint(tmp_path / "m", TINY_SIZES["test"], seed=0)
+    prompts = benchmark_prompts(model_dir, 10)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lengths = [len(tokenizer.encode(p, add_special_tokens=False).ids) for p in prompts]
+    assert len(set(prompts)) == 10
+    assert all(11 <= n <= 17 for n in lengths)  # 12 + i % 5 tokens, +-1 after re-encoding
+    assert abs(np.mean(lengths) - 14) < 1
+
+
+def test_design_floor_counts_the_models_each_algorithm_runs() -> None:
+    floor = {
+        "sample": 1.0,
+        "lm_forward": 0.1,
+        "head_forward": 0.01,
+        "lm_train_step": 0.3,
+        "head_train_step": 0.03,
+    }
+    ppo = _result(_spec(), [2.0], floor)
+    # PPO: sampling + reference LM + value and reward heads + policy and value updates
+    assert design_floor(ppo) == pytest.approx((1.4, 1.0 + 0.1 + 0.02 + 0.3 + 0.03))
+    grpo = _result(_spec(algorithm="grpo", group_size=2), [2.0], floor)
+    assert design_floor(grpo) == pytest.approx((1.4, 1.0 + 0.1 + 0.01 + 0.3))
+    with pytest.raises(ValueError, match="no floor"):
+        design_floor(_result(_spec(), [1.0]))
+
+
+def test_scaling_points_join_the_main_config_and_the_sweep() -> None:
+    base = _result(_spec(max_new_tokens=32), [1.0])
+    base_trl = _result(_spec(system="trl", max_new_tokens=32), [2.0])
+    long = _result(_spec(label="tokens=64", max_new_tokens=64), [1.5])
+    small = _result(_spec(label="batch=2", batch_size=2, max_new_tokens=32), [0.5])
+    grpo = _result(_spec(algorithm="grpo", group_size=2, max_new_tokens=32), [9.0])
+    results = [base, base_trl, grpo, long, small]
+    tokens = scaling_points(results, "tokens")
+    assert [(x, o.median, t.median if t else None) for x, o, t in tokens] == [
+        (32, 1.0, 2.0),
+        (64, 1.5, None),
+    ]
+    batch = scaling_points(results, "batch")
+    assert [(x, o.median) for x, o, _ in batch] == [(2, 0.5), (4, 1.0)]
+    assert scaling_points([base, grpo], "tokens") == []  # no sweep, no points
+
+
+def test_run_spec_and_result_round_trip_through_json() -> None:
+    spec = _spec(measure_floor=True)
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert spec.rollout_size == 4 and spec.tokens_per_iteration == 32
+    result = _result(spec, [1.0, 3.0, 2.0], {k: 0.5 for k in FLOOR_KEYS})
+    back = RunResult.from_json(result.to_json())
+    assert back == result
+    assert back.median == 2.0 and back.tokens_per_second == 16.0
+
+
+def test_run_spec_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="at least that many prompts"):
+        _spec(batch_size=5)
+    with pytest.raises(ValueError, match="iterations >= 1"):
+        _spec(iterations=0)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        _spec(algorithm="grpo", group_size=1)
+
+
+def test_cpu_monitor_reports_other_cores() -> None:
+    monitor = CpuMonitor()
+    with pytest.raises(ValueError, match="start"):
+        monitor.other_cores()
+    monitor.start()
+    sum(i * i for i in range(200_000))  # some CPU time of our own, which must not count
+    busy = monitor.other_cores()
+    if Path("/proc/stat").exists():
+        assert busy is not None and 0.0 <= busy
+    else:
+        assert busy is None
+
+
+@pytest.mark.slow
+def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path) -> None:
+    pytest.importorskip("trl", reason="needs pip install -r requirements-bench.txt")
+    from benchmarks.throughput_models import build_benchmark_checkpoints
+
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
+    prompts = tuple(benchmark_prompts(policy_dir, 4))
+    for algorithm, batch, group in (("ppo", 4, 1), ("grpo", 2, 2)):
+        spec = RunSpec(
+            system="trl",
+            algorithm=algorithm,  # type: ignore[arg-type]
+            label="toy",
+            model="toy",
+            policy_dir=str(policy_dir),
+            reward_dir=str(reward_dir),
+            prompts=prompts,
+            batch_size=batch,
+            group_size=group,
+            max_new_tokens=4,
+            warmup=0,
+            iterations=1,
+        )
+        result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
+        assert len(result.seconds) == 1 and result.seconds[0] > 0
+        assert result.split["generation"][0] > 0 and result.split["scoring"][0] > 0
+        assert result.mlx_peak_mb is None and result.peak_rss_mb > 0
+        assert "trl" in result.versions
