@@ -157,13 +157,17 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 # ---------------------------------------------------------------------------------- environment
 def missing_compare_requirements() -> str | None:
-    """Why ``--compare trl`` cannot run in this environment, or None when it can."""
+    """Why ``--compare trl`` cannot run in this environment (every missing package named), or
+    None when it can."""
+    missing = []
     for name in COMPARE_REQUIREMENTS:
         try:
             importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            return f"{name} is not installed"
-    return None
+            missing.append(name)
+    if not missing:
+        return None
+    return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
 
 
 def _version(name: str) -> str:
