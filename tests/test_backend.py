@@ -263,3 +263,19 @@ def test_accelerated_model_matches_mlx_functions(
     for name, g in grads.items():
         scale = float(mx.abs(g).max()) + 1e-12
         assert float(mx.abs(fast_grads[name] - g).max()) / scale < 1e-4, name
+
+
+def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the size threshold (a decoding step) swiglu is MLX's own: no custom function."""
+    calls: list[int] = []
+    real = fast_math._swiglu_fast
+
+    def counting(gate: mx.array, x: mx.array) -> object:
+        calls.append(gate.size)
+        return real(gate, x)
+
+    monkeypatch.setattr(fast_math, "_swiglu_fast", counting)
+    small = mx.ones((4, 8))
+    big = mx.ones((1, fast_math._MIN_FAST_ELEMENTS))
+    mx.eval(fast_math.swiglu(small, small), fast_math.swiglu(big, big))
+    assert calls == ([big.size] if fast_math.fast_math_enabled() else [])
