@@ -36,6 +36,8 @@ from typing import Any, Callable, cast
 import mlx.core as mx
 import numpy as np
 
+from base_setup.backend import setup_cpu_buffer_cache
+
 logger = logging.getLogger("ppo_mlx")
 
 _LOG2E = 1.4426950408889634
@@ -312,8 +314,10 @@ def accelerate_model(model: Any) -> bool:
     changes the module for every model of that architecture in the process; the replacements
     defer to MLX's own functions on a GPU device, so a later device change is safe. Returns
     whether the module now uses them (False: fast math is off, or the architecture uses other
-    functions).
+    functions). Also raises MLX's CPU buffer-cache limit
+    (:func:`base_setup.backend.setup_cpu_buffer_cache`), the other CPU speed-up a model needs.
     """
+    setup_cpu_buffer_cache()
     if not fast_math_enabled():
         return False
     module = sys.modules.get(type(model).__module__)

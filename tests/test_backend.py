@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -279,3 +281,66 @@ def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> Non
     big = mx.ones((1, fast_math._MIN_FAST_ELEMENTS))
     mx.eval(fast_math.swiglu(small, small), fast_math.swiglu(big, big))
     assert calls == ([big.size] if fast_math.fast_math_enabled() else [])
+
+
+@pytest.fixture
+def default_cache_limit(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """MLX's CPU cache limit at its default and setup_cpu_buffer_cache not yet run; restored."""
+    from base_setup import backend
+
+    monkeypatch.setattr(backend, "_CACHE_STATE", {})
+    monkeypatch.delenv("PPO_MLX_CPU_CACHE_MB", raising=False)
+    before = mx.set_cache_limit(backend.MLX_CPU_DEFAULT_CACHE_BYTES)
+    yield backend
+    mx.set_cache_limit(before)
+
+
+def _cache_limit() -> int:
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
+
+
+def test_cpu_buffer_cache_is_raised_to_a_quarter_of_the_memory_limit(
+    default_cache_limit: ModuleType,
+) -> None:
+    backend = default_cache_limit
+    want = max(backend.MLX_CPU_DEFAULT_CACHE_BYTES, mx.get_memory_limit() // 4)
+    assert backend.setup_cpu_buffer_cache() == want
+    assert _cache_limit() == want
+    mx.set_cache_limit(123 << 20)  # idempotent: a second call changes nothing
+    assert backend.setup_cpu_buffer_cache() == want
+    assert _cache_limit() == 123 << 20
+
+
+def test_cpu_buffer_cache_keeps_the_callers_limit(default_cache_limit: ModuleType) -> None:
+    backend = default_cache_limit
+    mx.set_cache_limit(64 << 20)
+    assert backend.setup_cpu_buffer_cache() is None
+    assert _cache_limit() == 64 << 20
+
+
+def test_cpu_buffer_cache_env(
+    default_cache_limit: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = default_cache_limit
+    monkeypatch.setenv("PPO_MLX_CPU_CACHE_MB", "48")
+    assert backend.setup_cpu_buffer_cache() == 48 << 20
+    assert _cache_limit() == 48 << 20
+    monkeypatch.setattr(backend, "_CACHE_STATE", {})
+    monkeypatch.setenv("PPO_MLX_CPU_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="PPO_MLX_CPU_CACHE_MB='lots' is not a number"):
+        backend.setup_cpu_buffer_cache()
+
+
+def test_cpu_buffer_cache_only_on_the_cpu_device(default_cache_limit: ModuleType) -> None:
+    if not mx.is_available(mx.gpu):
+        pytest.skip("needs a GPU device to switch to")
+    backend = default_cache_limit
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        assert backend.setup_cpu_buffer_cache() is None
+    finally:
+        mx.set_default_device(previous)
+    assert _cache_limit() == backend.MLX_CPU_DEFAULT_CACHE_BYTES
