@@ -34,8 +34,8 @@ Machine noise: before every configuration the script waits (up to ``--quiet-wait
 the other processes on the machine to go idle, each row reports how many cores others kept busy
 while it was measured (``other``), and a configuration measured while others used more than 0.3
 cores is measured again (``--retries``), keeping the quieter result.
-Writes ``results.json`` and ``ppo_throughput.png`` under ``--out`` (default
-``runs/benchmarks``).
+Writes ``report.txt`` (the machine and the tables it prints), ``results.json`` and
+``ppo_throughput.png`` under ``--out`` (default ``runs/benchmarks``).
 """
 
 from __future__ import annotations
@@ -605,9 +605,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     args = parse_args(argv)
     plan = build_plan(args)
     compare = args.compare == "trl"
-    print("== Machine ==")
-    for line in machine_lines(compare):
-        print(line)
+    machine = ["== Machine ==", *machine_lines(compare)]
+    print("\n".join(machine))
     if compare:
         missing = missing_compare_requirements()
         if missing is not None:
@@ -627,8 +626,10 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                 spec = _spec(config, system, plan, dirs, measure_floor=config in plan.main)
                 results.append(_measure(spec, plan, work, args))
 
-    _print_report(results, compare)
+    report = report_lines(results, compare)
+    print("\n".join(report))
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.txt").write_text("\n".join([*machine, *report]) + "\n", encoding="utf-8")
     chart = write_chart(results, args.out / "ppo_throughput.png")
     data = [json.loads(r.to_json()) for r in results]
     for item in data:
@@ -680,42 +681,41 @@ def _prepare_models(plan: Plan, work: Path) -> dict[str, tuple[Path, Path, list[
     return dirs
 
 
-def _print_report(results: list[RunResult], compare: bool) -> None:
+def report_lines(results: list[RunResult], compare: bool) -> list[str]:
+    """The printed report: iterations, MLX / TRL, the floor, the sweeps."""
+    out: list[str] = []
     main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
     params = {r.spec.model: r.params_millions for r in results if r.spec.system == "mlx"}
-    print("\n== Iterations ==")
-    print(
+    out.append("\n== Iterations ==")
+    out.append(
         "seconds per iteration over the timed iterations; tok/s = generated tokens / median "
         "iteration; gen/score/update/other = median seconds of each part (TRL's update includes "
         "its advantage code); RSS = the worker's peak resident memory (loading included); "
         "MLX MB = MLX's peak array memory; other = cores busy with other processes meanwhile"
     )
-    print("models: " + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items()))
-    for line in iteration_table(results):
-        print(line)
+    out.append("models: " + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items()))
+    out.extend(iteration_table(results))
     if compare:
         pairs = []
         for ours in main:
             theirs = _find(results, ours.spec.label, ours.spec.algorithm, "trl")
             if ours.spec.system == "mlx" and theirs is not None:
                 pairs.append((ours, theirs))
-        print("\n== MLX / TRL (time per iteration; below 1: MLX is faster) ==")
-        for line in compare_table(pairs):
-            print(line)
-    print("\n== Floor (MLX, measured in the same process as the iterations) ==")
-    print(
+        out.append("\n== MLX / TRL (time per iteration; below 1: MLX is faster) ==")
+        out.extend(compare_table(pairs))
+    out.append("\n== Floor (MLX, measured in the same process as the iterations) ==")
+    out.append(
         "median seconds of each piece; basic = sample + lm_forward + lm_train_step; design = "
         "what this design cannot avoid (sampling, reference LM forward, reward [and value] head "
         "forward, one training step per model)"
     )
-    for line in floor_table(results):
-        print(line)
+    out.extend(floor_table(results))
     for kind in SWEEP_KINDS:
         if scaling_points(results, kind):
             title = "response length" if kind == "tokens" else "batch size"
-            print(f"\n== Scaling with {title} (PPO) ==")
-            for line in scaling_table(results, kind, compare):
-                print(line)
+            out.append(f"\n== Scaling with {title} (PPO) ==")
+            out.extend(scaling_table(results, kind, compare))
+    return out
 
 
 if __name__ == "__main__":

@@ -91,6 +91,9 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [item["spec"]["label"] for item in saved] == ["toy", "toy", "tokens=8", "batch=2"]
+    report = (tmp_path / "report.txt").read_text()
+    assert report.startswith("== Machine ==") and "== Iterations ==" in report
+    assert "== Scaling with batch size (PPO) ==" in report
 
 
 def test_missing_compare_requirements_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
