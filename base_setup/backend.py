@@ -217,7 +217,7 @@ def setup_cpu_buffer_cache() -> int | None:
         else:
             try:
                 wanted = int(float(env) * (1 << 20))
-            except ValueError:
+            except (ValueError, OverflowError):  # "lots", "nan", "inf"
                 raise ValueError(
                     f"{_CACHE_ENV}={env!r} is not a number of MiB; unset it or give e.g. 4096"
                 ) from None

@@ -331,6 +331,9 @@ def test_cpu_buffer_cache_env(
     monkeypatch.setenv("PPO_MLX_CPU_CACHE_MB", "lots")
     with pytest.raises(ValueError, match="PPO_MLX_CPU_CACHE_MB='lots' is not a number"):
         backend.setup_cpu_buffer_cache()
+    monkeypatch.setenv("PPO_MLX_CPU_CACHE_MB", "inf")
+    with pytest.raises(ValueError, match="PPO_MLX_CPU_CACHE_MB='inf' is not a number"):
+        backend.setup_cpu_buffer_cache()
 
 
 def test_cpu_buffer_cache_only_on_the_cpu_device(default_cache_limit: ModuleType) -> None:
