@@ -90,8 +90,12 @@ def _sample(
     """Next tokens ``(B,)``, their log-probs ``(B,)`` and, if asked, the entropy ``(B,)`` of the
     distribution they were scored under, from last-position ``logits`` ``(B, V)``.
 
-    ``keys`` (B, 2): row ``b`` samples ``argmax(filtered_b + Gumbel noise from keys[b])``, which is
-    ``mx.random.categorical(filtered_b, key=keys[b])``; None samples from the global random state.
+    Sampling is by inverse CDF: row ``b`` takes the first token whose cumulative weight exceeds
+    ``u_b`` times the row's total, with one uniform ``u_b`` per row (from ``keys[b]`` when given,
+    else from the global random state). That is an exact draw from the (filtered) softmax, and it
+    reuses the ``exp`` the log-probs need: ``mx.random.categorical`` would draw ``V`` Gumbel
+    numbers per row, two ``log`` calls each, which on the CPU cost more than the rest of a small
+    model's decoding step. Tokens the filters removed (weight 0) are never drawn.
 
     The log-prob is ``log_softmax(logits / temperature)[token]`` (temperature 1 when greedy),
     before filtering: that is the distribution the trainer recomputes from a forward pass, so the
@@ -101,31 +105,48 @@ def _sample(
     """
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-    logits = logits.astype(mx.float32)
+    exp = fast_math.exp if fast_math.fast_math_enabled() else mx.exp
+    scaled = logits.astype(mx.float32) * (1.0 / temperature if temperature > 0 else 1.0)
+    shifted = scaled - mx.stop_gradient(mx.max(scaled, axis=-1, keepdims=True))  # (B, V), <= 0
+    weights = exp(shifted)  # (B, V): the unnormalised softmax
+    total = weights.sum(axis=-1, keepdims=True)  # (B, 1)
+    log_total = mx.log(total)
     if temperature == 0:
-        logprobs = logits - fast_math.logsumexp(logits, axis=-1, keepdims=True)  # (B, V)
-        tokens = mx.argmax(logits, axis=-1)
+        tokens = mx.argmax(scaled, axis=-1)
     else:
-        scaled = logits * (1.0 / temperature)
-        logprobs = scaled - fast_math.logsumexp(scaled, axis=-1, keepdims=True)  # (B, V)
-        filtered = logprobs
-        if 0 < top_k < logprobs.shape[-1]:
-            filtered = apply_top_k(filtered, top_k)
-        if top_p < 1.0:
-            filtered = apply_top_p(filtered, top_p)
+        sampling_weights = weights
+        if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
+            filtered = shifted - log_total  # (B, V) log-probs; the filters set -inf
+            if 0 < top_k < scaled.shape[-1]:
+                filtered = apply_top_k(filtered, top_k)
+            if top_p < 1.0:
+                filtered = apply_top_p(filtered, top_p)
+            sampling_weights = exp(filtered - mx.max(filtered, axis=-1, keepdims=True))
         if keys is None:
-            tokens = mx.random.categorical(filtered, axis=-1)
+            uniform = mx.random.uniform(shape=(scaled.shape[0], 1))  # (B, 1)
         else:
-            vocab = filtered.shape[-1]
-            noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab,), key=key))(keys)  # (B, V)
-            tokens = mx.argmax(filtered + noise, axis=-1)
+            uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
+        tokens = _inverse_cdf(sampling_weights, uniform)
     tokens = tokens.astype(mx.int32)
-    token_logprobs = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    token_logprobs = mx.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_total[:, 0]
     entropy = None
     if with_entropy:
-        probs = fast_math.exp(logprobs)  # (B, V); 0 where a logit is -inf
-        entropy = -mx.where(probs > 0, probs * logprobs, 0.0).sum(axis=-1)  # (B,)
+        # -sum p log p with p = w / total and log p = shifted - log(total).
+        entropy = log_total[:, 0] - (weights * shifted).sum(axis=-1) / total[:, 0]  # (B,)
     return tokens, token_logprobs, entropy
+
+
+def _inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:
+    """Row ``b``: the first index whose cumulative ``weights`` exceed ``uniform[b] * total_b``,
+    i.e. index ``i`` with probability ``weights[b, i] / total_b``; ``weights`` (B, V) >= 0 with a
+    positive total, ``uniform`` (B, 1) in [0, 1). A weight-0 index is never returned."""
+    cdf = mx.cumsum(weights, axis=-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1)
+    below = (cdf <= uniform * total).sum(axis=-1)  # (B,)
+    # uniform * total can round up to total: then every index is "below"; take the last index
+    # with a positive weight, the first where the CDF reaches its total.
+    last = mx.argmax(cdf >= total, axis=-1)  # (B,)
+    return mx.minimum(below, last)
 
 
 def generate(

@@ -268,7 +268,7 @@ def test_accelerated_model_matches_mlx_functions(
 
 
 def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below the size threshold (a decoding step) swiglu is MLX's own: no custom function."""
+    """Below the size threshold (a decoding step of a few sequences) swiglu is MLX's own."""
     calls: list[int] = []
     real = fast_math._swiglu_fast
 
@@ -278,7 +278,7 @@ def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(fast_math, "_swiglu_fast", counting)
     small = mx.ones((4, 8))
-    big = mx.ones((1, fast_math._MIN_FAST_ELEMENTS))
+    big = mx.ones((1, fast_math._MIN_FAST_SWIGLU))
     mx.eval(fast_math.swiglu(small, small), fast_math.swiglu(big, big))
     assert calls == ([big.size] if fast_math.fast_math_enabled() else [])
 

@@ -13,7 +13,7 @@ import pytest
 from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings, lora_modules
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput, generate
+from ppo_trainer.generator import GenerationOutput, _inverse_cdf, _sample, generate
 
 PROMPT_TEXTS = [
     "Review of the camera:",
@@ -328,3 +328,59 @@ def test_sampling_entropy_equals_the_forward_entropy(
         want = np.array(entropy_from_logits(logits / 0.8))[0]
         np.testing.assert_allclose(entropy[b, :n], want, atol=1e-4)
         assert (entropy[b, n:] == 0).all()
+
+
+def test_inverse_cdf_matches_a_naive_search() -> None:
+    """First index whose cumulative weight exceeds u * total, zero weights never taken, and u
+    whose product with the total rounds up to the total gives the last positive weight."""
+    rng = np.random.default_rng(0)
+    weights = rng.random((64, 9)).astype(np.float32)
+    weights[rng.random((64, 9)) < 0.3] = 0.0
+    weights[:, 4] += 0.1  # every row has a positive total
+    weights[-1, 5:] = 0.0  # trailing zeros
+    uniform = rng.random((64, 1)).astype(np.float32)
+    uniform[-2:] = np.float32(1.0 - 2**-24)  # the largest float32 below 1
+    got = np.array(_inverse_cdf(mx.array(weights), mx.array(uniform)))
+    for row, u, index in zip(weights.astype(np.float64), uniform[:, 0], got):
+        cdf = np.cumsum(row)
+        above = np.flatnonzero(cdf > u * cdf[-1])
+        want = above[0] if above.size else np.flatnonzero(row)[-1]
+        assert index == want or (row[index] > 0 and abs(cdf[index - 1] - u * cdf[-1]) < 1e-6)
+        assert row[index] > 0
+
+
+@pytest.mark.parametrize("with_keys", [False, True])
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_tokens_follow_the_softmax(with_keys: bool, top_k: int) -> None:
+    """Token frequencies over many rows match softmax(logits / T) (renormalised over the top-k
+    tokens when filtered) within 5 standard errors; log-probs and entropy are the unfiltered
+    distribution's."""
+    rows, temperature = 40_000, 0.8
+    logits_1 = np.array([2.0, -1.0, 0.5, 1.5, -3.0, 0.0], dtype=np.float32)
+    logits = mx.broadcast_to(mx.array(logits_1), (rows, logits_1.size))
+    keys = mx.random.split(mx.random.key(7), rows) if with_keys else None
+    mx.random.seed(3)
+    tokens, token_logprobs, entropy = _sample(
+        logits, temperature, 1.0, top_k, keys, with_entropy=True
+    )
+    scaled = logits_1.astype(np.float64) / temperature
+    log_probs = scaled - np.log(np.exp(scaled).sum())
+    probs = np.exp(log_probs)
+    want = probs.copy()
+    if top_k:
+        want[np.argsort(-probs)[top_k:]] = 0.0
+        want /= want.sum()
+    counts = np.bincount(np.array(tokens), minlength=logits_1.size) / rows
+    stderr = np.sqrt(want * (1 - want) / rows)
+    assert np.all(np.abs(counts - want) <= 5 * stderr + 1e-12), (counts, want)
+    assert np.allclose(np.array(token_logprobs), log_probs[np.array(tokens)], atol=1e-5)
+    assert entropy is not None
+    assert np.allclose(np.array(entropy), -(probs * log_probs).sum(), atol=1e-5)
+
+
+def test_rows_with_keys_do_not_depend_on_the_batch() -> None:
+    keys = mx.random.split(mx.random.key(11), 6)
+    logits = mx.random.normal((6, 50), key=mx.random.key(1))
+    full, _, _ = _sample(logits, 1.0, 1.0, 0, keys)
+    part, _, _ = _sample(logits[2:4], 1.0, 1.0, 0, keys[2:4])
+    assert np.array(full)[2:4].tolist() == np.array(part).tolist()
