@@ -11,7 +11,9 @@ Irreducible pieces (:data:`~benchmarks.throughput_spec.FLOOR_KEYS`), timed on th
 models and shapes right after the iterations (median of ``floor_repeats`` after one warm-up):
 
 * ``sample``: batched sampling of ``rollout_size x max_new_tokens`` tokens with mlx-lm's KV cache
-  (prompts of equal length, no padding, no log-probs: the plainest decoding loop);
+  (prompts of equal length, no padding, no log-probs: the plainest decoding loop), drawing each
+  token by inverse CDF as the trainer's generator does (``mx.random.categorical`` is slower on
+  the CPU);
 * ``lm_forward``: one forward pass of the policy on the (B, prompt + response) batch, logits
   evaluated;
 * ``head_forward``: the same for a scalar-head model (reward / value: no vocabulary projection);
@@ -35,9 +37,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from base_setup import fast_math
 from config.ppo_config import PPOConfig
 from models.policy_model import lm_logits_at
 from ppo_trainer import ppo_trainer as trainer_module
+from ppo_trainer.generator import inverse_cdf
 from ppo_trainer.ppo_trainer import PPOTrainer
 from token_attribution.logprob_computer import selective_log_softmax
 from training.optimizer import AdamW
@@ -105,12 +109,15 @@ def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
     mx.eval(prompt, sequence)
     lm.eval()
 
+    exp = fast_math.exp if fast_math.fast_math_enabled() else mx.exp
+
     def sample() -> None:
         cache = make_prompt_cache(lm)
         logits = lm(prompt, cache=cache)[:, -1, :]  # (B, V)
         tokens = []
         for t in range(new_tokens):
-            token = mx.random.categorical(logits)  # (B,)
+            weights = exp(logits - logits.max(axis=-1, keepdims=True))  # (B, V)
+            token = inverse_cdf(weights, mx.random.uniform(shape=(num_seqs, 1)))  # (B,)
             tokens.append(token)
             if t < new_tokens - 1:
                 logits = lm(token[:, None], cache=cache)[:, -1, :]

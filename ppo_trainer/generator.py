@@ -126,7 +126,7 @@ def _sample(
             uniform = mx.random.uniform(shape=(scaled.shape[0], 1))  # (B, 1)
         else:
             uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
-        tokens = _inverse_cdf(sampling_weights, uniform)
+        tokens = inverse_cdf(sampling_weights, uniform)
     tokens = tokens.astype(mx.int32)
     token_logprobs = mx.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_total[:, 0]
     entropy = None
@@ -136,7 +136,7 @@ def _sample(
     return tokens, token_logprobs, entropy
 
 
-def _inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:
+def inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:
     """Row ``b``: the first index whose cumulative ``weights`` exceed ``uniform[b] * total_b``,
     i.e. index ``i`` with probability ``weights[b, i] / total_b``; ``weights`` (B, V) >= 0 with a
     positive total, ``uniform`` (B, 1) in [0, 1). A weight-0 index is never returned."""

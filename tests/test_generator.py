@@ -13,7 +13,7 @@ import pytest
 from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings, lora_modules
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput, _inverse_cdf, _sample, generate
+from ppo_trainer.generator import GenerationOutput, inverse_cdf, _sample, generate
 
 PROMPT_TEXTS = [
     "Review of the camera:",
@@ -330,7 +330,7 @@ def test_sampling_entropy_equals_the_forward_entropy(
         assert (entropy[b, n:] == 0).all()
 
 
-def test_inverse_cdf_matches_a_naive_search() -> None:
+def testinverse_cdf_matches_a_naive_search() -> None:
     """First index whose cumulative weight exceeds u * total, zero weights never taken, and u
     whose product with the total rounds up to the total gives the last positive weight."""
     rng = np.random.default_rng(0)
@@ -340,7 +340,7 @@ def test_inverse_cdf_matches_a_naive_search() -> None:
     weights[-1, 5:] = 0.0  # trailing zeros
     uniform = rng.random((64, 1)).astype(np.float32)
     uniform[-2:] = np.float32(1.0 - 2**-24)  # the largest float32 below 1
-    got = np.array(_inverse_cdf(mx.array(weights), mx.array(uniform)))
+    got = np.array(inverse_cdf(mx.array(weights), mx.array(uniform)))
     for row, u, index in zip(weights.astype(np.float64), uniform[:, 0], got):
         cdf = np.cumsum(row)
         above = np.flatnonzero(cdf > u * cdf[-1])
