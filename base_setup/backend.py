@@ -115,6 +115,15 @@ def _load_libgfortran_from_numpy() -> str:
     return str(gfortran)
 
 
+def _numpy_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _load_openblas() -> BlasInfo:
     lib_path = _find_one("cmeel.prefix/lib/libopenblas.so.0")
     if lib_path is None:
@@ -129,6 +138,16 @@ def _load_openblas() -> BlasInfo:
     except OSError as err:
         if "libgfortran" not in str(err):
             raise
+        if _find_one("numpy.libs/libgfortran-*.so*") is None:
+            # NumPy >= 2.5's Linux wheels no longer bundle a libgfortran to borrow.
+            message = (
+                f"{lib_path} needs libgfortran.so.5, which this system lacks and NumPy "
+                f"{_numpy_version()} does not bundle; MLX keeps its reference BLAS (about 50x "
+                "slower matmuls). Fix: install the system library (Debian/Ubuntu: apt install "
+                "libgfortran5; Fedora: dnf install libgfortran) or pip install 'numpy<2.5'"
+            )
+            logger.warning(message)
+            return BlasInfo("reference", message)
         gfortran_note = f", libgfortran from {_load_libgfortran_from_numpy()}"
         lib = ctypes.CDLL(str(lib_path), os.RTLD_LOCAL)
     lib.openblas_get_corename.restype = ctypes.c_char_p

@@ -93,6 +93,25 @@ def test_user_script_import_gets_fast_blas() -> None:
     assert out.stdout.strip() == expected
 
 
+def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No system libgfortran and a NumPy that bundles none (>= 2.5): the reference BLAS, with a
+    warning that says how to get the fast one, instead of an import error."""
+    from base_setup import backend
+
+    def cdll(path: str, mode: int = 0) -> object:
+        raise OSError("libgfortran.so.5: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(backend.ctypes, "CDLL", cdll)
+    monkeypatch.setattr(
+        backend,
+        "_find_one",
+        lambda pattern: (Path("/x/libopenblas.so.0") if "openblas" in pattern else None),
+    )
+    info = backend._load_openblas()
+    assert info.name == "reference"
+    assert "apt install libgfortran5" in info.detail and "numpy<2.5" in info.detail
+
+
 def test_blas_info_is_a_dataclass() -> None:
     assert isinstance(blas_info(), BlasInfo)
 
