@@ -1,11 +1,19 @@
 """Throughput of a PPO / GRPO iteration: how long it takes, where the time goes, how far it is from
-the floor of this design, how it grows, and how it compares with TRL on the same weights.
+the floor of this design, how it grows, and how it compares with TRL and the MLX peers on the same
+weights.
 
 Usage::
 
     python -m benchmarks.ppo_throughput                   # MLX only
     python -m benchmarks.ppo_throughput --compare trl     # and TRL (pip install -r requirements-bench.txt)
+    python -m benchmarks.ppo_throughput --compare peers   # and mlx-lm-lora's and textpolicy's GRPO
+    python -m benchmarks.ppo_throughput --compare all     # TRL and the peers, in one run
     python -m benchmarks.ppo_throughput --smoke           # toy sizes, seconds (what the test runs)
+
+The MLX peers run GRPO only (neither has PPO with a value model), on the main configurations:
+mlx-lm-lora (``benchmarks.throughput_mlx_lm_lora``) in this environment, textpolicy
+(``benchmarks.throughput_textpolicy``, Python >= 3.12) with the interpreter of its own virtual
+environment (``--textpolicy-python``; see ``requirements-bench-textpolicy.txt``).
 
 Configurations (every one: random weights, float32, temperature 1, no stop token, so every
 response has exactly the stated number of tokens; one PPO epoch over one minibatch; full-weight
@@ -51,9 +59,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Sequence, cast
 
-from benchmarks.throughput_spec import FLOOR_KEYS, SPLIT_KEYS, RunResult, RunSpec
+from benchmarks.throughput_spec import (
+    FLOOR_KEYS,
+    PEER_SYSTEMS,
+    SPLIT_KEYS,
+    RunResult,
+    RunSpec,
+    System,
+)
 from models.tiny_model import TINY_SIZES, TinyModelSpec
 
 #: The benchmark's model sizes (``toy`` is the smoke test's).
@@ -81,6 +96,11 @@ MODEL_SHAPES: dict[str, TinyModelSpec] = {
 
 #: What ``--compare trl`` needs, and the versions it was written against.
 COMPARE_REQUIREMENTS: dict[str, str] = {"torch": "2.13.0", "trl": "1.12.0", "requests": ""}
+
+#: Where ``--compare peers`` looks for textpolicy's interpreter unless told
+#: (``--textpolicy-python`` or this environment variable).
+TEXTPOLICY_PYTHON_ENV = "PPO_MLX_TEXTPOLICY_PYTHON"
+DEFAULT_TEXTPOLICY_PYTHON = Path(__file__).resolve().parent.parent / ".venv-textpolicy/bin/python"
 
 SweepKind = Literal["tokens", "batch"]
 SWEEP_KINDS: tuple[SweepKind, ...] = ("tokens", "batch")
@@ -170,6 +190,47 @@ def missing_compare_requirements() -> str | None:
     return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
 
 
+def textpolicy_python(arg: Path | None) -> Path:
+    """textpolicy's interpreter: ``--textpolicy-python``, else ``$PPO_MLX_TEXTPOLICY_PYTHON``,
+    else ``.venv-textpolicy/bin/python`` in the repository."""
+    if arg is not None:
+        return arg
+    from_env = os.environ.get(TEXTPOLICY_PYTHON_ENV)
+    return Path(from_env) if from_env else DEFAULT_TEXTPOLICY_PYTHON
+
+
+def peer_versions(textpolicy: Path) -> dict[str, str | None]:
+    """Each MLX peer's version where it can run, else None: mlx-lm-lora in this environment,
+    textpolicy under ``textpolicy`` (an interpreter that must also import this repository's
+    ``base_setup``: the worker needs it)."""
+    versions: dict[str, str | None] = {"mlx-lm-lora": None, "textpolicy": None}
+    try:
+        versions["mlx-lm-lora"] = importlib.metadata.version("mlx-lm-lora")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if textpolicy.is_file():
+        probe = subprocess.run(
+            [
+                str(textpolicy),
+                "-c",
+                "import importlib.metadata as m, base_setup, mlx_lm, textpolicy; "
+                "print(m.version('textpolicy'))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+            timeout=300,
+        )
+        if probe.returncode == 0:
+            versions["textpolicy"] = probe.stdout.strip().splitlines()[-1]
+        else:
+            print(
+                f"textpolicy's interpreter {textpolicy} cannot import textpolicy, mlx_lm and "
+                f"base_setup:\n{probe.stderr.strip()[-800:]}"
+            )
+    return versions
+
+
 def _version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -203,8 +264,9 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def machine_lines(compare: bool) -> list[str]:
-    """A few lines that describe the machine and the libraries."""
+def machine_lines(compare: bool, peers: dict[str, str] | None = None) -> list[str]:
+    """A few lines that describe the machine and the libraries (TRL's when ``compare``, and
+    the versions of the MLX ``peers`` that run)."""
     memory = _memory_gib()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     lines = [
@@ -218,6 +280,12 @@ def machine_lines(compare: bool) -> list[str]:
         lines.append(
             f"PyTorch {_version('torch')} (torch.set_num_threads({cpu_threads()})), "
             f"TRL {_version('trl')}, transformers {_version('transformers')}"
+        )
+    if peers:
+        lines.append(
+            "MLX peers (GRPO): "
+            + ", ".join(f"{name} {version}" for name, version in peers.items())
+            + (" (in its own Python >= 3.12 environment)" if "textpolicy" in peers else "")
         )
     if load is not None:
         quiet = "quiet" if load[0] < 1.5 else "BUSY: timings are inflated"
@@ -242,9 +310,10 @@ def wait_for_quiet(max_wait: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------------- running
-def run_spec(spec: RunSpec, isolate: bool, log_dir: Path) -> RunResult:
-    """Measure one spec: in a fresh ``benchmarks.throughput_worker`` subprocess when
-    ``isolate`` (always for TRL: it must not share a process with MLX's BLAS), else here."""
+def run_spec(spec: RunSpec, isolate: bool, log_dir: Path, python: str | None = None) -> RunResult:
+    """Measure one spec: in a fresh ``benchmarks.throughput_worker`` subprocess (run by
+    ``python``, default this interpreter) when ``isolate`` or for another system than ours (TRL
+    must not share a process with MLX's BLAS; a peer must not share MLX's caches), else here."""
     if not isolate and spec.system == "mlx":
         from benchmarks.throughput_worker import run_spec as run_here
 
@@ -258,7 +327,7 @@ def run_spec(spec: RunSpec, isolate: bool, log_dir: Path) -> RunResult:
     with open(log_file, "w", encoding="utf-8") as log:
         done = subprocess.run(
             [
-                sys.executable,
+                python or sys.executable,
                 "-m",
                 "benchmarks.throughput_worker",
                 str(spec_file),
@@ -280,7 +349,7 @@ def run_spec(spec: RunSpec, isolate: bool, log_dir: Path) -> RunResult:
 
 def _spec(
     config: Config,
-    system: Literal["mlx", "trl"],
+    system: System,
     plan: Plan,
     dirs: dict[str, tuple[Path, Path, list[str]]],
     measure_floor: bool,
@@ -337,7 +406,7 @@ def _fmt_load(value: float | None) -> str:
 
 def iteration_table(results: Sequence[RunResult]) -> list[str]:
     head = (
-        f"{'config':<10} {'algo':<5} {'system':<6} {'seqs x new':>10} {'median s':>9} "
+        f"{'config':<10} {'algo':<5} {'system':<11} {'seqs x new':>10} {'median s':>9} "
         f"{'min s':>7} {'max s':>7} {'tok/s':>7} | {'gen':>6} {'score':>6} {'update':>6} "
         f"{'other':>6} | {'RSS MB':>7} {'MLX MB':>7} {'other':>5}"
     )
@@ -347,7 +416,7 @@ def iteration_table(results: Sequence[RunResult]) -> list[str]:
         split = " ".join(f"{r.split_median(k):>6.3f}" for k in SPLIT_KEYS)
         mlx_mb = "-" if r.mlx_peak_mb is None else f"{r.mlx_peak_mb:.0f}"
         lines.append(
-            f"{s.label:<10} {s.algorithm:<5} {s.system:<6} "
+            f"{s.label:<10} {s.algorithm:<5} {s.system:<11} "
             f"{f'{s.rollout_size}x{s.max_new_tokens}':>10} {r.median:>9.3f} "
             f"{min(r.seconds):>7.3f} {max(r.seconds):>7.3f} {r.tokens_per_second:>7.0f} | "
             f"{split} | {r.peak_rss_mb:>7.0f} {mlx_mb:>7} {_fmt_load(r.other_load):>5}"
@@ -355,23 +424,29 @@ def iteration_table(results: Sequence[RunResult]) -> list[str]:
     return lines
 
 
-def compare_table(pairs: Sequence[tuple[RunResult, RunResult]]) -> list[str]:
+def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TRL") -> list[str]:
+    """Our result against another system's (``other``: its name in the header), per config:
+    time per iteration, the ratio overall and per part, and the ratio of peak RSS."""
+    name, ratio = f"{other} s", f"MLX/{other}"
+    w_name, w_ratio = max(8, len(name)), max(8, len(ratio))
+    parts_head = f"{'gen':>5} {'score':>6} {'update':>6} (per part)"
     head = (
-        f"{'config':<10} {'algo':<5} {'MLX s':>8} {'TRL s':>8} {'MLX/TRL':>8} | "
-        f"{'gen':>5} {'score':>6} {'update':>6} (MLX/TRL per part) | {'RSS MLX/TRL':>11}"
+        f"{'config':<10} {'algo':<5} {'MLX s':>8} {name:>{w_name}} {ratio:>{w_ratio}} | "
+        f"{parts_head} | RSS {ratio}"
     )
     lines = [head, "-" * len(head)]
     for ours, theirs in pairs:
         parts = []
         for key in ("generation", "scoring", "update"):
             mine = ours.split_median(key) + (ours.split_median("other") if key == "update" else 0)
-            other = theirs.split_median(key)
-            parts.append(f"{mine / other:.2f}" if other > 0 else "-")
+            their_part = theirs.split_median(key)
+            parts.append(f"{mine / their_part:.2f}" if their_part > 0 else "-")
+        split = f"{parts[0]:>5} {parts[1]:>6} {parts[2]:>6}"
         lines.append(
             f"{ours.spec.label:<10} {ours.spec.algorithm:<5} {ours.median:>8.3f} "
-            f"{theirs.median:>8.3f} {ours.median / theirs.median:>8.2f} | {parts[0]:>5} "
-            f"{parts[1]:>6} {parts[2]:>6}                     | "
-            f"{ours.peak_rss_mb / theirs.peak_rss_mb:>11.2f}"
+            f"{theirs.median:>{w_name}.3f} {ours.median / theirs.median:>{w_ratio}.2f} | "
+            f"{split:<{len(parts_head)}} | "
+            f"{ours.peak_rss_mb / theirs.peak_rss_mb:>{len(ratio) + 4}.2f}"
         )
     return lines
 
@@ -457,12 +532,13 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     from matplotlib.ticker import FuncFormatter
 
     main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
-    colors = {"mlx": "#1f77b4", "trl": "#ff7f0e"}
+    colors = {"mlx": "#1f77b4", "trl": "#ff7f0e", "mlx-lm-lora": "#8c564b", "textpolicy": "#e377c2"}
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
 
     ax = axes[0][0]
     configs = sorted({(r.spec.label, r.spec.algorithm) for r in main}, key=_config_order)
-    systems = sorted({r.spec.system for r in main})
+    order = ["mlx", "trl", *PEER_SYSTEMS]
+    systems = sorted({r.spec.system for r in main}, key=order.index)
     width = 0.8 / max(len(systems), 1)
     for j, system in enumerate(systems):
         xs, ys, lo, hi = [], [], [], []
@@ -568,8 +644,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--compare",
-        choices=["trl"],
-        help="also run TRL's PPOTrainer and GRPOTrainer (pip install -r requirements-bench.txt)",
+        choices=["trl", "peers", "all"],
+        action="append",
+        default=[],
+        help="also run TRL's PPOTrainer and GRPOTrainer (trl; pip install -r "
+        "requirements-bench.txt), the MLX peers' GRPO (peers: mlx-lm-lora, textpolicy), or both "
+        "(all); may be repeated",
+    )
+    parser.add_argument(
+        "--textpolicy-python",
+        type=Path,
+        default=None,
+        help=f"the Python >= 3.12 interpreter with textpolicy installed (default: "
+        f"${TEXTPOLICY_PYTHON_ENV}, else .venv-textpolicy/bin/python)",
     )
     parser.add_argument("--smoke", action="store_true", help="toy sizes, in seconds (tests)")
     parser.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
@@ -604,27 +691,49 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     """Run the benchmark, print its tables, write the chart; returns every result."""
     args = parse_args(argv)
     plan = build_plan(args)
-    compare = args.compare == "trl"
-    machine = ["== Machine ==", *machine_lines(compare)]
-    print("\n".join(machine))
+    compare = bool({"trl", "all"} & set(args.compare))
+    notes: list[str] = []
     if compare:
         missing = missing_compare_requirements()
         if missing is not None:
-            print(
+            notes.append(
                 f"--compare trl skipped: {missing}. Install the comparison's requirements with "
                 "`pip install -r requirements-bench.txt` (PyTorch 2.13.0 CPU, TRL 1.12.0)."
             )
             compare = False
-    systems: list[Literal["mlx", "trl"]] = ["mlx", "trl"] if compare else ["mlx"]
+    peers: dict[str, str] = {}
+    tp_python = textpolicy_python(args.textpolicy_python)
+    if {"peers", "all"} & set(args.compare):
+        for name, version in peer_versions(tp_python).items():
+            if version is not None:
+                peers[name] = version
+            elif name == "textpolicy":
+                notes.append(
+                    f"--compare peers: textpolicy skipped: no working interpreter at {tp_python}. "
+                    "Make one with `python3.12 -m venv .venv-textpolicy && .venv-textpolicy/bin/pip "
+                    "install -r requirements-bench-textpolicy.txt` (textpolicy needs Python >= "
+                    "3.12) or pass --textpolicy-python."
+                )
+            else:
+                notes.append(
+                    f"--compare peers: {name} skipped: it is not installed. Install it with "
+                    "`pip install -r requirements-bench.txt`."
+                )
+    machine = ["== Machine ==", *machine_lines(compare, peers)]
+    print("\n".join([*machine, *notes]))
 
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="ppo_throughput_") as tmp:
         work = Path(tmp)
         dirs = _prepare_models(plan, work)
         for config in (*plan.main, *plan.sweep):
+            systems: list[System] = ["mlx", "trl"] if compare else ["mlx"]
+            if config.algorithm == "grpo" and config in plan.main:
+                systems += [cast(System, name) for name in PEER_SYSTEMS if name in peers]
             for system in systems:
                 spec = _spec(config, system, plan, dirs, measure_floor=config in plan.main)
-                results.append(_measure(spec, plan, work, args))
+                python = str(tp_python) if system == "textpolicy" else None
+                results.append(_measure(spec, plan, work, args, python))
 
     report = report_lines(results, compare)
     print("\n".join(report))
@@ -639,7 +748,9 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     return results
 
 
-def _measure(spec: RunSpec, plan: Plan, work: Path, args: argparse.Namespace) -> RunResult:
+def _measure(
+    spec: RunSpec, plan: Plan, work: Path, args: argparse.Namespace, python: str | None = None
+) -> RunResult:
     """Measure ``spec`` after waiting for a quiet machine; measure again (up to ``--retries``
     times) when other processes kept more than ``QUIET_CORES`` busy meanwhile, and keep the
     quietest measurement."""
@@ -647,7 +758,7 @@ def _measure(spec: RunSpec, plan: Plan, work: Path, args: argparse.Namespace) ->
     for attempt in range(1 + (0 if args.smoke else args.retries)):
         busy = None if args.smoke else wait_for_quiet(args.quiet_wait)
         start = time.perf_counter()
-        result = run_spec(spec, plan.isolate, work)
+        result = run_spec(spec, plan.isolate or spec.system != "mlx", work, python)
         print(
             f"  measured {spec.system} {spec.algorithm} {spec.label}: median "
             f"{result.median:.3f} s/iteration ({time.perf_counter() - start:.0f} s, "
@@ -681,8 +792,17 @@ def _prepare_models(plan: Plan, work: Path) -> dict[str, tuple[Path, Path, list[
     return dirs
 
 
+_SYSTEM_TITLES = {
+    "mlx": "MLX",
+    "trl": "TRL",
+    "mlx-lm-lora": "mlx-lm-lora",
+    "textpolicy": "textpolicy",
+}
+
+
 def report_lines(results: list[RunResult], compare: bool) -> list[str]:
-    """The printed report: iterations, MLX / TRL, the floor, the sweeps."""
+    """The printed report: iterations, MLX / TRL and MLX / each peer, the floor, the sweeps
+    (with TRL's column when ``compare``)."""
     out: list[str] = []
     main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
     params = {r.spec.model: r.params_millions for r in results if r.spec.system == "mlx"}
@@ -695,14 +815,16 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
     )
     out.append("models: " + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items()))
     out.extend(iteration_table(results))
-    if compare:
+    others = [name for name in ("trl", *PEER_SYSTEMS) if any(r.spec.system == name for r in main)]
+    for other in others:
         pairs = []
         for ours in main:
-            theirs = _find(results, ours.spec.label, ours.spec.algorithm, "trl")
+            theirs = _find(results, ours.spec.label, ours.spec.algorithm, other)
             if ours.spec.system == "mlx" and theirs is not None:
                 pairs.append((ours, theirs))
-        out.append("\n== MLX / TRL (time per iteration; below 1: MLX is faster) ==")
-        out.extend(compare_table(pairs))
+        title = _SYSTEM_TITLES[other]
+        out.append(f"\n== MLX / {title} (time per iteration; below 1: MLX is faster) ==")
+        out.extend(compare_table(pairs, title))
     out.append("\n== Floor (MLX, measured in the same process as the iterations) ==")
     out.append(
         "median seconds of each piece; basic = sample + lm_forward + lm_train_step; design = "

@@ -14,7 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-System = Literal["mlx", "trl"]
+System = Literal["mlx", "trl", "mlx-lm-lora", "textpolicy"]
+
+#: The MLX peers: other MLX trainers, GRPO only (``--compare peers``).
+PEER_SYSTEMS: tuple[str, ...] = ("mlx-lm-lora", "textpolicy")
 Algorithm = Literal["ppo", "grpo"]
 
 #: The parts of an iteration that :class:`RunResult.split` times, in print order.
@@ -35,7 +38,8 @@ class RunSpec:
     """One configuration to time on one system.
 
     Attributes:
-        system: "mlx" (this library's ``PPOTrainer``) or "trl" (TRL's PPOTrainer / GRPOTrainer).
+        system: "mlx" (this library's ``PPOTrainer``), "trl" (TRL's PPOTrainer / GRPOTrainer), or
+            an MLX peer's GRPO trainer: "mlx-lm-lora" or "textpolicy".
         algorithm: "ppo" (policy, reference, value and reward models) or "grpo" (no value model).
         label: the configuration's name in the tables ("tiny", "medium", "tokens=64", ...).
         model: the model size's name (a key of ``ppo_throughput.MODEL_SHAPES``).
@@ -82,6 +86,8 @@ class RunSpec:
             raise ValueError(
                 f"need iterations >= 1 and warmup >= 0, got {self.iterations} and {self.warmup}"
             )
+        if self.system in PEER_SYSTEMS and self.algorithm != "grpo":
+            raise ValueError(f"{self.system} has no PPO with a value model; it runs only 'grpo'")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
 

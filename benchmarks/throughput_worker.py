@@ -23,7 +23,17 @@ def run_spec(spec: RunSpec) -> RunResult:
         from benchmarks.throughput_trl import run_trl
 
         return run_trl(spec)
-    raise ValueError(f"unknown system {spec.system!r}; use 'mlx' or 'trl'")
+    if spec.system == "mlx-lm-lora":
+        from benchmarks.throughput_mlx_lm_lora import run_mlx_lm_lora
+
+        return run_mlx_lm_lora(spec)
+    if spec.system == "textpolicy":
+        from benchmarks.throughput_textpolicy import run_textpolicy
+
+        return run_textpolicy(spec)
+    raise ValueError(
+        f"unknown system {spec.system!r}; use 'mlx', 'trl', 'mlx-lm-lora' or 'textpolicy'"
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -205,6 +205,8 @@ def test_run_spec_rejects_bad_input() -> None:
         _spec(iterations=0)
     with pytest.raises(ValueError, match="group_size >= 2"):
         _spec(algorithm="grpo", group_size=1)
+    with pytest.raises(ValueError, match="runs only 'grpo'"):
+        _spec(system="mlx-lm-lora")
 
 
 def test_cpu_monitor_reports_other_cores() -> None:
@@ -247,3 +249,108 @@ def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path) ->
         assert result.split["generation"][0] > 0 and result.split["scoring"][0] > 0
         assert result.mlx_peak_mb is None and result.peak_rss_mb > 0
         assert "trl" in result.versions
+
+
+def test_compare_peers_runs_them_on_grpo_and_reports_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--compare peers``: a peer that can run is measured on the main GRPO configurations only
+    and gets its own MLX / peer table; one that cannot is skipped with how to install it."""
+    monkeypatch.setattr(
+        ppo_throughput,
+        "peer_versions",
+        lambda python: {"mlx-lm-lora": "5.10.2", "textpolicy": None},
+    )
+    real_run_spec = ppo_throughput.run_spec
+    peer_calls: list[tuple[RunSpec, str | None]] = []
+
+    def run_spec(spec: RunSpec, isolate: bool, log_dir: Path, python: str | None = None) -> object:
+        if spec.system == "mlx":
+            return real_run_spec(spec, isolate, log_dir, python)
+        peer_calls.append((spec, python))
+        return _result(spec, [4.0, 4.0])
+
+    monkeypatch.setattr(ppo_throughput, "run_spec", run_spec)
+    results = main(["--smoke", "--compare", "peers", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+
+    assert [(s.system, s.algorithm, s.label) for s, _ in peer_calls] == [
+        ("mlx-lm-lora", "grpo", "toy")
+    ]
+    assert peer_calls[0][1] is None  # this interpreter
+    assert "MLX peers (GRPO): mlx-lm-lora 5.10.2" in out
+    skipped = next(line for line in out.splitlines() if "textpolicy skipped" in line)
+    assert "requirements-bench-textpolicy.txt" in skipped and "--textpolicy-python" in skipped
+    table = out.split("== MLX / mlx-lm-lora")[1].splitlines()
+    row = next(line for line in table if line.startswith("toy"))
+    ours = next(r for r in results if (r.spec.system, r.spec.algorithm) == ("mlx", "grpo"))
+    assert f"{ours.median / 4.0:.2f}" in row.split("|")[0]
+    assert "== MLX / TRL" not in out and "== MLX / textpolicy" not in out
+
+
+def test_textpolicy_interpreter_comes_from_the_flag_the_environment_or_the_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(ppo_throughput.TEXTPOLICY_PYTHON_ENV, raising=False)
+    assert ppo_throughput.textpolicy_python(None) == ppo_throughput.DEFAULT_TEXTPOLICY_PYTHON
+    monkeypatch.setenv(ppo_throughput.TEXTPOLICY_PYTHON_ENV, "/opt/tp/bin/python")
+    assert ppo_throughput.textpolicy_python(None) == Path("/opt/tp/bin/python")
+    assert ppo_throughput.textpolicy_python(tmp_path / "py") == tmp_path / "py"
+    # an interpreter that is not there: textpolicy cannot run
+    assert ppo_throughput.peer_versions(tmp_path / "missing")["textpolicy"] is None
+
+
+@pytest.mark.slow
+def test_mlx_lm_lora_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> None:
+    pytest.importorskip("mlx_lm_lora", reason="needs pip install -r requirements-bench.txt")
+    from benchmarks.throughput_models import build_benchmark_checkpoints
+
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
+    spec = RunSpec(
+        system="mlx-lm-lora",
+        algorithm="grpo",
+        label="toy",
+        model="toy",
+        policy_dir=str(policy_dir),
+        reward_dir=str(reward_dir),
+        prompts=tuple(benchmark_prompts(policy_dir, 2)),
+        batch_size=2,
+        group_size=2,
+        max_new_tokens=4,
+        warmup=0,
+        iterations=2,
+    )
+    # The worker raises if a completion is not max_new_tokens long or the weights did not change.
+    result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
+    assert len(result.seconds) == 2 and all(s > 0 for s in result.seconds)
+    assert result.split["generation"][0] > 0 and result.split["update"][0] > 0
+    assert result.mlx_peak_mb is not None and "mlx_lm_lora" in result.versions
+
+
+@pytest.mark.slow
+def test_textpolicy_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> None:
+    python = ppo_throughput.textpolicy_python(None)
+    if ppo_throughput.peer_versions(python)["textpolicy"] is None:
+        pytest.skip(f"needs textpolicy's Python >= 3.12 environment at {python}")
+    from benchmarks.throughput_models import build_benchmark_checkpoints
+
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
+    spec = RunSpec(
+        system="textpolicy",
+        algorithm="grpo",
+        label="toy",
+        model="toy",
+        policy_dir=str(policy_dir),
+        reward_dir=str(reward_dir),
+        prompts=tuple(benchmark_prompts(policy_dir, 2)),
+        batch_size=2,
+        group_size=2,
+        max_new_tokens=4,
+        warmup=0,
+        iterations=2,
+    )
+    # The worker raises if a completion is not max_new_tokens long or the weights did not change.
+    result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path, python=str(python))
+    assert len(result.seconds) == 2 and all(s > 0 for s in result.seconds)
+    assert result.split["generation"][0] > 0 and result.split["update"][0] > 0
+    assert result.versions.get("textpolicy") == "0.1.11"
