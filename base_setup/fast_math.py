@@ -168,17 +168,39 @@ def _softmax_fn(axis: int) -> Callable[[mx.array], mx.array]:
     return _SOFTMAX_FNS[axis]
 
 
+def _logsumexp_parts(x32: mx.array, axis: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(logsumexp, exp(x - m), their sum), keepdims, of float32 ``x32``; ``m`` is the row max
+    (0 for a row of -inf: -inf - -inf would be NaN)."""
+    m = mx.stop_gradient(mx.max(x32, axis=axis, keepdims=True))
+    m = mx.where(mx.isinf(m), 0.0, m)
+    shifted_exp = exp(x32 - m)
+    total = shifted_exp.sum(axis=axis, keepdims=True)
+    return m + mx.log(total), shifted_exp, total
+
+
+def logsumexp_parts(x: mx.array, axis: int = -1) -> tuple[mx.array, mx.array, mx.array]:
+    """``(logsumexp(x), w, w.sum(axis))``, keepdims, in float32, where ``w = exp(x - max)`` is
+    proportional to ``softmax(x)``: for code that needs the log-probs (``x - lse``) and the
+    probabilities both, with one ``exp`` pass. Not differentiable.
+
+    ``lse`` is bit for bit :func:`logsumexp` (MLX's own off the CPU), so ``x[i] - lse`` equals
+    what the training losses compute from the same logits.
+    """
+    x32 = x.astype(mx.float32)
+    if not fast_math_enabled():
+        lse = mx.logsumexp(x32, axis=axis, keepdims=True)
+        probs = mx.exp(x32 - lse)
+        return lse, probs, probs.sum(axis=axis, keepdims=True)
+    return _logsumexp_parts(x32, axis)
+
+
 def _logsumexp_fn(axis: int) -> Callable[[mx.array], mx.array]:
     """The differentiable fast logsumexp along ``axis``, keepdims (one per axis)."""
     if axis not in _LOGSUMEXP_FNS:
 
         @mx.custom_function
         def fn(x: mx.array) -> mx.array:
-            x32 = x.astype(mx.float32)
-            m = mx.stop_gradient(mx.max(x32, axis=axis, keepdims=True))
-            # A row of -inf: max -inf, and -inf - -inf is NaN; shift by 0 there instead.
-            m = mx.where(mx.isinf(m), 0.0, m)
-            return m + mx.log(exp(x32 - m).sum(axis=axis, keepdims=True))
+            return _logsumexp_parts(x.astype(mx.float32), axis)[0]
 
         @fn.vjp
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:

@@ -93,9 +93,10 @@ def _sample(
     Sampling is by inverse CDF: row ``b`` takes the first token whose cumulative weight exceeds
     ``u_b`` times the row's total, with one uniform ``u_b`` per row (from ``keys[b]`` when given,
     else from the global random state). That is an exact draw from the (filtered) softmax, and it
-    reuses the ``exp`` the log-probs need: ``mx.random.categorical`` would draw ``V`` Gumbel
-    numbers per row, two ``log`` calls each, which on the CPU cost more than the rest of a small
-    model's decoding step. Tokens the filters removed (weight 0) are never drawn.
+    needs one uniform number per row and the probabilities the entropy needs anyway:
+    ``mx.random.categorical`` would draw ``V`` Gumbel numbers per row, two scalar ``log`` calls
+    each, which on the CPU cost more than the rest of a small model's decoding step. Tokens the
+    filters removed (weight 0) are never drawn.
 
     The log-prob is ``log_softmax(logits / temperature)[token]`` (temperature 1 when greedy),
     before filtering: that is the distribution the trainer recomputes from a forward pass, so the
@@ -107,33 +108,37 @@ def _sample(
 
     exp = fast_math.exp if fast_math.fast_math_enabled() else mx.exp
     scaled = logits.astype(mx.float32) * (1.0 / temperature if temperature > 0 else 1.0)
-    shifted = scaled - mx.stop_gradient(mx.max(scaled, axis=-1, keepdims=True))  # (B, V), <= 0
-    weights = exp(shifted)  # (B, V): the unnormalised softmax
-    total = weights.sum(axis=-1, keepdims=True)  # (B, 1)
-    log_total = mx.log(total)
+    lse, weights, total = fast_math.logsumexp_parts(scaled)  # (B, 1), (B, V), (B, 1)
     if temperature == 0:
         tokens = mx.argmax(scaled, axis=-1)
     else:
         sampling_weights = weights
         if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
-            filtered = shifted - log_total  # (B, V) log-probs; the filters set -inf
+            filtered = scaled - lse  # (B, V) log-probs; the filters set -inf, exp gives 0
             if 0 < top_k < scaled.shape[-1]:
                 filtered = apply_top_k(filtered, top_k)
             if top_p < 1.0:
                 filtered = apply_top_p(filtered, top_p)
-            sampling_weights = exp(filtered - mx.max(filtered, axis=-1, keepdims=True))
+            sampling_weights = exp(filtered)
         if keys is None:
             uniform = mx.random.uniform(shape=(scaled.shape[0], 1))  # (B, 1)
         else:
             uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
         tokens = inverse_cdf(sampling_weights, uniform)
     tokens = tokens.astype(mx.int32)
-    token_logprobs = mx.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - log_total[:, 0]
-    entropy = None
-    if with_entropy:
-        # -sum p log p with p = w / total and log p = shifted - log(total).
-        entropy = log_total[:, 0] - (weights * shifted).sum(axis=-1) / total[:, 0]  # (B,)
+    # scaled[token] - lse: the trainer's log_softmax gather (selective_log_softmax) bit for bit,
+    # so the rollout's log-probs and the first PPO epoch's differ only where the logits do.
+    token_logprobs = mx.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
+    entropy = _entropy(weights, scaled, total, lse)[:, 0] if with_entropy else None
     return tokens, token_logprobs, entropy
+
+
+@mx.compile
+def _entropy(weights: mx.array, scaled: mx.array, total: mx.array, lse: mx.array) -> mx.array:
+    """``-sum p log p`` with ``p = weights / total`` and ``log p = scaled - lse``, as
+    ``lse - sum(p * scaled)`` (keepdims); a weight-0 entry (a -inf logit) adds 0."""
+    expected = mx.where(weights > 0, weights * scaled, 0.0).sum(axis=-1, keepdims=True) / total
+    return lse - expected
 
 
 def inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:

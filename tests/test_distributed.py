@@ -132,7 +132,10 @@ RUN_SETTINGS: dict[str, Any] = dict(
     num_epochs=2,
     total_steps=3,
     progress_bar=False,
-    seed=0,
+    # Seed 1: every step's rollout has scores that differ (checked below). With all scores equal,
+    # the whitened advantages would be the rounding noise of the KL term, magnified to order 1,
+    # and the ranks' and the single process's (different batch shapes) would not agree.
+    seed=1,
 )
 
 
@@ -199,6 +202,8 @@ def test_two_ranks_keep_identical_weights(two_ranks: dict[str, Any]) -> None:
 def test_two_ranks_train_like_one_process_on_the_global_batch(
     two_ranks: dict[str, Any], single_process: dict[str, Any]
 ) -> None:
+    # Scores that differ within every step (see RUN_SETTINGS' seed), or the comparison is noise.
+    assert all(want["objective/scores_std"] > 1e-3 for want in single_process["history"])
     rank0 = mx.load(str(two_ranks["dump"] / "rank0.safetensors"))
     assert isinstance(rank0, dict)
     initial, final = single_process["initial"], single_process["final"]

@@ -384,3 +384,15 @@ def test_rows_with_keys_do_not_depend_on_the_batch() -> None:
     full, _, _ = _sample(logits, 1.0, 1.0, 0, keys)
     part, _, _ = _sample(logits[2:4], 1.0, 1.0, 0, keys[2:4])
     assert np.array(full)[2:4].tolist() == np.array(part).tolist()
+
+
+def test_sampled_logprobs_are_the_trainers_log_softmax_bit_for_bit() -> None:
+    """The rollout's old log-probs equal what the PPO loss computes from the same logits, to the
+    last bit: a first-epoch ratio is then exactly 1 wherever the logits agree."""
+    from token_attribution.logprob_computer import selective_log_softmax
+
+    logits = mx.random.normal((32, 300), key=mx.random.key(4)) * 4
+    keys = mx.random.split(mx.random.key(5), 32)
+    tokens, token_logprobs, _ = _sample(logits, 1.0, 1.0, 0, keys)
+    trainer = selective_log_softmax(logits[:, None, :], tokens[:, None])[:, 0]
+    assert np.array_equal(np.array(token_logprobs), np.array(trainer))
