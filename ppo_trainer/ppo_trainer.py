@@ -49,6 +49,7 @@ from advantage.group_advantage import group_advantages
 from advantage.whitening import masked_var, masked_whiten
 from base_setup import distributed as dist
 from base_setup import seed_everything
+from base_setup.backend import adapt_blas_threads
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import chat_template_text, eos_token_ids
 from config.loading import config_to_dict
@@ -285,6 +286,7 @@ class PPOTrainer:
         prompt_ids = [self.encode_prompt(t) for t in texts]
         self._check_prompt_lengths(prompt_ids, texts)
         self._ensure_optimizers(total_steps=None)
+        adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
         mx.random.seed(self._step_seed(self.global_step))
         t0 = time.perf_counter()
 

@@ -366,3 +366,56 @@ def test_cpu_buffer_cache_only_on_the_cpu_device(default_cache_limit: ModuleType
     finally:
         mx.set_default_device(previous)
     assert _cache_limit() == backend.MLX_CPU_DEFAULT_CACHE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("other", "cpus", "max_threads", "want"),
+    [
+        (0.0, 2, 2, 2),  # quiet: every thread
+        (0.4, 2, 2, 2),  # a little background work: still both
+        (0.6, 2, 2, 1),  # more than half a core taken: one
+        (1.0, 2, 2, 1),
+        (2.0, 2, 2, 1),  # never below one
+        (3.7, 16, 16, 12),
+        (0.0, 16, 8, 8),  # never above what OpenBLAS started with
+        (-0.2, 2, 2, 2),  # a negative estimate (clock noise) counts as quiet
+    ],
+)
+def test_blas_threads_for_load(other: float, cpus: int, max_threads: int, want: int) -> None:
+    from base_setup.backend import blas_threads_for_load
+
+    assert blas_threads_for_load(other, cpus, max_threads) == want
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
+def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples of (machine busy, own, wall) CPU seconds: others using ~1.5 of 2 cores bring the
+    threads to 1, a quiet interval back to the start count; opting out leaves them alone."""
+    from base_setup import backend
+
+    lib = backend._OPENBLAS["lib"]
+    start = int(lib.openblas_get_num_threads())
+    samples = iter(
+        [
+            (100.0, 10.0, 0.0),
+            (103.5, 12.0, 1.0),  # 3.5 busy - 2.0 own: others 1.5 cores
+            (105.5, 14.0, 2.0),  # 2.0 busy - 2.0 own: quiet
+            (105.6, 14.0, 2.1),  # 0.1 s later: too short to judge
+        ]
+    )
+    monkeypatch.setattr(backend, "_cpu_sample", lambda: next(samples))
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setitem(backend._OPENBLAS, "max_threads", 2)
+    monkeypatch.delitem(backend._OPENBLAS, "sample", raising=False)
+    try:
+        assert backend.adapt_blas_threads() is None  # the first sample
+        assert backend.adapt_blas_threads() == 1
+        assert int(lib.openblas_get_num_threads()) == 1
+        assert backend.adapt_blas_threads() == 2
+        assert int(lib.openblas_get_num_threads()) == 2
+        assert backend.adapt_blas_threads() == 2
+        monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "0")
+        assert backend.adapt_blas_threads() is None
+    finally:
+        lib.openblas_set_num_threads(start)
+        backend._OPENBLAS.pop("sample", None)

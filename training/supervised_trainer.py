@@ -38,6 +38,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
+from base_setup.backend import adapt_blas_threads
 from config.loading import config_to_dict, save_config
 from config.sft_config import FineTuneConfig
 from training.checkpoint import CheckpointManager
@@ -268,6 +269,7 @@ class SupervisedTrainer(Generic[E, B]):
         if self.optimizer is None:
             raise ValueError("no optimiser: call train(), which builds it for the run's length")
         t0 = time.perf_counter()
+        adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
         self.model.train()
         # Dropout randomness from (seed, step): a resumed run draws what an uninterrupted one did.
         mx.random.seed((cfg.seed * 1_000_003 + self.global_step) % (2**63))
