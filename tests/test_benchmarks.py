@@ -354,3 +354,26 @@ def test_textpolicy_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> Non
     assert len(result.seconds) == 2 and all(s > 0 for s in result.seconds)
     assert result.split["generation"][0] > 0 and result.split["update"][0] > 0
     assert result.versions.get("textpolicy") == "0.1.11"
+
+
+def test_contention_measures_with_busy_processes_and_stops_them(tmp_path: Path) -> None:
+    import multiprocessing
+
+    from benchmarks import contention
+    from benchmarks.throughput_models import build_benchmark_checkpoints
+
+    with pytest.raises(SystemExit):
+        contention.main(["--busy", "-1"])
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
+    spec = _spec(
+        policy_dir=str(policy_dir),
+        reward_dir=str(reward_dir),
+        prompts=tuple(benchmark_prompts(policy_dir, 4)),
+        max_new_tokens=4,
+        iterations=1,
+    )
+    result = contention.measure(spec, busy=1, adaptive=True, log_dir=tmp_path)
+    assert len(result.seconds) == 1 and result.seconds[0] > 0
+    if Path("/proc/stat").exists():
+        assert result.other_load is not None and result.other_load > 0.5  # the busy one ran
+    assert multiprocessing.active_children() == []  # and was stopped
