@@ -574,7 +574,14 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     ax.legend(fontsize=8)
 
     ax = axes[0][1]
-    bars = [(r, f"{r.spec.label}\n{r.spec.algorithm.upper()}\n{r.spec.system}") for r in main]
+    short = {"mlx-lm-lora": "mlx-lm-\nlora", "textpolicy": "text-\npolicy"}  # narrow labels
+    bars = [
+        (
+            r,
+            f"{r.spec.label}\n{r.spec.algorithm.upper()}\n{short.get(r.spec.system, r.spec.system)}",
+        )
+        for r in main
+    ]
     bars.sort(key=lambda b: (_config_order((b[0].spec.label, b[0].spec.algorithm)), b[1]))
     part_colors = {
         "generation": "#2ca02c",
