@@ -56,7 +56,11 @@ _MIN_FAST_ATTENTION = 1 << 12
 
 def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     """(2^f, n) with exp(x) = 2^f * 2^n; see the module docstring. Pure arithmetic."""
-    y = mx.clip(x.astype(mx.float32) * _LOG2E, -127.0, 127.0)
+    y = x.astype(mx.float32) * _LOG2E
+    # Clamp to [-127, 127] with selects, not mx.clip: MLX's maximum / minimum test for NaN in
+    # the element loop, and this kernel ran 20% slower with them (NaN stays NaN either way).
+    y = mx.where(y > 127.0, 127.0, y)
+    y = mx.where(y < -127.0, -127.0, y)
     n = (y + _ROUND_MAGIC) - _ROUND_MAGIC  # round(y), float32
     f = y - n  # [-1/2, 1/2]
     p = mx.array(_EXP2_COEFFS[-1], dtype=mx.float32)
