@@ -92,8 +92,15 @@ def _swiglu_grad(g: mx.array, u: mx.array, s: mx.array, cot: mx.array) -> tuple[
 
 
 def exp(x: mx.array) -> mx.array:
-    """``exp(x)`` elementwise (float32 math, ``x``'s float dtype out). Not differentiable:
-    use it on constants, or inside a function with its own vjp."""
+    """``exp(x)`` elementwise (float32 math, ``x``'s float dtype out); ``mx.exp`` where fast math
+    is off (off the CPU, ``PPO_MLX_FAST_MATH=0``, or no compiler for MLX's kernels). Not
+    differentiable: use it on constants, or inside a function with its own vjp."""
+    if not fast_math_enabled():
+        return mx.exp(x.astype(mx.float32)).astype(_float_dtype(x))
+    return _fast_exp(x)
+
+
+def _fast_exp(x: mx.array) -> mx.array:
     return _exp_c(*_exp2_parts_c(x)).astype(_float_dtype(x))
 
 
@@ -298,7 +305,7 @@ def fast_math_enabled() -> bool:
 def _probe() -> bool:
     x = mx.array([-np.inf, -100.0, -1.0, 0.0, 0.5, 3.0, 80.0], dtype=mx.float32)
     try:
-        got = np.array(exp(x))
+        got = np.array(_fast_exp(x))
     except RuntimeError as err:  # MLX reports a failed kernel build as a RuntimeError
         logger.warning(
             "fast CPU math is off: MLX could not compile its kernels (%s); install a C++ "

@@ -109,14 +109,12 @@ def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
     mx.eval(prompt, sequence)
     lm.eval()
 
-    exp = fast_math.exp if fast_math.fast_math_enabled() else mx.exp
-
     def sample() -> None:
         cache = make_prompt_cache(lm)
         logits = lm(prompt, cache=cache)[:, -1, :]  # (B, V)
         tokens = []
         for t in range(new_tokens):
-            weights = exp(logits - logits.max(axis=-1, keepdims=True))  # (B, V)
+            weights = fast_math.exp(logits - logits.max(axis=-1, keepdims=True))  # (B, V)
             token = inverse_cdf(weights, mx.random.uniform(shape=(num_seqs, 1)))  # (B,)
             tokens.append(token)
             if t < new_tokens - 1:

@@ -106,7 +106,6 @@ def _sample(
     """
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-    exp = fast_math.exp if fast_math.fast_math_enabled() else mx.exp
     scaled = logits.astype(mx.float32) * (1.0 / temperature if temperature > 0 else 1.0)
     lse, weights, total = fast_math.logsumexp_parts(scaled)  # (B, 1), (B, V), (B, 1)
     if temperature == 0:
@@ -119,7 +118,7 @@ def _sample(
                 filtered = apply_top_k(filtered, top_k)
             if top_p < 1.0:
                 filtered = apply_top_p(filtered, top_p)
-            sampling_weights = exp(filtered)
+            sampling_weights = fast_math.exp(filtered)
         if keys is None:
             uniform = mx.random.uniform(shape=(scaled.shape[0], 1))  # (B, 1)
         else:

@@ -164,6 +164,13 @@ def test_fast_exp_matches_float64() -> None:
     assert half.dtype == mx.bfloat16
 
 
+def test_exp_is_mlx_exp_when_fast_math_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")
+    x = mx.array(np.random.default_rng(2).uniform(-80, 80, 1000).astype(np.float32))
+    assert mx.array_equal(fast_math.exp(x), mx.exp(x)).item()
+    assert fast_math.exp(mx.array([0.5], dtype=mx.bfloat16)).dtype == mx.bfloat16
+
+
 def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:
     rng = np.random.default_rng(1)
     gate = rng.normal(0, 6, (64, 96)).astype(np.float32)
