@@ -49,7 +49,6 @@ Writes ``report.txt`` (the machine and the tables it prints), ``results.json`` a
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import platform
@@ -68,6 +67,7 @@ from benchmarks.throughput_spec import (
     RunResult,
     RunSpec,
     System,
+    package_version,
 )
 from models.tiny_model import TINY_SIZES, TinyModelSpec
 
@@ -179,12 +179,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
 def missing_compare_requirements() -> str | None:
     """Why ``--compare trl`` cannot run in this environment (every missing package named), or
     None when it can."""
-    missing = []
-    for name in COMPARE_REQUIREMENTS:
-        try:
-            importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            missing.append(name)
+    missing = [name for name in COMPARE_REQUIREMENTS if package_version(name) is None]
     if not missing:
         return None
     return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
@@ -203,11 +198,7 @@ def peer_versions(textpolicy: Path) -> dict[str, str | None]:
     """Each MLX peer's version where it can run, else None: mlx-lm-lora in this environment,
     textpolicy under ``textpolicy`` (an interpreter that must also import this repository's
     ``base_setup``: the worker needs it)."""
-    versions: dict[str, str | None] = {"mlx-lm-lora": None, "textpolicy": None}
-    try:
-        versions["mlx-lm-lora"] = importlib.metadata.version("mlx-lm-lora")
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    versions = {"mlx-lm-lora": package_version("mlx-lm-lora"), "textpolicy": None}
     if textpolicy.is_file():
         probe = subprocess.run(
             [
@@ -232,10 +223,7 @@ def peer_versions(textpolicy: Path) -> dict[str, str | None]:
 
 
 def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    return package_version(name) or "not installed"
 
 
 def _cpu_name() -> str:

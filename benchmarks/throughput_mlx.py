@@ -36,7 +36,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from benchmarks.throughput_spec import (
+    CpuMonitor,
+    RunResult,
+    RunSpec,
+    package_versions,
+    peak_rss_mb,
+)
 from base_setup import fast_math
 from config.ppo_config import PPOConfig
 from models.policy_model import lm_logits_at
@@ -73,12 +79,6 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
     # stop_token_ids=[]: never stop before max_new_tokens (run_mlx checks every response has
     # max_new_tokens tokens).
     return PPOTrainer(config)
-
-
-def _version(name: str) -> str:
-    import importlib.metadata
-
-    return importlib.metadata.version(name)
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
@@ -225,5 +225,5 @@ def run_mlx(spec: RunSpec) -> RunResult:
         params_millions=params,
         floor=floor,
         other_load=other_load,
-        versions={"mlx": _version("mlx"), "mlx_lm": _version("mlx-lm")},
+        versions=package_versions("mlx", "mlx-lm"),
     )

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import base_setup  # noqa: F401  (first: MLX's fast BLAS, exactly as throughput_mlx)
 
-import importlib.metadata
 import time
 from types import ModuleType
 from typing import Any, Sequence, cast
@@ -77,7 +76,14 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from benchmarks.throughput_spec import SPLIT_KEYS, CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from benchmarks.throughput_spec import (
+    SPLIT_KEYS,
+    CpuMonitor,
+    RunResult,
+    RunSpec,
+    package_versions,
+    peak_rss_mb,
+)
 from models.reward_model import RewardModel
 
 #: The mlx-lm-lora release this worker was written against (it calls private functions).
@@ -96,10 +102,6 @@ def _grpo_module() -> ModuleType:
             f"the mlx-lm-lora worker needs mlx-lm-lora: pip install {MLX_LM_LORA_REQUIREMENT}"
         ) from err
     return grpo_trainer
-
-
-def _version(name: str) -> str:
-    return importlib.metadata.version(name)
 
 
 def _load_lm(path: str) -> tuple[nn.Module, Any]:
@@ -144,11 +146,6 @@ def run_mlx_lm_lora(spec: RunSpec) -> RunResult:
     docstring for what runs and how it differs from the MLX side)."""
     if spec.system != "mlx-lm-lora":
         raise ValueError(f"run_mlx_lm_lora runs system 'mlx-lm-lora', got {spec.system!r}")
-    if spec.algorithm != "grpo":
-        raise ValueError(
-            f"mlx-lm-lora has no PPO with a value model; run it with algorithm 'grpo', "
-            f"got {spec.algorithm!r}"
-        )
     grpo = _grpo_module()
     mx.random.seed(spec.seed)
 
@@ -321,9 +318,5 @@ def run_mlx_lm_lora(spec: RunSpec) -> RunResult:
         mlx_peak_mb=mlx_peak,
         params_millions=params / 1e6,
         other_load=other_load,
-        versions={
-            "mlx": _version("mlx"),
-            "mlx_lm": _version("mlx-lm"),
-            "mlx_lm_lora": _version("mlx-lm-lora"),
-        },
+        versions=package_versions("mlx", "mlx-lm", "mlx-lm-lora"),
     )

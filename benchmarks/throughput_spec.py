@@ -174,6 +174,22 @@ class RunResult:
         return cls.from_json(path.read_text(encoding="utf-8"))
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or None."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def package_versions(*names: str) -> dict[str, str]:
+    """``RunResult.versions`` of these distributions: ``{"mlx_lm": "0.32.2", ...}`` (``-`` in a
+    name becomes ``_``; "not installed" for a missing one)."""
+    return {name.replace("-", "_"): package_version(name) or "not installed" for name in names}
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB.
 

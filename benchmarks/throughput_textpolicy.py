@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import base_setup  # noqa: F401  (first: MLX's fast BLAS, the same as ours)
 
-import importlib.metadata
 import platform
 import time
 from typing import Any, Callable, cast
@@ -78,7 +77,14 @@ from textpolicy.generation import mlx_generation
 from textpolicy.rollout import RolloutCoordinator
 from textpolicy.training import Trainer
 
-from benchmarks.throughput_spec import SPLIT_KEYS, CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from benchmarks.throughput_spec import (
+    SPLIT_KEYS,
+    CpuMonitor,
+    RunResult,
+    RunSpec,
+    package_versions,
+    peak_rss_mb,
+)
 from models.reward_model import RewardModel
 
 #: The same optimiser settings as ours (``PPOConfig`` defaults and ``build_trainer``).
@@ -105,10 +111,6 @@ class _Timers:
             return out
 
         return timed
-
-
-def _version(name: str) -> str:
-    return importlib.metadata.version(name)
 
 
 def _load_policy(spec: RunSpec) -> tuple[Any, Any]:
@@ -154,11 +156,6 @@ def run_textpolicy(spec: RunSpec) -> RunResult:
     docstring for what one iteration runs)."""
     if spec.system != "textpolicy":
         raise ValueError(f"run_textpolicy runs system 'textpolicy', got {spec.system!r}")
-    if spec.algorithm != "grpo":
-        raise ValueError(
-            f"textpolicy has no PPO with a value model; run it with algorithm 'grpo', not "
-            f"{spec.algorithm!r}"
-        )
     mx.random.seed(spec.seed)
     prompts = list(spec.prompts[: spec.batch_size])
     model, tokenizer = _load_policy(spec)
@@ -292,9 +289,7 @@ def run_textpolicy(spec: RunSpec) -> RunResult:
         params_millions=params,
         other_load=other_load,
         versions={
-            "mlx": _version("mlx"),
-            "mlx_lm": _version("mlx-lm"),
-            "textpolicy": _version("textpolicy"),
+            **package_versions("mlx", "mlx-lm", "textpolicy"),
             "python": platform.python_version(),
         },
     )
