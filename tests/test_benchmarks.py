@@ -300,14 +300,13 @@ def test_textpolicy_interpreter_comes_from_the_flag_the_environment_or_the_defau
     assert ppo_throughput.peer_versions(tmp_path / "missing")["textpolicy"] is None
 
 
-@pytest.mark.slow
-def test_mlx_lm_lora_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> None:
-    pytest.importorskip("mlx_lm_lora", reason="needs pip install -r requirements-bench.txt")
+def _toy_peer_spec(tmp_path: Path, system: str) -> RunSpec:
+    """Two iterations of a peer's GRPO, 2 prompts x 2 completions x 4 tokens, on toy checkpoints."""
     from benchmarks.throughput_models import build_benchmark_checkpoints
 
     policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
-    spec = RunSpec(
-        system="mlx-lm-lora",
+    return _spec(
+        system=system,
         algorithm="grpo",
         label="toy",
         model="toy",
@@ -320,6 +319,12 @@ def test_mlx_lm_lora_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> No
         warmup=0,
         iterations=2,
     )
+
+
+@pytest.mark.slow
+def test_mlx_lm_lora_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> None:
+    pytest.importorskip("mlx_lm_lora", reason="needs pip install -r requirements-bench.txt")
+    spec = _toy_peer_spec(tmp_path, "mlx-lm-lora")
     # The worker raises if a completion is not max_new_tokens long or the weights did not change.
     result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
     assert len(result.seconds) == 2 and all(s > 0 for s in result.seconds)
@@ -332,23 +337,7 @@ def test_textpolicy_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> Non
     python = ppo_throughput.textpolicy_python(None)
     if ppo_throughput.peer_versions(python)["textpolicy"] is None:
         pytest.skip(f"needs textpolicy's Python >= 3.12 environment at {python}")
-    from benchmarks.throughput_models import build_benchmark_checkpoints
-
-    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
-    spec = RunSpec(
-        system="textpolicy",
-        algorithm="grpo",
-        label="toy",
-        model="toy",
-        policy_dir=str(policy_dir),
-        reward_dir=str(reward_dir),
-        prompts=tuple(benchmark_prompts(policy_dir, 2)),
-        batch_size=2,
-        group_size=2,
-        max_new_tokens=4,
-        warmup=0,
-        iterations=2,
-    )
+    spec = _toy_peer_spec(tmp_path, "textpolicy")
     # The worker raises if a completion is not max_new_tokens long or the weights did not change.
     result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path, python=str(python))
     assert len(result.seconds) == 2 and all(s > 0 for s in result.seconds)
@@ -372,8 +361,8 @@ def test_contention_measures_with_busy_processes_and_stops_them(tmp_path: Path) 
         max_new_tokens=4,
         iterations=1,
     )
-    result = contention.measure(spec, busy=1, adaptive=True, log_dir=tmp_path)
+    result = contention.measure(spec, busy=2, adaptive=True, log_dir=tmp_path)
     assert len(result.seconds) == 1 and result.seconds[0] > 0
     if Path("/proc/stat").exists():
-        assert result.other_load is not None and result.other_load > 0.5  # the busy one ran
+        assert result.other_load is not None and result.other_load > 0.5  # the busy ones ran
     assert multiprocessing.active_children() == []  # and was stopped
