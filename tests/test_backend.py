@@ -262,6 +262,76 @@ def test_fast_attention_fully_masked_row_is_finite() -> None:
     np.testing.assert_allclose(out[0, :, 1], [[2.0, 3.0, 4.0, 5.0]] * 2, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(16, 1, 64), (3, 5, 4, 32), (2, 7, 200), (40, 256)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rms_norm_matches_mlx_values_and_gradients(shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+    """Small inputs take the compiled function, the largest MLX's own: both equal it."""
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.normal(0, 3, shape).astype(np.float32)).astype(dtype)
+    weight = mx.array(rng.normal(1, 0.2, shape[-1]).astype(np.float32)).astype(dtype)
+    got, want = fast_math.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5)
+    assert got.dtype == want.dtype == dtype
+    assert mx.array_equal(got, want).item()  # MLX's formula, bit for bit
+
+    cot = mx.array(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+    ours = mx.grad(lambda a, w: (fast_math.rms_norm(a, w, 1e-5) * cot).sum(), argnums=(0, 1))
+    theirs = mx.grad(lambda a, w: (mx.fast.rms_norm(a, w, 1e-5) * cot).sum(), argnums=(0, 1))
+    tol = 1e-5 if dtype == mx.float32 else 5e-2
+    for g, h in zip(ours(x, weight), theirs(x, weight)):
+        g64, h64 = np.array(g.astype(mx.float32)), np.array(h.astype(mx.float32))
+        np.testing.assert_allclose(g64, h64, rtol=tol, atol=tol * np.abs(h64).max())
+
+
+def test_rms_norm_sizes_pick_the_compiled_function_only_when_small() -> None:
+    assert fast_math._MAX_COMPILED_RMS_NORM >= 16 * 256  # a decoding step of the tiny model
+    assert fast_math._MAX_COMPILED_RMS_NORM < 736 * 256  # a 16 x 46 forward pass: MLX's own
+
+
+@pytest.mark.parametrize(
+    "offset", [0, 5, "scalar_array", "per_sequence"], ids=["0", "5", "scalar", "per_sequence"]
+)
+@pytest.mark.parametrize("dims", [32, 24])  # the whole head, or a partial rotary part of it
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_rope_matches_mlx_values_and_gradients(offset: object, dims: int, scale: float) -> None:
+    rng = np.random.default_rng(8)
+    batch, heads, length, head_dim = 3, 2, 5, 32
+    x = mx.array(rng.normal(size=(batch, heads, length, head_dim)).astype(np.float32))
+    off: int | mx.array = {
+        "scalar_array": mx.array(7),
+        "per_sequence": mx.array([0, 4, 11]),  # a batched KV cache's per-row offsets
+    }.get(
+        str(offset), offset
+    )  # type: ignore[arg-type]
+
+    def ours(a: mx.array) -> mx.array:
+        return fast_math.rope(a, dims, traditional=False, base=1e4, scale=scale, offset=off)
+
+    def theirs(a: mx.array) -> mx.array:
+        return mx.fast.rope(a, dims, traditional=False, base=1e4, scale=scale, offset=off)
+
+    assert mx.array_equal(ours(x), theirs(x)).item()  # bit for bit
+    cot = mx.array(rng.normal(size=x.shape).astype(np.float32))
+    np.testing.assert_allclose(
+        np.array(mx.grad(lambda a: (ours(a) * cot).sum())(x)),
+        np.array(mx.grad(lambda a: (theirs(a) * cot).sum())(x)),
+        atol=1e-5,
+    )
+    one = mx.array(rng.normal(size=(batch, heads, 1, head_dim)).astype(np.float16))
+    assert ours(one).dtype == mx.float16
+    np.testing.assert_allclose(
+        np.array(ours(one).astype(mx.float32)),
+        np.array(theirs(one).astype(mx.float32)),
+        atol=2e-3,
+    )
+
+
+def test_traditional_rope_is_mlx_rope() -> None:
+    x = mx.array(np.random.default_rng(9).normal(size=(2, 2, 4, 16)).astype(np.float32))
+    got = fast_math.rope(x, 16, traditional=True, base=1e4, scale=1.0, offset=3)
+    want = mx.fast.rope(x, 16, traditional=True, base=1e4, scale=1.0, offset=3)
+    assert mx.array_equal(got, want).item()
+
+
 @pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
 def test_accelerated_model_matches_mlx_functions(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -275,6 +345,10 @@ def test_accelerated_model_matches_mlx_functions(
     policy = PolicyModel.from_pretrained(tiny_model_dir)
     module = sys.modules[type(policy.model).__module__]
     assert module.swiglu is fast_math.swiglu  # installed by PolicyModel
+    layers = [type(m) for _, m in policy.model.named_modules()]
+    if fast_math.fast_math_enabled():  # every norm and RoPE runs through the fast functions
+        assert nn.RMSNorm not in layers and nn.RoPE not in layers
+        assert fast_math._FastRMSNorm in layers and fast_math._FastRoPE in layers
     tokens = mx.array(np.random.default_rng(4).integers(0, 500, (3, 11)))
 
     def loss(model: nn.Module) -> mx.array:
