@@ -292,16 +292,15 @@ def test_rms_norm_sizes_pick_the_compiled_function_only_when_small() -> None:
 )
 @pytest.mark.parametrize("dims", [32, 24])  # the whole head, or a partial rotary part of it
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_rope_matches_mlx_values_and_gradients(offset: object, dims: int, scale: float) -> None:
+def test_rope_matches_mlx_values_and_gradients(offset: int | str, dims: int, scale: float) -> None:
     rng = np.random.default_rng(8)
     batch, heads, length, head_dim = 3, 2, 5, 32
     x = mx.array(rng.normal(size=(batch, heads, length, head_dim)).astype(np.float32))
-    off: int | mx.array = {
+    arrays = {
         "scalar_array": mx.array(7),
         "per_sequence": mx.array([0, 4, 11]),  # a batched KV cache's per-row offsets
-    }.get(
-        str(offset), offset
-    )  # type: ignore[arg-type]
+    }
+    off: int | mx.array = arrays[offset] if isinstance(offset, str) else offset
 
     def ours(a: mx.array) -> mx.array:
         return fast_math.rope(a, dims, traditional=False, base=1e4, scale=scale, offset=off)
