@@ -15,12 +15,14 @@ loop each::
 
 About 300 million elements per second (6x ``mx.exp``), within 2e-7 relative error of float64's
 ``exp`` (float32 rounding is 6e-8; the tests check both). NaN stays NaN; ``+inf`` saturates at
-about 1.7e38, and results below 2^-127 (x < -88, float32's denormals) are 0. Every function below computes in float32 and returns the input's dtype; its
-gradient is written out (``mx.custom_function``), not differentiated through the bit tricks.
+about 1.7e38, and results below 2^-127 (x < -88, float32's denormals) are 0. Every function built
+on this ``exp`` computes in float32 and returns the input's dtype; its gradient is written out
+(``mx.custom_function``), not differentiated through the bit tricks.
 
 RMSNorm and RoPE have no CPU kernels in MLX, only composed fallbacks of many small ops; here
-each is one compiled function (:func:`rms_norm`, :func:`rope`, the same bits), which matters where
-per-op overhead dominates: a decoding step of a small model.
+each is one compiled function of MLX's own formula (:func:`rms_norm`, :func:`rope`: the same bits
+and dtypes, differentiated by MLX itself), which matters where per-op overhead dominates: a
+decoding step of a small model.
 
 Where: :func:`accelerate_model` points an mlx-lm model's module at :func:`swiglu` and
 :func:`scaled_dot_product_attention` and its ``nn.RMSNorm`` / ``nn.RoPE`` layers at
@@ -277,7 +279,7 @@ def scaled_dot_product_attention(
 # On the CPU, MLX has no kernels for these two: mx.fast.rms_norm and mx.fast.rope build their
 # composed fallbacks, 11 and ~30 graph nodes a call (RoPE recomputes its frequencies with exp, cos
 # and sin every time). In a decoding step of a small model, where each node costs a few
-# microseconds of scheduling whatever its size, that is a third of the step's ~720 nodes.
+# microseconds of scheduling whatever its size, that is more than half of the step's ~720 nodes.
 
 #: Up to these many elements RMSNorm is one compiled function (4 nodes: ~2.5x faster at 16 x 256,
 #: a decoding step's norm); above, MLX's own (the compiled kernel broadcasts the row scale slowly:
