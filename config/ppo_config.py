@@ -39,8 +39,9 @@ class PPOConfig(ModelConfig, TrainingConfig):
         temperature: Sampling temperature of the rollouts (> 0).
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
-        stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids; [] = never
-            stop before max_new_tokens.
+        stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids (those of
+            config.json and generation_config.json, plus the chat template's end-of-turn token);
+            [] = never stop before max_new_tokens.
         rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
             KL's policy side) come from: "sampling" keeps those the sampler computed from the
             same logits, the same function of the same weights, saving one forward pass of the

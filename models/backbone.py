@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import glob
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -36,6 +37,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, _get_classes, load_config, save_config
 
 from base_setup.fast_math import accelerate_model
+from models.checkpoint_config import check_config_is_read, config_updates
+
+logger = logging.getLogger("ppo_mlx")
 
 #: How a fresh scalar head starts: "zeros" (every score 0 at first, so the first gradient reaches
 #: only the head) or "normal" (N(0, 1/(D+1)), as in OpenAI's lm-human-preferences).
@@ -145,13 +149,53 @@ def num_labels_of(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _check_unquantized(config: Mapping[str, Any], where: str) -> None:
-    if "quantization" in config or "quantization_config" in config:
-        raise ValueError(
-            f"{where} is quantized; reward and value models are built from full-precision "
-            "weights (their backbone is trained). Use the unquantized checkpoint, or dequantize "
-            "it with `mlx_lm.convert --dequantize`"
-        )
+def _is_quantized(config: Mapping[str, Any]) -> bool:
+    return "quantization" in config or "quantization_config" in config
+
+
+# Architectures whose Hugging Face *ForSequenceClassification layout differs from mlx-lm's
+# backbone beyond the "model." prefix: GPT-2 names its backbone "transformer." and stores its
+# projections as Conv1D weights, (in, out), where mlx-lm's Linear holds (out, in).
+_HF_BACKBONE_PREFIX = {"gpt2": "transformer."}
+_CONV1D_SUFFIXES = (
+    ".attn.c_attn.weight",
+    ".attn.c_proj.weight",
+    ".mlp.c_fc.weight",
+    ".mlp.c_proj.weight",
+)
+_HF_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def _from_hf_layout(config: Mapping[str, Any], weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint weights of a sequence-classification layout under mlx-lm's backbone names (a
+    no-op for architectures that share them, and for causal-LM checkpoints)."""
+    prefix = _HF_BACKBONE_PREFIX.get(str(config.get("model_type")))
+    if prefix is None or not any(k.startswith(prefix) for k in weights):
+        return weights
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        if not name.startswith(prefix):
+            out[name] = value
+        elif not name.endswith(_HF_BUFFER_SUFFIXES):
+            mlx_name = _BACKBONE_PREFIX + name[len(prefix) :]
+            out[mlx_name] = value.T if name.endswith(_CONV1D_SUFFIXES) else value
+    return out
+
+
+def _to_hf_layout(config: Mapping[str, Any], weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The inverse of :func:`_from_hf_layout`: what transformers' class of the architecture
+    loads."""
+    prefix = _HF_BACKBONE_PREFIX.get(str(config.get("model_type")))
+    if prefix is None:
+        return weights
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        if name.startswith(_BACKBONE_PREFIX):
+            hf_name = prefix + name[len(_BACKBONE_PREFIX) :]
+            out[hf_name] = value.T if name.endswith(_CONV1D_SUFFIXES) else value
+        else:
+            out[name] = value
+    return out
 
 
 def _classes_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,6 +212,8 @@ def _classes_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _hidden_size(args: Any, where: str) -> int:
     hidden_size = getattr(args, "hidden_size", None)
+    if hidden_size is None:
+        hidden_size = getattr(args, "n_embd", None)  # GPT-2's name
     if not isinstance(hidden_size, int):
         raise ValueError(
             f"cannot tell the hidden size of {where}: its mlx-lm ModelArgs has no integer "
@@ -224,8 +270,12 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {path}; is it a model checkpoint directory?")
     config = load_config(path)
-    _check_unquantized(config, f"the checkpoint at {path}")
+    updates = config_updates(config)
+    config.update(updates)
+    if _is_quantized(config):
+        return _dequantized_backbone(path, config, updates)
     weights = read_checkpoint_weights(path)
+    weights = _from_hf_layout(config, weights)
     head_weight = weights.pop(HF_HEAD_WEIGHT, None)
     if head_weight is not None:
         # Causal-LM configs often carry transformers' default two labels; only a head counts.
@@ -246,6 +296,7 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
 
     model_class, args_class = _get_classes(_classes_config(config))
     args = args_class.from_dict(config)
+    check_config_is_read(config, args, f"the checkpoint at {path}")
     full_model = model_class(args)  # lazy random init: the LM head is never materialised
     backbone = _inner_backbone(full_model, f"the checkpoint at {path}")
     hidden_size = _hidden_size(args, f"the checkpoint at {path}")
@@ -273,6 +324,39 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
     ]
     backbone.load_weights(backbone_weights, strict=True)
     return LoadedBackbone(backbone, hidden_size, head_weight, config, path)
+
+
+def _dequantized_backbone(
+    path: Path, config: dict[str, Any], updates: dict[str, Any]
+) -> LoadedBackbone:
+    """The backbone of a quantized causal LM (an mlx-lm 4-/8-bit checkpoint), dequantized.
+
+    A reward or value model trains its whole backbone, which quantized weights cannot do, so
+    the backbone is rebuilt in float weights (as ``mlx_lm.convert --dequantize`` would); it then
+    takes the memory of the unquantized model, hence the warning.
+    """
+    from mlx_lm.utils import dequantize_model, load_model
+
+    if any(name == HF_HEAD_WEIGHT for name in read_checkpoint_weights(path)):
+        raise ValueError(
+            f"the checkpoint at {path} is a quantized reward/value model; load an unquantized "
+            "one (reward and value models train their backbone)"
+        )
+    full_model, config = load_model(path, model_config=updates or None)
+    check_config_is_read(config, getattr(full_model, "args", None), f"the checkpoint at {path}")
+    dequantize_model(full_model)
+    backbone = _inner_backbone(full_model, f"the checkpoint at {path}")
+    hidden_size = _hidden_size(full_model.args, f"the checkpoint at {path}")
+    size_mb = sum(v.nbytes for v in _flat_parameters(backbone).values()) / 2**20
+    logger.warning(
+        "%s is quantized: its backbone was dequantized (%.0f MB) to build a reward/value model "
+        "that trains it; set value_model_name (or reward_model_name) to a smaller float "
+        "checkpoint to save that memory",
+        path,
+        size_mb,
+    )
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return LoadedBackbone(backbone, hidden_size, None, config, path)
 
 
 def _flat_parameters(module: nn.Module) -> dict[str, mx.array]:
@@ -491,7 +575,7 @@ class ScalarHeadModel(nn.Module):
         (e.g. with :meth:`save_pretrained`; one file or shards), cast to the current dtype.
         Every parameter must be present (strict), so a partial checkpoint raises ValueError."""
         dtype = self.head.weight.dtype
-        weights = read_checkpoint_weights(resolve_model_path(path))
+        weights = _from_hf_layout(self.config, read_checkpoint_weights(resolve_model_path(path)))
         self.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
         mx.eval(self.parameters())
 
@@ -508,9 +592,9 @@ class ScalarHeadModel(nn.Module):
 
         Args:
             save_dir: directory to write (created if needed).
-            tokenizer: saved alongside with its ``save_pretrained`` when given; its
-                ``pad_token_id`` fills the config's when that is unset (transformers needs it to
-                pool a padded batch).
+            tokenizer: saved alongside with its ``save_pretrained`` when given, and the config
+                gets a pad token that is no end token (see :meth:`_with_export_pad_token`), which
+                transformers needs to find the scored token of a padded batch.
             max_shard_bytes: largest weights file; bigger models are split into shards.
 
         Returns:
@@ -521,6 +605,11 @@ class ScalarHeadModel(nn.Module):
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
         weights = _flat_parameters(self)  # Hugging Face names: model.*, score.weight
+        config = self.hf_config()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(save_dir))
+            weights = self._with_export_pad_token(save_dir, tokenizer, config, weights)
+        weights = _to_hf_layout(config, weights)
         shards: list[dict[str, mx.array]] = []
         shard_bytes = 0
         for name, value in weights.items():
@@ -546,14 +635,73 @@ class ScalarHeadModel(nn.Module):
             }
             with open(save_dir / "model.safetensors.index.json", "w") as f:
                 json.dump(index, f, indent=2)
-        config = self.hf_config()
-        if tokenizer is not None:
-            pad_token_id = getattr(tokenizer, "pad_token_id", None)
-            if config.get("pad_token_id") is None and pad_token_id is not None:
-                config["pad_token_id"] = pad_token_id
-            tokenizer.save_pretrained(str(save_dir))
         save_config(config, save_dir / "config.json")
         return save_dir
+
+    def _with_export_pad_token(
+        self,
+        save_dir: Path,
+        tokenizer: Any,
+        config: dict[str, Any],
+        weights: dict[str, mx.array],
+    ) -> dict[str, mx.array]:
+        """Give the saved checkpoint a pad token that is no end token; returns the weights.
+
+        transformers' ``*ForSequenceClassification`` scores a sequence at its last token that
+        is not ``config.pad_token_id``. With pad == EOS (SmolLM2, Qwen2.5 base; GPT-2 and
+        Llama-2 have no pad at all) it would score the token *before* the EOS this model is read
+        at. So the saved config names a pad of its own: the tokenizer's pad when it is no end
+        token, else an existing pad-like token, else a new ``<|pad|>`` in the saved tokenizer
+        (in a free embedding row, or a new zero row: padding comes after the scored token, so
+        the row never changes a score). Sets ``config["pad_token_id"]`` (and ``vocab_size`` when
+        a row is added) and rewrites the saved tokenizer when its pad changes.
+        """
+        from transformers import AutoTokenizer
+
+        from base_setup.tokenizer_setup import PAD_TOKEN_CANDIDATES, eos_token_ids
+
+        ends = set(eos_token_ids(tokenizer))
+        config_eos = config.get("eos_token_id")
+        ends |= set(config_eos if isinstance(config_eos, list) else [config_eos]) - {None}
+        embedding = self._embedding_weight_name(weights)
+        rows = int(weights[embedding].shape[0])
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is not None and pad not in ends and pad < rows:
+            config["pad_token_id"] = int(pad)
+            return weights
+        saved = AutoTokenizer.from_pretrained(str(save_dir))
+        vocab = saved.get_vocab()
+        usable = [t for t in PAD_TOKEN_CANDIDATES if vocab.get(t, rows) < rows]
+        usable = [t for t in usable if vocab[t] not in ends]
+        if usable:
+            saved.pad_token = usable[0]
+        else:
+            saved.add_special_tokens({"pad_token": "<|pad|>"})
+        pad = int(saved.pad_token_id)
+        saved.save_pretrained(str(save_dir))
+        config["pad_token_id"] = pad
+        if pad >= rows:
+            extra = pad - rows + 1
+            table = weights[embedding]
+            zeros = mx.zeros((extra, table.shape[1]), dtype=table.dtype)  # (extra, D)
+            weights = {**weights, embedding: mx.concatenate([table, zeros], axis=0)}
+            config["vocab_size"] = rows + extra
+        return weights
+
+    def _embedding_weight_name(self, weights: Mapping[str, mx.array]) -> str:
+        """The name of the token-embedding table among ``weights`` (``model.embed_tokens.weight``
+        for most architectures, ``model.wte.weight`` for GPT-2)."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.Embedding) and int(module.weight.shape[0]) == int(
+                self.config.get("vocab_size", -1)
+            ):
+                full = f"{_BACKBONE_PREFIX}{name}.weight"
+                if full in weights:
+                    return full
+        raise ValueError(
+            "cannot find the token-embedding table (vocab_size rows) of this model's backbone, "
+            "so no pad token can be given to the saved reward/value checkpoint"
+        )
 
 
 def _sequence_classification_architecture(config: Mapping[str, Any]) -> str:

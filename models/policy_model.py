@@ -30,6 +30,7 @@ from base_setup.lora_setup import (
     save_adapters,
 )
 from base_setup.tokenizer_setup import load_tokenizer
+from models.checkpoint_config import check_config_is_read, config_updates
 
 _DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -182,10 +183,16 @@ class PolicyModel(nn.Module):
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
         if lora is not None and adapter_path is not None:
             raise ValueError("pass either lora (new adapters) or adapter_path (saved ones)")
-        from mlx_lm.utils import load_model
+        from mlx_lm.utils import load_config, load_model
 
         model_path = resolve_model_path(path_or_hub_id)
-        model, config = load_model(model_path)
+        # Values newer transformers moved (rope_parameters) go where mlx-lm reads them, and a
+        # config mlx-lm would misread is refused rather than loaded with wrong logits.
+        updates = config_updates(load_config(model_path))
+        model, config = load_model(model_path, model_config=updates or None)
+        check_config_is_read(
+            config, getattr(model, "args", None), f"the checkpoint at {model_path}"
+        )
         if dtype is not None:
             model.set_dtype(_DTYPES[dtype])
             for key in ("dtype", "torch_dtype"):  # keep a saved config.json truthful
@@ -202,6 +209,26 @@ class PolicyModel(nn.Module):
     def config(self) -> dict[str, Any]:
         """A copy of the model's config.json (as mlx-lm read it)."""
         return copy.deepcopy(dict(self._config))
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the base weights are quantized (an mlx-lm 4-bit / 8-bit checkpoint): they can
+        only be trained through LoRA adapters."""
+        return any(
+            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+            for _, m in self.model.named_modules()
+        )
+
+    def check_trainable(self) -> None:
+        """Raise ``ValueError`` if training would not reach the weights it should: a quantized
+        model without LoRA adapters (its quantized weights are frozen; QLoRA trains adapters)."""
+        if self.lora is None and self.is_quantized:
+            raise ValueError(
+                f"the model at {self.model_path} is quantized, and quantized weights cannot be "
+                "trained directly: train LoRA adapters on it (use_lora: true, QLoRA), or "
+                "dequantize it first (python main.py export ... --dequantize, or "
+                "mlx_lm.convert --dequantize)"
+            )
 
     def __call__(self, input_ids: mx.array, cache: list[Any] | None = None) -> mx.array:
         """Logits ``(B, L, V)`` for ``input_ids`` ``(B, L)``; ``cache`` is mlx-lm's KV cache."""

@@ -51,7 +51,7 @@ from base_setup import distributed as dist
 from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads
 from base_setup.lora_setup import LoraSettings
-from base_setup.tokenizer_setup import chat_template_text, eos_token_ids
+from base_setup.tokenizer_setup import chat_template_text, encode_text, eos_token_ids
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
@@ -141,6 +141,7 @@ class PPOTrainer:
         self.policy = policy or PolicyModel.from_pretrained(
             config.model_name, dtype=config.dtype, lora=lora
         )
+        self.policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
         self.tokenizer = tokenizer if tokenizer is not None else self.policy.tokenizer
         self.ref_model = ref_model or self._build_reference()
         self.reward_model: RewardModel | None = None
@@ -167,13 +168,10 @@ class PPOTrainer:
         self.value_model: ValueModel | None = None
         if config.algorithm == "ppo":
             self.value_model = value_model or self._build_value_model()
+        # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
+        # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.stop_token_ids = self._stop_token_ids()
-        if self.pad_token_id in self.stop_token_ids:
-            raise ValueError(
-                f"the pad token ({self.pad_token_id}) is also a stop token: responses would end "
-                "at padding. Give the tokenizer a dedicated pad token (base_setup.tokenizer_setup)"
-            )
         self.kl_ctl: FixedKLController | AdaptiveKLController = (
             AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
             if config.adaptive_kl
@@ -236,8 +234,9 @@ class PPOTrainer:
         return chat_template_text(self.tokenizer, prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a formatted prompt (no special tokens added)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of a formatted prompt: the tokenizer's BOS first when it adds one (not twice
+        when the text starts with it), no other special tokens."""
+        return encode_text(self.tokenizer, text)
 
     def decode_completion(self, tokens: Sequence[int]) -> str:
         """Text of a response's tokens (the stop token excluded by the caller)."""
@@ -615,8 +614,11 @@ class PPOTrainer:
 
     def _context_length(self) -> int | None:
         args = getattr(self.policy.model, "args", None)
-        value = getattr(args, "max_position_embeddings", None)
-        return int(value) if value else None
+        for name in ("max_position_embeddings", "n_positions"):  # n_positions: GPT-2
+            value = getattr(args, name, None)
+            if value:
+                return int(value)
+        return None
 
     def _validate_scores(self, scores: Any, expected: int) -> mx.array:
         scores = (

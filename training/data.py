@@ -14,10 +14,13 @@ dataset:
   assistant turn.
 * Preferences: ``{"prompt": ..., "chosen": ..., "rejected": ..., "margin": 0.5}`` (``margin``
   optional). Each side is scored as ``prompt + answer + EOS``, the token sequence PPO's reward
-  model sees (prompt, response, stop token).
+  model sees (prompt, response, stop token). Conversational (TRL's format): ``prompt`` is a list
+  of chat messages and ``chosen`` / ``rejected`` the assistant's reply (a string or messages);
+  each side is the prompt in the chat template with a generation prompt, then the reply through
+  the template's end-of-turn token, as PPO generates it.
 
-Tokenisation matches PPO: no special tokens are added (PPO encodes prompts with
-``add_special_tokens=False``), and the prompt/completion boundary is where the tokens of
+Tokenisation matches PPO: the tokenizer's BOS token is prepended when it adds one, no other
+special token (:func:`base_setup.tokenizer_setup.encode_text`, as PPO encodes prompts), and the prompt/completion boundary is where the tokens of
 ``prompt + completion`` stop agreeing with the tokens of ``prompt`` alone (TRL's rule), so the
 context is what PPO's prompt encoding gives whenever the prompt's tokens are a prefix.
 
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from base_setup.tokenizer_setup import apply_chat_template
+from base_setup.tokenizer_setup import apply_chat_template, encode_text, eos_token_ids
 
 if TYPE_CHECKING:
     import datasets
@@ -121,13 +124,47 @@ def check_sft_record(record: Any, where: str) -> None:
         )
 
 
+def _check_messages(messages: Any, where: str, field: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f'{where}: {field!r} must be a non-empty list of {{"role": ..., "content": ...}} '
+            f"objects, got {messages!r:.80}"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not all(
+            isinstance(message.get(k), str) for k in ("role", "content")
+        ):
+            raise ValueError(
+                f"{where}: {field}[{i}] must be an object with string 'role' and 'content', "
+                f"got {message!r:.80}"
+            )
+
+
 def check_preference_record(record: Any, where: str) -> None:
-    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid preference record:
-    non-empty strings ``prompt``, ``chosen``, ``rejected`` (chosen != rejected) and, if present
-    and not null, a finite number ``margin``."""
+    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid preference record.
+
+    Text: non-empty strings ``prompt``, ``chosen``, ``rejected`` (chosen != rejected).
+    Conversational (TRL's format): ``prompt`` a list of chat messages, ``chosen`` and
+    ``rejected`` each a list of messages ending with an assistant turn (or a string: the
+    assistant's reply). Either way ``margin``, if present and not null, is a finite number.
+    """
     record = _require_object(record, where, _PREFERENCE_FIELDS)
-    for key in ("prompt", "chosen", "rejected"):
-        _require_text(record, key, where, _PREFERENCE_FIELDS)
+    if isinstance(record.get("prompt"), list):
+        _check_messages(record["prompt"], where, "prompt")
+        for key in ("chosen", "rejected"):
+            answer = record.get(key)
+            if isinstance(answer, str):
+                _require_text(record, key, where, _PREFERENCE_FIELDS)
+                continue
+            _check_messages(answer, where, key)
+            if answer[-1]["role"] != "assistant" or not answer[-1]["content"].strip():
+                raise ValueError(
+                    f"{where}: {key!r} must end with a non-empty assistant turn (the answer "
+                    "the reward model scores)"
+                )
+    else:
+        for key in ("prompt", "chosen", "rejected"):
+            _require_text(record, key, where, _PREFERENCE_FIELDS)
     if record["chosen"] == record["rejected"]:
         raise ValueError(
             f"{where}: 'chosen' and 'rejected' are the same text, so the pair prefers nothing; "
@@ -309,7 +346,7 @@ class PreferenceExample:
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return encode_text(tokenizer, text)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -390,6 +427,40 @@ def chat_tokens(
     return ids, mask
 
 
+def chat_response_tokens(
+    tokenizer: Any,
+    prompt: Sequence[Mapping[str, str]],
+    answer: str | Sequence[Mapping[str, str]],
+    where: str = "conversation",
+) -> list[int]:
+    """The ids PPO's reward model sees for a chat prompt and its answer: the prompt in the chat
+    template with a generation prompt, then the answer's tokens up to and including the first end
+    token (an EOS id or the template's end-of-turn token), where PPO's responses stop.
+
+    ``answer`` is the assistant's text, or messages ending with the assistant turn to score.
+    A template that writes no end token after the turn gets the EOS token appended.
+    """
+    answer_messages = (
+        [{"role": "assistant", "content": answer}] if isinstance(answer, str) else list(answer)
+    )
+    dicts = [{"role": m["role"], "content": m["content"]} for m in [*prompt, *answer_messages]]
+    try:
+        context = apply_chat_template(tokenizer, dicts[:-1], add_generation_prompt=True)
+        ids = apply_chat_template(tokenizer, dicts, add_generation_prompt=False)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
+    if ids[: len(context)] != context:
+        raise ValueError(
+            f"{where}: the chat template does not render the prompt as a prefix of the prompt "
+            "with its answer, so the answer cannot be located; use text records instead"
+        )
+    ends = set(eos_token_ids(tokenizer))
+    for index in range(len(context), len(ids)):
+        if ids[index] in ends:
+            return ids[: index + 1]
+    return ids + [_eos_id(tokenizer)]
+
+
 def tokenize_sft(
     records: Iterable[Mapping[str, Any]], tokenizer: Any, max_length: int
 ) -> list[SFTExample]:
@@ -444,7 +515,7 @@ def tokenize_preferences(
     records: Iterable[Mapping[str, Any]], tokenizer: Any, max_length: int
 ) -> list[PreferenceExample]:
     """Check and tokenise preference records: ``prompt + chosen + EOS`` and
-    ``prompt + rejected + EOS``.
+    ``prompt + rejected + EOS`` for text, :func:`chat_response_tokens` for conversations.
 
     A pair with a side longer than ``max_length`` is dropped (a warning counts them): truncating
     would move the scored last token away from the EOS that PPO's reward model is read at.
@@ -456,10 +527,15 @@ def tokenize_preferences(
     examples: list[PreferenceExample] = []
     seen = dropped = 0
     for i, record in enumerate(records):
-        check_preference_record(record, f"preference record {i}")
+        where = f"preference record {i}"
+        check_preference_record(record, where)
         seen += 1
-        chosen = _encode(tokenizer, record["prompt"] + record["chosen"]) + [eos]
-        rejected = _encode(tokenizer, record["prompt"] + record["rejected"]) + [eos]
+        if isinstance(record["prompt"], list):
+            chosen = chat_response_tokens(tokenizer, record["prompt"], record["chosen"], where)
+            rejected = chat_response_tokens(tokenizer, record["prompt"], record["rejected"], where)
+        else:
+            chosen = _encode(tokenizer, record["prompt"] + record["chosen"]) + [eos]
+            rejected = _encode(tokenizer, record["prompt"] + record["rejected"]) + [eos]
         if max(len(chosen), len(rejected)) > max_length:
             dropped += 1
             continue

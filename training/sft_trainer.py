@@ -92,6 +92,7 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
                 f"the given model {has} LoRA adapters but config.use_lora={config.use_lora}: set "
                 "use_lora to match, or pass model=None to load config.model_name"
             )
+        model.check_trainable()  # a quantized model trains through adapters only (QLoRA)
         self.policy = model
         self.tokenizer = model.tokenizer
         self.pad_token_id = int(model.tokenizer.pad_token_id)
