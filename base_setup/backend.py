@@ -342,3 +342,10 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     mx.random.seed(seed)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of one training step's randomness (sampling, dropout): a function of the run's
+    seed and the step alone, so a resumed run draws exactly what an uninterrupted one would,
+    with no random state to carry."""
+    return (seed * 1_000_003 + step) % (2**63)

@@ -32,6 +32,11 @@ def require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
         raise ValueError(f"{name} must be {rule}, got {value!r}: {fix}")
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (for messages that suggest valid values)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def is_positive(x: float) -> bool:
     """``0 < x < inf`` (False for NaN)."""
     return 0.0 < x < math.inf

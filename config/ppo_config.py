@@ -1,11 +1,10 @@
 """The composed run configuration: models + training + the PPO / GRPO algorithm itself."""
 
 import copy
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from config._fields import check_field_types, is_non_negative, is_positive, require
+from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
 
@@ -217,7 +216,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
             raise ValueError(
                 f"batch_size * group_size = {self.batch_size} * {self.group_size} = {rollout} "
                 f"rollout sequences cannot be split into num_mini_batches={self.num_mini_batches}"
-                f" equal minibatches: set num_mini_batches to one of {_divisors(rollout)} or "
+                f" equal minibatches: set num_mini_batches to one of {divisors(rollout)} or "
                 f"change batch_size"
             )
         mini = rollout // self.num_mini_batches
@@ -226,7 +225,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 f"each minibatch has {rollout} / num_mini_batches={self.num_mini_batches} = {mini}"
                 f" sequences, which cannot be split into gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps} equal micro-batches: set "
-                f"gradient_accumulation_steps to one of {_divisors(mini)} or change batch_size "
+                f"gradient_accumulation_steps to one of {divisors(mini)} or change batch_size "
                 f"or num_mini_batches"
             )
 
@@ -269,9 +268,3 @@ class PPOConfig(ModelConfig, TrainingConfig):
 def _field_values(obj: object, cls: type) -> dict[str, Any]:
     # deepcopy so that the part does not share list fields (lora_keys) with the whole.
     return {f.name: copy.deepcopy(getattr(obj, f.name)) for f in fields(cls)}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] + [
-        n // d for d in reversed(range(1, math.isqrt(n) + 1)) if n % d == 0 and d * d != n
-    ]

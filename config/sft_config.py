@@ -9,7 +9,7 @@ cls=SFTConfig)`` like the PPO config (flat YAML keys).
 import math
 from dataclasses import dataclass
 
-from config._fields import check_field_types, is_non_negative, is_positive, require
+from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
 from config.model_config import Dtype
 from config.training_config import Logger, LRScheduler
 
@@ -158,7 +158,7 @@ class FineTuneConfig:
             raise ValueError(
                 f"batch_size={self.batch_size} cannot be split into gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps} equal micro-batches: set "
-                f"gradient_accumulation_steps to one of {_divisors(self.batch_size)} or change "
+                f"gradient_accumulation_steps to one of {divisors(self.batch_size)} or change "
                 "batch_size"
             )
         if self.eval_batch_size is not None:
@@ -326,7 +326,3 @@ class SFTConfig(FineTuneConfig):
                 'list module paths such as ["self_attn.q_proj", "self_attn.v_proj"], or null '
                 "for every linear layer",
             )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

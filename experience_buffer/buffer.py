@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Iterator
+from typing import Any, Iterator, Sequence, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +59,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return int(self.query_responses.shape[0])
 
+    def __getitem__(self, rows: slice) -> RolloutBatch:
+        """The rows of a slice (``batch[a:b]``), as a new batch."""
+        start, stop, stride = rows.indices(len(self))
+        return self.select(mx.arange(start, stop, stride))
+
     def select(self, indices: mx.array) -> RolloutBatch:
         """The rows ``indices`` (a 1-D int array) of every array, as a new batch."""
         return replace(
@@ -98,12 +103,16 @@ def iterate_minibatches(
         yield batch.select(indices)
 
 
-def split_micro_batches(batch: RolloutBatch, num_micro_batches: int) -> list[RolloutBatch]:
-    """Split a minibatch into ``num_micro_batches`` consecutive parts for gradient accumulation."""
-    if num_micro_batches < 1 or len(batch) % num_micro_batches:
-        raise ValueError(
-            f"a minibatch of {len(batch)} does not split into {num_micro_batches} micro-batches: "
-            "choose gradient_accumulation_steps dividing the minibatch size"
-        )
-    size = len(batch) // num_micro_batches
-    return [batch.select(mx.arange(s, s + size)) for s in range(0, len(batch), size)]
+SizedSliceable = TypeVar("SizedSliceable", bound="RolloutBatch | Sequence[Any]")
+
+
+def split_micro_batches(batch: SizedSliceable, parts: int) -> list[SizedSliceable]:
+    """``batch`` (a :class:`RolloutBatch` or a sequence of examples) cut into at most ``parts``
+    contiguous, non-empty pieces of near-equal size (sizes differ by at most one), in order,
+    for gradient accumulation. Fewer pieces when there are fewer rows than ``parts``."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    n = len(batch)
+    parts = max(1, min(parts, n))
+    bounds = [round(k * n / parts) for k in range(parts + 1)]
+    return [cast(SizedSliceable, batch[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

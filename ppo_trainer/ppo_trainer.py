@@ -33,7 +33,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
@@ -41,7 +40,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from advantage.gae_advantage import compute_gae
@@ -49,9 +47,10 @@ from advantage.group_advantage import group_advantages
 from advantage.whitening import masked_var, masked_whiten
 from base_setup import distributed as dist
 from base_setup import seed_everything
-from base_setup.backend import adapt_blas_threads
+from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import chat_template_text, encode_text, eos_token_ids
+from config._fields import divisors
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
@@ -60,7 +59,13 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.callbacks import CallbackLike, TrainerCallback, as_callbacks
-from training.checkpoint import STATE_FILE, CheckpointManager
+from training.checkpoint import (
+    STATE_FILE,
+    CheckpointManager,
+    check_resume_config,
+    load_training_state,
+    save_training_state,
+)
 from ppo_trainer.generator import GenerationOutput, generate
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
@@ -71,7 +76,7 @@ from token_attribution.sequences import (
     response_positions,
     token_logprobs,
 )
-from training.optimizer import AdamW
+from training.optimizer import AdamW, lr_schedule, optimizer_step
 from training.policy_loss import grpo_policy_loss, ppo_policy_loss
 from training.value_loss import clipped_value_loss
 
@@ -286,7 +291,7 @@ class PPOTrainer:
         self._check_prompt_lengths(prompt_ids, texts)
         self._ensure_optimizers(total_steps=None)
         adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
-        mx.random.seed(self._step_seed(self.global_step))
+        mx.random.seed(step_seed(cfg.seed, self.global_step))
         t0 = time.perf_counter()
 
         # 1-3. Generate, score with every model, compute scores.
@@ -534,32 +539,26 @@ class PPOTrainer:
         micro_batches: list[RolloutBatch],
         prefix: str,
     ) -> dict[str, mx.array]:
-        """One optimiser step, gradients averaged over micro-batches and over the ranks of a
-        data-parallel run (token-weighted, see :meth:`_token_weights`), clipped by global norm."""
-        grads: Any = None
-        totals: dict[str, mx.array] = {}
-        weights = self._token_weights(micro_batches)  # (n,) or None
-        for k, mb in enumerate(micro_batches):
-            (loss, metrics), g = value_and_grad(model, mb)
-            if weights is not None:
-                g = tree_map(partial(mx.multiply, weights[k]), g)
-                loss = loss * weights[k]
-                metrics = {key: value * weights[k] for key, value in metrics.items()}
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            for key, value in {"loss": loss, **metrics}.items():
-                totals[key] = totals.get(key, 0.0) + value
+        """One optimiser step (training.optimizer.optimizer_step): the mean of the micro-batches'
+        gradients, averaged over the ranks of a data-parallel run (token-weighted, see
+        :meth:`_token_weights`), clipped by global norm, refused if not finite."""
         n = len(micro_batches)
-        if n > 1:
-            grads = tree_map(lambda g: g / n, grads)
-        # Data parallel: sum_r g_r / N, the same on every rank, so the weights stay identical.
-        grads = dist.average_gradients(grads, self.group)
-        grads, grad_norm = optim.clip_grad_norm(grads, self.config.max_grad_norm)
-        optimizer.update(model, grads)
-        metrics = {f"{prefix}/{k}": v / n for k, v in totals.items()}
-        metrics[f"{prefix}/grad_norm"] = grad_norm
-        # The one evaluation of this optimiser step: new weights, optimiser state and metrics.
-        mx.eval(model.trainable_parameters(), optimizer.state, metrics)
-        return _rename_loss(metrics, prefix)
+        dp_weights = self._token_weights(micro_batches)  # (n,) or None
+        weights: list[float | mx.array] = (
+            [1.0 / n] * n if dp_weights is None else [dp_weights[k] / n for k in range(n)]
+        )
+        metrics = optimizer_step(
+            model,
+            optimizer,
+            value_and_grad,
+            micro_batches,
+            weights,
+            max_grad_norm=self.config.max_grad_norm,
+            step=self.global_step + 1,
+            what="the policy loss" if prefix == "policy" else "the value loss",
+            group=self.group,
+        )
+        return _rename_loss({f"{prefix}/{k}": v for k, v in metrics.items()}, prefix)
 
     def _policy_loss(self, policy: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict]:
         cfg = self.config
@@ -839,11 +838,6 @@ class PPOTrainer:
         except ValueError:  # not the main thread: leave Ctrl-C alone
             return signal.getsignal(signal.SIGINT)
 
-    def _step_seed(self, step: int) -> int:
-        # Each step's sampling and dropout randomness derives from (seed, step), so a resumed run
-        # draws exactly what an uninterrupted one would, with no RNG state to carry.
-        return (self.config.seed * 1_000_003 + step) % (2**63)
-
     def _ensure_optimizers(self, total_steps: int | None) -> None:
         """Build the AdamW optimisers with a schedule over ``total_steps`` iterations.
 
@@ -863,15 +857,20 @@ class PPOTrainer:
         cfg = self.config
         updates = cfg.num_ppo_epochs * cfg.num_mini_batches
         horizon = max((total_steps or cfg.total_steps or 1000) * updates, 1)
+        warmup = cfg.warmup_steps * updates  # warmup_steps counts PPO iterations
+
+        def schedule(lr: float) -> Callable[[mx.array], mx.array]:
+            return lr_schedule(lr, cfg.lr_scheduler, warmup, horizon)
+
         self.policy_optimizer = AdamW(
-            learning_rate=_schedule(cfg.learning_rate, cfg, horizon),
+            learning_rate=schedule(cfg.learning_rate),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
         )
         if self.value_model is not None:
             lr = cfg.value_learning_rate or cfg.learning_rate
             self.value_optimizer = AdamW(
-                learning_rate=_schedule(lr, cfg, horizon),
+                learning_rate=schedule(lr),
                 eps=cfg.adam_eps,
                 weight_decay=cfg.weight_decay,
             )
@@ -966,15 +965,6 @@ class PPOTrainer:
         """
         if not self.is_main_process:
             return self.checkpoints.root / f"step_{self.global_step:06d}"
-        arrays: dict[str, dict[str, mx.array]] = {
-            "policy": dict(tree_flatten(self.policy.trainable_parameters())),
-        }
-        if self.policy_optimizer is not None:
-            arrays["policy_optimizer"] = dict(tree_flatten(self.policy_optimizer.state))
-        if self.value_model is not None:
-            arrays["value"] = dict(tree_flatten(self.value_model.trainable_parameters()))
-            if self.value_optimizer is not None:
-                arrays["value_optimizer"] = dict(tree_flatten(self.value_optimizer.state))
         state = {
             "global_step": self.global_step,
             "epoch": self.epoch,
@@ -984,21 +974,20 @@ class PPOTrainer:
             "config": config_to_dict(self.config),
             "world_size": self.world_size,
         }
-        path = self.checkpoints.save(self.global_step, arrays, state)
+        path = save_training_state(self.checkpoints, self.global_step, *self._checkpointed(), state)
         for cb in getattr(self, "_callbacks", []):
             cb.on_save(self, self.global_step, path)
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore models, optimiser states, KL controller and counters from a checkpoint."""
-        arrays, state = CheckpointManager.load(path)
-        saved = state["config"]
-        for key in ("algorithm", "model_name", "batch_size", "group_size", "use_lora", "seed"):
-            if saved.get(key) != getattr(self.config, key):
-                raise ValueError(
-                    f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run has "
-                    f"{key}={getattr(self.config, key)!r}: resume with the same configuration"
-                )
+        state = CheckpointManager.read_state(path)
+        check_resume_config(
+            path,
+            state["config"],
+            config_to_dict(self.config),
+            ("algorithm", "model_name", "batch_size", "group_size", "use_lora", "seed"),
+        )
         saved_world = int(state.get("world_size", 1))
         if saved_world != self.world_size:
             raise ValueError(
@@ -1007,22 +996,23 @@ class PPOTrainer:
                 f"(mlx.launch -n {saved_world} ..., or no launcher for 1); each rank's share of "
                 "the batch and its minibatch order depend on it"
             )
-        self.policy.load_weights(list(arrays["policy"].items()), strict=False)
-        if self.value_model is not None:
-            self.value_model.load_weights(list(arrays["value"].items()), strict=False)
+        load_training_state(path, *self._checkpointed())
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.history = list(state["history"])
-        self._apply_optimizer_state(
-            {
-                k: dict(tree_unflatten(list(v.items())))
-                for k, v in arrays.items()
-                if k.endswith("_optimizer")
-            }
-        )
-        mx.eval(self.policy.parameters())
+
+    def _checkpointed(
+        self,
+    ) -> tuple[dict[str, nn.Module], dict[str, optim.Optimizer | None]]:
+        """The models and optimisers a checkpoint holds, by name."""
+        models: dict[str, nn.Module] = {"policy": self.policy}
+        optimizers = {"policy_optimizer": self.policy_optimizer}
+        if self.value_model is not None:
+            models["value"] = self.value_model
+            optimizers["value_optimizer"] = self.value_optimizer
+        return models, optimizers
 
     def _apply_optimizer_state(self, saved: dict[str, dict[str, mx.array]]) -> None:
         for name, opt in (
@@ -1069,20 +1059,6 @@ class PPOTrainer:
             self.value_model.load_pretrained_weights(path / "value_model")
 
 
-def _schedule(lr: float, cfg: PPOConfig, horizon: int) -> Any:
-    """The learning-rate schedule over ``horizon`` optimiser updates (warm-up, then decay)."""
-    warmup = min(cfg.warmup_steps, horizon - 1) if horizon > 1 else 0
-    if cfg.lr_scheduler == "constant":
-        main: Any = lambda step: mx.array(lr)  # noqa: E731
-    elif cfg.lr_scheduler == "linear":
-        main = optim.linear_schedule(lr, 0.0, max(horizon - warmup, 1))
-    else:
-        main = optim.cosine_decay(lr, max(horizon - warmup, 1))
-    if warmup == 0:
-        return main
-    return optim.join_schedules([optim.linear_schedule(0.0, lr, warmup), main], [warmup])
-
-
 def _to_float(x: mx.array) -> float:
     """A scalar array as a Python float (one host sync)."""
     return float(np.asarray(x))
@@ -1097,10 +1073,6 @@ def _load_safetensors(path: Path) -> dict[str, mx.array]:
 def _masked_var(x: mx.array, mask: mx.array, group: dist.Group) -> mx.array:
     """Population variance of the valid entries of the global batch (all ranks of ``group``)."""
     return masked_var(x, mask, unbiased=False, group=group)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
@@ -1129,13 +1101,13 @@ def _check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
             f"batch_size={config.batch_size} (the prompts of one iteration, over all ranks) does "
             f"not split evenly over {n} processes: set batch_size to a multiple of {n} (e.g. "
             f"{multiple}) or launch a number of processes that divides it "
-            f"({_divisors(config.batch_size)})"
+            f"({divisors(config.batch_size)})"
         )
     elif rollout % config.num_mini_batches:
         problem = (
             f"each of the {n} processes generates batch_size / {n} * group_size = {rollout} "
             f"sequences, which cannot be split into num_mini_batches={config.num_mini_batches} "
-            f"equal minibatches: set num_mini_batches to one of {_divisors(rollout)} or raise "
+            f"equal minibatches: set num_mini_batches to one of {divisors(rollout)} or raise "
             "batch_size"
         )
     elif mini % config.gradient_accumulation_steps:
@@ -1143,7 +1115,7 @@ def _check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
             f"each process's minibatch has {rollout} / num_mini_batches="
             f"{config.num_mini_batches} = {mini} sequences, which cannot be split into "
             f"gradient_accumulation_steps={config.gradient_accumulation_steps} equal "
-            f"micro-batches: set gradient_accumulation_steps to one of {_divisors(mini)}"
+            f"micro-batches: set gradient_accumulation_steps to one of {divisors(mini)}"
         )
     if problem is not None:
         # Same config on every rank, so every rank gets here: all report before any exits.

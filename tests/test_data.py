@@ -28,7 +28,6 @@ from training.data import (
     load_preference_data,
     load_sft_data,
     prompt_completion_tokens,
-    split_micro_batches,
     tokenize_preferences,
     tokenize_sft,
     train_eval_split,
@@ -264,12 +263,6 @@ def test_length_bucketed_batches_cover_everything_and_cut_padding() -> None:
     # One window over everything: sorted batches, the least padding possible.
     assert padded_tokens(bucketed) < 0.75 * padded_tokens(plain)
     assert padded_tokens(batches) < padded_tokens(plain)
-
-
-def test_split_micro_batches() -> None:
-    assert split_micro_batches(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert [len(p) for p in split_micro_batches(list(range(5)), 2)] in ([2, 3], [3, 2])
-    assert split_micro_batches([1, 2], 4) == [[1], [2]]  # a short last batch: fewer parts
 
 
 def test_collate() -> None:

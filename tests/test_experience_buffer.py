@@ -56,8 +56,16 @@ def test_indivisible_minibatches_raise() -> None:
 def test_micro_batches_split_consecutively() -> None:
     parts = split_micro_batches(make_batch(), 2)
     assert [np.array(p.scores).astype(int).tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        split_micro_batches(make_batch(), 3)
+    # One contract for rollout batches and example lists: near-equal contiguous pieces.
+    parts = split_micro_batches(make_batch(), 3)
+    assert [len(p) for p in parts] == [3, 2, 3]
+    assert np.concatenate([np.array(p.scores) for p in parts]).astype(int).tolist() == list(
+        range(8)
+    )
+    assert split_micro_batches(list(range(8)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_micro_batches([1, 2], 4) == [[1], [2]]  # fewer rows than parts
+    with pytest.raises(ValueError, match="parts"):
+        split_micro_batches([1, 2], 0)
 
 
 def test_mismatched_rows_raise() -> None:

@@ -22,7 +22,8 @@ from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from training.sft_trainer import SFTTrainer, run_sft, sft_loss
 from training.data import load_sft_data
-from training.supervised_trainer import CONFIG_FILE, load_run_data, lr_schedule
+from training.optimizer import lr_schedule
+from training.supervised_trainer import CONFIG_FILE, load_run_data
 
 PROMPTS = ["Review of the camera:", "Review of the sushi bar:"]
 

@@ -8,6 +8,7 @@ gradient; the losses run under mx.compile (so they never sync with the host).
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -346,3 +347,88 @@ def test_compiled_adamw_equals_mlx_adamw(weight_decay: float, bias_correction: b
     state_ours, state_theirs = (dict(tree_flatten(o.state)) for o in optimizers[::-1])
     for name in state_theirs:
         assert mx.array_equal(state_ours[name], state_theirs[name]).item(), name
+
+
+# ------------------------------------------------------------------ the shared optimiser step
+def _regression_problem() -> tuple[Any, Any, list[tuple[mx.array, mx.array]]]:
+    import mlx.nn as nn
+
+    model = nn.Linear(6, 1)
+    rng = np.random.default_rng(1)
+    rows = [
+        (mx.array(rng.normal(size=(n, 6)).astype(np.float32)), mx.array(rng.normal(size=(n, 1))))
+        for n in (3, 5)
+    ]
+
+    def loss_fn(m: Any, batch: tuple[mx.array, mx.array]) -> tuple[mx.array, dict]:
+        x, y = batch
+        loss = ((m(x) - y) ** 2).mean()
+        return loss, {"mse": loss}
+
+    return model, nn.value_and_grad(model, loss_fn), rows
+
+
+def _flat(model: Any) -> dict[str, np.ndarray]:
+    from mlx.utils import tree_flatten
+
+    return {
+        k: np.array(v) for k, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    }
+
+
+def test_optimizer_step_accumulates_to_the_whole_batch_gradient() -> None:
+    """Weighted micro-batch gradients (target shares) equal the whole batch's gradient."""
+    import mlx.optimizers as optim
+
+    from training.optimizer import optimizer_step
+
+    model_a, vg_a, rows = _regression_problem()
+    model_b, vg_b, _ = _regression_problem()
+    model_b.update(model_a.parameters())
+    whole = (mx.concatenate([r[0] for r in rows]), mx.concatenate([r[1] for r in rows]))
+    out_a = optimizer_step(
+        model_a, optim.SGD(0.1), vg_a, [whole], [1.0], max_grad_norm=math.inf, step=1
+    )
+    out_b = optimizer_step(
+        model_b, optim.SGD(0.1), vg_b, rows, [3 / 8, 5 / 8], max_grad_norm=math.inf, step=1
+    )
+    assert out_a["loss"].item() == pytest.approx(out_b["loss"].item(), rel=1e-6)
+    assert out_a["mse"].item() == pytest.approx(out_b["mse"].item(), rel=1e-6)
+    params_b = _flat(model_b)
+    for name, a in _flat(model_a).items():
+        np.testing.assert_allclose(a, params_b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # Clipping: the reported norm is the pre-clip norm, the update uses the clipped gradient.
+    model_c, vg_c, _ = _regression_problem()
+    before = _flat(model_c)
+    out_c = optimizer_step(
+        model_c, optim.SGD(1.0), vg_c, [whole], [1.0], max_grad_norm=1e-3, step=1
+    )
+    assert float(np.asarray(out_c["grad_norm"])) > 1e-3
+    moved = np.sqrt(sum(((v - before[k]) ** 2).sum() for k, v in _flat(model_c).items()))
+    assert moved == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_optimizer_step_refuses_a_non_finite_loss_before_updating() -> None:
+    import mlx.optimizers as optim
+
+    from training.optimizer import optimizer_step
+
+    model, vg, rows = _regression_problem()
+    optimizer = optim.Adam(1e-2)
+    optimizer.init(model.trainable_parameters())
+    before = _flat(model)
+    x, y = rows[0]
+    with pytest.raises(ValueError, match="the value loss is inf .* at step 7; no update"):
+        optimizer_step(
+            model,
+            optimizer,
+            vg,
+            [(x, y * 1e30)],
+            [1.0],
+            max_grad_norm=1.0,
+            step=7,
+            what="the value loss",
+        )
+    after = _flat(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert optimizer.state["step"].item() == 0

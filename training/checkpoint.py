@@ -14,9 +14,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -117,6 +120,11 @@ class CheckpointManager:
         return final
 
     @staticmethod
+    def read_state(path: str | Path) -> dict[str, Any]:
+        """The JSON state of a checkpoint directory (counters, history, config), no arrays."""
+        return dict(json.loads((Path(path) / STATE_FILE).read_text()))
+
+    @staticmethod
     def load(path: str | Path) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
         """Read a checkpoint directory written by :meth:`save`."""
         path = Path(path)
@@ -135,3 +143,62 @@ class CheckpointManager:
         if self.keep_last:
             for old in self.checkpoints()[: -self.keep_last]:
                 shutil.rmtree(old)
+
+
+def save_training_state(
+    checkpoints: CheckpointManager,
+    step: int,
+    models: Mapping[str, nn.Module],
+    optimizers: Mapping[str, optim.Optimizer | None],
+    state: dict[str, Any],
+) -> Path:
+    """Write a run's checkpoint for ``step``: each model's trainable weights and each optimiser's
+    state (moments and step count, hence the learning-rate schedule) under their names, plus the
+    JSON ``state`` (counters, history, config)."""
+    arrays: dict[str, dict[str, mx.array]] = {
+        name: dict(tree_flatten(model.trainable_parameters())) for name, model in models.items()
+    }
+    arrays.update(
+        {name: dict(tree_flatten(opt.state)) for name, opt in optimizers.items() if opt is not None}
+    )
+    return checkpoints.save(step, arrays, state)
+
+
+def load_training_state(
+    path: str | Path,
+    models: Mapping[str, nn.Module],
+    optimizers: Mapping[str, optim.Optimizer | None],
+) -> dict[str, Any]:
+    """Load what :func:`save_training_state` wrote into ``models`` and ``optimizers`` (in
+    place); returns the JSON state.
+
+    Raises:
+        ValueError: the checkpoint lacks one of ``models`` (a checkpoint of another run kind).
+    """
+    arrays, state = CheckpointManager.load(path)
+    for name, model in models.items():
+        if name not in arrays:
+            raise ValueError(
+                f"checkpoint {path} holds no {name!r} weights (it has {sorted(arrays)}): it was "
+                "written by another kind of run"
+            )
+        model.load_weights(list(arrays[name].items()), strict=False)
+        mx.eval(model.parameters())
+    for name, opt in optimizers.items():
+        if opt is not None and name in arrays:
+            opt.state = tree_unflatten(list(arrays[name].items()))
+    return state
+
+
+def check_resume_config(
+    path: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str]
+) -> None:
+    """Raise ``ValueError`` unless the config a checkpoint was written with agrees with this
+    run's on every one of ``keys`` (settings that change the data order, the trained parameters
+    or their shapes)."""
+    for key in keys:
+        if saved.get(key) != current.get(key):
+            raise ValueError(
+                f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run has "
+                f"{key}={current.get(key)!r}: resume with the same configuration"
+            )

@@ -586,13 +586,6 @@ def length_bucketed_batches(
     return batches
 
 
-def split_micro_batches(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    """``items`` cut into at most ``parts`` contiguous, non-empty pieces of near-equal size."""
-    parts = max(1, min(parts, len(items)))
-    bounds = np.linspace(0, len(items), parts + 1).round().astype(int)
-    return [list(items[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 @dataclass
 class SFTBatch:
     """A right-padded SFT micro-batch.

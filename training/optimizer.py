@@ -1,17 +1,23 @@
-"""AdamW with each parameter's update compiled into one fused loop.
+"""The optimisation every trainer shares: AdamW, the learning-rate schedule, and one optimiser
+step (gradient accumulation, data-parallel averaging, clipping, a non-finite guard).
 
-``mlx.optimizers.AdamW`` evaluates its update as about a dozen separate element-wise operations
-per parameter, each writing a fresh array; on the CPU that (and a slow ``sqrt``) makes the
-optimiser step a visible part of a PPO update: about 90 ms per 4M parameters on the benchmark
-machine, 22 ms compiled. :class:`AdamW` is ``mlx.optimizers.AdamW`` (same arguments, state,
-schedules and results) with :meth:`AdamW.apply_single` going through ``mx.compile``; the
-compiled function is traced once per parameter shape and dtype.
+AdamW with each parameter's update compiled into one fused loop: ``mlx.optimizers.AdamW``
+evaluates its update as about a dozen separate element-wise operations per parameter, each writing
+a fresh array, which on the CPU makes the optimiser step a visible part of a PPO update.
+:class:`AdamW` is ``mlx.optimizers.AdamW`` (same arguments, state, schedules and results) with
+:meth:`AdamW.apply_single` going through ``mx.compile``; the compiled function is traced once per
+parameter shape and dtype.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable, Sequence, cast
+
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
+from mlx.utils import tree_map
 
 
 @mx.compile
@@ -55,3 +61,99 @@ class AdamW(optim.AdamW):
             gradient, parameter, state["m"], state["v"], lr, hyper
         )
         return new_parameter
+
+
+def lr_schedule(
+    learning_rate: float, scheduler: str, warmup_steps: int, total_steps: int
+) -> Callable[[mx.array], mx.array]:
+    """The learning rate at each optimiser update: linear warm-up from 0 over ``warmup_steps``
+    updates, then ``"constant"``, ``"linear"`` decay to 0, or ``"cosine"`` decay to 0 at update
+    ``total_steps``. (PPO counts these in optimiser updates: iterations times updates per
+    iteration.)"""
+    warmup = min(warmup_steps, total_steps - 1) if total_steps > 1 else 0
+    decay_steps = max(total_steps - warmup, 1)
+    if scheduler == "constant":
+        main: Any = lambda step: mx.array(learning_rate)  # noqa: E731
+    elif scheduler == "linear":
+        main = optim.linear_schedule(learning_rate, 0.0, decay_steps)
+    elif scheduler == "cosine":
+        main = optim.cosine_decay(learning_rate, decay_steps)
+    else:
+        raise ValueError(
+            f"lr_scheduler must be 'constant', 'linear' or 'cosine', got {scheduler!r}"
+        )
+    if warmup == 0:
+        return cast(Callable[[mx.array], mx.array], main)
+    return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), main], [warmup])
+
+
+#: ``value_and_grad(model, batch) -> ((loss, metrics), grads)``, as ``nn.value_and_grad`` makes it
+#: from a ``loss_fn(model, batch) -> (loss, metrics)``.
+ValueAndGrad = Callable[[nn.Module, Any], tuple[tuple[mx.array, dict[str, mx.array]], Any]]
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    value_and_grad: ValueAndGrad,
+    micro_batches: Sequence[Any],
+    weights: Sequence[float | mx.array],
+    *,
+    max_grad_norm: float,
+    step: int,
+    what: str = "the loss",
+    group: Any = None,
+) -> dict[str, mx.array]:
+    """One optimiser update of ``model`` from gradients accumulated over ``micro_batches``.
+
+    The gradient is ``sum_k weights[k] * grad(loss_k)`` (averaged over the ranks of ``group`` in
+    a data-parallel run), clipped to global norm ``max_grad_norm`` (``inf``: no clipping). The
+    weights say how each micro-batch's loss (a mean over its own targets) counts: its share of
+    the batch's targets for a target-weighted mean, ``1 / n`` for a plain mean of n parts.
+
+    Before the optimiser applies anything, the loss and the gradient norm must be finite:
+    otherwise ``ValueError`` names ``what``, the ``step`` and the likely causes, and the model
+    and optimiser state are untouched (so the last checkpoint and the weights in memory are
+    both the state before this step).
+
+    Returns:
+        ``{"loss": ..., <each metric>: ..., "grad_norm": ...}``: weighted means as scalar arrays,
+        already evaluated (this is the step's one evaluation of the new weights).
+    """
+    from base_setup import distributed as dist
+
+    if len(weights) != len(micro_batches) or not micro_batches:
+        raise ValueError(
+            f"optimizer_step needs one weight per micro-batch, got {len(weights)} weights for "
+            f"{len(micro_batches)} micro-batches"
+        )
+    grads: Any = None
+    totals: dict[str, mx.array] = {}
+    for weight, batch in zip(weights, micro_batches):
+        (loss, metrics), g = value_and_grad(model, batch)
+        if not (isinstance(weight, float) and weight == 1.0):
+            g = tree_map(lambda x: x * weight, g)
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        for key, value in {"loss": loss, **metrics}.items():
+            totals[key] = totals[key] + weight * value if key in totals else weight * value
+    grads = dist.average_gradients(grads, group)
+    grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
+    mx.eval(totals["loss"], grad_norm)
+    loss_value, norm_value = _to_float(totals["loss"]), _to_float(grad_norm)
+    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+        raise ValueError(
+            f"{what} is {loss_value} with gradient norm {norm_value} at step {step}; no update "
+            "was made. Likely causes: rewards or scores too large (scale or clip them), a "
+            "learning rate too high (lower learning_rate, add warmup_steps), or a model in "
+            "float16 overflowing (use bfloat16 or float32)"
+        )
+    optimizer.update(model, grads)
+    # The one evaluation of the new weights, the optimiser state and the metrics.
+    mx.eval(model.trainable_parameters(), optimizer.state, totals)
+    totals["grad_norm"] = grad_norm
+    return totals
+
+
+def _to_float(x: mx.array) -> float:
+    """A scalar array as a Python float (a host sync)."""
+    return float(x.astype(mx.float32).item())  # type: ignore[arg-type]

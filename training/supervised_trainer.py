@@ -35,15 +35,21 @@ from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, Sized, T
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+import numpy as np
 from tqdm import tqdm
 
-from base_setup.backend import adapt_blas_threads
+from base_setup.backend import adapt_blas_threads, step_seed
 from config.loading import config_to_dict, save_config
 from config.sft_config import FineTuneConfig
-from training.checkpoint import CheckpointManager
-from training.optimizer import AdamW
-from training.data import length_bucketed_batches, split_micro_batches, train_eval_split
+from experience_buffer.buffer import split_micro_batches
+from training.checkpoint import (
+    CheckpointManager,
+    check_resume_config,
+    load_training_state,
+    save_training_state,
+)
+from training.data import length_bucketed_batches, train_eval_split
+from training.optimizer import AdamW, lr_schedule, optimizer_step
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 
 logger = logging.getLogger("ppo_mlx")
@@ -57,29 +63,6 @@ MODEL_DIR = "model"
 CONFIG_FILE = "config.yaml"
 # Config fields a checkpoint must agree on to be resumed.
 _RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window")
-
-
-def lr_schedule(
-    learning_rate: float, scheduler: str, warmup_steps: int, total_steps: int
-) -> Callable[[mx.array], mx.array]:
-    """The learning rate at each optimiser step: linear warm-up from 0 over ``warmup_steps``,
-    then ``"constant"``, ``"linear"`` decay to 0, or ``"cosine"`` decay to 0 at ``total_steps``.
-    """
-    warmup = min(warmup_steps, total_steps - 1) if total_steps > 1 else 0
-    decay_steps = max(total_steps - warmup, 1)
-    if scheduler == "constant":
-        main: Any = lambda step: mx.array(learning_rate)  # noqa: E731
-    elif scheduler == "linear":
-        main = optim.linear_schedule(learning_rate, 0.0, decay_steps)
-    elif scheduler == "cosine":
-        main = optim.cosine_decay(learning_rate, decay_steps)
-    else:
-        raise ValueError(
-            f"lr_scheduler must be 'constant', 'linear' or 'cosine', got {scheduler!r}"
-        )
-    if warmup == 0:
-        return main
-    return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), main], [warmup])
 
 
 def load_run_data(
@@ -271,36 +254,26 @@ class SupervisedTrainer(Generic[E, B]):
         t0 = time.perf_counter()
         adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
         self.model.train()
-        # Dropout randomness from (seed, step): a resumed run draws what an uninterrupted one did.
-        mx.random.seed((cfg.seed * 1_000_003 + self.global_step) % (2**63))
+        mx.random.seed(step_seed(cfg.seed, self.global_step))  # dropout, as a resumed run draws
         micro = [
             self.collate(mb)
             for mb in split_micro_batches(examples, cfg.gradient_accumulation_steps)
         ]
         total = sum(n for _, n in micro)
-        grads: Any = None
-        sums: dict[str, mx.array] = {}
-        for batch, n in micro:
-            (loss, metrics), g = self._value_and_grad(self.model, batch)
-            # Each micro-batch loss is a mean over its n targets: weighting by n / total makes
-            # the sum the mean over the whole batch, as without accumulation.
-            weight = n / total
-            if len(micro) > 1:
-                g = tree_map(lambda x: x * weight, g)
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            for key, value in {self.loss_key: loss, **metrics}.items():
-                sums[key] = sums[key] + weight * value if key in sums else weight * value
-        grads, grad_norm = optim.clip_grad_norm(grads, cfg.max_grad_norm)
-        self.optimizer.update(self.model, grads)
-        # The one evaluation of this optimiser step: new weights, optimiser state and metrics.
-        mx.eval(self.model.trainable_parameters(), self.optimizer.state, sums, grad_norm)
-        out = {key: float(value) for key, value in sums.items()}
-        if not math.isfinite(out[self.loss_key]):
-            raise ValueError(
-                f"the training loss is {out[self.loss_key]} at step {self.global_step + 1}: "
-                "lower learning_rate, add warmup_steps, or keep max_grad_norm finite"
-            )
-        out["grad_norm"] = float(grad_norm)
+        # Each micro-batch loss is a mean over its n targets: weighting it by n / total makes
+        # the accumulated gradient that of the mean over the whole batch.
+        metrics = optimizer_step(
+            self.model,
+            self.optimizer,
+            self._value_and_grad,
+            [batch for batch, _ in micro],
+            [n / total for _, n in micro] if len(micro) > 1 else [1.0],
+            max_grad_norm=cfg.max_grad_norm,
+            step=self.global_step + 1,
+            what=f"the {self.name} training loss",
+        )
+        out = {key: float(np.asarray(value)) for key, value in metrics.items()}
+        out[self.loss_key] = out.pop("loss")
         out["lr"] = float(self.optimizer.learning_rate)
         out["time/step"] = time.perf_counter() - t0
         self.global_step += 1
@@ -323,11 +296,6 @@ class SupervisedTrainer(Generic[E, B]):
     def save_checkpoint(self) -> Path:
         """Write the trainable weights, optimiser state and position (atomically) under
         ``<output_dir>/checkpoints/step_NNNNNN``."""
-        arrays: dict[str, dict[str, mx.array]] = {
-            "model": dict(tree_flatten(self.model.trainable_parameters())),
-        }
-        if self.optimizer is not None:
-            arrays["optimizer"] = dict(tree_flatten(self.optimizer.state))
         state = {
             "global_step": self.global_step,
             "epoch": self.epoch,
@@ -336,7 +304,13 @@ class SupervisedTrainer(Generic[E, B]):
             "history": self.history,
             "config": config_to_dict(self.config),
         }
-        return self.checkpoints.save(self.global_step, arrays, state)
+        return save_training_state(
+            self.checkpoints,
+            self.global_step,
+            {"model": self.model},
+            {"optimizer": self.optimizer},
+            state,
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore weights, optimiser state and position from a checkpoint of the same run.
@@ -345,28 +319,20 @@ class SupervisedTrainer(Generic[E, B]):
             ValueError: the checkpoint was written with another model, batch size, seed or
                 data size (the data order would differ).
         """
-        arrays, state = CheckpointManager.load(path)
-        saved = state["config"]
-        current = config_to_dict(self.config)
-        for key in _RESUME_KEYS + self._resume_keys():
-            if saved.get(key) != current.get(key):
-                raise ValueError(
-                    f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run "
-                    f"has {key}={current.get(key)!r}: resume with the same configuration"
-                )
+        state = CheckpointManager.read_state(path)
+        check_resume_config(
+            path, state["config"], config_to_dict(self.config), _RESUME_KEYS + self._resume_keys()
+        )
         if state["num_train_examples"] != self._num_train_examples:
             raise ValueError(
                 f"checkpoint {path} was trained on {state['num_train_examples']} examples but "
                 f"this run has {self._num_train_examples}: resume with the same data"
             )
-        self.model.load_weights(list(arrays["model"].items()), strict=False)
-        if self.optimizer is not None and "optimizer" in arrays:
-            self.optimizer.state = tree_unflatten(list(arrays["optimizer"].items()))
+        load_training_state(path, {"model": self.model}, {"optimizer": self.optimizer})
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.history = list(state["history"])
-        mx.eval(self.model.parameters())
 
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""
