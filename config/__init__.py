@@ -1,13 +1,16 @@
-"""Run configuration: one dataclass per concern (PPO, model, training).
+"""Run configuration: one dataclass per concern (models and LoRA, optimisation, PPO; SFT and
+reward-model runs).
 
 This package never imports mlx: it is imported before the backend is set up and by ``main.py``'s
 argument parsing.
 """
 
 from config.loading import SECTIONS, config_to_dict, field_docs, load_config, save_config
-from config.model_config import Dtype, ModelConfig, ValueInit, ValueSource
+from config.model_config import Dtype, LoraConfig, ModelConfig, ValueInit, ValueSource
 from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator, PPOConfig
-from config.training_config import Logger, LRScheduler, TrainingConfig
+from config.reward_config import RewardConfig
+from config.sft_config import FineTuneConfig, SFTConfig
+from config.training_config import Logger, LRScheduler, OptimConfig, TrainingConfig
 
 __all__ = [
     "SECTIONS",
@@ -15,10 +18,15 @@ __all__ = [
     "Dtype",
     "GRPOAdvantageScale",
     "KLEstimator",
+    "FineTuneConfig",
     "LRScheduler",
     "Logger",
+    "LoraConfig",
     "ModelConfig",
+    "OptimConfig",
     "PPOConfig",
+    "RewardConfig",
+    "SFTConfig",
     "TrainingConfig",
     "ValueInit",
     "ValueSource",

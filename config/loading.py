@@ -275,7 +275,7 @@ def _unknown_key(key: str, where: str, types: dict[str, Any]) -> str:
 
 def _section_of(cls: type, name: str) -> str | None:
     for owner, section in _SECTION_OWNERS:
-        if issubclass(cls, owner) and name in own_field_types(owner):
+        if issubclass(cls, owner) and name in {f.name for f in dataclasses.fields(owner)}:
             return section
     return None
 

@@ -11,68 +11,31 @@ ValueSource = Literal["value_model", "reward", "policy"]
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
-    """The models of a PPO run and their LoRA adapters.
+class LoraConfig:
+    """LoRA adapters: low-rank updates of the linear layers, trained instead of all weights.
 
     Attributes:
-        model_name: Local directory or Hugging Face repo id of the policy (required); the policy
-            starts from these weights.
-        sft_model_name: Local directory or repo id of the frozen reference (SFT) model that the KL
-            penalty is measured against; None = the same weights as model_name.
-        reward_model_name: Local directory or repo id of a *ForSequenceClassification checkpoint
-            (one score per sequence); None = no reward model, so the trainer must be given a
-            reward function.
-        value_model_name: Local directory or repo id to initialise the value model from; None =
-            decided by value_init.
-        value_init: Where the value model starts when value_model_name is None: "reward" = the
-            reward model's weights if there is a reward model, else the policy's backbone with a
-            fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
-        dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
-        use_lora: Train LoRA adapters on the policy (and value) model instead of all weights;
-            when False the lora_* fields are ignored.
+        use_lora: Train LoRA adapters instead of all weights; when False the lora_* fields are
+            ignored.
         lora_r: LoRA rank.
         lora_alpha: LoRA alpha; the adapter output is scaled by lora_alpha / lora_r (mlx-lm's
             ``scale``).
-        lora_dropout: Dropout probability on the adapter input, in [0, 1).
+        lora_dropout: Dropout probability on the adapter input while training, in [0, 1).
         lora_layers: Number of last transformer blocks that get adapters; -1 = all blocks.
         lora_keys: Module paths inside a transformer block to adapt, e.g.
             ["self_attn.q_proj", "self_attn.v_proj"]; None = every linear layer of the block
             (mlx-lm's default set).
-        trust_remote_code: Allow tokenizers/configs that run code from the model repository.
     """
 
-    model_name: str
-    sft_model_name: str | None = None
-    reward_model_name: str | None = None
-    value_model_name: str | None = None
-    value_init: ValueInit = "reward"
-    dtype: Dtype = "float32"
     use_lora: bool = True
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_layers: int = -1
     lora_keys: list[str] | None = None
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        check_field_types(self, ModelConfig)
-        require(
-            bool(self.model_name.strip()),
-            "model_name",
-            self.model_name,
-            "a non-empty path or repo id",
-            "set model_name to a local model directory or a Hugging Face repo id",
-        )
-        for name in ("sft_model_name", "reward_model_name", "value_model_name"):
-            value = getattr(self, name)
-            require(
-                value is None or bool(value.strip()),
-                name,
-                value,
-                "a non-empty path or repo id, or null",
-                f"set {name} to a model directory or repo id, or null to leave it unset",
-            )
+        check_field_types(self, LoraConfig)
         if not self.use_lora:
             return
         require(self.lora_r >= 1, "lora_r", self.lora_r, ">= 1", "set a LoRA rank such as 8")
@@ -111,6 +74,56 @@ class ModelConfig:
     def lora_scale(self) -> float:
         """Scale of the LoRA update, ``lora_alpha / lora_r`` (mlx-lm's ``scale``)."""
         return self.lora_alpha / self.lora_r
+
+
+@dataclass(kw_only=True)
+class ModelConfig(LoraConfig):
+    """The models of a PPO run (their LoRA adapters: :class:`LoraConfig`).
+
+    Attributes:
+        model_name: Local directory or Hugging Face repo id of the policy (required); the policy
+            starts from these weights.
+        sft_model_name: Local directory or repo id of the frozen reference (SFT) model that the KL
+            penalty is measured against; None = the same weights as model_name.
+        reward_model_name: Local directory or repo id of a *ForSequenceClassification checkpoint
+            (one score per sequence); None = no reward model, so the trainer must be given a
+            reward function.
+        value_model_name: Local directory or repo id to initialise the value model from; None =
+            decided by value_init.
+        value_init: Where the value model starts when value_model_name is None: "reward" = the
+            reward model's weights if there is a reward model, else the policy's backbone with a
+            fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
+        dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
+        trust_remote_code: Allow tokenizers/configs that run code from the model repository.
+    """
+
+    model_name: str
+    sft_model_name: str | None = None
+    reward_model_name: str | None = None
+    value_model_name: str | None = None
+    value_init: ValueInit = "reward"
+    dtype: Dtype = "float32"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        LoraConfig.__post_init__(self)
+        check_field_types(self, ModelConfig)
+        require(
+            bool(self.model_name.strip()),
+            "model_name",
+            self.model_name,
+            "a non-empty path or repo id",
+            "set model_name to a local model directory or a Hugging Face repo id",
+        )
+        for name in ("sft_model_name", "reward_model_name", "value_model_name"):
+            value = getattr(self, name)
+            require(
+                value is None or bool(value.strip()),
+                name,
+                value,
+                "a non-empty path or repo id, or null",
+                f"set {name} to a model directory or repo id, or null to leave it unset",
+            )
 
     @property
     def ref_model_name(self) -> str:

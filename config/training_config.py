@@ -1,4 +1,9 @@
-"""How a run optimises, for how long, and where it writes (checkpoints, logs)."""
+"""How a run optimises, for how long, and where it writes (checkpoints, logs).
+
+:class:`OptimConfig` is what every trainer of this project shares (SFT, reward model, PPO);
+:class:`TrainingConfig` adds what only PPO has (a value model's learning rate, minibatches of a
+rollout).
+"""
 
 import math
 from dataclasses import dataclass
@@ -11,20 +16,20 @@ Logger = Literal["none", "tensorboard", "wandb"]
 
 
 @dataclass(kw_only=True)
-class TrainingConfig:
-    """Optimisation, run length, checkpointing and logging.
+class OptimConfig:
+    """Optimisation, run length, checkpointing and logging, as every trainer reads them.
 
-    A "step" below is one PPO iteration: generate ``batch_size`` prompts' rollouts, then run the
-    PPO epochs over them.
+    A "step" is one optimiser update on ``batch_size`` examples for SFT and reward training, and
+    one PPO iteration (generate ``batch_size`` prompts' rollouts, then the PPO epochs over them)
+    for PPO.
 
     Attributes:
-        learning_rate: Adam learning rate of the policy (peak value when a schedule is used).
-        value_learning_rate: Adam learning rate of the value model; None = learning_rate.
-        batch_size: Prompts per PPO iteration (each is sampled group_size times).
-        num_mini_batches: Minibatches the rollout batch is split into in every PPO epoch; one
-            optimiser update per minibatch.
-        gradient_accumulation_steps: Micro-batches each minibatch is split into; their gradients
-            are summed before the one update (saves memory, same update).
+        learning_rate: AdamW learning rate (peak value when a schedule is used).
+        batch_size: Examples per step (PPO: prompts per iteration, each sampled group_size
+            times).
+        gradient_accumulation_steps: Micro-batches each batch (PPO: each minibatch) is split
+            into; their gradients are accumulated before the one update (same update, less
+            memory).
         max_grad_norm: Clip the global gradient norm to this value before each update; must be
             > 0; .inf (YAML) / float("inf") disables clipping.
         lr_scheduler: Learning-rate schedule after warm-up: "constant", "linear" decay to 0, or
@@ -32,23 +37,22 @@ class TrainingConfig:
         warmup_steps: Steps of linear warm-up from 0 to the learning rate; 0 = none.
         weight_decay: Decoupled (AdamW) weight decay; 0 = plain Adam.
         adam_eps: Adam epsilon.
-        num_epochs: Passes over the prompt set.
-        total_steps: Cap on the number of steps; None = num_epochs passes over the prompts.
-        seed: Seed of every random generator (sampling, shuffling, LoRA init); >= 0.
-        output_dir: Directory for checkpoints, the saved config and logs.
+        num_epochs: Passes over the training data (PPO: over the prompts).
+        total_steps: Cap on the number of steps; None = num_epochs passes.
+        seed: Seed of every random generator (data order, sampling, dropout, fresh weights);
+            >= 0.
+        output_dir: Directory for checkpoints, the saved config, metrics.jsonl and the curves.
         save_every: Steps between checkpoints; 0 = save only at the end.
-        keep_last_checkpoints: Number of most recent periodic checkpoints kept on disk; 0 = keep
-            all.
-        eval_every: Steps between evaluations; 0 = no periodic evaluation.
-        log_with: Metrics backend: "none" (console only), "tensorboard" or "wandb".
+        keep_last_checkpoints: Number of most recent checkpoints kept on disk; 0 = keep all.
+        eval_every: Steps between evaluations on held-out data; 0 = no periodic evaluation
+            (SFT and reward training still evaluate after the last step).
+        log_with: Metrics backend besides metrics.jsonl: "none", "tensorboard" or "wandb".
         wandb_project: Weights & Biases project when log_with is "wandb"; None = wandb's default.
         progress_bar: Show a tqdm progress bar over the steps.
     """
 
     learning_rate: float = 1e-5
-    value_learning_rate: float | None = None
     batch_size: int = 8
-    num_mini_batches: int = 1
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     lr_scheduler: LRScheduler = "linear"
@@ -67,7 +71,7 @@ class TrainingConfig:
     progress_bar: bool = True
 
     def __post_init__(self) -> None:
-        check_field_types(self, TrainingConfig)
+        check_field_types(self, OptimConfig)
         require(
             is_positive(self.learning_rate),
             "learning_rate",
@@ -75,21 +79,7 @@ class TrainingConfig:
             "> 0",
             "set a positive learning rate such as 1e-5",
         )
-        require(
-            self.value_learning_rate is None or is_positive(self.value_learning_rate),
-            "value_learning_rate",
-            self.value_learning_rate,
-            "> 0 or null",
-            "set a positive learning rate such as 1e-5, or null to use learning_rate",
-        )
         require(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1", "set e.g. 8")
-        require(
-            self.num_mini_batches >= 1,
-            "num_mini_batches",
-            self.num_mini_batches,
-            ">= 1",
-            "set 1 to update once per PPO epoch on the whole batch",
-        )
         require(
             self.gradient_accumulation_steps >= 1,
             "gradient_accumulation_steps",
@@ -111,7 +101,7 @@ class TrainingConfig:
                 "total_steps",
                 self.total_steps,
                 ">= 1 or null",
-                "set a positive number of PPO iterations, or null to run num_epochs passes",
+                "set a positive number of steps, or null to run num_epochs passes",
             )
             require(
                 self.warmup_steps <= self.total_steps,
@@ -168,13 +158,46 @@ class TrainingConfig:
             )
 
     @property
+    def clips_gradients(self) -> bool:
+        """Whether ``max_grad_norm`` is finite (clipping is on)."""
+        return math.isfinite(self.max_grad_norm)
+
+
+@dataclass(kw_only=True)
+class TrainingConfig(OptimConfig):
+    """PPO's optimisation: :class:`OptimConfig` plus the value model's learning rate and the
+    minibatches of a rollout.
+
+    Attributes:
+        value_learning_rate: Adam learning rate of the value model; None = learning_rate.
+        num_mini_batches: Minibatches the rollout batch is split into in every PPO epoch; one
+            optimiser update per minibatch.
+    """
+
+    value_learning_rate: float | None = None
+    num_mini_batches: int = 1
+
+    def __post_init__(self) -> None:
+        OptimConfig.__post_init__(self)
+        check_field_types(self, TrainingConfig)
+        require(
+            self.value_learning_rate is None or is_positive(self.value_learning_rate),
+            "value_learning_rate",
+            self.value_learning_rate,
+            "> 0 or null",
+            "set a positive learning rate such as 1e-5, or null to use learning_rate",
+        )
+        require(
+            self.num_mini_batches >= 1,
+            "num_mini_batches",
+            self.num_mini_batches,
+            ">= 1",
+            "set 1 to update once per PPO epoch on the whole batch",
+        )
+
+    @property
     def value_lr(self) -> float:
         """Learning rate of the value model: ``value_learning_rate``, else ``learning_rate``."""
         if self.value_learning_rate is not None:
             return self.value_learning_rate
         return self.learning_rate
-
-    @property
-    def clips_gradients(self) -> bool:
-        """Whether ``max_grad_norm`` is finite (clipping is on)."""
-        return math.isfinite(self.max_grad_norm)
