@@ -62,6 +62,7 @@ from ppo_trainer.callbacks import CallbackLike, TrainerCallback, as_callbacks
 from training.checkpoint import (
     STATE_FILE,
     CheckpointManager,
+    atomic_directory,
     check_resume_config,
     load_training_state,
     save_training_state,
@@ -1029,9 +1030,10 @@ class PPOTrainer:
         path = Path(path)
         if not self.is_main_process:
             return path
-        self.policy.save_pretrained(path)
-        if self.value_model is not None:
-            self.value_model.save_pretrained(path / "value_model")
+        with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
+            self.policy.save_pretrained(tmp)
+            if self.value_model is not None:
+                self.value_model.save_pretrained(tmp / "value_model")
         return path
 
     def load_model(self, path: str | Path) -> None:

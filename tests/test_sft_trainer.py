@@ -239,7 +239,7 @@ def test_resume_continues_to_the_same_weights(tiny_model_dir: Path, tmp_path: Pa
     other = SFTTrainer(config(tiny_model_dir, resumed_dir, **{**common, "batch_size": 4}))
     with pytest.raises(ValueError, match="batch_size=8 but this run has batch_size=4"):
         other.train(records, resume_from=resumed_dir / "checkpoints" / "step_000002")
-    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint under"):
         SFTTrainer(config(tiny_model_dir, tmp_path / "empty", **common)).train(
             records, resume_from="latest"
         )

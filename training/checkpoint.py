@@ -1,28 +1,54 @@
-"""Atomic, resumable checkpoints: a directory per step, written aside and renamed into place.
+"""Crash-safe, resumable checkpoints: a directory per step, written aside, verified, renamed.
 
 A checkpoint directory ``step_000120/`` holds one ``<name>.safetensors`` file per group of arrays
-(policy trainable weights, value model, optimiser states) and ``trainer_state.json`` (counters, KL
-controller, config). It is first written to a hidden temporary directory next to it and then renamed,
-which is atomic on POSIX file systems: a crash mid-write leaves a temporary directory that is ignored
-(and cleaned up), never a checkpoint that loads wrong.
+(trainable weights, optimiser states), ``trainer_state.json`` (counters, history, config) and,
+written last, ``manifest.json``: every other file with its size and SHA-256. The guarantees:
+
+* **Written aside, then renamed.** Everything goes to a hidden ``.tmp-step_*`` directory, is
+  fsynced, and the directory is renamed into place (atomic on POSIX file systems). A crash
+  mid-write leaves only the hidden directory, which the next save removes.
+* **Listed only when complete.** A ``step_*`` directory counts as a checkpoint only if its
+  manifest is there and every file has the size the manifest says; :meth:`CheckpointManager.load`
+  also checks every checksum before reading, and names the damaged file otherwise.
+* **Removed by renaming first.** Pruning (and replacing a step) renames the old directory to a
+  hidden ``.trash-*`` name before deleting it, so a kill during deletion never leaves a half-deleted
+  checkpoint in the listing; leftovers are removed by the next save.
+* **A full disk is named.** A failed write removes its temporary directory and raises
+  :class:`CheckpointWriteError` naming the path, the free space and the space needed; the
+  previous checkpoints are untouched, so the run resumes once space is freed.
+
+:func:`atomic_directory` gives the same write-aside-and-rename to a final model directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+logger = logging.getLogger("ppo_mlx")
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+_MANIFEST_FORMAT = 1
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint or model directory could not be written (e.g. the disk is full); the
+    message names the path and the space it needed. Nothing half-written is left behind."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -36,6 +62,125 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_failure(
+    path: Path, err: BaseException, needed: int | None = None
+) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` for a failed write under ``path``: what failed, the free
+    space on its file system and (when known) the space the write needed."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = f", and it needs about {needed / 2**20:.1f} MB" if needed is not None else ""
+    return CheckpointWriteError(
+        f"could not write {path} ({type(err).__name__}: {err}). The file system has "
+        f"{free / 2**20:.1f} MB free{need}: free some space (or point output_dir elsewhere) and "
+        "resume with --resume latest; earlier checkpoints are intact"
+    )
+
+
+def remove_leftovers(root: Path, name_pattern: str = "*") -> None:
+    """Delete hidden ``.tmp-<name>-*`` / ``.trash-<name>-*`` directories under ``root`` that
+    crashed or killed writes left (this process's own in-flight ones are never there when this
+    runs)."""
+    if not root.is_dir():
+        return
+    for prefix in (".tmp-", ".trash-"):
+        for leftover in root.glob(f"{prefix}{name_pattern}"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _replace_directory(tmp: Path, final: Path) -> None:
+    """Put the complete directory ``tmp`` at ``final``, replacing what is there: the old one is
+    renamed out of the way first, so ``final`` is at every moment either the old or the new
+    directory, complete."""
+    _fsync_dir(tmp)
+    if final.exists():
+        trash = final.parent / f".trash-{final.name}-{os.getpid()}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        final.rename(trash)
+        tmp.rename(final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(final.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_file(Path(dirpath) / name)
+        _fsync_dir(Path(dirpath))
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Write a directory (a final model, an export) all or nothing.
+
+    Yields a hidden temporary sibling to write into; when the block ends without an error its
+    files are fsynced and it replaces ``path`` in one rename (an existing ``path`` stays complete
+    until that moment). On an error the temporary directory is removed and the error re-raised
+    (an ``OSError`` as a :class:`CheckpointWriteError` naming the path and the free space).
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(final.parent, f"{final.name}-*")
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _replace_directory(tmp, final)
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, CheckpointWriteError):
+            raise
+        raise write_failure(final, err) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a checkpoint directory, or None if it has none (or an unreadable one)."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) and "files" in manifest else None
+
+
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> str | None:
+    """What is wrong with the checkpoint directory ``path``, or None if it is complete: every
+    file of its manifest present with its size (and, with ``checksums``, its SHA-256)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        return f"it has no readable {MANIFEST_FILE} (written last: the write did not finish)"
+    for name, entry in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {entry['bytes']}"
+        if checksums and _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
 
 
 class CheckpointManager:
@@ -54,15 +199,15 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints (manifest present, every file of the right size), oldest first."""
         if not self.root.is_dir():
             return []
         found = [
             (int(m.group(1)), p)
             for p in self.root.iterdir()
-            if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+            if (m := _STEP_DIR.match(p.name)) and p.is_dir()
         ]
-        return [p for _, p in sorted(found)]
+        return [p for _, p in sorted(found) if verify_checkpoint(p, checksums=False) is None]
 
     def latest(self) -> Path | None:
         """The most recent complete checkpoint, or None."""
@@ -70,52 +215,73 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def resolve(self, path_or_latest: str | Path) -> Path:
-        """A checkpoint directory from a path, or from ``"latest"`` (the newest under ``root``)."""
+        """A complete checkpoint directory from a path, or from ``"latest"`` (the newest
+        complete one under ``root``).
+
+        Raises:
+            FileNotFoundError: no checkpoint there, or an incomplete or damaged one (named).
+        """
         if str(path_or_latest) == "latest":
             latest = self.latest()
             if latest is None:
                 raise FileNotFoundError(
-                    f"resume_from='latest' but there is no checkpoint under {self.root}: "
-                    "start without resume_from, or point it at a checkpoint directory"
+                    f"resume_from='latest' but there is no complete checkpoint under "
+                    f"{self.root}: start without resume_from, or point it at a checkpoint "
+                    "directory"
                 )
             return latest
         path = Path(path_or_latest)
-        if not (path / STATE_FILE).is_file():
+        if not (path / STATE_FILE).is_file() and read_manifest(path) is None:
             raise FileNotFoundError(
                 f"{path} is not a checkpoint directory (no {STATE_FILE}); checkpoints are the "
                 f"step_NNNNNN directories under <output_dir>/checkpoints"
+            )
+        problem = verify_checkpoint(path, checksums=False)
+        if problem is not None:
+            raise FileNotFoundError(
+                f"checkpoint {path} is incomplete: {problem}. Resume from another one: "
+                f"{[str(p) for p in self.checkpoints()] or 'none is complete'}"
             )
         return path
 
     def save(
         self, step: int, arrays: dict[str, dict[str, mx.array]], state: dict[str, Any]
     ) -> Path:
-        """Write a checkpoint for ``step`` atomically and prune old ones; returns its directory.
+        """Write a checkpoint for ``step`` (see the module doc) and prune old ones; returns its
+        directory.
 
-        ``arrays`` maps a file stem to a flat ``{name: array}`` dict; ``state`` must be JSON-serialisable.
+        ``arrays`` maps a file stem to a flat ``{name: array}`` dict; ``state`` must be
+        JSON-serialisable.
+
+        Raises:
+            CheckpointWriteError: the write failed (e.g. a full disk); nothing of it is left.
         """
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.root)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        for stem, group in arrays.items():
-            file = tmp / f"{stem}.safetensors"
-            mx.save_safetensors(str(file), group)
-            _fsync_file(file)
-        state_file = tmp / STATE_FILE
-        state_file.write_text(json.dumps(state, indent=1, sort_keys=True))
-        _fsync_file(state_file)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving the same step (e.g. interrupt right after a periodic save)
-            trash = self.root / f".trash-{final.name}-{os.getpid()}"
-            final.rename(trash)
-            tmp.rename(final)
-            shutil.rmtree(trash)
-        else:
-            tmp.rename(final)
-        _fsync_dir(self.root)
+        state_text = json.dumps(state, indent=1, sort_keys=True)
+        needed = sum(a.nbytes for group in arrays.values() for a in group.values())
+        needed += len(state_text)
+        try:
+            tmp.mkdir()
+            files: dict[str, dict[str, Any]] = {}
+            for stem, group in arrays.items():
+                file = tmp / f"{stem}.safetensors"
+                mx.save_safetensors(str(file), group)
+                _fsync_file(file)
+                files[file.name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+            state_file = tmp / STATE_FILE
+            state_file.write_text(state_text)
+            _fsync_file(state_file)
+            files[STATE_FILE] = {"bytes": state_file.stat().st_size, "sha256": _sha256(state_file)}
+            manifest = {"format": _MANIFEST_FORMAT, "step": step, "files": files}
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            _fsync_file(tmp / MANIFEST_FILE)
+            _replace_directory(tmp, final)
+        except (OSError, RuntimeError) as err:  # MLX reports a failed write as RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_failure(final, err, needed) from None
         self._prune()
         return final
 
@@ -126,23 +292,35 @@ class CheckpointManager:
 
     @staticmethod
     def load(path: str | Path) -> tuple[dict[str, dict[str, mx.array]], dict[str, Any]]:
-        """Read a checkpoint directory written by :meth:`save`."""
+        """Read a checkpoint directory written by :meth:`save`, after checking every file
+        against the manifest.
+
+        Raises:
+            ValueError: the checkpoint is incomplete or damaged (the file is named).
+        """
         path = Path(path)
+        problem = verify_checkpoint(path, checksums=True)
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint {path} cannot be resumed: {problem}. Resume from an earlier "
+                "checkpoint (the step_NNNNNN directories next to it)"
+            )
         state = json.loads((path / STATE_FILE).read_text())
         arrays: dict[str, dict[str, mx.array]] = {}
-        for file in path.glob("*.safetensors"):
+        for file in sorted(path.glob("*.safetensors")):
             loaded = mx.load(str(file))
             assert isinstance(loaded, dict)
             arrays[file.stem] = loaded
         return arrays, state
 
     def _prune(self) -> None:
-        for leftover in self.root.glob(".tmp-*"):
-            if not leftover.name.endswith(f"-{os.getpid()}"):
-                shutil.rmtree(leftover, ignore_errors=True)
-        if self.keep_last:
-            for old in self.checkpoints()[: -self.keep_last]:
-                shutil.rmtree(old)
+        if not self.keep_last:
+            return
+        for old in self.checkpoints()[: -self.keep_last]:
+            # Out of the listing first, then deleted: a kill in between leaves only a leftover.
+            trash = self.root / f".trash-{old.name}-{os.getpid()}"
+            old.rename(trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def save_training_state(
@@ -173,7 +351,9 @@ def load_training_state(
     place); returns the JSON state.
 
     Raises:
-        ValueError: the checkpoint lacks one of ``models`` (a checkpoint of another run kind).
+        ValueError: the checkpoint is damaged, lacks one of ``models`` or an optimiser state, or
+            its arrays do not match the models' trainable parameters (names and shapes: a run
+            with other LoRA settings or another value model).
     """
     arrays, state = CheckpointManager.load(path)
     for name, model in models.items():
@@ -182,11 +362,34 @@ def load_training_state(
                 f"checkpoint {path} holds no {name!r} weights (it has {sorted(arrays)}): it was "
                 "written by another kind of run"
             )
+        trainable = cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters()))
+        expected = {k: tuple(v.shape) for k, v in trainable}
+        saved = {k: tuple(v.shape) for k, v in arrays[name].items()}
+        if saved != expected:
+            missing = sorted(expected.keys() - saved.keys())[:3]
+            extra = sorted(saved.keys() - expected.keys())[:3]
+            shapes = [
+                f"{k}: saved {saved[k]}, now {expected[k]}"
+                for k in sorted(saved.keys() & expected.keys())
+                if saved[k] != expected[k]
+            ][:3]
+            raise ValueError(
+                f"checkpoint {path}: its {name!r} weights do not match this run's trainable "
+                f"parameters (missing {missing}, unexpected {extra}, shapes {shapes}); resume "
+                "with the settings the run was started with (LoRA rank, layers and keys, the "
+                "models)"
+            )
         model.load_weights(list(arrays[name].items()), strict=False)
         mx.eval(model.parameters())
     for name, opt in optimizers.items():
-        if opt is not None and name in arrays:
-            opt.state = tree_unflatten(list(arrays[name].items()))
+        if opt is None:
+            continue
+        if name not in arrays:
+            raise ValueError(
+                f"checkpoint {path} holds no {name!r} state: resuming would restart the "
+                "optimiser (moments, step count and schedule); resume from a complete checkpoint"
+            )
+        opt.state = tree_unflatten(list(arrays[name].items()))
     return state
 
 

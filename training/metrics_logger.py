@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal, Sequence
+
+logger = logging.getLogger("ppo_mlx")
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
@@ -49,11 +53,13 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        if resume_step is None:
-            self.path.write_text("")
-        else:
+        kept = []
+        if resume_step is not None:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        # Replaced in one rename: a kill here leaves the old file or the new one, whole.
+        tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
         self._tb: Any = None
         self._wandb: Any = None
         if log_with == "tensorboard":
@@ -74,8 +80,14 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step's scalar metrics (non-scalars such as sample lists go to JSONL only)."""
         record = {"step": step, **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+        except OSError as err:
+            from training.checkpoint import write_failure
+
+            raise write_failure(self.path, err, len(line)) from None
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self._tb is not None:
             for key, value in scalars.items():
@@ -92,11 +104,27 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics JSONL file (empty if it does not exist)."""
+    """The records of a metrics JSONL file (empty if it does not exist).
+
+    A last line cut short (a kill while it was written) is dropped with a warning; a damaged
+    line before the last raises ``ValueError`` naming it.
+    """
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for index, (lineno, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if index == len(lines) - 1:
+                logger.warning(
+                    "%s:%d: dropped a partly written last line (%s)", path, lineno, err.msg
+                )
+                break
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
+    return records
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], out_path: str | Path) -> Path:

@@ -35,6 +35,7 @@ from training.data import (
     load_preference_data,
     tokenize_preferences,
 )
+from training.checkpoint import atomic_directory
 from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
@@ -177,7 +178,9 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
     def save_pretrained(self, path: str | Path) -> Path:
         """The one-label ``*ForSequenceClassification`` layout with the tokenizer, which
         ``RewardModel.from_pretrained`` and ``ValueModel.from_pretrained`` load."""
-        return self.reward_model.save_pretrained(path, tokenizer=self.tokenizer)
+        with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
+            self.reward_model.save_pretrained(tmp, tokenizer=self.tokenizer)
+        return Path(path)
 
     def _resume_keys(self) -> tuple[str, ...]:
         return ("head_init",)

@@ -29,6 +29,7 @@ from base_setup.lora_setup import LoraSettings
 from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from training.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
+from training.checkpoint import atomic_directory
 from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
@@ -142,7 +143,9 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
     def save_pretrained(self, path: str | Path) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that
         ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read: PPO's policy and reference."""
-        return self.policy.save_pretrained(path, merged=True)
+        with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
+            self.policy.save_pretrained(tmp, merged=True)
+        return Path(path)
 
     def _resume_keys(self) -> tuple[str, ...]:
         return ("use_lora", "lora_r", "lora_layers", "lora_keys")
