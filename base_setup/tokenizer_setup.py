@@ -40,6 +40,16 @@ PAD_TOKEN_CANDIDATES: tuple[str, ...] = (
     "<|padding|>",
     "<|finetune_right_pad_id|>",
 )
+#: Files that hold a tokenizer (fast, SentencePiece, BPE or WordPiece formats).
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "tiktoken.model",
+    "spiece.model",
+    "qwen.tiktoken",
+)
 # Text of the probe assistant turn that end_of_turn_token_id renders; any text works that the
 # template leaves alone and that cannot merge with the tokens after it.
 _TURN_PROBE = "Probe of the end of a turn 7"
@@ -158,7 +168,8 @@ def load_tokenizer(path: str | Path) -> Any:
     ``vocab_size`` from config.json. Returns an mlx-lm ``TokenizerWrapper``.
 
     Raises:
-        FileNotFoundError: ``path`` is not a directory with a config.json.
+        FileNotFoundError: ``path`` is not a directory with a config.json, or it has no
+            tokenizer files (transformers would otherwise build a one-token tokenizer).
         ValueError: no pad or EOS token (see :func:`ensure_pad_token`).
     """
     from mlx_lm.utils import load_config
@@ -169,6 +180,13 @@ def load_tokenizer(path: str | Path) -> Any:
         raise FileNotFoundError(
             f"no model directory with a config.json at {model_path}; pass the directory of a "
             "Hugging Face or mlx-lm checkpoint"
+        )
+    present = [name for name in TOKENIZER_FILES if (model_path / name).is_file()]
+    if not present:
+        raise FileNotFoundError(
+            f"{model_path} has no tokenizer files (one of {list(TOKENIZER_FILES)}): copy the "
+            "tokenizer of the model it came from into it (e.g. "
+            "AutoTokenizer.from_pretrained(<base>).save_pretrained(<dir>))"
         )
     config = load_config(model_path)
     tokenizer = _mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))

@@ -482,3 +482,16 @@ def test_logits_at_positions_equal_the_full_forward(tiny_model_dir: Path) -> Non
         np.array(lm_logits_at(scaled, tokens, positions)), 2.0 * want, rtol=1e-5, atol=1e-5
     )
     assert scaled.__dict__["_ppo_mlx_split_head_ok"] is False  # checked once, then kept
+
+
+def test_a_model_folder_without_tokenizer_files_is_named(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, bare / name)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        PolicyModel.from_pretrained(bare)
