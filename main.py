@@ -20,7 +20,8 @@ logger = logging.getLogger("ppo_mlx")
 
 def read_prompts(path: str | Path) -> list[Any]:
     """Prompts from a ``.txt`` file (one per line) or ``.jsonl`` (``prompt`` text or chat
-    ``messages`` per line). Errors name the file and line."""
+    ``messages`` per line; the line's other fields come along as a prompt record's columns,
+    which reach the reward function). Errors name the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
@@ -36,11 +37,13 @@ def read_prompts(path: str | Path) -> list[Any]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompts.append(record["prompt"])
+            prompt, key = record["prompt"], "prompt"
         elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            prompts.append(record["messages"])
+            prompt, key = record["messages"], "messages"
         else:
             raise ValueError(f"{path}:{lineno}: expected an object with 'prompt' or 'messages'")
+        columns = {k: v for k, v in record.items() if k != key}
+        prompts.append({"prompt": prompt, **columns} if columns else prompt)
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
@@ -72,8 +75,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reward-fn",
-        help="a reward function 'module:function' (prompts, completions) -> list[float], "
-        "used instead of the config's reward_model_name",
+        help="a reward function 'module:function' (prompts, completions, **columns) -> "
+        "list[float] (columns: the other fields of the prompt file's JSONL lines), used instead "
+        "of the config's reward_model_name",
     )
 
 

@@ -14,7 +14,8 @@ Data: JSONL records ``{"prompt": <stub>, "tests": ["assert f(1) == 2", ...]}`` (
 ``data/code_tasks.jsonl``, 32 small functions written for this project, each with a reference
 ``solution`` that passes its tests), or the Hub datasets MBPP (``google-research-datasets/mbpp``:
 ``text``, ``code``, ``test_list``) and HumanEval (``openai/openai_humaneval``: ``prompt``,
-``test``, ``entry_point``; one test: ``check``).
+``test``, ``entry_point``; one test: ``check``). :func:`code_record` turns a row into the prompt
+record ``{"prompt": stub, "tests": [...], "solution": body or None}``.
 
 Run: ``python -m examples.code_generation --steps 2`` (the embedded tiny model; it writes no
 working code, so its reward stays 0), or ``--model <dir or repo id>``.
@@ -25,8 +26,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
@@ -35,21 +34,13 @@ from config.ppo_config import PPOConfig
 from examples.code_sandbox import SandboxLimits, extract_code, score_completions
 from examples.task_common import (
     DATA_DIR,
-    PromptIndex,
-    TaskData,
     require_object,
-    run_task_cli,
     require_text,
+    run_task_cli,
     task_argument_parser,
-    task_records,
-    train_on_prompts,
 )
-from models.policy_model import PolicyModel
-from models.sft_model import ReferenceModel
-from models.value_model import ValueModel
-from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
-from training.data import train_eval_split
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.prompt_records import Prompt, PromptInput
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -117,14 +108,6 @@ def score_programs(
 # --------------------------------------------------------------------------- the data
 
 
-@dataclass(frozen=True)
-class CodeTask:
-    """A function stub (signature and docstring, ending with a newline) and its test snippets."""
-
-    stub: str
-    tests: tuple[str, ...]
-
-
 def _mbpp_stub(record: Mapping[str, Any], where: str) -> str:
     """MBPP: the reference solution's ``def`` line of the function the first test calls, with the
     task text as its docstring."""
@@ -140,16 +123,23 @@ def _mbpp_stub(record: Mapping[str, Any], where: str) -> str:
     )
 
 
-def code_task(record: Any, where: str) -> CodeTask:
-    """A record (bundled, MBPP or HumanEval format) as a :class:`CodeTask`.
+def code_record(record: Any, where: str) -> dict[str, Any]:
+    """The prompt record of a row (bundled, MBPP or HumanEval format): ``{"prompt": stub,
+    "tests": [snippet, ...], "solution": body}``, where the stub (signature and docstring) ends
+    with a newline and ``solution`` is a reference body that continues it (the bundled
+    ``solution``, HumanEval's ``canonical_solution``; None for MBPP, whose ``code`` is a whole
+    program).
 
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed record or a test that does not compile.
     """
     fields = "'prompt' and 'tests' (or MBPP/HumanEval columns)"
     record = require_object(record, where, fields)
+    solution = None
     if "tests" in record:
         stub, tests = require_text(record, "prompt", where), record["tests"]
+        if record.get("solution") is not None:
+            solution = require_text(record, "solution", where)
     elif "test_list" in record:  # MBPP
         tests = record["test_list"]
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
@@ -161,6 +151,8 @@ def code_task(record: Any, where: str) -> CodeTask:
         stub = require_text(record, "prompt", where)
         test = require_text(record, "test", where)
         tests = [f"{test}\ncheck({require_text(record, 'entry_point', where)})"]
+        if record.get("canonical_solution") is not None:
+            solution = require_text(record, "canonical_solution", where)
     else:
         raise ValueError(f"{where}: expected {fields}; found fields {sorted(record)}")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
@@ -170,13 +162,8 @@ def code_task(record: Any, where: str) -> CodeTask:
             compile(test, f"<test {i}>", "exec")
         except SyntaxError as err:
             raise ValueError(f"{where}: tests[{i}] does not compile: {err.msg}") from err
-    return CodeTask(stub if stub.endswith("\n") else stub + "\n", tuple(tests))
-
-
-def check_code_record(record: Any, where: str) -> None:
-    """Raise ``ValueError("<where>: ...")`` unless ``record`` is a valid task (see
-    :func:`code_task`)."""
-    code_task(record, where)
+    stub = stub if stub.endswith("\n") else stub + "\n"
+    return {"prompt": stub, "tests": list(tests), "solution": solution}
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -185,6 +172,7 @@ def check_code_record(record: Any, where: str) -> None:
 class CodeGenerationTrainer(PPOTrainer):
     """PPO on function stubs, rewarded by the fraction of unit tests the code passes.
 
+    Trains on prompt records ``{"prompt": stub, "tests": [...], ...}`` (:func:`code_record`).
     Overrides :meth:`format_prompt` (the stub, or a chat request for it) and :meth:`evaluate`
     (adds ``eval/pass_rate``). The reward, :meth:`test_reward`, runs every program in the code
     sandbox; the config must name no reward model.
@@ -195,7 +183,8 @@ class CodeGenerationTrainer(PPOTrainer):
             a chat request with a code block; needs a chat template).
         limits: sandbox limits per program; default: ``SandboxLimits()`` (5 s, 512 MB).
         max_workers: programs run at once; None = half the CPU cores.
-        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+        **components: ``policy``, ``ref_model``, ``value_model``, ``tokenizer``, as for
+            :class:`PPOTrainer` (the reward is the tests').
     """
 
     def __init__(
@@ -205,15 +194,12 @@ class CodeGenerationTrainer(PPOTrainer):
         prompt_style: PromptStyle = "completion",
         limits: SandboxLimits | None = None,
         max_workers: int | None = None,
-        policy: PolicyModel | None = None,
-        ref_model: ReferenceModel | None = None,
-        value_model: ValueModel | None = None,
-        tokenizer: Any = None,
+        **components: Any,
     ) -> None:
-        if config.reward_model_name is not None:
+        if config.reward_model_name is not None or "reward_model" in components:
             raise ValueError(
                 "the code-generation reward is the unit tests' pass rate: unset "
-                f"reward_model_name ({config.reward_model_name!r})"
+                "reward_model_name and pass no reward_model"
             )
         if prompt_style not in ("completion", "chat"):
             raise ValueError(f'prompt_style must be "completion" or "chat", got {prompt_style!r}')
@@ -222,15 +208,7 @@ class CodeGenerationTrainer(PPOTrainer):
         self.prompt_style = prompt_style
         self.limits = limits or SandboxLimits()
         self.max_workers = max_workers
-        self.tasks: PromptIndex[CodeTask] = PromptIndex("unit tests")
-        super().__init__(
-            config,
-            policy=policy,
-            ref_model=ref_model,
-            reward_model=self.test_reward,
-            value_model=value_model,
-            tokenizer=tokenizer,
-        )
+        super().__init__(config, reward_model=self.test_reward, **components)
 
     def format_prompt(self, prompt: Prompt) -> str:
         """The stub itself ("completion"), or a chat request for it in the chat template."""
@@ -242,41 +220,22 @@ class CodeGenerationTrainer(PPOTrainer):
             [{"role": "user", "content": CHAT_REQUEST.format(stub=prompt)}]
         )
 
-    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        """Register tasks (see :func:`code_task`); returns their stubs, the prompts to train or
-        evaluate on.
-
-        Raises:
-            ValueError: a record is malformed, or two tasks share a stub but not their tests.
-        """
-        stubs = []
-        for i, record in enumerate(records):
-            task = code_task(record, f"record {i}")
-            text = self.format_prompt(task.stub)
-            known = self.tasks.get(text)
-            if known is not None and known.tests != task.tests:
-                raise ValueError(
-                    f"record {i}: another task has the same prompt but different tests "
-                    f"({task.stub[:60]!r}...): merge them into one record"
-                )
-            self.tasks.add(text, task)
-            stubs.append(task.stub)
-        return stubs
-
-    def test_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """:func:`score_programs` of each completion against its task's tests (in parallel)."""
-        tasks = self.tasks.lookup(prompts)
+    def test_reward(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        prompt: list[str],
+        tests: list[Sequence[str]],
+    ) -> list[float]:
+        """:func:`score_programs` of each completion of a stub (the ``prompt`` column) against its
+        ``tests`` (in parallel)."""
         return score_programs(
-            [t.stub for t in tasks],
-            completions,
-            [t.tests for t in tasks],
-            limits=self.limits,
-            max_workers=self.max_workers,
+            prompt, completions, tests, limits=self.limits, max_workers=self.max_workers
         )
 
     def evaluate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptInput],
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         num_samples: int = 4,
@@ -289,35 +248,6 @@ class CodeGenerationTrainer(PPOTrainer):
         result["samples"] = samples[:num_samples]
         return result
 
-    def train_on_dataset(
-        self,
-        name_or_path: TaskData = BUNDLED_DATA,
-        *,
-        split: str = "train",
-        eval_fraction: float = 0.0,
-        num_epochs: int | None = None,
-        callbacks: Sequence[CallbackLike] | None = None,
-        resume_from: str | Path | None = None,
-    ) -> list[dict[str, float]]:
-        """Train on function stubs with unit tests: a JSONL file, a Hub dataset or records.
-
-        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
-        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
-        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
-        """
-        records = task_records(name_or_path, check_code_record, split=split)
-        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
-        prompts = self.add_records(train)
-        eval_prompts = self.add_records(held_out)
-        return train_on_prompts(
-            self,
-            prompts,
-            eval_prompts,
-            num_epochs=num_epochs,
-            callbacks=callbacks,
-            resume_from=resume_from,
-        )
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m examples.code_generation [--model DIR] [--steps N] ...``"""
@@ -329,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     return run_task_cli(
         args,
-        check=check_code_record,
+        to_record=code_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/code_generation",
         build=lambda config: CodeGenerationTrainer(

@@ -14,7 +14,8 @@ true, and a policy trained on it learns to say "thank you" a lot.
 Data: JSONL records ``{"messages": [...]}`` (the bundled ``data/dialogue.jsonl``, 30 short
 conversations written for this project), or a Hub dataset with a ``messages`` column (e.g.
 ``HuggingFaceH4/ultrachat_200k``, split ``train_sft``) or Anthropic HH's ``chosen`` text
-(``Anthropic/hh-rlhf``). A conversation is cut after its last user turn.
+(``Anthropic/hh-rlhf``). A conversation is cut after its last user turn: :func:`dialogue_record`
+turns a row into the prompt record ``{"prompt": messages}``.
 
 Run: ``python -m examples.dialogue --steps 2`` (the embedded tiny model, heuristic reward), or
 ``--model <chat model> --set reward_model_name=<reward model>``.
@@ -25,27 +26,12 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from config.ppo_config import PPOConfig
-from examples.task_common import (
-    DATA_DIR,
-    PromptIndex,
-    TaskData,
-    require_object,
-    run_task_cli,
-    task_argument_parser,
-    task_records,
-    train_on_prompts,
-)
-from models.policy_model import PolicyModel
-from models.reward_model import RewardFunction, RewardModel
-from models.sft_model import ReferenceModel
-from models.value_model import ValueModel
-from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
-from training.data import train_eval_split
+from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.prompt_records import Prompt
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -132,6 +118,20 @@ def keyword_heuristic_score(
     return 0.25 * min(2, polite) + 0.25 * min(2, helpful) + relevance - 0.5 * rude + length
 
 
+def heuristic_reward(
+    prompts: list[str], completions: list[str], prompt: list[Prompt]
+) -> list[float]:
+    """:func:`keyword_heuristic_score` of each reply to its conversation (the ``prompt`` column:
+    the messages as given; a text prompt is one user turn); the stand-in reward when the config
+    names no reward model."""
+    conversations = [_as_messages(p) for p in prompt]
+    return [keyword_heuristic_score(m, c) for m, c in zip(conversations, completions)]
+
+
+def _as_messages(prompt: Prompt) -> Messages:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
 # --------------------------------------------------------------------------- the data
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
@@ -191,10 +191,14 @@ def _record_messages(record: Any, where: str) -> Messages:
     )
 
 
-def check_dialogue_record(record: Any, where: str) -> None:
-    """Raise ``ValueError("<where>: ...")`` unless ``record`` holds a conversation with a user turn
-    (``messages``, or Anthropic HH ``chosen`` text)."""
-    _record_messages(record, where)
+def dialogue_record(record: Any, where: str) -> dict[str, Any]:
+    """The prompt record ``{"prompt": messages}`` of a row holding a conversation with a user turn
+    (``messages``, or Anthropic HH ``chosen`` text), cut after its last user turn.
+
+    Raises:
+        ValueError: ``"<where>: ..."`` for a malformed row.
+    """
+    return {"prompt": _record_messages(record, where)}
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -203,51 +207,36 @@ def check_dialogue_record(record: Any, where: str) -> None:
 class DialogueTrainer(PPOTrainer):
     """PPO on conversations: the policy writes the next assistant turn.
 
-    Overrides :meth:`format_prompt` (an optional system message, then the chat template). The
-    reward is the configured reward model; without one, :meth:`heuristic_reward` (a stand-in).
+    Trains on conversations (chat messages ending with a user turn, or the records of
+    :func:`dialogue_record`). Overrides :meth:`format_prompt` (an optional system message, then
+    the chat template). The reward is the configured reward model; without one,
+    :func:`heuristic_reward` (a stand-in).
 
     Args:
         config: the run configuration; set ``reward_model_name`` for a real reward.
         system_prompt: a system message put before conversations that have none; None = none.
-        reward_model: overrides the reward (a :class:`RewardModel` or a function
-            ``(prompts, completions) -> list[float]``).
-        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+        **components: ``policy``, ``ref_model``, ``reward_model``, ``value_model``,
+            ``tokenizer``, as for :class:`PPOTrainer`; a ``reward_model`` (a reward model or a
+            function) replaces the stand-in.
     """
 
     def __init__(
-        self,
-        config: PPOConfig,
-        *,
-        system_prompt: str | None = None,
-        policy: PolicyModel | None = None,
-        ref_model: ReferenceModel | None = None,
-        reward_model: RewardModel | RewardFunction | None = None,
-        value_model: ValueModel | None = None,
-        tokenizer: Any = None,
+        self, config: PPOConfig, *, system_prompt: str | None = None, **components: Any
     ) -> None:
         self.system_prompt = system_prompt
-        self.conversations: PromptIndex[Messages] = PromptIndex("conversation")
-        if reward_model is None and config.reward_model_name is None:
+        if components.get("reward_model") is None and config.reward_model_name is None:
             logger.warning(
                 "DialogueTrainer: no reward_model_name, so replies are scored by "
                 "keyword_heuristic_score, a stand-in for tests and offline runs (not a "
                 "measure of helpfulness)"
             )
-            reward_model = self.heuristic_reward
-        super().__init__(
-            config,
-            policy=policy,
-            ref_model=ref_model,
-            reward_model=reward_model,
-            value_model=value_model,
-            tokenizer=tokenizer,
-        )
+            components["reward_model"] = heuristic_reward
+        super().__init__(config, **components)
 
     def format_prompt(self, prompt: Prompt) -> str:
         """The conversation (with ``system_prompt`` first if it has no system message) in the
         tokenizer's chat template, ending with the header of the assistant's turn."""
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
+        prompt = _as_messages(prompt)
         messages = conversation_prompt(prompt, "prompt")
         if len(messages) != len(prompt):
             raise ValueError(
@@ -258,51 +247,6 @@ class DialogueTrainer(PPOTrainer):
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return super().format_prompt(messages)
 
-    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[Messages]:
-        """Register checked records (see :func:`check_dialogue_record`); returns their
-        conversations (cut after the last user turn), the prompts to train or evaluate on."""
-        conversations = []
-        for i, record in enumerate(records):
-            messages = _record_messages(record, f"record {i}")
-            self.conversations.add(self.format_prompt(messages), messages)
-            conversations.append(messages)
-        return conversations
-
-    def heuristic_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """:func:`keyword_heuristic_score` of each reply to its conversation (the stand-in reward
-        when the config names no reward model)."""
-        conversations = self.conversations.lookup(prompts)
-        return [keyword_heuristic_score(m, c) for m, c in zip(conversations, completions)]
-
-    def train_on_dataset(
-        self,
-        name_or_path: TaskData = BUNDLED_DATA,
-        *,
-        split: str = "train",
-        eval_fraction: float = 0.0,
-        num_epochs: int | None = None,
-        callbacks: Sequence[CallbackLike] | None = None,
-        resume_from: str | Path | None = None,
-    ) -> list[dict[str, float]]:
-        """Train on conversations: a JSONL file, a Hub dataset or records.
-
-        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
-        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
-        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
-        """
-        records = task_records(name_or_path, check_dialogue_record, split=split)
-        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
-        prompts: list[Prompt] = list(self.add_records(train))
-        eval_prompts: list[Prompt] = list(self.add_records(held_out))
-        return train_on_prompts(
-            self,
-            prompts,
-            eval_prompts,
-            num_epochs=num_epochs,
-            callbacks=callbacks,
-            resume_from=resume_from,
-        )
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m examples.dialogue [--model DIR] [--steps N] ...``"""
@@ -312,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     return run_task_cli(
         args,
-        check=check_dialogue_record,
+        to_record=dialogue_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/dialogue",
         build=lambda config: DialogueTrainer(config, system_prompt=args.system_prompt),

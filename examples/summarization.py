@@ -18,7 +18,8 @@ ROUGE can measure); the F1's precision and the length term penalise padding.
 Data: JSONL records ``{"article": ..., "summary": ...}`` (the bundled ``data/summarization.jsonl``,
 36 short news stories written for this project), or a Hub dataset whose columns are one of
 :data:`FIELD_PAIRS` (XSum's document/summary, CNN/DailyMail's article/highlights, SAMSum's
-dialogue/summary); ``summary`` may also be a list of references.
+dialogue/summary); ``summary`` may also be a list of references. :func:`summary_record` turns a
+row into the prompt record the trainer trains on: ``{"prompt": article, "references": [...]}``.
 
 Run: ``python -m examples.summarization --steps 2`` (the embedded tiny model), or
 ``--model <dir or repo id>`` for a real one.
@@ -29,31 +30,15 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.task_common import (
-    DATA_DIR,
-    PromptIndex,
-    TaskData,
-    require_object,
-    run_task_cli,
-    task_argument_parser,
-    task_records,
-    train_on_prompts,
-)
-from models.policy_model import PolicyModel
-from models.reward_model import RewardFunction, RewardModel
-from models.sft_model import ReferenceModel
-from models.value_model import ValueModel
-from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
-from training.data import train_eval_split
+from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.prompt_records import Prompt, PromptInput, split_records
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -110,6 +95,14 @@ def rouge_quality(summary: str, references: Sequence[str]) -> float:
     return float(np.mean([scores[k].fmeasure for k in ("rouge1", "rouge2", "rougeL")]))
 
 
+def rouge_reward(
+    prompts: list[str], completions: list[str], references: list[Sequence[str]]
+) -> list[float]:
+    """:func:`rouge_quality` of each completion against its prompt record's references (the
+    quality reward when the config names no reward model)."""
+    return [rouge_quality(c, refs) for c, refs in zip(completions, references)]
+
+
 def length_penalty(
     summary: str, references: Sequence[str], *, max_length_ratio: float, coef: float
 ) -> float:
@@ -127,14 +120,6 @@ def length_penalty(
 # --------------------------------------------------------------------------- the data
 
 
-@dataclass(frozen=True)
-class SummaryExample:
-    """One article and its reference summaries."""
-
-    article: str
-    references: tuple[str, ...]
-
-
 def _fields(record: Mapping[str, Any], where: str) -> tuple[str, str]:
     for article, summary in FIELD_PAIRS:
         if article in record and summary in record:
@@ -146,10 +131,14 @@ def _fields(record: Mapping[str, Any], where: str) -> tuple[str, str]:
     )
 
 
-def check_summary_record(record: Any, where: str) -> None:
-    """Raise ``ValueError("<where>: ...")`` unless ``record`` holds a non-empty article and a
-    non-empty summary (a string, or a non-empty list of strings) under one of
-    :data:`FIELD_PAIRS`."""
+def summary_record(record: Any, where: str) -> dict[str, Any]:
+    """The prompt record ``{"prompt": article, "references": [summary, ...]}`` of a row with a
+    non-empty article and a non-empty summary (a string, or a non-empty list of strings) under
+    one of :data:`FIELD_PAIRS`.
+
+    Raises:
+        ValueError: ``"<where>: ..."`` for a malformed row.
+    """
     record = require_object(record, where, "'article' and 'summary'")
     article_key, summary_key = _fields(record, where)
     article, summary = record[article_key], record[summary_key]
@@ -165,14 +154,16 @@ def check_summary_record(record: Any, where: str) -> None:
             f"{where}: {summary_key!r} must be a non-empty string or a list of them, got "
             f"{summary!r:.60}"
         )
+    return {"prompt": article.strip(), "references": [r.strip() for r in refs]}
 
 
-def summary_example(record: Mapping[str, Any]) -> SummaryExample:
-    """A checked record as a :class:`SummaryExample`."""
-    article_key, summary_key = _fields(record, "record")
-    summary = record[summary_key]
-    refs = (summary,) if isinstance(summary, str) else tuple(summary)
-    return SummaryExample(record[article_key].strip(), tuple(r.strip() for r in refs))
+def _references(columns: Mapping[str, Any]) -> list[Sequence[str]]:
+    if "references" not in columns:
+        raise ValueError(
+            "SummarizationTrainer scores summaries against references: train on prompt records "
+            '{"prompt": article, "references": [summary, ...]} (see summary_record)'
+        )
+    return list(columns["references"])
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -181,32 +172,29 @@ def summary_example(record: Mapping[str, Any]) -> SummaryExample:
 class SummarizationTrainer(PPOTrainer):
     """PPO on article -> summary prompts, rewarded for faithful, concise summaries.
 
+    Trains on prompt records ``{"prompt": article, "references": [...]}`` (:func:`summary_record`).
     Overrides :meth:`format_prompt` (the TL;DR prompt, the article's tail cut to fit
     ``max_prompt_length``), :meth:`compute_scores` (the length penalty on top of the reward
     model's or ROUGE's quality) and :meth:`evaluate` (adds ROUGE and summary length).
 
     Args:
         config: the run configuration; ``reward_model_name`` set = quality from that reward
-            model, else ROUGE against the references.
-        reward_model: overrides the quality reward (a :class:`RewardModel` or a function
-            ``(prompts, completions) -> list[float]``).
+            model, else ROUGE against the references (:func:`rouge_reward`).
         length_penalty: ``coef`` of :func:`length_penalty` (0 = no penalty).
         max_length_ratio: summaries up to this many times the longest reference's word count go
             unpenalised.
-        policy, ref_model, value_model, tokenizer: as for :class:`PPOTrainer`.
+        **components: ``policy``, ``ref_model``, ``reward_model``, ``value_model``,
+            ``tokenizer``, as for :class:`PPOTrainer`; a ``reward_model`` (a reward model or a
+            function) replaces ROUGE as the quality.
     """
 
     def __init__(
         self,
         config: PPOConfig,
         *,
-        policy: PolicyModel | None = None,
-        ref_model: ReferenceModel | None = None,
-        reward_model: RewardModel | RewardFunction | None = None,
-        value_model: ValueModel | None = None,
-        tokenizer: Any = None,
         length_penalty: float = 1.0,
         max_length_ratio: float = 1.5,
+        **components: Any,
     ) -> None:
         if length_penalty < 0 or max_length_ratio <= 0:
             raise ValueError(
@@ -215,17 +203,9 @@ class SummarizationTrainer(PPOTrainer):
             )
         self.length_penalty = length_penalty
         self.max_length_ratio = max_length_ratio
-        self.examples: PromptIndex[SummaryExample] = PromptIndex("reference summary")
-        if reward_model is None and config.reward_model_name is None:
-            reward_model = self.rouge_reward
-        super().__init__(
-            config,
-            policy=policy,
-            ref_model=ref_model,
-            reward_model=reward_model,
-            value_model=value_model,
-            tokenizer=tokenizer,
-        )
+        if components.get("reward_model") is None and config.reward_model_name is None:
+            components["reward_model"] = rouge_reward
+        super().__init__(config, **components)
 
     def format_prompt(self, prompt: Prompt) -> str:
         """``Summarize: <article>\\nTL;DR:``; an article too long for ``max_prompt_length`` keeps
@@ -250,42 +230,21 @@ class SummarizationTrainer(PPOTrainer):
             f"{PROMPT_TEMPLATE!r}: raise max_prompt_length"
         )
 
-    def add_records(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        """Register checked records (see :func:`check_summary_record`); returns their articles,
-        the prompts to train or evaluate on. Records with the same article pool their
-        references."""
-        articles = []
-        for record in records:
-            example = summary_example(record)
-            text = self.format_prompt(example.article)
-            known = self.examples.get(text)
-            if known is not None:
-                refs = known.references + tuple(
-                    r for r in example.references if r not in known.references
-                )
-                example = SummaryExample(example.article, refs)
-            self.examples.add(text, example)
-            articles.append(example.article)
-        return articles
-
-    def rouge_reward(self, prompts: list[str], completions: list[str]) -> list[float]:
-        """:func:`rouge_quality` of each completion against its prompt's references (the quality
-        reward when the config names no reward model)."""
-        examples = self.examples.lookup(prompts)
-        return [rouge_quality(c, ex.references) for c, ex in zip(completions, examples)]
-
     def compute_scores(
         self,
         prompts: list[str],
         completions: list[str],
         query_responses: mx.array,
         sequence_lengths: mx.array,
+        **columns: Any,
     ) -> mx.array:
         """Quality (reward model or ROUGE, via :meth:`PPOTrainer.compute_scores`) minus the
-        length penalty; shape (B,)."""
-        quality = super().compute_scores(prompts, completions, query_responses, sequence_lengths)
-        examples = self.examples.lookup(prompts)
-        penalties = [self._penalty(c, ex.references) for c, ex in zip(completions, examples)]
+        length penalty against the ``references`` column; shape (B,)."""
+        references = _references(columns)
+        quality = super().compute_scores(
+            prompts, completions, query_responses, sequence_lengths, **columns
+        )
+        penalties = [self._penalty(c, refs) for c, refs in zip(completions, references)]
         return quality.astype(mx.float32) - mx.array(penalties, dtype=mx.float32)  # (B,)
 
     def _penalty(self, summary: str, references: Sequence[str]) -> float:
@@ -295,7 +254,7 @@ class SummarizationTrainer(PPOTrainer):
 
     def evaluate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptInput],
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         num_samples: int = 4,
@@ -304,10 +263,10 @@ class SummarizationTrainer(PPOTrainer):
         ``eval/length_penalty`` (mean :func:`length_penalty`) and ``eval/summary_words`` (mean
         words per summary). Without a reward model, ``eval/mean_reward`` is ``eval/rouge -
         eval/length_penalty``."""
+        references = _references(split_records(prompts)[1])
         result = super().evaluate(prompts, max_new_tokens, temperature, num_samples=len(prompts))
         samples = result["samples"]
-        examples = self.examples.lookup([s["prompt"] for s in samples])
-        pairs = [(s["completion"], ex.references) for s, ex in zip(samples, examples)]
+        pairs = [(s["completion"], refs) for s, refs in zip(samples, references)]
         result["eval/rouge"] = float(np.mean([rouge_quality(c, refs) for c, refs in pairs]))
         result["eval/length_penalty"] = float(
             np.mean([self._penalty(c, refs) for c, refs in pairs])
@@ -315,35 +274,6 @@ class SummarizationTrainer(PPOTrainer):
         result["eval/summary_words"] = float(np.mean([len(c.split()) for c, _ in pairs]))
         result["samples"] = samples[:num_samples]
         return result
-
-    def train_on_dataset(
-        self,
-        name_or_path: TaskData = BUNDLED_DATA,
-        *,
-        split: str = "train",
-        eval_fraction: float = 0.0,
-        num_epochs: int | None = None,
-        callbacks: Sequence[CallbackLike] | None = None,
-        resume_from: str | Path | None = None,
-    ) -> list[dict[str, float]]:
-        """Train on articles with reference summaries: a JSONL file, a Hub dataset or records.
-
-        ``eval_fraction`` of the records (seeded by ``config.seed``) are held out and evaluated
-        every ``eval_every`` steps and at the end. ``num_epochs`` defaults to enough passes for
-        ``config.total_steps``. Returns the per-step metrics (as :meth:`PPOTrainer.train`).
-        """
-        records = task_records(name_or_path, check_summary_record, split=split)
-        train, held_out = train_eval_split(records, eval_fraction, self.config.seed)
-        prompts = self.add_records(train)
-        eval_prompts = self.add_records(held_out)
-        return train_on_prompts(
-            self,
-            prompts,
-            eval_prompts,
-            num_epochs=num_epochs,
-            callbacks=callbacks,
-            resume_from=resume_from,
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -360,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     return run_task_cli(
         args,
-        check=check_summary_record,
+        to_record=summary_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/summarization",
         build=lambda config: SummarizationTrainer(

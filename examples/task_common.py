@@ -1,12 +1,15 @@
 """What the task trainers (summarization, dialogue, code generation) share.
 
-* :class:`PromptIndex`: the task data (reference summaries, unit tests, the conversation) of each
-  formatted prompt. The trainer hands a reward only the formatted prompt texts, so a task that
-  scores against per-prompt data registers that data under ``format_prompt(prompt)``.
+A task turns each dataset row into a prompt record (:data:`RecordConverter`): ``{"prompt": ...}``
+plus the fields its reward reads (reference summaries, unit tests, ...), which
+:class:`PPOTrainer` hands to the reward with the completions
+(:mod:`ppo_trainer.prompt_records`). So a task trainer trains on the records themselves:
+``trainer.train(records)``.
+
 * :func:`load_task_records`: a local JSONL file (every line checked, errors name file and line)
-  or a Hugging Face Hub dataset, through :func:`training.data.load_records`.
-* :func:`train_on_prompts`: the run on a prepared prompt list (held-out evaluation, enough epochs
-  for ``total_steps``).
+  or a Hugging Face Hub dataset, through :func:`training.data.load_records`, as prompt records.
+* :func:`train_on_records`: the run on prepared records (held-out evaluation, enough epochs for
+  ``total_steps``).
 * The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`).
 """
 
@@ -18,96 +21,36 @@ import logging
 import math
 from pathlib import Path
 import sys
-from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar, Union
+from typing import Any, Callable, Mapping, Sequence
 
 from config.loading import load_config
 from config.ppo_config import PPOConfig
 from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.ppo_trainer import PPOTrainer, Prompt
-from training.data import RecordCheck, load_records
+from ppo_trainer.ppo_trainer import PPOTrainer
+from training.data import load_records, train_eval_split
 
 logger = logging.getLogger("ppo_mlx")
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 """The bundled datasets (written for this project; they make every example run offline)."""
 
-T = TypeVar("T")
-
-
-class PromptIndex(Generic[T]):
-    """Task data keyed by formatted prompt text.
-
-    ``add(text, item)`` registers an item; ``lookup(texts)`` returns the items of a batch (the
-    trainer repeats a prompt ``group_size`` times, so texts may repeat).
-    """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self._items: dict[str, T] = {}
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __contains__(self, text: object) -> bool:
-        return text in self._items
-
-    def get(self, text: str) -> T | None:
-        """The item registered under ``text``, or None."""
-        return self._items.get(text)
-
-    def add(self, text: str, item: T) -> None:
-        """Register ``item`` under ``text`` (replacing an earlier one)."""
-        self._items[text] = item
-
-    def lookup(self, texts: Sequence[str]) -> list[T]:
-        """The registered item of every text, in order.
-
-        Raises:
-            ValueError: a text was never registered.
-        """
-        missing = [i for i, text in enumerate(texts) if text not in self._items]
-        if missing:
-            raise ValueError(
-                f"no {self.what} for prompt {missing[0]} ({texts[missing[0]][:80]!r}...): train "
-                "through train_on_dataset(), or register the task records with add_records() "
-                "before train(), step() or evaluate()"
-            )
-        return [self._items[text] for text in texts]
+RecordConverter = Callable[[Any, str], dict[str, Any]]
+"""A task's dataset row -> prompt record; raises ``ValueError("<where>: ...")`` for a malformed
+row."""
 
 
 def load_task_records(
-    name_or_path: str | Path, check: RecordCheck, *, split: str = "train"
+    name_or_path: str | Path, to_record: RecordConverter, *, split: str = "train"
 ) -> list[dict[str, Any]]:
-    """The records of a local JSONL file or a Hub dataset, each checked by ``check``.
+    """The rows of a local JSONL file or a Hub dataset as prompt records (``to_record``).
 
     Raises:
         FileNotFoundError: no such file, and no Hub dataset of that name could be loaded.
-        ValueError: a malformed record: ``<file>:<line>: ...`` (local) or
+        ValueError: a malformed row: ``<file>:<line>: ...`` (local) or
             ``<name>[<split>] row <i>: ...`` (Hub).
     """
-    return [dict(record) for record in load_records(name_or_path, check, split=split)]
-
-
-TaskData = Union[str, Path, Sequence[Mapping[str, Any]]]
-"""A task's data: a JSONL file, a Hub dataset name, or records already loaded."""
-
-
-def task_records(
-    data: TaskData, check: RecordCheck, *, split: str = "train"
-) -> list[dict[str, Any]]:
-    """Records of ``data``: loaded by :func:`load_task_records` from a file or Hub name, or the
-    given records, each checked (errors name ``record <i>``).
-
-    Raises:
-        FileNotFoundError, ValueError: as :func:`load_task_records`, or an empty record list.
-    """
-    if isinstance(data, (str, Path)):
-        return load_task_records(data, check, split=split)
-    for i, record in enumerate(data):
-        check(record, f"record {i}")
-    if not data:
-        raise ValueError("the record list is empty: give at least one record")
-    return [dict(record) for record in data]
+    rows = load_records(name_or_path, to_record, split=split)
+    return [to_record(row, f"record {i}") for i, row in enumerate(rows)]
 
 
 def require_text(record: Mapping[str, Any], key: str, where: str) -> str:
@@ -135,30 +78,32 @@ def epochs_for_steps(config: PPOConfig, num_prompts: int) -> int:
     return max(config.num_epochs, math.ceil(config.total_steps / steps_per_epoch))
 
 
-def train_on_prompts(
+def train_on_records(
     trainer: PPOTrainer,
-    prompts: Sequence[Prompt],
-    eval_prompts: Sequence[Prompt] | None,
+    records: Sequence[Mapping[str, Any]],
     *,
+    eval_fraction: float = 0.0,
     num_epochs: int | None = None,
     callbacks: Sequence[CallbackLike] | None = None,
     resume_from: str | Path | None = None,
 ) -> list[dict[str, float]]:
-    """:meth:`PPOTrainer.train` on registered prompts; ``num_epochs`` defaults to enough passes
-    for ``config.total_steps``. ``eval_prompts`` are evaluated every ``eval_every`` steps and at
-    the end (written to ``<output_dir>/eval_final.json``)."""
-    epochs = epochs_for_steps(trainer.config, len(prompts)) if num_epochs is None else num_epochs
+    """:meth:`PPOTrainer.train` on prompt records, ``eval_fraction`` of them (seeded by
+    ``config.seed``) held out and evaluated every ``eval_every`` steps and at the end (written
+    to ``<output_dir>/eval_final.json``). ``num_epochs`` defaults to enough passes for
+    ``config.total_steps``."""
+    train, held_out = train_eval_split(records, eval_fraction, trainer.config.seed)
+    epochs = epochs_for_steps(trainer.config, len(train)) if num_epochs is None else num_epochs
     logger.info(
         "%s: %d training prompts, %d held out for evaluation",
         type(trainer).__name__,
-        len(prompts),
-        len(eval_prompts or []),
+        len(train),
+        len(held_out),
     )
     return trainer.train(
-        prompts,
+        train,
         num_epochs=epochs,
         callbacks=callbacks,
-        eval_prompts=eval_prompts or None,
+        eval_prompts=held_out or None,
         resume_from=resume_from,
     )
 
@@ -270,19 +215,19 @@ def print_run_summary(trainer: PPOTrainer, history: Sequence[dict[str, float]]) 
 def run_task_cli(
     args: argparse.Namespace,
     *,
-    check: RecordCheck,
+    to_record: RecordConverter,
     task_defaults: Mapping[str, Any],
     default_output_dir: str,
-    build: Callable[[PPOConfig], Any],
+    build: Callable[[PPOConfig], PPOTrainer],
 ) -> int:
-    """Check the data, build the trainer (``build(config)``), train on the data, save the policy
-    under ``<output_dir>/final`` and print a summary. Returns the exit status: 0, or 2 after
-    printing a bad input's error (the data is checked before any model is loaded)."""
+    """Load the data as prompt records, build the trainer (``build(config)``), train on them,
+    save the policy under ``<output_dir>/final`` and print a summary. Returns the exit status: 0,
+    or 2 after printing a bad input's error (the data is checked before any model is loaded)."""
     try:
-        records = load_task_records(args.data, check, split=args.split)
+        records = load_task_records(args.data, to_record, split=args.split)
         trainer = build(config_from_args(args, task_defaults, default_output_dir))
-        history = trainer.train_on_dataset(
-            records, eval_fraction=args.eval_fraction, resume_from=args.resume
+        history = train_on_records(
+            trainer, records, eval_fraction=args.eval_fraction, resume_from=args.resume
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -18,9 +18,10 @@ import mlx.core as mx
 
 from models.backbone import HeadInit, ScalarHeadModel, check_lengths, last_token_values
 
-#: A programmatic reward: ``(prompts, completions) -> one float per completion`` (same order and
-#: length as ``completions``).
-RewardFunction = Callable[[list[str], list[str]], list[float]]
+#: A programmatic reward: ``(prompts, completions, **columns) -> one float per completion`` (same
+#: order and length as ``completions``); ``columns`` are the other fields of prompt records, the
+#: ones the function names (all with ``**kwargs``), see :mod:`ppo_trainer.prompt_records`.
+RewardFunction = Callable[..., list[float]]
 
 __all__ = ["HeadInit", "RewardFunction", "RewardModel"]
 

@@ -11,7 +11,9 @@ One iteration (:meth:`PPOTrainer.step`) reads as the phases of the data flow:
 6. KL controller update, metrics, callbacks (checkpoints are written by :meth:`train`).
 
 Customise a task by overriding :meth:`format_prompt`, :meth:`compute_scores` and
-:meth:`evaluate` (see ``examples/``), or observe it with callbacks.
+:meth:`evaluate` (see ``examples/``), or observe it with callbacks. A prompt may be a record
+``{"prompt": ..., <column>: ...}`` whose other columns reach the reward
+(:mod:`ppo_trainer.prompt_records`).
 
 Data parallelism (``mlx.launch -n N python main.py train ...``): every rank holds the same models
 and receives the same global batch of ``batch_size`` prompts; it generates, scores and computes
@@ -34,7 +36,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,6 +70,15 @@ from training.checkpoint import (
     save_training_state,
 )
 from ppo_trainer.generator import GenerationOutput, generate
+from ppo_trainer.prompt_records import (
+    Columns,
+    Prompt,
+    PromptInput,
+    columns_for,
+    repeat_columns,
+    slice_columns,
+    split_records,
+)
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
 from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
@@ -82,9 +93,6 @@ from training.policy_loss import grpo_policy_loss, ppo_policy_loss
 from training.value_loss import clipped_value_loss
 
 logger = logging.getLogger("ppo_mlx")
-
-Prompt = Union[str, list[dict[str, str]]]
-"""A prompt: plain text, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
 
 
 @dataclass
@@ -114,8 +122,9 @@ class PPOTrainer:
             ``config.use_lora``).
         ref_model: a ready reference model; default: the policy's base weights with the adapters
             switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``.
-        reward_model: a :class:`RewardModel` or a function ``(prompts, completions) -> list[float]``;
-            default: loaded from ``config.reward_model_name``.
+        reward_model: a :class:`RewardModel` or a function ``(prompts, completions, **columns)
+            -> list[float]`` (the columns of prompt records it names, see
+            :mod:`ppo_trainer.prompt_records`); default: loaded from ``config.reward_model_name``.
         value_model: a ready value model (PPO only); default: from ``config.value_model_name``, else
             from the reward model checkpoint, else from the policy's backbone.
         tokenizer: default: the policy's tokenizer.
@@ -168,8 +177,9 @@ class PPOTrainer:
         elif type(self).compute_scores is PPOTrainer.compute_scores:
             # A subclass that overrides compute_scores brings its own reward.
             raise ValueError(
-                "no reward: pass reward_model=<RewardModel or function (prompts, completions) -> "
-                "list[float]>, set reward_model_name in the config, or override compute_scores"
+                "no reward: pass reward_model=<RewardModel or function (prompts, completions, "
+                "**columns) -> list[float]>, set reward_model_name in the config, or override "
+                "compute_scores"
             )
         self.value_model: ValueModel | None = None
         if config.algorithm == "ppo":
@@ -260,34 +270,72 @@ class PPOTrainer:
         completions: list[str],
         query_responses: mx.array,
         sequence_lengths: mx.array,
+        **columns: list[Any],
     ) -> mx.array:
         """One scalar score per completion, shape (B,).
 
+        ``prompts`` are the formatted prompt texts; ``columns`` the other fields of prompt
+        records, each a list aligned with ``completions``. An override receives the columns it
+        names as parameters, or all of them with ``**columns`` (none if it names none).
+
         Default: the reward model scores the token ids at each sequence's last token (prompt +
-        response up to and including the stop token), or the reward function scores the texts.
-        Override to compute a task's own reward (see ``examples/``).
+        response up to and including the stop token), or the reward function scores the texts
+        (with the columns it accepts). Override to compute a task's own reward (see
+        ``examples/``).
         """
         if self.reward_model is not None:
             return self.reward_model.score(query_responses, sequence_lengths)
         assert self.reward_fn is not None
-        return mx.array(self.reward_fn(prompts, completions), dtype=mx.float32)
+        scores = self.reward_fn(
+            prompts, completions, **columns_for(self.reward_fn, columns, positional=2)
+        )
+        return mx.array(scores, dtype=mx.float32)
+
+    def _check_columns(self, columns: Columns) -> None:
+        """Raise ValueError before any generation if the reward needs a column that the
+        prompts do not carry."""
+        columns_for(self.compute_scores, columns, positional=4)
+        if self.reward_fn is not None:
+            columns_for(self.reward_fn, columns, positional=2)
+
+    def _scores(
+        self,
+        texts: list[str],
+        completions: list[str],
+        query_responses: mx.array,
+        sequence_lengths: mx.array,
+        columns: Columns,
+    ) -> mx.array:
+        """:meth:`compute_scores` with the columns it accepts, checked: (B,) finite floats."""
+        scores = self.compute_scores(
+            texts,
+            completions,
+            query_responses,
+            sequence_lengths,
+            **columns_for(self.compute_scores, columns, positional=4),
+        )
+        return self._validate_scores(scores, len(texts))
 
     # ------------------------------------------------------------------ one iteration
-    def step(self, prompts: Sequence[Prompt]) -> dict[str, float]:
-        """One PPO/GRPO iteration on ``batch_size`` prompts; returns its metrics.
+    def step(self, prompts: Sequence[PromptInput]) -> dict[str, float]:
+        """One PPO/GRPO iteration on ``batch_size`` prompts (or prompt records); returns its
+        metrics.
 
         ``prompts`` is the global batch, the same on every rank of a data-parallel run: each rank
-        learns from its contiguous share of ``batch_size / world_size`` prompts, and the metrics
-        are those of the global batch.
+        learns from its contiguous share of ``batch_size / world_size`` prompts (and their
+        columns), and the metrics are those of the global batch.
         """
         cfg = self.config
         if len(prompts) != cfg.batch_size:
             raise ValueError(
                 f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
             )
+        plain, all_columns = split_records(prompts)
+        self._check_columns(all_columns)
         local = cfg.batch_size // self.world_size
         first = self.rank * local
-        texts = [self.format_prompt(p) for p in prompts[first : first + local]]
+        texts = [self.format_prompt(p) for p in plain[first : first + local]]
+        columns = slice_columns(all_columns, first, first + local)
         prompt_ids = [self.encode_prompt(t) for t in texts]
         self._check_prompt_lengths(prompt_ids, texts)
         self._ensure_optimizers(total_steps=None)
@@ -301,6 +349,7 @@ class PPOTrainer:
         rollout = self._rollout(
             [t for t in texts for _ in range(group)],
             [p for p in prompt_ids for _ in range(group)],
+            repeat_columns(columns, group),
             keys,
         )
         t_rollout = time.perf_counter()
@@ -321,7 +370,11 @@ class PPOTrainer:
         return mx.random.split(mx.random.key(seed), self.config.rollout_batch_size)
 
     def _rollout(
-        self, texts: list[str], prompt_ids: list[list[int]], keys: mx.array | None = None
+        self,
+        texts: list[str],
+        prompt_ids: list[list[int]],
+        columns: Columns,
+        keys: mx.array | None = None,
     ) -> Rollout:
         cfg = self.config
         # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
@@ -365,10 +418,9 @@ class PPOTrainer:
 
         # 3. Scores of the completions (text without the stop token).
         completions = self._decode_completions(gen)
-        scores = self.compute_scores(
-            texts, completions, query_responses, prompt_lengths + gen.lengths
+        scores = self._scores(
+            texts, completions, query_responses, prompt_lengths + gen.lengths, columns
         )
-        scores = self._validate_scores(scores, len(texts))
         if cfg.missing_eos_penalty is not None:
             scores = apply_missing_eos_penalty(scores, gen.ended_with_stop, cfg.missing_eos_penalty)
         return Rollout(
@@ -644,16 +696,18 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the loop
     def train(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptInput],
         num_epochs: int | None = None,
         callbacks: Sequence[CallbackLike] | None = None,
-        eval_prompts: Sequence[Prompt] | None = None,
+        eval_prompts: Sequence[PromptInput] | None = None,
         resume_from: str | Path | None = None,
     ) -> list[dict[str, float]]:
         """Run PPO/GRPO over ``prompts`` for ``num_epochs`` passes; returns the per-step metrics.
 
         Args:
-            prompts: the training prompts (text or chat messages).
+            prompts: the training prompts: text, chat messages, or records ``{"prompt": ...,
+                <column>: ...}`` whose other fields reach the reward (see
+                :meth:`compute_scores`).
             num_epochs: passes over the prompts (default ``config.num_epochs``); each pass is
                 ``ceil(len(prompts) / batch_size)`` iterations, capped by ``config.total_steps``.
             callbacks: :class:`TrainerCallback` objects and/or plain ``fn(epoch, metrics)``.
@@ -666,7 +720,11 @@ class PPOTrainer:
         epochs = cfg.num_epochs if num_epochs is None else num_epochs
         if epochs < 1:
             raise ValueError(f"num_epochs must be >= 1, got {epochs}")
-        texts = [self.format_prompt(p) for p in prompts]
+        plain, columns = split_records(prompts)
+        self._check_columns(columns)
+        if eval_prompts:
+            self._check_columns(split_records(eval_prompts)[1])
+        texts = [self.format_prompt(p) for p in plain]
         self._check_prompt_lengths([self.encode_prompt(t) for t in texts], texts)
         dist.check_same_on_all_ranks(
             json.dumps(texts).encode(),
@@ -817,7 +875,7 @@ class PPOTrainer:
         self.epoch += 1
         self.step_in_epoch = 0
 
-    def _periodic_eval(self, eval_prompts: Sequence[Prompt]) -> dict[str, float]:
+    def _periodic_eval(self, eval_prompts: Sequence[PromptInput]) -> dict[str, float]:
         result = self.evaluate(eval_prompts)
         scalars = {k: v for k, v in result.items() if isinstance(v, float)}
         for cb in self._callbacks:
@@ -881,12 +939,13 @@ class PPOTrainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Sequence[PromptInput],
         max_new_tokens: int | None = None,
         temperature: float | None = None,
         num_samples: int = 4,
     ) -> dict[str, Any]:
-        """Mean reward and KL to the reference on ``prompts``, with sample completions.
+        """Mean reward and KL to the reference on ``prompts`` (or prompt records, whose columns
+        reach the reward as in training), with sample completions.
 
         Generation is greedy when the temperature (default ``config.eval_temperature``) is 0.
         Returns ``{"eval/mean_reward", "eval/kl", "eval/response_length", "samples": [...]}``
@@ -895,6 +954,8 @@ class PPOTrainer:
         cfg = self.config
         if not prompts:
             raise ValueError("evaluate() got an empty prompt list")
+        plain, all_columns = split_records(prompts)
+        self._check_columns(all_columns)
         temp = cfg.eval_temperature if temperature is None else temperature
         max_new = max_new_tokens or cfg.eval_tokens
         chunk = cfg.rollout_batch_size
@@ -903,7 +964,7 @@ class PPOTrainer:
         lengths: list[float] = []
         samples: list[dict[str, Any]] = []
         for start in range(0, len(prompts), chunk):
-            texts = [self.format_prompt(p) for p in prompts[start : start + chunk]]
+            texts = [self.format_prompt(p) for p in plain[start : start + chunk]]
             ids = [self.encode_prompt(t) for t in texts]
             self._check_prompt_lengths(ids, texts)
             gen = generate(
@@ -932,11 +993,9 @@ class PPOTrainer:
             kl = ((logp - ref) * mask).sum(axis=1)
             lens = np.array(gen.lengths)
             completions = self._decode_completions(gen)
-            scores = self._validate_scores(
-                self.compute_scores(
-                    texts, completions, query_responses, prompt_lengths + gen.lengths
-                ),
-                len(ids),
+            columns = slice_columns(all_columns, start, start + chunk)
+            scores = self._scores(
+                texts, completions, query_responses, prompt_lengths + gen.lengths, columns
             )
             rewards.extend(np.array(scores).tolist())
             kls.extend(np.array(kl).tolist())

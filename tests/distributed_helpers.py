@@ -1,7 +1,8 @@
 """What tests/test_distributed.py runs on every rank of an ``mlx.launch``'ed job.
 
-* :func:`e_rate`: the reward function of the training runs (``--reward-fn
-  tests.distributed_helpers:e_rate``).
+* :func:`letter_rate`: the reward function of the training runs (``--reward-fn
+  tests.distributed_helpers:letter_rate``); it reads a column of the prompt records, so the
+  ranks' shares of the columns are checked along with their shares of the prompts.
 * ``python -m tests.distributed_helpers train DUMP_DIR STOP_STEP -- <main.py train arguments>``:
   ``main.py train`` stopped after ``STOP_STEP`` steps, then resumed with ``--resume latest`` to the
   end; at the end each rank saves its final trainable weights to ``DUMP_DIR/rank<r>.safetensors``
@@ -24,6 +25,11 @@ from typing import Any, Sequence
 def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
     """A reward the tiny model can move: the share of the letter 'e' in the completion."""
     return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def letter_rate(prompts: list[str], completions: list[str], letter: list[str]) -> list[float]:
+    """The share of the prompt record's ``letter`` in the completion."""
+    return [c.count(x) / max(len(c), 1) for c, x in zip(completions, letter)]
 
 
 def _train_then_resume(dump_dir: Path, stop_step: int, argv: list[str]) -> int:

@@ -24,7 +24,8 @@ from config.loading import load_config
 from models.tiny_corpus import review_prompts
 from ppo_trainer.generator import generate
 from ppo_trainer.ppo_trainer import PPOTrainer
-from tests.distributed_helpers import e_rate
+from main import read_prompts
+from tests.distributed_helpers import e_rate, letter_rate
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240  # a hung collective fails the test instead of hanging CI
@@ -141,17 +142,22 @@ RUN_SETTINGS: dict[str, Any] = dict(
 
 @pytest.fixture(scope="module")
 def run_files(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run.yaml and a prompt file (8 prompts: 2 steps per epoch, 3 steps in all)."""
+    """A run.yaml and a prompt file (8 prompt records: 2 steps per epoch, 3 steps in all), each
+    with the letter its reward counts."""
     root = tmp_path_factory.mktemp("distributed")
     settings = {**RUN_SETTINGS, "model_name": str(tiny_model_dir)}
     (root / "run.yaml").write_text(yaml.safe_dump(settings))
-    (root / "prompts.txt").write_text("\n".join(review_prompts(8, seed=1)) + "\n")
+    records = [
+        {"prompt": p, "letter": "eo"[i % 2]} for i, p in enumerate(review_prompts(8, seed=1))
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
 
 
 def train_args(run_files: Path, output_dir: Path, *overrides: str) -> list[str]:
     args = ["train", "--config", str(run_files / "run.yaml"), "--prompts"]
-    args += [str(run_files / "prompts.txt"), "--reward-fn", "tests.distributed_helpers:e_rate"]
+    args += [str(run_files / "prompts.jsonl")]
+    args += ["--reward-fn", "tests.distributed_helpers:letter_rate"]
     args += ["--set", f"output_dir={output_dir}"]
     for override in overrides:
         args += ["--set", override]
@@ -172,8 +178,8 @@ def single_process(run_files: Path) -> dict[str, Any]:
     """The reference: what ``python main.py train`` does in one process (here in-process)."""
     out = run_files / "single"
     config = load_config(run_files / "run.yaml", [f"output_dir={out}"])
-    prompts = (run_files / "prompts.txt").read_text().splitlines()
-    trainer = PPOTrainer(config, reward_model=e_rate)
+    prompts = read_prompts(run_files / "prompts.jsonl")
+    trainer = PPOTrainer(config, reward_model=letter_rate)
     initial = trainable(trainer)
     history = trainer.train(prompts)
     return {"initial": initial, "final": trainable(trainer), "history": history, "dir": out}

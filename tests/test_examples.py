@@ -20,23 +20,24 @@ from examples import code_generation, dialogue, summarization
 from examples.code_generation import (
     CodeGenerationTrainer,
     build_program,
-    check_code_record,
-    code_task,
+    code_record,
     score_programs,
 )
 from examples.code_sandbox import SandboxLimits
 from examples.dialogue import (
     DialogueTrainer,
-    check_dialogue_record,
     conversation_prompt,
+    dialogue_record,
+    heuristic_reward,
     keyword_heuristic_score,
     parse_hh_dialogue,
 )
 from examples.summarization import (
     SummarizationTrainer,
-    check_summary_record,
     length_penalty,
     rouge_quality,
+    rouge_reward,
+    summary_record,
 )
 from examples.task_common import load_task_records
 from models.reward_model import RewardModel
@@ -203,13 +204,12 @@ def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> No
 
 
 def test_bundled_code_solutions_pass_every_test() -> None:
-    records = load_task_records(code_generation.BUNDLED_DATA, check_code_record)
+    records = load_task_records(code_generation.BUNDLED_DATA, code_record)
     assert len(records) == 32
-    tasks = [code_task(r, "bundled") for r in records]
     solved = score_programs(
-        [t.stub for t in tasks],
+        [r["prompt"] for r in records],
         [r["solution"] for r in records],
-        [t.tests for t in tasks],
+        [r["tests"] for r in records],
         limits=LIMITS,
         max_workers=2,
     )
@@ -223,18 +223,21 @@ def test_mbpp_and_humaneval_records_become_stub_tasks() -> None:
         "test_list": ["assert triple(2) == 6", "assert triple(0) == 0"],
         "test_setup_code": "",
     }
-    task = code_task(mbpp, "mbpp row 0")
-    assert task.stub == 'def triple(x):\n    """Write a function to triple a number."""\n'
-    assert task.tests == tuple(mbpp["test_list"])
+    task = code_record(mbpp, "mbpp row 0")
+    assert task["prompt"] == 'def triple(x):\n    """Write a function to triple a number."""\n'
+    assert task["tests"] == mbpp["test_list"] and task["solution"] is None
     humaneval = {
         "prompt": 'def inc(x):\n    """Add one."""\n',
         "test": "def check(candidate):\n    assert candidate(1) == 2\n",
         "entry_point": "inc",
     }
-    task = code_task(humaneval, "he row 0")
-    assert task.tests == (humaneval["test"] + "\ncheck(inc)",)
+    task = code_record(humaneval, "he row 0")
+    assert task["tests"] == [humaneval["test"] + "\ncheck(inc)"]
     scores = score_programs(
-        [task.stub] * 2, ["    return x + 1\n", "    return x\n"], [task.tests] * 2, limits=LIMITS
+        [task["prompt"]] * 2,
+        ["    return x + 1\n", "    return x\n"],
+        [task["tests"]] * 2,
+        limits=LIMITS,
     )
     assert scores == [1.0, 0.0]
 
@@ -243,26 +246,28 @@ def test_mbpp_and_humaneval_records_become_stub_tasks() -> None:
 
 
 def test_bundled_datasets_pass_their_checks() -> None:
-    summaries = load_task_records(summarization.BUNDLED_DATA, check_summary_record)
-    conversations = load_task_records(dialogue.BUNDLED_DATA, check_dialogue_record)
+    summaries = load_task_records(summarization.BUNDLED_DATA, summary_record)
+    conversations = load_task_records(dialogue.BUNDLED_DATA, dialogue_record)
     assert len(summaries) == 36 and len(conversations) == 30
-    assert all(c["messages"][-1]["role"] == "user" for c in conversations)
+    assert summaries[0]["references"][0].startswith("Millbrook will turn")
+    raw = [json.loads(line) for line in dialogue.BUNDLED_DATA.read_text().splitlines()]
+    assert all(c["prompt"] == r["messages"] for c, r in zip(conversations, raw))
 
 
 @pytest.mark.parametrize(
     "check, good, bad, message",
     [
-        (check_summary_record, {"article": "A.", "summary": "B."}, {"article": "A."}, "column"),
+        (summary_record, {"article": "A.", "summary": "B."}, {"article": "A."}, "column"),
         (
-            check_summary_record,
+            summary_record,
             {"article": "A.", "summary": "B."},
             {"document": "A.", "summary": []},
             "'summary'",
         ),
-        (check_dialogue_record, {"messages": FLOWERS}, {"messages": FLOWERS[:2][1:]}, "user turn"),
-        (check_code_record, ADD_TASK, {"prompt": "def f():\n", "tests": "assert f()"}, "tests"),
-        (check_code_record, ADD_TASK, {"prompt": "def f():\n", "tests": ["assert ("]}, "compile"),
-        (check_code_record, ADD_TASK, '{"prompt": "def f():\\n", "tests": [', "not valid JSON"),
+        (dialogue_record, {"messages": FLOWERS}, {"messages": FLOWERS[:2][1:]}, "user turn"),
+        (code_record, ADD_TASK, {"prompt": "def f():\n", "tests": "assert f()"}, "tests"),
+        (code_record, ADD_TASK, {"prompt": "def f():\n", "tests": ["assert ("]}, "compile"),
+        (code_record, ADD_TASK, '{"prompt": "def f():\\n", "tests": [', "not valid JSON"),
     ],
 )
 def test_malformed_lines_are_named_by_file_and_line(
@@ -307,16 +312,21 @@ def test_summarization_step_trains_on_rouge_minus_length_penalty(
     calls = spy_on(monkeypatch, summarization, "rouge_quality")
     other_ref = "Scientists tagged twelve young sea turtles with satellite trackers."
     records = [
-        {"article": ARTICLE, "summary": REFERENCE},
-        {"article": "Researchers tagged turtles with trackers.", "summary": other_ref},
+        summary_record(row, f"row {i}")
+        for i, row in enumerate(
+            [
+                {"article": ARTICLE, "summary": REFERENCE},
+                {"article": "Researchers tagged turtles with trackers.", "summary": other_ref},
+            ]
+        )
     ]
+    assert records[1] == {"prompt": records[1]["prompt"], "references": [other_ref]}
     summary = REFERENCE + " " + " ".join(["garden"] * 20)  # 38 words: over 1.5 x 18 (ref words)
     trainer = scripted(SummarizationTrainer, summary)(
         make_config(tiny_model_dir, tmp_path), length_penalty=0.5
     )
-    assert trainer.reward_model is None and trainer.reward_fn == trainer.rouge_reward
-    articles = trainer.add_records(records)
-    metrics = trainer.step(articles)
+    assert trainer.reward_model is None and trainer.reward_fn is rouge_reward
+    metrics = trainer.step(records)
     expected = [
         rouge_quality(summary, [REFERENCE])
         - length_penalty(summary, [REFERENCE], max_length_ratio=1.5, coef=0.5),
@@ -326,7 +336,7 @@ def test_summarization_step_trains_on_rouge_minus_length_penalty(
     assert expected[0] < rouge_quality(summary, [REFERENCE])  # the penalty applies
     assert len(calls) == 2  # the trainer's reward, once per completion
     assert metrics["objective/scores"] == pytest.approx(float(np.mean(expected)), abs=1e-6)
-    result = trainer.evaluate(articles, num_samples=1)
+    result = trainer.evaluate(records, num_samples=1)
     assert result["eval/mean_reward"] == pytest.approx(float(np.mean(expected)), abs=1e-6)
     assert result["eval/rouge"] - result["eval/length_penalty"] == pytest.approx(
         result["eval/mean_reward"], abs=1e-6
@@ -342,8 +352,11 @@ def test_summarization_prompt_format_and_truncation(tiny_model_dir: Path, tmp_pa
     text = trainer.format_prompt(ARTICLE)
     assert len(trainer.encode_prompt(text)) <= 40
     assert text.startswith("Summarize: The town council") and text.endswith("\nTL;DR:")
-    with pytest.raises(ValueError, match="add_records"):
-        trainer.rouge_reward([trainer.format_prompt("Never registered.")], ["x"])
+    # plain articles carry no references: refused before anything is generated
+    with pytest.raises(ValueError, match="rouge_reward needs the column\\(s\\) \\['references'\\]"):
+        trainer.step([short, ARTICLE])
+    with pytest.raises(ValueError, match='"references": \\[summary, ...\\]'):
+        trainer.evaluate([short])
 
 
 def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
@@ -352,10 +365,10 @@ def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
     rm = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=1)
     trainer = SummarizationTrainer(make_config(tiny_model_dir, tmp_path), reward_model=rm)
     assert trainer.reward_model is rm and trainer.reward_fn is None
-    [article] = trainer.add_records(
-        [{"article": ARTICLE, "summary": "The garden will offer forty beds in April."}]
+    record = summary_record(
+        {"article": ARTICLE, "summary": "The garden will offer forty beds in April."}, "row"
     )
-    prompt = trainer.format_prompt(article)
+    prompt = trainer.format_prompt(record["prompt"])
     completions = [
         "A garden.",
         "A garden with forty beds for rent behind the old train station from next April.",
@@ -368,7 +381,9 @@ def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
         prompt_ids, padded, trainer.pad_token_id
     )
     lengths = prompt_lengths + mx.array([len(r) for r in responses])
-    scores = trainer.compute_scores([prompt] * 2, completions, query_responses, lengths)
+    scores = trainer.compute_scores(
+        [prompt] * 2, completions, query_responses, lengths, references=[record["references"]] * 2
+    )
     # reference: 8 words -> budget 12 words; 15 words -> penalty (15 - 12) / 8 = 0.375
     expected = np.array(rm.score(query_responses, lengths)) - np.array([0.0, 0.375])
     np.testing.assert_allclose(np.array(scores), expected, rtol=1e-5, atol=1e-6)
@@ -382,9 +397,13 @@ def test_dialogue_step_trains_on_the_heuristic_stand_in(
     trainer = scripted(DialogueTrainer, reply)(
         make_config(tiny_model_dir, tmp_path), system_prompt="Be brief."
     )
-    assert trainer.reward_model is None and trainer.reward_fn == trainer.heuristic_reward
+    assert trainer.reward_model is None and trainer.reward_fn is heuristic_reward
     other = [{"role": "system", "content": "Own system."}, {"role": "user", "content": "Hi."}]
-    conversations = trainer.add_records([{"messages": FLOWERS + FLOWERS[1:2]}, {"messages": other}])
+    records = [
+        dialogue_record({"messages": FLOWERS + FLOWERS[1:2]}, "row 0"),
+        dialogue_record({"messages": other}, "row 1"),
+    ]
+    conversations = [r["prompt"] for r in records]
     assert conversations[0] == FLOWERS  # cut after the last user turn
     text = trainer.format_prompt(conversations[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
@@ -392,7 +411,7 @@ def test_dialogue_step_trains_on_the_heuristic_stand_in(
     assert "Be brief." not in trainer.format_prompt(other)  # its own system message stays
     with pytest.raises(ValueError, match="end with the user turn"):
         trainer.format_prompt(FLOWERS[:2])
-    metrics = trainer.step(conversations)
+    metrics = trainer.step(records)
     assert len(calls) == 2  # the trainer's reward, once per completion
     expected = [keyword_heuristic_score(c, reply) for c in conversations]
     assert expected[0] > expected[1]
@@ -413,34 +432,32 @@ def test_code_step_trains_on_the_sandboxed_pass_fraction(
         make_config(tiny_model_dir, tmp_path), limits=LIMITS, max_workers=1
     )
     assert trainer.reward_model is None and trainer.reward_fn == trainer.test_reward
-    stubs = trainer.add_records([ADD_TASK, EVEN_TASK])
-    metrics = trainer.step(stubs)
+    records = [code_record(ADD_TASK, "add"), code_record(EVEN_TASK, "even")]
+    metrics = trainer.step(records)
     [(args, kwargs, scores)] = calls
     programs, tests = args
     assert programs == [
         ADD_TASK["prompt"] + "    return a + b\n",
         EVEN_TASK["prompt"] + "    return a + b\n",
     ]
-    assert tests == [tuple(ADD_TASK["tests"]), tuple(EVEN_TASK["tests"])]
+    assert tests == [ADD_TASK["tests"], EVEN_TASK["tests"]]
     assert kwargs["max_workers"] == 1 and kwargs["limits"] is LIMITS
     assert scores == [1.0, 0.0]  # is_even has no a or b: NameError in every test
     assert metrics["objective/scores"] == pytest.approx(0.5)
-    result = trainer.evaluate(stubs, num_samples=1)
+    result = trainer.evaluate(records, num_samples=1)
     assert result["eval/pass_rate"] == 0.5 and result["eval/mean_reward"] == pytest.approx(0.5)
     assert len(result["samples"]) == 1
 
 
-def test_code_trainer_rejects_a_reward_model_and_conflicting_tasks(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def test_code_trainer_rejects_a_reward_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unset reward_model_name"):
         CodeGenerationTrainer(
             make_config(tiny_model_dir, tmp_path, reward_model_name=str(tiny_model_dir))
         )
+    with pytest.raises(ValueError, match="pass no reward_model"):
+        CodeGenerationTrainer(make_config(tiny_model_dir, tmp_path), reward_model=lambda p, c: c)
     trainer = CodeGenerationTrainer(make_config(tiny_model_dir, tmp_path), prompt_style="chat")
     assert trainer.format_prompt(ADD_TASK["prompt"]).startswith("<|im_start|>user\nComplete")
-    with pytest.raises(ValueError, match="same prompt but different tests"):
-        trainer.add_records([ADD_TASK, {**ADD_TASK, "tests": ["assert add(0, 0) == 0"]}])
 
 
 # --------------------------------------------------------------------------- command line

@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("ppo_mlx")
 
-#: What a record check does: raise ValueError naming ``where`` if the record is malformed.
-RecordCheck = Callable[[Any, str], None]
+#: What a record check does: raise ValueError naming ``where`` if the record is malformed (what
+#: it returns is ignored, so a function that converts a record can serve as its check).
+RecordCheck = Callable[[Any, str], object]
 
 # "name" or "namespace/name", as the Hugging Face Hub accepts them.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")

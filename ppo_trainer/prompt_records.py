@@ -1,0 +1,135 @@
+"""Prompts that carry their dataset record through to the reward.
+
+A prompt given to :class:`ppo_trainer.ppo_trainer.PPOTrainer` (``train``, ``step``,
+``evaluate``) is plain text, chat messages, or a *record*: a mapping with a ``"prompt"`` (text or
+chat messages) and any other fields (a reference summary, unit tests, ...). The record's fields
+reach the reward as *columns*, as dataset columns reach reward functions in TRL's
+``GRPOTrainer``: a reward function is called ``fn(prompts, completions, **columns)``, where
+``prompts`` are the formatted prompt texts the policy continued and each column is a list aligned
+with the completions (a prompt's entry repeated ``group_size`` times, like the prompt). The
+``"prompt"`` column holds the prompts as given (before :meth:`PPOTrainer.format_prompt`), so
+even plain prompts have one.
+
+Which columns a function receives (:func:`columns_for`): all of them if it takes ``**kwargs``;
+otherwise those it names as parameters; none if it names none, so ``fn(prompts, completions)``
+keeps working. A parameter without a default that no column fills is an error raised before any
+generation. :meth:`PPOTrainer.compute_scores` and its overrides are called by the same rule after
+their four positional arguments.
+
+::
+
+    def passed(prompts, completions, tests):  # records {"prompt": stub, "tests": [...]}
+        return [run_tests(c, t) for c, t in zip(completions, tests)]
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Sequence, Union
+
+PROMPT_KEY = "prompt"
+"""The record field that holds the prompt itself."""
+
+RESERVED_COLUMNS = frozenset({"prompts", "completions", "query_responses", "sequence_lengths"})
+"""Names of the positional arguments of rewards and ``compute_scores``: not usable as columns."""
+
+Prompt = Union[str, list[dict[str, str]]]
+"""A prompt: plain text, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
+
+PromptRecord = Mapping[str, Any]
+"""A dataset row: ``{"prompt": Prompt, <column>: value, ...}``."""
+
+PromptInput = Union[Prompt, PromptRecord]
+"""What the trainer accepts per prompt: a :data:`Prompt` or a :data:`PromptRecord`."""
+
+Columns = dict[str, list[Any]]
+"""Column name -> one value per prompt (or per completion, after :func:`repeat_columns`)."""
+
+
+def split_records(items: Sequence[PromptInput]) -> tuple[list[Prompt], Columns]:
+    """The prompts of ``items`` and their columns, aligned with them: ``"prompt"`` (the prompts
+    themselves) and every other field of the records.
+
+    Raises:
+        ValueError: a record without ``"prompt"``, records with different fields (or plain
+            prompts mixed with records that have other fields), or a field named like a
+            positional argument of the reward (:data:`RESERVED_COLUMNS`).
+    """
+    rows: list[Mapping[str, Any]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            rows.append({PROMPT_KEY: item})
+        elif PROMPT_KEY not in item:
+            raise ValueError(
+                f"prompt record {i} has no {PROMPT_KEY!r} field (it has {sorted(item)}): give "
+                f"each record the text or chat messages to continue under {PROMPT_KEY!r}; its "
+                "other fields reach the reward as columns"
+            )
+        else:
+            rows.append(item)
+    names = sorted(rows[0]) if rows else [PROMPT_KEY]
+    for i, row in enumerate(rows):
+        if sorted(row) != names:
+            raise ValueError(
+                f"prompt {i} has the fields {sorted(row)} but prompt 0 has {names}: give every "
+                "prompt record the same fields"
+            )
+    reserved = sorted(RESERVED_COLUMNS.intersection(names))
+    if reserved:
+        raise ValueError(
+            f"the prompt records have fields named {reserved}, which the reward receives as its "
+            "positional arguments: rename those fields"
+        )
+    columns = {name: [row[name] for row in rows] for name in names}
+    return list(columns[PROMPT_KEY]), columns
+
+
+def repeat_columns(columns: Mapping[str, list[Any]], times: int) -> Columns:
+    """Each entry repeated ``times`` times in place (prompt ``i``'s value at ``i * times`` to
+    ``(i + 1) * times - 1``), as the trainer repeats a prompt for its ``group_size`` samples."""
+    return {k: [v for v in values for _ in range(times)] for k, values in columns.items()}
+
+
+def slice_columns(columns: Mapping[str, list[Any]], start: int, stop: int) -> Columns:
+    """Entries ``start:stop`` of every column (a rank's share, an evaluation chunk)."""
+    return {k: list(values[start:stop]) for k, values in columns.items()}
+
+
+def columns_for(
+    fn: Callable[..., Any], columns: Mapping[str, list[Any]], *, positional: int
+) -> Columns:
+    """The columns to pass to ``fn`` as keyword arguments, after its first ``positional``
+    arguments: every column if it takes ``**kwargs``, else those it names as parameters.
+
+    Raises:
+        ValueError: ``fn`` has a parameter without a default (after the positional ones) that no
+            column fills.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (ValueError, TypeError):
+        # Some builtins have no inspectable signature: call them the classic way.
+        return {}
+    rest = params
+    for _ in range(positional):
+        if not rest or rest[0].kind not in (rest[0].POSITIONAL_ONLY, rest[0].POSITIONAL_OR_KEYWORD):
+            break
+        rest = rest[1:]
+    if any(p.kind is p.VAR_KEYWORD for p in rest):
+        return dict(columns)
+    named = [p for p in rest if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    missing = [
+        p.name
+        for p in rest
+        if p.default is p.empty
+        and p.kind is not p.VAR_POSITIONAL
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in columns)
+    ]
+    if missing:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(
+            f"{name} needs the column(s) {missing}, but the prompts carry "
+            f"{sorted(columns) or 'no columns'}: pass prompt records "
+            f'{{"{PROMPT_KEY}": ..., "{missing[0]}": ...}} or give the parameter a default'
+        )
+    return {p.name: columns[p.name] for p in named if p.name in columns}
