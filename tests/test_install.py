@@ -23,6 +23,7 @@ PACKAGES = (
     "config",
     "base_setup",
     "models",
+    "fixtures",
     "token_attribution",
     "reward_kl",
     "advantage",
