@@ -19,7 +19,7 @@ from typing import Any, Iterator, TextIO
 import mlx.core as mx
 import mlx.nn as nn
 
-from base_setup.tokenizer_setup import apply_chat_template, chat_template_text
+from base_setup.tokenizer_setup import apply_chat_template, chat_template_text, encode_text
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,10 @@ def use_chat_template(tokenizer: Any, chat: bool | None) -> bool:
 def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
     """Token ids of one user prompt: a one-message conversation through the chat template
     (ending with the assistant header), or the text itself with the tokenizer's BOS when it adds
-    one (what ``mlx_lm.generate`` sends)."""
+    one, as the trainers encode prompts (:func:`base_setup.tokenizer_setup.encode_text`)."""
     if chat:
         return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
-    return [int(i) for i in tokenizer.encode(prompt, add_special_tokens=True)]
+    return encode_text(tokenizer, prompt)
 
 
 def stream_reply(

@@ -11,7 +11,9 @@ adapters, a checkpoint, a model directory) and writes::
     README.md                 model card: base model, training, config, final metrics, usage
 
 ``mlx_lm.load(DIR)`` and ``mlx_lm.generate --model DIR`` read it as it is, and so does
-transformers' ``AutoModelForCausalLM`` when the weights are float (not quantized).
+transformers' ``AutoModelForCausalLM`` when the weights are float (not quantized) and the
+architecture is one whose weight names mlx-lm keeps as transformers has them
+(:data:`TRANSFORMERS_LAYOUT`; mlx-lm renames others, e.g. GPT-2's, which the card then says).
 
 LoRA runs: with ``fuse=True`` the adapters are merged into the weights (mlx-lm's ``fuse``; on a
 quantized base the merged weights are quantized again, unless ``dequantize=True``). Without it the
@@ -56,6 +58,9 @@ _ALGORITHMS = {
     "sft": "supervised fine-tuning (next-token cross-entropy on the completions)",
 }
 _QUANTIZATION_KEYS = ("quantization", "quantization_config")
+#: ``model_type`` values whose mlx-lm weights carry transformers' names and shapes, so that a
+#: float export loads in ``AutoModelForCausalLM`` (each checked in tests/test_export.py).
+TRANSFORMERS_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_output_dir(
@@ -294,10 +299,18 @@ def _write_model_card(
         "```",
         "",
     ]
+    model_type = config.get("model_type")
     if layout["quantized"]:
         lines += [
             "The weights are in mlx-lm's quantized format: mlx-lm reads them, transformers does "
             "not (export again with `--dequantize` for float weights).",
+            "",
+        ]
+    elif model_type not in TRANSFORMERS_LAYOUT:
+        lines += [
+            f"The weights are stored under mlx-lm's names for `{model_type}`, which need not be "
+            "transformers' (GPT-2's are not): use mlx-lm. transformers is known to read float "
+            f"exports of {', '.join(TRANSFORMERS_LAYOUT)} models.",
             "",
         ]
     else:

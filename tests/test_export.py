@@ -9,6 +9,7 @@ what the mlx-lm command line gives.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import shutil
@@ -28,12 +29,13 @@ from base_setup.lora_setup import LoraSettings, adapter_base_model, lora_modules
 from base_setup.tokenizer_setup import apply_chat_template
 from config.ppo_config import PPOConfig
 from config.sft_config import SFTConfig
+from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quantize_checkpoint
 from models.demo_data import write_sft_data
 from models.policy_model import PolicyModel
 from models.tiny_corpus import review_prompts
 from ppo_trainer import export as export_module
 from ppo_trainer.chat import SamplingSettings, chat_session, generate_text, stream_reply
-from ppo_trainer.export import export_model
+from ppo_trainer.export import TRANSFORMERS_LAYOUT, export_model
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.trained_model import load_trained_model, resolve_trained_model
 from training.sft_trainer import run_sft
@@ -497,6 +499,70 @@ def test_commands_work_on_the_demo_output(
     (reward_checkpoint,) = (demo / "reward" / "checkpoints").iterdir()
     with pytest.raises(ValueError, match="checkpoint of a reward-model run"):
         resolve_trained_model(reward_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family_checkpoint(root / name, name) for name in sorted(FAMILIES)}
+
+
+def test_exports_of_every_checkpoint_family(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The checkpoints people download, as shipped (fixtures/checkpoint_families.py): each
+    export loads in mlx-lm as it is, with our loader's logits and every stop id (Qwen2.5 base:
+    the template's <|im_end|>, which the checkpoint does not list), and in transformers where
+    the card says so, with the same logits."""
+    torch: Any = None
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+    for name, source in family_dirs.items():
+        policy = ours(source)
+        out = export_model(source, tmp_path / name)
+        model, tokenizer = mlx_load(out)
+        assert tokenizer.eos_token_ids == policy.tokenizer.eos_token_ids, name
+        generation = json.loads((out / "generation_config.json").read_text())
+        stop_ids = sorted(policy.tokenizer.eos_token_ids)
+        assert generation["eos_token_id"] == (stop_ids if len(stop_ids) > 1 else stop_ids[0])
+        expected = logits(policy.model, policy.tokenizer)
+        np.testing.assert_allclose(logits(model, tokenizer), expected, atol=1e-5, err_msg=name)
+        card = (out / "README.md").read_text()
+        readable = json.loads((out / "config.json").read_text())["model_type"] in (
+            TRANSFORMERS_LAYOUT
+        )
+        assert ("AutoModelForCausalLM.from_pretrained" in card) == readable, name
+        if torch is not None and readable:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            ids = policy.tokenizer.encode(PROMPT, add_special_tokens=False)
+            with torch.no_grad():
+                hf_logits = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+            np.testing.assert_allclose(hf_logits, expected, atol=1e-4, err_msg=name)
+    # Qwen2.5 base lists only <|endoftext|>; the export adds the template's end-of-turn token.
+    source = json.loads((family_dirs["qwen2_base"] / "generation_config.json").read_text())
+    exported = json.loads((tmp_path / "qwen2_base" / "generation_config.json").read_text())
+    im_end = ours(family_dirs["qwen2_base"]).tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert source["eos_token_id"] != im_end and im_end in exported["eos_token_id"]
+    assert "GPT-2's are not" in (tmp_path / "gpt2" / "README.md").read_text()
+
+
+def test_a_4bit_family_checkpoint_exports_to_float_weights_transformers_reads(
+    family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    quantized = quantize_checkpoint(family_dirs["smollm2"], tmp_path / "q4")
+    policy = ours(quantized)
+    out = export_model(quantized, tmp_path / "float", dequantize=True)
+    model, tokenizer = mlx_load(out)
+    expected = logits(policy.model, policy.tokenizer)
+    np.testing.assert_allclose(logits(model, tokenizer), expected, atol=1e-4)
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = policy.tokenizer.encode(PROMPT, add_special_tokens=False)
+    with torch.no_grad():
+        hf_logits = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(hf_logits, expected, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- errors
