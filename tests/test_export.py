@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 import main
 from base_setup.lora_setup import LoraSettings, adapter_base_model, lora_modules
 from base_setup.tokenizer_setup import apply_chat_template
+from config.loading import load_config
 from config.ppo_config import PPOConfig
 from config.sft_config import SFTConfig
 from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quantize_checkpoint
@@ -154,6 +155,8 @@ def test_saved_adapters_record_their_base_model(ppo_run: Path, tiny_model_dir: P
 
 
 def test_every_path_of_a_run_resolves(ppo_run: Path, sft_run: Path, tiny_model_dir: Path) -> None:
+    # PPO runs write their config as SFT runs do; config.load_config reads it back.
+    assert load_config(ppo_run / "config.yaml").model_name == str(tiny_model_dir)
     base = str(tiny_model_dir.resolve())
     for path in (ppo_run, ppo_run / "final"):
         found = resolve_trained_model(path)
