@@ -1,4 +1,5 @@
-"""Command line: ``python main.py {demo,train,evaluate,sft,reward} ...``.
+"""Command line: ``python main.py {demo,train,evaluate,sft,reward,generate,chat,export} ...``
+(``ppo-mlx ...`` once the project is installed with ``pip install -e .``).
 
 The only place that parses files and flags; everything else receives a config object or plain values.
 """
@@ -146,8 +147,80 @@ def cmd_reward(args: argparse.Namespace) -> None:
     print(f"reward model: {out}")
 
 
+def _sampling_settings(args: argparse.Namespace) -> Any:
+    from ppo_trainer.chat import SamplingSettings
+
+    return SamplingSettings(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+
+
+def _load_policy(path: str) -> Any:
+    from ppo_trainer.trained_model import load_trained_model, resolve_trained_model
+
+    found = resolve_trained_model(path)
+    logger.info("loading %s", found.describe())
+    return load_trained_model(found)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from ppo_trainer.chat import generate_text
+
+    settings = _sampling_settings(args)  # checked before the model is loaded
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    policy = _load_policy(args.model)
+    generate_text(policy.model, policy.tokenizer, prompt, settings, chat=args.chat, out=sys.stdout)
+    print()
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from ppo_trainer.chat import chat_session
+
+    settings = _sampling_settings(args)
+    policy = _load_policy(args.model)
+    try:
+        chat_session(
+            policy.model,
+            policy.tokenizer,
+            settings,
+            stdin=sys.stdin,
+            stdout=sys.stdout,
+            system=args.system,
+            show_prompt=args.show_prompt,
+        )
+    except KeyboardInterrupt:  # Ctrl-C ends the session like /exit
+        print()
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from ppo_trainer.export import export_model
+
+    out = export_model(
+        args.run,
+        args.out,
+        fuse=args.fuse,
+        dequantize=args.dequantize,
+        overwrite=args.overwrite,
+    )
+    print(f"exported: {out} (model card: {out / 'README.md'})")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="RUN_OR_DIR",
+        help="a run directory (final/, model/ or the newest checkpoint), LoRA adapters, a "
+        "checkpoint step_NNNNNN, or a model directory",
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="most new tokens per reply")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="main.py", description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="SFT -> reward model -> PPO on the embedded tiny model")
@@ -188,6 +261,41 @@ def build_parser() -> argparse.ArgumentParser:
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
         stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
         stage.set_defaults(func=func)
+
+    generate = sub.add_parser("generate", help="complete one prompt with a trained model")
+    _add_sampling_args(generate)
+    generate.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    generate.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the tokenizer's chat template (default: when the tokenizer has one, as "
+        "mlx_lm.generate does); --no-chat sends the text as it is (models trained on plain "
+        "prompts, like the demo's)",
+    )
+    generate.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (chat template, streaming)")
+    _add_sampling_args(chat)
+    chat.add_argument("--system", help="a system message at the start of the conversation")
+    chat.add_argument(
+        "--show-prompt", action="store_true", help="print the templated prompt before each reply"
+    )
+    chat.set_defaults(func=cmd_chat)
+
+    export = sub.add_parser(
+        "export", help="a self-contained model directory (mlx-lm / transformers) with a card"
+    )
+    export.add_argument("run", metavar="RUN_OR_DIR", help="what to export (as for generate)")
+    export.add_argument("--out", required=True, help="the directory to write")
+    export.add_argument("--fuse", action="store_true", help="merge LoRA adapters into the weights")
+    export.add_argument(
+        "--dequantize", action="store_true", help="float weights from a quantized model"
+    )
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out directory"
+    )
+    export.set_defaults(func=cmd_export)
     return parser
 
 

@@ -3,8 +3,9 @@
 * :func:`apply_lora` freezes the model and swaps linear layers for mlx-lm's ``LoRALinear`` (via
   ``mlx_lm.tuner.utils.linear_to_lora_layers``), so only ``lora_a`` / ``lora_b`` train.
 * :func:`save_adapters` / :func:`load_adapters` write and read an adapter directory exactly as
-  ``mlx_lm.lora`` does (``adapters.safetensors`` + ``adapter_config.json``), so
-  ``mlx_lm.generate --model <base> --adapter-path <dir>`` and ``mlx_lm.fuse`` accept it.
+  ``mlx_lm.lora`` does (``adapters.safetensors`` + ``adapter_config.json``, the base model under
+  ``"model"``), so ``mlx_lm.generate --model <base> --adapter-path <dir>`` and ``mlx_lm.fuse``
+  accept it, and :func:`adapter_base_model` tells which base it belongs to.
 * :func:`adapters_disabled` runs the base model through the same module tree: the reference model
   of PPO when the policy trains LoRA, without a second copy of the base weights.
 * :func:`adapters_fused` temporarily replaces each LoRA layer by its fused linear layer (mlx-lm's
@@ -157,11 +158,20 @@ def adapter_parameters(model: nn.Module) -> dict[str, mx.array]:
     return {name: value for name, value in flat if name.rsplit(".", 1)[-1] in _ADAPTER_LEAVES}
 
 
-def save_adapters(model: nn.Module, settings: LoraSettings, adapter_dir: str | Path) -> Path:
+def save_adapters(
+    model: nn.Module,
+    settings: LoraSettings,
+    adapter_dir: str | Path,
+    *,
+    base_model: str | None = None,
+) -> Path:
     """Write ``adapters.safetensors`` and ``adapter_config.json`` in mlx-lm's format.
 
     The directory loads with :func:`load_adapters`, with ``mlx_lm.load(base,
     adapter_path=dir)`` and with the ``mlx_lm.generate`` / ``mlx_lm.fuse`` command lines.
+    ``base_model`` (a Hub id or a local path) is recorded under the key ``"model"``, where
+    ``mlx_lm.lora`` records the base of its adapters, so the adapters say what they belong to
+    (:func:`adapter_base_model`).
     """
     weights = adapter_parameters(model)
     if not weights:
@@ -175,6 +185,8 @@ def save_adapters(model: nn.Module, settings: LoraSettings, adapter_dir: str | P
         "lora_parameters": settings.to_mlx_lm(),
         "lora_alpha": settings.alpha,  # informational; mlx-lm reads lora_parameters.scale
     }
+    if base_model is not None:
+        config["model"] = base_model
     (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
     return out
 
@@ -197,6 +209,28 @@ def read_adapter_settings(adapter_dir: str | Path) -> LoraSettings:
         num_layers=int(config["num_layers"]),
         keys=params.get("keys"),
     )
+
+
+def adapter_base_model(adapter_dir: str | Path) -> str | None:
+    """The base model an adapter directory records (``"model"`` in adapter_config.json, as
+    :func:`save_adapters` and ``mlx_lm.lora`` write it), or None when it records none.
+
+    A relative path is resolved against the adapter directory when a model is there (an exported
+    model's ``adapters/`` records ``".."``), else returned as written (a Hub id, or a path
+    relative to the working directory).
+    """
+    path = Path(adapter_dir) / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {ADAPTER_CONFIG_FILE} in {adapter_dir}")
+    base = json.loads(path.read_text(encoding="utf-8")).get("model")
+    if base is None:
+        return None
+    if not isinstance(base, str) or not base.strip():
+        raise ValueError(f'{path}: "model" must be a model path or Hub id, got {base!r}')
+    beside = Path(adapter_dir) / base
+    if not Path(base).is_absolute() and (beside / "config.json").is_file():
+        return str(beside.resolve())
+    return base
 
 
 def load_adapters(model: nn.Module, adapter_dir: str | Path) -> LoraSettings:

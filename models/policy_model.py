@@ -129,6 +129,8 @@ class PolicyModel(nn.Module):
         tokenizer: mlx-lm's ``TokenizerWrapper`` with a pad token distinct from EOS
             (:mod:`base_setup.tokenizer_setup`).
         model_path: the local directory the base weights came from.
+        name_or_path: the base model as the user named it: a Hub id as given, or the absolute
+            path of a local directory. Saved adapters record it as their base.
         lora: the LoRA settings, or ``None`` when every weight trains.
     """
 
@@ -140,12 +142,14 @@ class PolicyModel(nn.Module):
         model_path: str | Path,
         config: Mapping[str, Any],
         lora: LoraSettings | None = None,
+        name_or_path: str | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         accelerate_model(model)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
         self.tokenizer = tokenizer
         self.model_path = Path(model_path)
+        self.name_or_path = name_or_path or str(self.model_path.resolve())
         self.lora = lora
         # A read-only mapping, not a dict: nn.Module would file a dict among its children.
         self._config = MappingProxyType(copy.deepcopy(dict(config)))
@@ -186,6 +190,8 @@ class PolicyModel(nn.Module):
         from mlx_lm.utils import load_config, load_model
 
         model_path = resolve_model_path(path_or_hub_id)
+        local = Path(path_or_hub_id).exists()
+        name_or_path = str(Path(path_or_hub_id).resolve()) if local else str(path_or_hub_id)
         # Values newer transformers moved (rope_parameters) go where mlx-lm reads them, and a
         # config mlx-lm would misread is refused rather than loaded with wrong logits.
         updates = config_updates(load_config(model_path))
@@ -203,7 +209,14 @@ class PolicyModel(nn.Module):
             apply_lora(model, lora)
         elif adapter_path is not None:
             lora = load_adapters(model, adapter_path)
-        return cls(model, tokenizer, model_path=model_path, config=config, lora=lora)
+        return cls(
+            model,
+            tokenizer,
+            model_path=model_path,
+            config=config,
+            lora=lora,
+            name_or_path=name_or_path,
+        )
 
     @property
     def config(self) -> dict[str, Any]:
@@ -244,12 +257,13 @@ class PolicyModel(nn.Module):
         * no LoRA, or ``merged=True``: a full model directory, via mlx-lm's ``save`` (weights,
           config.json, tokenizer, generation_config.json); with LoRA the adapters are fused into
           the base weights first (mlx-lm's ``fuse``), without changing this model.
-        * LoRA and ``merged=False``: an adapter directory (see :mod:`base_setup.lora_setup`),
-          to be loaded on top of :attr:`model_path`.
+        * LoRA and ``merged=False``: an adapter directory (see :mod:`base_setup.lora_setup`)
+          that records :attr:`name_or_path` as its base (what ``mlx_lm.generate --model <base>
+          --adapter-path <dir>`` needs; ``python main.py generate --model <dir>`` reads it).
         """
         out = Path(save_dir)
         if self.lora is not None and not merged:
-            return save_adapters(self.model, self.lora, out)
+            return save_adapters(self.model, self.lora, out, base_model=self.name_or_path)
         from mlx_lm.utils import save
 
         with adapters_fused(self.model):

@@ -53,7 +53,7 @@ from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import chat_template_text, encode_text, eos_token_ids
 from config._fields import divisors
-from config.loading import config_to_dict
+from config.loading import config_to_dict, save_config
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from models.policy_model import PolicyModel
@@ -90,6 +90,7 @@ from token_attribution.sequences import (
 )
 from training.optimizer import AdamW, lr_schedule, optimizer_step
 from training.policy_loss import grpo_policy_loss, ppo_policy_loss
+from training.supervised_trainer import CONFIG_FILE
 from training.value_loss import clipped_value_loss
 
 logger = logging.getLogger("ppo_mlx")
@@ -745,6 +746,8 @@ class PPOTrainer:
             resume_step = self.global_step
             logger.info("resumed from %s at step %d", path, self.global_step)
         self._check_same_weights("at the start of training")
+        if self.is_main_process:  # what the run is, as SFT writes it (read by main.py export)
+            save_config(cfg, self.run_dir / CONFIG_FILE)
         # Only rank 0 writes logs (the metrics are already those of the global batch).
         metrics_logger = (
             MetricsLogger(

@@ -246,6 +246,7 @@ def test_only_rank_0_writes_one_set_of_logs_and_checkpoints(two_ranks: dict[str,
     run_dir: Path = two_ranks["dir"]
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoints",
+        "config.yaml",
         "final",
         "metrics.jsonl",
         "training_curves.png",

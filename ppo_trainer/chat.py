@@ -1,0 +1,184 @@
+"""Talk to a trained policy: one completion (``generate``) or a multi-turn chat (``chat``).
+
+Decoding is mlx-lm's (``mlx_lm.stream_generate`` with a sampler from
+``mlx_lm.sample_utils.make_sampler``), as ``mlx_lm.generate`` does it, so what you see here is what
+an exported model gives under mlx-lm. Generation stops at every id of the tokenizer's
+``eos_token_ids`` (the EOS token and the end-of-turn token of a chat template).
+
+Chat-template rule (``chat=None``, the default): the prompt goes through the tokenizer's chat
+template when the tokenizer has one, the rule of ``mlx_lm.generate``; ``chat=False`` sends the text
+as it is (models trained on plain-text prompts, like the demo's, want this), ``chat=True``
+requires a template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, TextIO
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from base_setup.tokenizer_setup import apply_chat_template, chat_template_text, encode_text
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample a reply.
+
+    Attributes:
+        max_tokens: most new tokens per reply.
+        temperature: softmax temperature; 0 = greedy (argmax).
+        top_p: nucleus sampling: sample among the most likely tokens whose probabilities sum
+            to top_p; 1 = no cut.
+        seed: seed of MLX's random state, set once before the first reply; None = unseeded.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = no cut), got {self.top_p}")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    flag = getattr(tokenizer, "has_chat_template", None)
+    if flag is None:
+        flag = getattr(tokenizer, "chat_template", None) is not None
+    return bool(flag)
+
+
+def use_chat_template(tokenizer: Any, chat: bool | None) -> bool:
+    """The chat-template rule of the module docstring.
+
+    Raises:
+        ValueError: ``chat=True`` and the tokenizer has no chat template.
+    """
+    if chat is None:
+        return has_chat_template(tokenizer)
+    if chat and not has_chat_template(tokenizer):
+        raise ValueError(
+            "the tokenizer has no chat template (a base model?): send the prompt as plain text "
+            "(--no-chat), or use a model whose tokenizer_config.json has a chat_template"
+        )
+    return chat
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
+    """Token ids of one user prompt: a one-message conversation through the chat template
+    (ending with the assistant header), or the text itself with the tokenizer's BOS when it adds
+    one, as the trainers encode prompts (:func:`base_setup.tokenizer_setup.encode_text`)."""
+    if chat:
+        return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+    return encode_text(tokenizer, prompt)
+
+
+def stream_reply(
+    model: nn.Module, tokenizer: Any, prompt_ids: list[int], settings: SamplingSettings
+) -> Iterator[str]:
+    """The reply to ``prompt_ids`` as text pieces, yielded as the tokens are sampled; ends at a
+    stop token (not included) or after ``settings.max_tokens`` tokens."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token of text")
+    sampler = make_sampler(temp=settings.temperature, top_p=settings.top_p)
+    for response in stream_generate(
+        model, tokenizer, mx.array(prompt_ids), max_tokens=settings.max_tokens, sampler=sampler
+    ):
+        if response.text:
+            yield response.text
+
+
+def generate_text(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    settings: SamplingSettings,
+    *,
+    chat: bool | None = None,
+    out: TextIO | None = None,
+) -> str:
+    """The completion of ``prompt`` (the chat rule of the module docstring); with ``out``, each
+    piece is also written there as it comes."""
+    ids = encode_prompt(tokenizer, prompt, chat=use_chat_template(tokenizer, chat))
+    if settings.seed is not None:
+        mx.random.seed(settings.seed)
+    pieces = []
+    for piece in stream_reply(model, tokenizer, ids, settings):
+        pieces.append(piece)
+        if out is not None:
+            out.write(piece)
+            out.flush()
+    return "".join(pieces)
+
+
+CHAT_HELP = (
+    "Type a message and press Enter. /reset forgets the conversation; /exit or Ctrl-D quits."
+)
+
+
+def chat_session(
+    model: nn.Module,
+    tokenizer: Any,
+    settings: SamplingSettings,
+    *,
+    stdin: TextIO,
+    stdout: TextIO,
+    system: str | None = None,
+    show_prompt: bool = False,
+) -> list[dict[str, str]]:
+    """An interactive chat on ``stdin`` / ``stdout``: every line is a user turn, answered with
+    the whole conversation so far through the chat template, the reply streamed token by token.
+
+    ``/reset`` starts a new conversation (the system message stays), ``/exit`` or end of input
+    (Ctrl-D) ends the session. With ``show_prompt`` the full prompt text (template applied) is
+    written before each reply. Returns the conversation at the end.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    use_chat_template(tokenizer, True)
+    start: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    if settings.seed is not None:
+        mx.random.seed(settings.seed)
+    stdout.write(CHAT_HELP + "\n")
+    while True:
+        stdout.write("\n> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line:  # end of input (Ctrl-D)
+            stdout.write("\n")
+            break
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            messages = list(start)
+            stdout.write("(new conversation)\n")
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        if show_prompt:
+            stdout.write(f"[prompt]\n{chat_template_text(tokenizer, messages)}[/prompt]\n")
+        ids = apply_chat_template(tokenizer, messages)
+        pieces = []
+        for piece in stream_reply(model, tokenizer, ids, settings):
+            pieces.append(piece)
+            stdout.write(piece)
+            stdout.flush()
+        stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(pieces)})
+    stdout.flush()
+    return messages

@@ -1,0 +1,109 @@
+"""The project installs (``pip install -e .``) and its packages import from any directory.
+
+Offline and quick: the source is copied to a temporary directory (the build writes egg-info
+there, not into the repository), installed with ``--no-deps --no-build-isolation --no-index``
+into a fresh virtual environment that sees this interpreter's packages (mlx, setuptools, ...)
+through a ``.pth`` file, and then used from another directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = (
+    "config",
+    "base_setup",
+    "models",
+    "fixtures",
+    "token_attribution",
+    "reward_kl",
+    "advantage",
+    "experience_buffer",
+    "training",
+    "ppo_trainer",
+    "examples",
+)
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv*", "venv", "runs", "outputs", "build", "*.egg-info", "__pycache__", ".*_cache"
+)
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("install") / "ppo-mlx"
+    shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)
+    return src
+
+
+def test_editable_install_imports_from_another_directory(source: Path, tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    env_site = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path
+    ).stdout.strip()
+    ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(env_site) / "parent_env.pth").write_text("\n".join(ours) + "\n")
+
+    install = [str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
+    _run(install + ["--no-index", "-e", str(source)], tmp_path)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    snippet = (
+        "import importlib, pathlib, sys\n"
+        f"names = {list(PACKAGES)!r} + ['main']\n"
+        "mods = [importlib.import_module(n) for n in names]\n"
+        "print('\\n'.join(str(pathlib.Path(m.__file__).resolve()) for m in mods))\n"
+        "from examples.task_common import DATA_DIR\n"
+        "print(sorted(p.name for p in DATA_DIR.glob('*.jsonl')))\n"
+        "from config.ppo_config import PPOConfig\n"
+        "print(PPOConfig(model_name='runs/demo/sft/model').kl_coef)\n"
+        "import importlib.util\n"
+        "print(importlib.util.find_spec('tests'), importlib.util.find_spec('benchmarks'))\n"
+    )
+    out = _run([str(python), "-c", snippet], elsewhere).stdout.splitlines()
+    files = [Path(line) for line in out[: len(PACKAGES) + 1]]
+    assert all(f.is_relative_to(source.resolve()) for f in files), files
+    assert out[len(PACKAGES) + 1] == "['code_tasks.jsonl', 'dialogue.jsonl', 'summarization.jsonl']"
+    assert out[-1] == "None None"  # tests/ and benchmarks/ are not installed
+
+    # The console script runs the command line from any directory.
+    help_text = _run([str(env_dir / "bin" / "ppo-mlx"), "--help"], elsewhere).stdout
+    assert "usage: ppo-mlx" in help_text and "demo" in help_text and "export" in help_text
+
+
+def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path) -> None:
+    wheel_dir = tmp_path / "wheels"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    _run(cmd + ["--no-index", "-w", str(wheel_dir), str(source)], tmp_path)
+    (wheel,) = wheel_dir.glob("ppo_mlx-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names if not name.startswith("ppo_mlx-")}
+    assert top == set(PACKAGES) | {"main.py"}
+    for data in ("code_tasks", "dialogue", "summarization"):
+        assert f"examples/data/{data}.jsonl" in names
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [
+        line
+        for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    assert any(line.startswith("Requires-Dist: mlx-lm") for line in requires), requires
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "ppo-mlx = main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
