@@ -73,6 +73,15 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in output_dir (its checkpoints, metrics and model); "
+        "without it a fresh run refuses a folder that holds one",
+    )
+
+
 def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reward-fn",
@@ -82,35 +91,59 @@ def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _build_trainer(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    """The trainer and the prompts; the config and the prompt file are checked before any model
-    is loaded."""
-    from config.loading import load_config
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides, plus ``--overwrite`` and ``--data`` where the command has them."""
+    overrides = list(args.overrides)
+    if getattr(args, "overwrite", False):
+        overrides.append("overwrite_output_dir=true")
+    if getattr(args, "data", None):
+        overrides.append(f"dataset={args.data}")
+    return overrides
 
-    config = load_config(args.config, args.overrides)
+
+def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, list[Any]]:
+    """The trainer and the prompts; the config, the prompt file and the run folder are checked
+    before any model is loaded."""
+    from config.loading import load_config
+    from training.run_control import check_run_dir
+
+    config = load_config(args.config, _overrides(args))
     reward = load_function(args.reward_fn) if args.reward_fn else None
     prompts = read_prompts(args.prompts)
+    check_run_dir(config.output_dir, resuming=resuming, overwrite=config.overwrite_output_dir)
     from ppo_trainer.ppo_trainer import PPOTrainer
 
     return PPOTrainer(config, reward_model=reward), prompts
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int:
+    from training.run_control import stop_exit_code
+
     eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else None
-    trainer, prompts = _build_trainer(args)
+    trainer, prompts = _build_trainer(args, resuming=args.resume is not None)
     history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
+    if trainer.stop_reason is not None:
+        # A signal (or a callback) stopped it: the state is saved, the run is not finished.
+        if trainer.is_main_process:
+            print(
+                f"stopped ({trainer.stop_reason}) after step {trainer.global_step}; the "
+                f"checkpoint is saved: continue with --resume latest",
+                file=sys.stderr,
+            )
+        return stop_exit_code(trainer.stop_reason)
     out = trainer.save_model(Path(trainer.config.output_dir) / "final")
     if not trainer.is_main_process:
-        return
+        return 0
     last = history[-1] if history else {}
     print(
         f"trained {len(history)} steps; last mean reward {last.get('avg_reward', float('nan')):.4f}"
     )
     print(f"model: {out}\nmetrics: {trainer.run_dir / 'metrics.jsonl'}")
+    return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    trainer, prompts = _build_trainer(args)
+    trainer, prompts = _build_trainer(args, resuming=True)
     if args.checkpoint:
         trainer.load_checkpoint(args.checkpoint)
     elif args.model:
@@ -130,8 +163,9 @@ def cmd_sft(args: argparse.Namespace) -> None:
     from config.sft_config import SFTConfig
     from training.sft_trainer import run_sft
 
-    overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
-    out = run_sft(load_config(args.config, overrides, cls=SFTConfig), resume_from=args.resume)
+    out = run_sft(
+        load_config(args.config, _overrides(args), cls=SFTConfig), resume_from=args.resume
+    )
     print(f"SFT model: {out}")
 
 
@@ -140,9 +174,8 @@ def cmd_reward(args: argparse.Namespace) -> None:
     from config.reward_config import RewardConfig
     from training.reward_trainer import run_reward_training
 
-    overrides = list(args.overrides) + ([f"dataset={args.data}"] if args.data else [])
     out = run_reward_training(
-        load_config(args.config, overrides, cls=RewardConfig), resume_from=args.resume
+        load_config(args.config, _overrides(args), cls=RewardConfig), resume_from=args.resume
     )
     print(f"reward model: {out}")
 
@@ -240,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
     train.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
     train.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+    _add_overwrite_arg(train)
     train.set_defaults(func=cmd_train)
 
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
@@ -260,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(stage)
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
         stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+        _add_overwrite_arg(stage)
         stage.set_defaults(func=func)
 
     generate = sub.add_parser("generate", help="complete one prompt with a trained model")
@@ -304,11 +339,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info(base_setup.blas_info().describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0
+    except OSError as err:  # a full disk, a folder that cannot be written: the message says
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
 
 
 if __name__ == "__main__":

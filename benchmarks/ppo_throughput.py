@@ -58,7 +58,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence, cast
+from typing import Literal, Sequence, cast
 
 from benchmarks.throughput_spec import (
     FLOOR_KEYS,

@@ -46,7 +46,7 @@ from benchmarks.throughput_spec import (
 from base_setup import fast_math
 from config.ppo_config import PPOConfig
 from models.policy_model import lm_logits_at
-from ppo_trainer import ppo_trainer as trainer_module
+from ppo_trainer import rollout as rollout_module
 from ppo_trainer.generator import inverse_cdf
 from ppo_trainer.ppo_trainer import PPOTrainer
 from token_attribution.logprob_computer import selective_log_softmax
@@ -169,7 +169,7 @@ def run_mlx(spec: RunSpec) -> RunResult:
     if spec.system != "mlx":
         raise ValueError(f"run_mlx runs system 'mlx', got {spec.system!r}")
     generation_seconds: list[float] = []
-    original_generate = trainer_module.generate
+    original_generate = rollout_module.generate
 
     def timed_generate(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -181,7 +181,7 @@ def run_mlx(spec: RunSpec) -> RunResult:
     seconds: list[float] = []
     split: dict[str, list[float]] = {k: [] for k in ("generation", "scoring", "update", "other")}
     monitor = CpuMonitor()
-    trainer_module.generate = timed_generate
+    rollout_module.generate = timed_generate
     try:
         with tempfile.TemporaryDirectory() as output_dir:
             trainer = build_trainer(spec, output_dir)
@@ -215,7 +215,7 @@ def run_mlx(spec: RunSpec) -> RunResult:
             floor = measure_floor(trainer, spec) if spec.measure_floor else None
             other_load = monitor.other_cores()  # over the timed iterations and the floor
     finally:
-        trainer_module.generate = original_generate
+        rollout_module.generate = original_generate
     return RunResult(
         spec=spec,
         seconds=seconds,

@@ -28,7 +28,7 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
-from config._fields import coerce_value, own_field_types, union_members
+from config._fields import coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig

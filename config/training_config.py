@@ -42,6 +42,9 @@ class OptimConfig:
         seed: Seed of every random generator (data order, sampling, dropout, fresh weights);
             >= 0.
         output_dir: Directory for checkpoints, the saved config, metrics.jsonl and the curves.
+        overwrite_output_dir: Let a fresh run replace an earlier run's files in output_dir
+            (checkpoints, metrics, final model); False = refuse a folder that holds a run
+            (resume it with --resume latest instead).
         save_every: Steps between checkpoints; 0 = save only at the end.
         keep_last_checkpoints: Number of most recent checkpoints kept on disk; 0 = keep all.
         eval_every: Steps between evaluations on held-out data; 0 = no periodic evaluation
@@ -63,6 +66,7 @@ class OptimConfig:
     total_steps: int | None = None
     seed: int = 0
     output_dir: str = "runs/ppo"
+    overwrite_output_dir: bool = False
     save_every: int = 0
     keep_last_checkpoints: int = 3
     eval_every: int = 0

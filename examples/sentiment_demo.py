@@ -163,7 +163,10 @@ def run_demo(
         sft_dir,
         sft_settings,
         fresh,
-        lambda: run_sft(SFTConfig(**sft_settings, output_dir=str(sft_dir))),
+        # The demo owns its stage folders: a stage it reruns replaces the earlier run.
+        lambda: run_sft(
+            SFTConfig(**sft_settings, output_dir=str(sft_dir), overwrite_output_dir=True)
+        ),
     )
     reward_dir = output_dir / "reward"
     reward_settings = {
@@ -177,7 +180,9 @@ def run_demo(
         reward_dir,
         reward_settings,
         fresh,
-        lambda: run_reward_training(RewardConfig(**reward_settings, output_dir=str(reward_dir))),
+        lambda: run_reward_training(
+            RewardConfig(**reward_settings, output_dir=str(reward_dir), overwrite_output_dir=True)
+        ),
     )
     evals = [r for r in read_metrics(reward_dir / "metrics.jsonl") if "eval/accuracy" in r]
     if evals:
@@ -192,6 +197,7 @@ def run_demo(
             "model_name": str(sft_model),
             "reward_model_name": str(reward_model),
             "output_dir": str(ppo_dir),
+            "overwrite_output_dir": True,  # the demo reruns PPO in its own folder
             "total_steps": steps,
         }
     )

@@ -14,7 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
-from ppo_trainer import ppo_trainer as ppo_trainer_module
+from ppo_trainer import rollout as rollout_module
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import columns_for, repeat_columns, split_records
 
@@ -205,7 +205,7 @@ def test_bad_records_fail_before_any_generation(
     def no_generation(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("generated before the records were checked")
 
-    monkeypatch.setattr(ppo_trainer_module, "generate", no_generation)
+    monkeypatch.setattr(rollout_module, "generate", no_generation)
 
     def needs_answer(prompts: list[str], completions: list[str], answer: list[str]) -> list[float]:
         raise AssertionError("not reached")

@@ -11,13 +11,19 @@ parameter shape and dtype.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
-from typing import Any, Callable, Sequence, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_map
+
+logger = logging.getLogger("ppo_mlx")
 
 
 @mx.compile
@@ -85,6 +91,84 @@ def lr_schedule(
     if warmup == 0:
         return cast(Callable[[mx.array], mx.array], main)
     return optim.join_schedules([optim.linear_schedule(0.0, learning_rate, warmup), main], [warmup])
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """A run's learning-rate schedule, in optimiser updates; kept in its checkpoints so that a
+    resumed run can tell whether (and how) the schedule changed."""
+
+    learning_rate: float
+    scheduler: str
+    warmup_steps: int
+    total_steps: int
+
+    def schedule(self) -> Callable[[mx.array], mx.array]:
+        """The schedule (:func:`lr_schedule`)."""
+        return lr_schedule(self.learning_rate, self.scheduler, self.warmup_steps, self.total_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resumed_schedule(
+    saved: Mapping[str, Any] | None, plan: SchedulePlan, step: int
+) -> Callable[[mx.array], mx.array]:
+    """The schedule of a run resumed at optimiser update ``step`` under ``plan``, given the plan
+    its checkpoint was written with (None: a checkpoint that recorded none).
+
+    The same plan continues exactly. A run whose length changed (``total_steps``, e.g. extended)
+    continues from the learning rate it had reached and decays, in the plan's shape, to 0 at the
+    new end, instead of restarting its schedule (a jump of the learning rate); any other change
+    (learning rate, scheduler, warm-up) applies as configured. Either change is logged.
+    """
+    if saved is None:
+        return plan.schedule()
+    before = SchedulePlan(**saved)
+    if before == plan:
+        return plan.schedule()
+    lr_now = float(np.asarray(before.schedule()(mx.array(step))))
+    if dataclasses.replace(before, total_steps=plan.total_steps) == plan:
+        logger.warning(
+            "the run was planned for %d updates and now for %d: the learning rate continues "
+            "from %.3g (update %d) and decays (%s) to 0 at update %d",
+            before.total_steps,
+            plan.total_steps,
+            lr_now,
+            step,
+            plan.scheduler,
+            plan.total_steps,
+        )
+        return continued_schedule(lr_now, plan.scheduler, step, plan.total_steps)
+    lr_new = float(np.asarray(plan.schedule()(mx.array(step))))
+    logger.warning(
+        "the learning-rate schedule changed on resume (%s -> %s): at update %d the learning "
+        "rate goes from %.3g to %.3g",
+        before,
+        plan,
+        step,
+        lr_now,
+        lr_new,
+    )
+    return plan.schedule()
+
+
+def continued_schedule(
+    lr_now: float, scheduler: str, start: int, total_steps: int
+) -> Callable[[mx.array], mx.array]:
+    """From update ``start`` on, ``lr_now`` decaying to 0 at update ``total_steps`` ("linear",
+    "cosine"), or staying ("constant")."""
+    span = max(total_steps - start, 1)
+
+    def schedule(step: mx.array) -> mx.array:
+        x = mx.clip((step - start) / span, 0.0, 1.0)
+        if scheduler == "linear":
+            return lr_now * (1.0 - x)
+        if scheduler == "cosine":
+            return lr_now * 0.5 * (1.0 + mx.cos(math.pi * x))
+        return mx.array(lr_now) * mx.ones_like(x)
+
+    return schedule
 
 
 #: ``value_and_grad(model, batch) -> ((loss, metrics), grads)``, as ``nn.value_and_grad`` makes it

@@ -36,6 +36,7 @@ from training.data import (
     tokenize_preferences,
 )
 from training.checkpoint import atomic_directory
+from training.run_control import prepare_run_dir
 from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
@@ -199,6 +200,10 @@ def run_reward_training(config: RewardConfig, *, resume_from: str | Path | None 
         ValueError: ``config.dataset`` is not set, or the data is malformed.
     """
     train_records, eval_records = load_run_data(config, load_preference_data)
+    # Before the model loads: a folder that holds another run, or that cannot be written.
+    prepare_run_dir(
+        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
+    )
     trainer = RewardTrainer(config)
     trainer.train(train_records, eval_records, resume_from=resume_from)
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

@@ -30,6 +30,7 @@ from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from training.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
 from training.checkpoint import atomic_directory
+from training.run_control import prepare_run_dir
 from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
@@ -165,6 +166,10 @@ def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path
         ValueError: ``config.dataset`` is not set, or the data is malformed.
     """
     train_records, eval_records = load_run_data(config, load_sft_data)
+    # Before the model loads: a folder that holds another run, or that cannot be written.
+    prepare_run_dir(
+        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
+    )
     trainer = SFTTrainer(config)
     trainer.train(train_records, eval_records, resume_from=resume_from)
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

@@ -50,6 +50,7 @@ from training.checkpoint import (
 )
 from training.data import length_bucketed_batches, train_eval_split
 from training.optimizer import AdamW, lr_schedule, optimizer_step
+from training.run_control import CONFIG_FILE, prepare_run_dir
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 
 logger = logging.getLogger("ppo_mlx")
@@ -59,8 +60,6 @@ B = TypeVar("B")  # one collated micro-batch
 
 #: Name of the trained model's directory under ``output_dir``.
 MODEL_DIR = "model"
-#: The run's config, written to ``output_dir`` when training starts.
-CONFIG_FILE = "config.yaml"
 # Config fields a checkpoint must agree on to be resumed.
 _RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window")
 
@@ -162,6 +161,9 @@ class SupervisedTrainer(Generic[E, B]):
                 ``<output_dir>/checkpoints``): continue where it stopped.
         """
         cfg = self.config
+        prepare_run_dir(
+            self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
+        )
         # 1. Tokenise (every record is checked before any training).
         examples = self.prepare(train_data)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []

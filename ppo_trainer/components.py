@@ -1,0 +1,174 @@
+"""The models of a PPO/GRPO run, built from the config (or given ready), and the start-up checks
+of a data-parallel run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from base_setup import distributed as dist
+from base_setup.lora_setup import LoraSettings
+from base_setup.tokenizer_setup import eos_token_ids
+from config._fields import divisors
+from config.loading import config_to_dict
+from config.ppo_config import PPOConfig
+from models.policy_model import PolicyModel
+from models.reward_model import RewardFunction, RewardModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+
+
+@dataclass
+class RunModels:
+    """Everything an iteration runs: the trained policy (and value model), the frozen reference,
+    the reward (a model or a function), the tokenizer."""
+
+    policy: PolicyModel
+    ref_model: ReferenceModel
+    reward_model: RewardModel | None
+    reward_fn: RewardFunction | None
+    value_model: ValueModel | None
+    tokenizer: Any
+
+
+def build_models(
+    config: PPOConfig,
+    *,
+    policy: PolicyModel | None = None,
+    ref_model: ReferenceModel | None = None,
+    reward: RewardModel | RewardFunction | None = None,
+    value_model: ValueModel | None = None,
+    tokenizer: Any = None,
+    custom_scores: bool = False,
+) -> RunModels:
+    """The run's models: those given, the others loaded as the config says.
+
+    * policy: ``config.model_name`` (LoRA adapters if ``use_lora``; a quantized model only so);
+    * reference: the policy's base weights with the adapters off (LoRA on the same model), else
+      a frozen copy of ``sft_model_name or model_name``;
+    * reward: a :class:`RewardModel`, a function ``(prompts, completions, **columns)``, or
+      ``reward_model_name``; none is needed when ``custom_scores`` (a trainer that overrides
+      ``compute_scores``);
+    * value model (PPO only): ``value_model_name``, else the reward model's checkpoint, else the
+      policy's backbone with a fresh head (``config.value_source``).
+
+    Raises:
+        ValueError: no reward, a reward that is not callable, or a quantized policy without
+            LoRA.
+    """
+    lora = LoraSettings.from_model_config(config) if config.use_lora else None
+    policy = policy or PolicyModel.from_pretrained(config.model_name, dtype=config.dtype, lora=lora)
+    policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
+    if ref_model is None:
+        if config.use_lora and config.ref_model_name == config.model_name:
+            # Same base weights with the adapters switched off: no second copy in memory.
+            ref_model = ReferenceModel.from_policy(policy)
+        else:
+            ref_model = ReferenceModel.from_pretrained(config.ref_model_name, dtype=config.dtype)
+    reward_model: RewardModel | None = None
+    reward_fn: RewardFunction | None = None
+    if isinstance(reward, RewardModel):
+        reward_model = reward
+    elif reward is not None:
+        if not callable(reward):
+            raise ValueError(
+                "reward_model must be a RewardModel or a function "
+                f"(prompts, completions) -> list[float], got {type(reward).__name__}"
+            )
+        reward_fn = reward
+    elif config.reward_model_name:
+        reward_model = RewardModel.from_pretrained(config.reward_model_name, dtype=config.dtype)
+    elif not custom_scores:
+        raise ValueError(
+            "no reward: pass reward_model=<RewardModel or function (prompts, completions, "
+            "**columns) -> list[float]>, set reward_model_name in the config, or override "
+            "compute_scores"
+        )
+    if config.algorithm == "ppo" and value_model is None:
+        kind, path = config.value_source
+        if kind == "policy":
+            value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype)
+        else:
+            value_model = ValueModel.from_pretrained(path, dtype=config.dtype)
+    if config.algorithm != "ppo":
+        value_model = None
+    return RunModels(
+        policy=policy,
+        ref_model=ref_model,
+        reward_model=reward_model,
+        reward_fn=reward_fn,
+        value_model=value_model,
+        tokenizer=tokenizer if tokenizer is not None else policy.tokenizer,
+    )
+
+
+def stop_token_ids(config: PPOConfig, tokenizer: Any) -> list[int]:
+    """The ids that end a response: ``config.stop_token_ids``, else the tokenizer's end ids (its
+    EOS ids and the chat template's end-of-turn token)."""
+    if config.stop_token_ids is not None:  # [] = never stop early
+        return list(config.stop_token_ids)
+    ids = eos_token_ids(tokenizer)
+    if not ids:
+        raise ValueError(
+            "the tokenizer has no EOS token: set stop_token_ids in the config so that "
+            "responses can end"
+        )
+    return ids
+
+
+def context_length(policy: PolicyModel) -> int | None:
+    """The policy's context length from its config, or None if it names none."""
+    args = getattr(policy.model, "args", None)
+    for name in ("max_position_embeddings", "n_positions"):  # n_positions: GPT-2
+        value = getattr(args, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+def check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
+    """Start-up checks of a data-parallel run; every rank raises the same ``ValueError``.
+
+    First the configs must agree (hash compared across ranks), so that the checks after it see the
+    same numbers everywhere; then the global batch must split evenly over the ranks, and each
+    rank's rollout into ``num_mini_batches`` minibatches of ``gradient_accumulation_steps``
+    micro-batches.
+    """
+    n = group.size()
+    if n == 1:
+        return
+    dist.check_same_on_all_ranks(
+        json.dumps(config_to_dict(config), sort_keys=True).encode(),
+        "the configuration",
+        "launch every rank with the same --config file and --set overrides",
+        group,
+    )
+    rollout = config.batch_size // n * config.group_size
+    mini = rollout // config.num_mini_batches
+    problem = None
+    if config.batch_size % n:
+        multiple = n * max(1, round(config.batch_size / n))
+        problem = (
+            f"batch_size={config.batch_size} (the prompts of one iteration, over all ranks) does "
+            f"not split evenly over {n} processes: set batch_size to a multiple of {n} (e.g. "
+            f"{multiple}) or launch a number of processes that divides it "
+            f"({divisors(config.batch_size)})"
+        )
+    elif rollout % config.num_mini_batches:
+        problem = (
+            f"each of the {n} processes generates batch_size / {n} * group_size = {rollout} "
+            f"sequences, which cannot be split into num_mini_batches={config.num_mini_batches} "
+            f"equal minibatches: set num_mini_batches to one of {divisors(rollout)} or raise "
+            "batch_size"
+        )
+    elif mini % config.gradient_accumulation_steps:
+        problem = (
+            f"each process's minibatch has {rollout} / num_mini_batches="
+            f"{config.num_mini_batches} = {mini} sequences, which cannot be split into "
+            f"gradient_accumulation_steps={config.gradient_accumulation_steps} equal "
+            f"micro-batches: set gradient_accumulation_steps to one of {divisors(mini)}"
+        )
+    if problem is not None:
+        # Same config on every rank, so every rank gets here: all report before any exits.
+        dist.fail_together(ValueError(problem), group)

@@ -1,0 +1,72 @@
+"""Phase 6 of an iteration: the metrics of the global batch, under TRL's names.
+
+Per-rank means of rows (every rank holds the same number) and of minibatch metrics (token-weighted
+in the update) average over the ranks and counts add up, in one all-reduce; spreads (the scores'
+standard deviation, the value model's explained variance) use all-reduced statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from advantage.whitening import masked_var
+from base_setup import distributed as dist
+from experience_buffer.buffer import RolloutBatch
+from ppo_trainer.rollout import Rollout
+
+
+def reduce_over_ranks(
+    means: dict[str, mx.array], sums: dict[str, mx.array], group: Any
+) -> dict[str, float]:
+    """Scalar ``means`` averaged over the ranks of ``group`` and ``sums`` added up, as host
+    floats (one all-reduce; the local values on one process)."""
+    world = group.size() if group is not None else 1
+    local = mx.stack([*means.values(), *sums.values()]).astype(mx.float32)  # (K,)
+    scale = mx.array([1.0 / world] * len(means) + [1.0] * len(sums))  # (K,)
+    values = np.array(dist.all_sum(local, group) * scale).tolist()
+    return dict(zip([*means, *sums], values))
+
+
+def iteration_metrics(
+    rollout: Rollout,
+    batch: RolloutBatch,
+    stats: dict[str, mx.array],
+    update_metrics: list[dict[str, mx.array]],
+    group: Any = None,
+) -> dict[str, float]:
+    """``objective/kl``, ``objective/entropy``, ``objective/non_score_reward``,
+    ``objective/rlhf_reward``, ``objective/scores`` (and ``_std``), ``episode/response_length``,
+    ``val/num_eos_tokens``, ``val/explained_variance`` (PPO), the means of the update's
+    metrics (``loss/policy``, ``policy/clipfrac``, ...), and ``num_generated`` (tokens)."""
+    mask = batch.mask
+    kl_sum = stats["kl"].sum(axis=1)  # (B,)
+    non_score_sum = stats["non_score"].sum(axis=1)  # (B,)
+    means = {
+        "objective/kl": kl_sum.mean(),
+        "objective/entropy": (rollout.entropy * mask).sum(axis=1).mean(),
+        "objective/non_score_reward": non_score_sum.mean(),
+        "objective/rlhf_reward": (batch.scores + non_score_sum).mean(),
+        "objective/scores": batch.scores.mean(),
+        "episode/response_length": rollout.generation.lengths.astype(mx.float32).mean(),
+    }
+    for key in update_metrics[0]:
+        means[key] = mx.stack([m[key] for m in update_metrics]).mean()
+    sums = {
+        "val/num_eos_tokens": rollout.generation.ended_with_stop.astype(mx.float32).sum(),
+        "num_generated": mask.sum(),
+    }
+    result = reduce_over_ranks(means, sums, group)
+    spreads = {
+        "objective/scores_std": mx.sqrt(
+            masked_var(batch.scores, mx.ones_like(batch.scores), unbiased=False, group=group)
+        )
+    }
+    if batch.values is not None and batch.returns is not None:
+        residual = masked_var(batch.returns - batch.values, mask, unbiased=False, group=group)
+        target = masked_var(batch.returns, mask, unbiased=False, group=group)
+        spreads["val/explained_variance"] = 1.0 - residual / (target + 1e-8)
+    result.update({k: float(np.asarray(v)) for k, v in spreads.items()})
+    return result

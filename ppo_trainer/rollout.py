@@ -1,0 +1,234 @@
+"""Phases 1-3 of an iteration: generate responses and score them with every model.
+
+:func:`collect_rollout` is what training and evaluation both run, so they cannot drift apart:
+
+1. sample responses for the prompts (batched, KV cache, stopping at the stop tokens);
+2. log-probs of the sampled tokens under the rollout policy and the frozen reference, and the
+   value model's values, at the scoring temperature, all without gradients;
+3. the completions' texts and their scores (reward model or function, via the trainer's
+   ``compute_scores``), checked to be one finite float each.
+
+Every array it returns is a constant for the losses that follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from models.policy_model import PolicyModel
+from models.sft_model import ReferenceModel
+from models.value_model import ValueModel
+from ppo_trainer.generator import GenerationOutput, generate
+from token_attribution.sequences import (
+    build_query_responses,
+    gather_positions,
+    response_positions,
+    token_logprobs,
+)
+
+#: ``score(completions, query_responses, sequence_lengths) -> (B,)``: the trainer's reward, with
+#: the prompts and their columns bound.
+ScoreFn = Callable[[list[str], mx.array, mx.array], Any]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are sampled and scored.
+
+    Attributes:
+        max_new_tokens: most tokens per response.
+        temperature: sampling temperature; 0 = greedy (log-probs then at temperature 1).
+        top_p, top_k: nucleus and top-k filters (1.0 / 0 = off); log-probs are unfiltered.
+        stop_token_ids: ids that end a response (the stop token is part of it).
+        pad_token_id: id written after a response's end (never read: masks come from lengths).
+        logprobs_from: "sampling" keeps the sampler's log-probs (the same function of the same
+            logits), "forward" recomputes them with a forward pass over the whole sequences.
+    """
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: Sequence[int]
+    pad_token_id: int
+    logprobs_from: Literal["sampling", "forward"] = "sampling"
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are taken at: the sampling one, 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass
+class Rollout:
+    """What phases 1-3 produce for one batch of ``B`` sequences (``T`` response columns)."""
+
+    texts: list[str]  # the formatted prompts
+    completions: list[str]  # response texts without the stop token
+    prompt_ids: list[list[int]]
+    generation: GenerationOutput
+    query_responses: mx.array  # (B, L) prompt, response, padding
+    prompt_lengths: mx.array  # (B,)
+    mask: mx.array  # (B, T) 1 on response tokens (the stop token included)
+    logprobs: mx.array  # (B, T) rollout policy
+    ref_logprobs: mx.array  # (B, T) reference
+    entropy: mx.array  # (B, T) of the rollout policy's distribution
+    values: mx.array | None  # (B, T) value model (PPO)
+    scores: mx.array  # (B,) float32, finite
+
+
+def collect_rollout(
+    policy: PolicyModel,
+    ref_model: ReferenceModel,
+    value_model: ValueModel | None,
+    texts: list[str],
+    prompt_ids: list[list[int]],
+    sampling: SamplingSettings,
+    *,
+    decode: Callable[[GenerationOutput], list[str]],
+    score: ScoreFn,
+    score_source: str,
+    keys: mx.array | None = None,
+) -> Rollout:
+    """Phases 1-3 (see the module doc) for prompts already formatted and encoded.
+
+    Args:
+        decode: the completions' texts (without their stop tokens) of a generation.
+        score: the scores of the completions (see :data:`ScoreFn`).
+        score_source: what computes the scores, named when they are malformed.
+        keys: one PRNG key per sequence (so a row's sample does not depend on the others), or
+            None for the global random state.
+    """
+    # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
+    gen = generate(
+        policy,
+        prompt_ids,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+        top_k=sampling.top_k if sampling.temperature > 0 else 0,
+        stop_token_ids=list(sampling.stop_token_ids),
+        pad_token_id=sampling.pad_token_id,
+        return_logprobs=True,
+        keys=keys,
+    )
+    num_tokens = gen.responses.shape[1]
+    mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)  # (B, T)
+    query_responses, prompt_lengths = build_query_responses(
+        prompt_ids, gen.responses, sampling.pad_token_id
+    )
+    # 2. Log-probs under the rollout policy and the reference, and values: no gradients here.
+    # The sampler's log-probs are log_softmax(logits / temperature) of the same weights (eval
+    # mode, as here); "forward" recomputes them over whole sequences instead.
+    temperature = sampling.scoring_temperature
+    positions = response_positions(prompt_lengths, num_tokens)  # (B, T)
+    logprobs, entropy = gen.logprobs, gen.entropy
+    if sampling.logprobs_from == "forward":
+        logprobs, entropy = token_logprobs(
+            policy.logits_at(query_responses, positions),
+            gen.responses,
+            temperature,
+            with_entropy=True,
+        )
+    assert logprobs is not None and entropy is not None
+    ref_logprobs, _ = token_logprobs(
+        ref_model.logits_at(query_responses, positions), gen.responses, temperature
+    )
+    values = None
+    if value_model is not None:
+        values = gather_positions(value_model(query_responses), positions)  # (B, T)
+    mx.eval(logprobs, entropy, ref_logprobs, values)
+
+    # 3. Scores of the completions (text without the stop token).
+    completions = decode(gen)
+    raw = score(completions, query_responses, prompt_lengths + gen.lengths)
+    scores = check_scores(raw, len(texts), score_source)
+    return Rollout(
+        texts,
+        completions,
+        prompt_ids,
+        gen,
+        query_responses,
+        prompt_lengths,
+        mask,
+        logprobs,
+        ref_logprobs,
+        entropy,
+        values,
+        scores,
+    )
+
+
+def check_scores(scores: Any, expected: int, source: str) -> mx.array:
+    """``scores`` as a (B,) float32 array, or ``ValueError`` naming ``source`` and what is wrong:
+    not numbers (strings, None), not one per completion, or not finite."""
+    if isinstance(scores, mx.array):
+        if not mx.issubdtype(scores.dtype, mx.number) or scores.dtype == mx.bool_:
+            raise ValueError(f"{source} returned an array of {scores.dtype}, not numbers")
+        values = np.asarray(scores.astype(mx.float32)).reshape(-1)
+    else:
+        items = list(scores) if isinstance(scores, (list, tuple, np.ndarray)) else None
+        if items is None:
+            raise ValueError(
+                f"{source} returned {type(scores).__name__} {scores!r:.60}; it must return one "
+                "float per completion (a list or array)"
+            )
+        bad = [
+            (i, v)
+            for i, v in enumerate(items)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number))
+        ]
+        if bad:
+            index, value = bad[0]
+            raise ValueError(
+                f"{source} returned {type(value).__name__} {value!r:.40} for completion {index} "
+                f"({len(bad)} of {len(items)} are not numbers); it must return one float per "
+                "completion"
+            )
+        values = np.asarray(items, dtype=np.float64).reshape(-1)
+    if values.size != expected:
+        raise ValueError(
+            f"{source} returned {values.size} scores for {expected} completions: it must "
+            "return exactly one float per completion"
+        )
+    with np.errstate(over="ignore"):
+        as32 = values.astype(np.float32)
+    finite = np.isfinite(as32)
+    if not finite.all():
+        bad_rows = np.flatnonzero(~finite).tolist()
+        raise ValueError(
+            f"{source} returned non-finite scores (NaN, inf, or beyond float32's 3.4e38) for "
+            f"completions {bad_rows[:10]}: fix the reward; no update was made for this batch"
+        )
+    return mx.array(as32)
+
+
+def check_prompts(
+    prompt_ids: Sequence[Sequence[int]],
+    texts: Sequence[str],
+    *,
+    max_prompt_length: int,
+    max_new_tokens: int,
+    context_length: int | None,
+) -> None:
+    """Raise ``ValueError`` (naming the prompt) for an empty prompt, one longer than
+    ``max_prompt_length``, or one that with ``max_new_tokens`` exceeds the model's context."""
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty after formatting and tokenisation")
+        if len(ids) > max_prompt_length:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, more than max_prompt_length="
+                f"{max_prompt_length} ({texts[i][:60]!r}...): shorten it or raise "
+                "max_prompt_length"
+            )
+        if context_length is not None and len(ids) + max_new_tokens > context_length:
+            raise ValueError(
+                f"prompt {i} ({len(ids)} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                f"the model's context of {context_length} tokens: shorten the prompt or lower "
+                "max_new_tokens"
+            )

@@ -1,0 +1,146 @@
+"""What every trainer's loop shares around its steps: stopping on signals, and the run folder.
+
+* :class:`StopSignals`: the first Ctrl-C (SIGINT) or SIGTERM (what schedulers and ``docker stop``
+  send) asks the loop to stop after the current step and save; a second one interrupts at once
+  (``KeyboardInterrupt``). The command line reports either and exits non-zero.
+* :func:`prepare_run_dir`: a fresh run refuses a folder that holds another run (its new
+  checkpoints would be pruned against the old ones and ``--resume latest`` would continue the
+  old run), unless told to overwrite it; the folder must be writable before any model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger("ppo_mlx")
+
+#: The run's config, written to its folder when training starts (what ``export`` reads).
+CONFIG_FILE = "config.yaml"
+#: What a trainer writes into its run folder (``overwrite`` removes these and nothing else).
+RUN_ARTIFACTS: tuple[str, ...] = (
+    "checkpoints",
+    "metrics.jsonl",
+    "training_curves.png",
+    "final",
+    "model",
+    "eval_final.json",
+    "rollouts",
+    "config.yaml",
+    "tensorboard",
+)
+
+
+class StopSignals:
+    """Within the block, SIGINT and SIGTERM request a stop instead of killing the process.
+
+    ``requested`` turns true at the first signal (or :meth:`request`); the loop checks it between
+    steps, saves and returns. A second signal raises ``KeyboardInterrupt`` where the process is.
+    Outside the main thread (where handlers cannot be installed) signals keep their default.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def request(self, reason: str) -> None:
+        """Ask the loop to stop after the current step (a callback's early stop, a signal)."""
+        if not self.requested:
+            self.requested = True
+            self.reason = reason
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            raise KeyboardInterrupt(f"{name} received twice")
+        self.request(name)
+        logger.warning(
+            "%s: finishing this step, then saving a checkpoint (send it again to stop at once)",
+            name,
+        )
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+
+def stop_exit_code(reason: str | None) -> int:
+    """The exit code of a run stopped for ``reason``: the shell's code for a signal (130 for
+    SIGINT, 143 for SIGTERM), 1 for another stop, 0 for none."""
+    if reason is None:
+        return 0
+    return {"SIGINT": 130, "SIGTERM": 143}.get(reason, 1)
+
+
+def holds_a_run(run_dir: Path) -> list[str]:
+    """What in ``run_dir`` belongs to an earlier run (empty if nothing)."""
+    if not run_dir.is_dir():
+        return []
+    found = []
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()):
+        found.append("checkpoints/")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    found += [f"{name}/" for name in ("final", "model") if (run_dir / name).is_dir()]
+    return found
+
+
+def check_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+    """Raise ``ValueError`` if a fresh run (not ``resuming``, no ``overwrite``) would reuse a
+    folder that holds another run; changes nothing (see :func:`prepare_run_dir`)."""
+    run_dir = Path(run_dir)
+    earlier = holds_a_run(run_dir)
+    if earlier and not resuming and not overwrite:
+        raise ValueError(
+            f"output_dir {run_dir} already holds a run ({', '.join(earlier)}): continue it "
+            "with --resume latest, choose another output_dir, or pass --overwrite "
+            "(overwrite_output_dir: true) to replace it"
+        )
+
+
+def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+    """Check ``run_dir`` before a run starts (before models load when called early).
+
+    A fresh run (not ``resuming``) into a folder that holds another run raises ``ValueError``
+    naming what is there, unless ``overwrite``, which removes the earlier run's files
+    (:data:`RUN_ARTIFACTS`, nothing else). The folder must be writable.
+
+    Raises:
+        ValueError: the folder holds another run (and no overwrite), or is not writable.
+    """
+    run_dir = Path(run_dir)
+    check_run_dir(run_dir, resuming=resuming, overwrite=overwrite)
+    earlier = holds_a_run(run_dir)
+    if earlier and not resuming:
+        logger.warning("overwriting the earlier run in %s (%s)", run_dir, ", ".join(earlier))
+        for name in RUN_ARTIFACTS:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"output_dir {run_dir} is not writable ({type(err).__name__}: {err.strerror or err}): "
+            "choose a folder you can write to"
+        ) from None
