@@ -1,4 +1,4 @@
-"""Command line: ``python main.py {demo,train,evaluate,sft,reward} ...``.
+"""Command line: ``python main.py {demo,train,evaluate,sft,reward,inspect} ...``.
 
 The only place that parses files and flags; everything else receives a config object or plain values.
 """
@@ -142,6 +142,12 @@ def cmd_reward(args: argparse.Namespace) -> None:
     print(f"reward model: {out}")
 
 
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from ppo_trainer.inspector import write_inspector
+
+    print(write_inspector(Path(args.run), step=args.step, out=args.out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="main.py", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
         stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
         stage.set_defaults(func=func)
+    inspect = sub.add_parser(
+        "inspect", help="an HTML page of a run's rollout records, token by token (prints its path)"
+    )
+    inspect.add_argument("run", help="the run folder (output_dir) holding rollouts/")
+    inspect.add_argument("--step", type=int, help="the step the page opens on (default: latest)")
+    inspect.add_argument(
+        "--out", help="where to write the page (default: RUN/rollouts/inspect.html)"
+    )
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 
