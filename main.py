@@ -1,5 +1,5 @@
-"""Command line: ``python main.py {demo,train,evaluate,sft,reward,generate,chat,export} ...``
-(``ppo-mlx ...`` once the project is installed with ``pip install -e .``).
+"""Command line: ``python main.py {demo,train,evaluate,sft,reward,generate,chat,export,inspect}
+...`` (``ppo-mlx ...`` once the project is installed with ``pip install -e .``).
 
 The only place that parses files and flags; everything else receives a config object or plain values.
 """
@@ -180,6 +180,12 @@ def cmd_reward(args: argparse.Namespace) -> None:
     print(f"reward model: {out}")
 
 
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from ppo_trainer.inspector import write_inspector
+
+    print(write_inspector(Path(args.run), step=args.step, out=args.out))
+
+
 def _sampling_settings(args: argparse.Namespace) -> Any:
     from ppo_trainer.chat import SamplingSettings
 
@@ -331,6 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a non-empty --out directory"
     )
     export.set_defaults(func=cmd_export)
+    inspect = sub.add_parser(
+        "inspect", help="an HTML page of a run's rollout records, token by token (prints its path)"
+    )
+    inspect.add_argument("run", help="the run folder (output_dir) holding rollouts/")
+    inspect.add_argument("--step", type=int, help="the step the page opens on (default: latest)")
+    inspect.add_argument(
+        "--out", help="where to write the page (default: RUN/rollouts/inspect.html)"
+    )
+    inspect.set_defaults(func=cmd_inspect)
     return parser
 
 

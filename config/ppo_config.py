@@ -70,6 +70,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
         eval_temperature: Sampling temperature at evaluation; 0 = greedy.
         eval_max_new_tokens: Most tokens generated per evaluation response; None = max_new_tokens.
+        log_rollouts_every: Steps between rollout records (rollouts/step_NNNNNN.jsonl in
+            output_dir, per token: log-probs, KL, entropy, value, reward, advantage, return),
+            written also at the first and last steps and at each evaluation;
+            ``python main.py inspect RUN`` renders them as a page; 0 = no records.
+        rollout_records_per_step: Most responses recorded per step (spread over the batch, whole
+            groups when group_size > 1); each is kept whole (at most max_new_tokens tokens).
     """
 
     algorithm: Algorithm = "ppo"
@@ -99,6 +105,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     grpo_advantage_scale: GRPOAdvantageScale = "group"
     eval_temperature: float = 0.0
     eval_max_new_tokens: int | None = None
+    log_rollouts_every: int = 10
+    rollout_records_per_step: int = 16
 
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)
@@ -107,6 +115,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
         self._check_generation()
         self._check_algorithm()
         self._check_batch_split()
+        self._check_rollout_records()
 
     def _check_generation(self) -> None:
         require(
@@ -228,6 +237,23 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 f"gradient_accumulation_steps to one of {divisors(mini)} or change batch_size "
                 f"or num_mini_batches"
             )
+
+    def _check_rollout_records(self) -> None:
+        require(
+            self.log_rollouts_every >= 0,
+            "log_rollouts_every",
+            self.log_rollouts_every,
+            ">= 0",
+            "set the steps between rollout records (e.g. 10), or 0 to write none",
+        )
+        require(
+            self.rollout_records_per_step >= 1,
+            "rollout_records_per_step",
+            self.rollout_records_per_step,
+            ">= 1",
+            "set how many responses to record per step (e.g. 16); log_rollouts_every=0 turns "
+            "the records off",
+        )
 
     @property
     def cliprange(self) -> float:

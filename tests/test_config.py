@@ -239,6 +239,8 @@ INVALID: list[tuple[str, Any, dict[str, Any]]] = [
     ("grpo_advantage_scale", "global", {}),
     ("eval_temperature", -0.1, {}),
     ("eval_max_new_tokens", 0, {}),
+    ("log_rollouts_every", -1, {}),
+    ("rollout_records_per_step", 0, {}),
     # wrong types given from Python
     ("batch_size", "8", {}),
     ("batch_size", 2.5, {}),
