@@ -25,6 +25,7 @@ from config.sft_config import SFTConfig
 from models.demo_data import write_preference_data, write_sft_data
 from models.tiny_corpus import lexicon_score, review_prompts
 from models.tiny_model import build_tiny_checkpoint
+from ppo_trainer.inspector import write_inspector
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.metrics_logger import read_metrics
 from training.reward_trainer import run_reward_training
@@ -218,5 +219,6 @@ def run_demo(
     )
     print(f"metrics: {ppo_dir / 'metrics.jsonl'}\nplot:    {ppo_dir / 'training_curves.png'}")
     print(f"policy:  {model_dir} (LoRA adapters over {sft_model})")
+    print(f"inspector (open in a browser): {write_inspector(ppo_dir)}")
     print(f"total time {time.perf_counter() - start:.0f} s")
     return {"before": before, "after": after}

@@ -83,7 +83,8 @@ def make_experience(
 
     Returns:
         ``(batch, stats)`` with ``stats``: ``kl`` (B, T), ``non_score`` (B, T) the KL part of the
-        reward, and for PPO ``rewards`` (B, T) the per-token rewards.
+        reward, and ``rewards`` (B, T) the per-token rewards (before any whitening; for GRPO the
+        score minus ``beta * kl``, what its loss optimises).
 
     Raises:
         ValueError: the rewards or advantages are not finite (scores too large to whiten or to
@@ -101,16 +102,19 @@ def make_experience(
         advantages = group_advantages(
             scores, settings.group_size, settings.grpo_advantage_scale, group=group
         )  # (B,)
-        stats = {"kl": kl, "non_score": -settings.beta * kl}
+        # GRPO's loss penalises beta * kl; as per-token rewards (for the records), that reads
+        # score at the last token minus beta * kl.
+        rewards, non_score = per_token_rewards(scores, kl, r.mask, settings.beta)
+        stats = {"kl": kl, "non_score": non_score, "rewards": rewards}
     else:
         assert r.values is not None, "PPO needs the rollout's values"
         rewards, non_score = per_token_rewards(scores, kl, r.mask, kl_coef)  # (B, T) each
+        stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # before whitening
         if settings.whiten_rewards:
             rewards = masked_whiten(rewards, r.mask, shift_mean=False, group=group)
         advantages, returns = compute_gae(rewards, r.values, r.mask, settings.gamma, settings.lam)
         if settings.whiten_advantages:
             advantages = masked_whiten(advantages, r.mask, group=group)
-        stats = {"kl": kl, "non_score": non_score, "rewards": rewards}
     batch = RolloutBatch(
         query_responses=r.query_responses,
         prompt_lengths=r.prompt_lengths,

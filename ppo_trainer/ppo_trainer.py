@@ -77,6 +77,15 @@ from ppo_trainer.prompt_records import (
     split_records,
 )
 from ppo_trainer.rollout import Rollout, SamplingSettings, check_prompts, collect_rollout
+from ppo_trainer.rollout_records import (
+    RolloutArrays,
+    Source,
+    log_rollouts,
+    rollout_records,
+    rollouts_due,
+    select_rows,
+    write_rollout_records,
+)
 from ppo_trainer.update import Learner, policy_loss_fn, ppo_epochs, value_loss_fn
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from training.checkpoint import (
@@ -213,6 +222,8 @@ class PPOTrainer:
         self._updating = False
         self._callbacks: list[TrainerCallback] = []
         self._schedule_plan: SchedulePlan | None = None
+        self._last_step: int | None = None  # the run's last step, while train() runs
+        self._record_eval = False  # evaluate() writes rollout records (periodic evaluations)
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -301,6 +312,13 @@ class PPOTrainer:
             rollout, self.experience, self.kl_ctl.value, step=step, group=self.group
         )
         t_advantages = time.perf_counter()
+        if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self._last_step):
+            log_rollouts(
+                self.run_dir,
+                self._rollout_arrays(rollout, batch, stats, step),
+                self.tokenizer,
+                cfg.rollout_records_per_step,
+            )
         for cb in self._callbacks:
             cb.on_rollout_end(self, step, batch)
 
@@ -341,6 +359,37 @@ class PPOTrainer:
         self.global_step = step
         self.last_rollout = (rollout, batch, stats)
         return metrics
+
+    def _rollout_arrays(
+        self,
+        rollout: Rollout,
+        batch: RolloutBatch,
+        stats: dict[str, mx.array],
+        step: int,
+        source: Source = "train",
+    ) -> RolloutArrays:
+        """What the rollout records (:mod:`ppo_trainer.rollout_records`) are made of."""
+        return RolloutArrays(
+            step=step,
+            algorithm=self.config.algorithm,
+            prompts=rollout.texts,
+            query_responses=batch.query_responses,
+            prompt_lengths=batch.prompt_lengths,
+            responses=batch.responses,
+            mask=batch.mask,
+            ended_with_stop=rollout.generation.ended_with_stop,
+            scores=batch.scores,
+            logprobs=batch.logprobs,
+            ref_logprobs=batch.ref_logprobs,
+            kl=stats["kl"],
+            entropy=rollout.entropy,
+            values=batch.values,
+            rewards=stats.get("rewards"),
+            advantages=batch.advantages if source == "train" else None,
+            returns=batch.returns,
+            group_size=self.config.group_size if source == "train" else 1,
+            source=source,
+        )
 
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
@@ -460,6 +509,7 @@ class PPOTrainer:
         cfg = self.config
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan_run(prompts, num_epochs, eval_prompts)
+        self._last_step = total
         self._callbacks = as_callbacks(callbacks)
         self._check_run_dir(resuming=resume_from is not None)
         self._ensure_optimizers(total_steps=total)
@@ -668,7 +718,13 @@ class PPOTrainer:
         self._stop.request(reason)
 
     def _periodic_eval(self, eval_prompts: Sequence[PromptInput]) -> dict[str, float]:
-        result = self.evaluate(eval_prompts)
+        # Evaluations during training are recorded (overrides of evaluate() that call the base
+        # method record too, without a parameter to pass along).
+        self._record_eval = self.is_main_process
+        try:
+            result = self.evaluate(eval_prompts)
+        finally:
+            self._record_eval = False
         scalars = {k: v for k, v in result.items() if isinstance(v, float)}
         for cb in self._callbacks:
             cb.on_evaluate(self, self.global_step, scalars)
@@ -728,7 +784,8 @@ class PPOTrainer:
         num_samples: int = 4,
     ) -> dict[str, Any]:
         """Mean reward and KL to the reference on ``prompts`` (or prompt records, whose columns
-        reach the reward as in training), with sample completions.
+        reach the reward as in training), with sample completions. During :meth:`train`, up to
+        ``rollout_records_per_step`` of them go to ``rollouts/step_NNNNNN_eval.jsonl``.
 
         Runs the training rollout (phases 1-3) with the evaluation settings: generation is greedy
         when the temperature (default ``config.eval_temperature``) is 0, and log-probs are taken
@@ -749,11 +806,22 @@ class PPOTrainer:
         kls: list[float] = []
         lengths: list[float] = []
         samples: list[dict[str, Any]] = []
+        records: list[dict[str, Any]] = []
+        record = self._record_eval
         for start in range(0, len(prompts), cfg.rollout_batch_size):
             stop = min(start + cfg.rollout_batch_size, len(prompts))
             texts, ids, columns = self._prepare_prompts(prompts, start, stop)
             rollout = self._rollout(texts, ids, columns, sampling, with_values=False)
-            kl = kl_per_token(rollout, self.experience).sum(axis=1)  # (B,)
+            kl_tokens = kl_per_token(rollout, self.experience)  # (B, T)
+            kl = kl_tokens.sum(axis=1)  # (B,)
+            room = cfg.rollout_records_per_step - len(records)
+            if record and room > 0:
+                batch = self._eval_batch(rollout)
+                arrays = self._rollout_arrays(
+                    rollout, batch, {"kl": kl_tokens}, self.global_step, "eval"
+                )
+                rows = select_rows(len(texts), 1, room)
+                records += rollout_records(arrays, self.tokenizer, rows)
             rewards.extend(np.array(rollout.scores).tolist())
             kls.extend(np.array(kl).tolist())
             lengths.extend(np.array(rollout.generation.lengths).tolist())
@@ -761,12 +829,28 @@ class PPOTrainer:
                 {"prompt": t, "completion": c, "reward": r}
                 for t, c, r in zip(texts, rollout.completions, rewards[start:stop])
             ][: max(num_samples - len(samples), 0)]
+        if record:
+            write_rollout_records(self.run_dir, self.global_step, records, "eval")
         return {
             "eval/mean_reward": float(np.mean(rewards)),
             "eval/kl": float(np.mean(kls)),
             "eval/response_length": float(np.mean(lengths)),
             "samples": samples,
         }
+
+    @staticmethod
+    def _eval_batch(rollout: Rollout) -> RolloutBatch:
+        """An evaluation rollout as a batch (no advantages: nothing learns from it)."""
+        return RolloutBatch(
+            query_responses=rollout.query_responses,
+            prompt_lengths=rollout.prompt_lengths,
+            responses=rollout.generation.responses,
+            mask=rollout.mask,
+            logprobs=rollout.logprobs,
+            ref_logprobs=rollout.ref_logprobs,
+            scores=rollout.scores,
+            advantages=mx.zeros_like(rollout.scores),
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

@@ -368,3 +368,44 @@ def test_records_of_a_real_ppo_rollout(tiny_model_dir: Path, tmp_path: Path) -> 
             rel_tol=1e-4,
             abs_tol=1e-4,
         )
+
+
+def test_training_writes_records_the_inspector_reads(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The trainer's own records: the first and last steps, each evaluation; the page reads them."""
+    from ppo_trainer.inspector import write_inspector
+
+    config = PPOConfig(
+        model_name=str(tiny_model_dir),
+        algorithm="grpo",
+        group_size=2,
+        max_new_tokens=6,
+        batch_size=2,
+        learning_rate=1e-3,
+        num_ppo_epochs=1,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        total_steps=3,
+        log_rollouts_every=2,
+        rollout_records_per_step=3,
+        eval_every=3,
+    )
+    trainer = PPOTrainer(config, reward_model=lambda p, c: [float(len(x)) for x in c])
+    trainer.train(review_prompts(6, seed=0), eval_prompts=review_prompts(5, seed=1))
+    steps = read_rollout_records(tmp_path / "run")
+    assert [(s.step, s.source) for s in steps] == [
+        (1, "train"),
+        (2, "train"),
+        (3, "train"),
+        (3, "eval"),
+    ]
+    train_records = steps[0].records
+    assert len(train_records) == 2  # whole groups of 2 within the limit of 3
+    assert {r["group"] for r in train_records} == {train_records[0]["group"]}
+    assert all(
+        r["algorithm"] == "grpo" and r["sequence_advantage"] is not None for r in train_records
+    )
+    eval_records = steps[-1].records
+    assert len(eval_records) == 3 and all(r["source"] == "eval" for r in eval_records)
+    assert all(len(r["kl"]) == r["length"] for r in eval_records)
+    page = write_inspector(tmp_path / "run")
+    assert page.is_file() and "step_000003" not in page.name
