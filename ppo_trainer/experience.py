@@ -135,6 +135,8 @@ def make_experience(
 def _check_finite(batch: RolloutBatch, step: int) -> None:
     for name in ("advantages", "returns"):
         value = getattr(batch, name)
+        if name == "returns" and value is not None:
+            value = mx.square(value)  # the value loss squares them: they must stay finite too
         if value is not None and not bool(mx.all(mx.isfinite(value)).item()):
             largest = float(np.abs(np.asarray(batch.scores)).max())
             raise ValueError(

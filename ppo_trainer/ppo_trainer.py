@@ -459,13 +459,14 @@ class PPOTrainer:
         return [self.decode_completion(row[:end]) for row, end in zip(rows, ends)]
 
     def _learners(self) -> list[Learner]:
+        """The value model (PPO), then the policy: the models are independent, and a value loss
+        that overflows (huge rewards) then stops the step before the policy has moved."""
         assert self.policy_optimizer is not None
         learners = [Learner(self.policy, self.policy_optimizer, self._policy_grad, "policy")]
         if self.value_model is not None:
             assert self.value_optimizer is not None and self._value_grad is not None
-            learners.append(
-                Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
-            )
+            value = Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
+            learners.insert(0, value)
         return learners
 
     def _check_columns(self, columns: Columns) -> None:

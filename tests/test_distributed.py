@@ -249,6 +249,7 @@ def test_only_rank_0_writes_one_set_of_logs_and_checkpoints(two_ranks: dict[str,
         "config.yaml",
         "final",
         "metrics.jsonl",
+        "rollouts",  # rank 0's share of the rollouts it records
         "training_curves.png",
     ]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

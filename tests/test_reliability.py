@@ -1,0 +1,258 @@
+"""What a hostile user does to a run: reused folders, changed settings on resume, rewards that
+overflow or are not numbers, folders that cannot be written, signals, a longer run on resume.
+Each test reproduces the fault first named in the reliability issue, then checks the fix."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from config.ppo_config import PPOConfig
+from models.tiny_corpus import review_prompts
+from ppo_trainer.callbacks import TrainerCallback
+from ppo_trainer.ppo_trainer import PPOTrainer
+from training.metrics_logger import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = review_prompts(16, seed=0)
+
+
+def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    return [float(len(c)) / 10 for c in completions]
+
+
+def make_config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
+    values: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        max_new_tokens=6,
+        batch_size=2,
+        learning_rate=1e-3,
+        num_ppo_epochs=1,
+        output_dir=str(out),
+        progress_bar=False,
+        save_every=1,
+        keep_last_checkpoints=2,
+    )
+    values.update(overrides)
+    return PPOConfig(**values)
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    PPOTrainer(make_config(tiny_model_dir, run, total_steps=5), reward_model=length_reward).train(
+        PROMPTS
+    )
+    shorter = make_config(tiny_model_dir, run, total_steps=2)
+    with pytest.raises(ValueError, match="already holds a run .*--overwrite"):
+        PPOTrainer(shorter, reward_model=length_reward).train(PROMPTS)
+    # With overwrite the new run's timeline is its own: no old checkpoint, no old metrics.
+    overwrite = make_config(tiny_model_dir, run, total_steps=2, overwrite_output_dir=True)
+    PPOTrainer(overwrite, reward_model=length_reward).train(PROMPTS)
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]
+
+
+def test_the_command_line_refuses_before_any_model_loads(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Review of the camera:\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "main.py",
+            "train",
+            "--prompts",
+            str(prompts),
+            "--set",
+            "model_name=/nonexistent/model",  # never loaded: the folder check comes first
+            "--set",
+            f"output_dir={run}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "already holds a run" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "change", [{"lora_r": 4}, {"lora_layers": 1}, {"lora_keys": ["self_attn.q_proj"]}]
+)
+def test_resume_refuses_settings_that_change_the_trained_parameters(
+    tiny_model_dir: Path, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    run = tmp_path / "run"
+    PPOTrainer(make_config(tiny_model_dir, run, total_steps=1), reward_model=length_reward).train(
+        PROMPTS
+    )
+    other = make_config(tiny_model_dir, run, total_steps=2, **change)
+    (key,) = change
+    with pytest.raises(ValueError, match=f"written with {key}="):
+        PPOTrainer(other, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+
+
+def test_overflowing_rewards_stop_the_run_before_any_update(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    calls = {"n": 0}
+
+    def overflowing(prompts: list[str], completions: list[str]) -> list[float]:
+        calls["n"] += 1
+        return [1e30 if calls["n"] >= 2 else 1.0] * len(completions)
+
+    run = tmp_path / "run"
+    trainer = PPOTrainer(make_config(tiny_model_dir, run, total_steps=4), reward_model=overflowing)
+    with pytest.raises(ValueError, match="step 2 .*too large"):
+        trainer.train(PROMPTS)
+    assert trainer.global_step == 1
+    assert [p.name for p in trainer.checkpoints.checkpoints()] == ["step_000001"]
+    restored = PPOTrainer(make_config(tiny_model_dir, tmp_path / "other"), reward_model=overflowing)
+    restored.load_checkpoint(run / "checkpoints" / "step_000001")
+    ours = dict(restored.policy.trainable_parameters())
+    assert ours.keys() == dict(trainer.policy.trainable_parameters()).keys()
+
+
+@pytest.mark.parametrize(
+    "bad, shown", [(lambda n: ["0.5"] * n, "str '0.5'"), (lambda n: [None] * n, "NoneType None")]
+)
+def test_a_reward_that_returns_no_numbers_is_named(
+    tiny_model_dir: Path, tmp_path: Path, bad: Any, shown: str
+) -> None:
+    def texty_reward(prompts: list[str], completions: list[str]) -> list[Any]:
+        return list(bad(len(completions)))
+
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=texty_reward)
+    with pytest.raises(ValueError, match=f"texty_reward returned {shown} for completion 0"):
+        trainer.step(PROMPTS[:2])
+
+
+def test_an_unwritable_output_dir_fails_before_models_load(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    config = make_config(tiny_model_dir, blocker / "run")
+    with pytest.raises(ValueError, match="is not writable"):
+        PPOTrainer(config, reward_model=length_reward)
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if step == self.step:
+            trainer.request_stop("test stop")
+
+
+def test_a_longer_run_on_resume_continues_the_learning_rate(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    run = tmp_path / "run"
+    first = make_config(tiny_model_dir, run, total_steps=4, lr_scheduler="linear")
+    trainer = PPOTrainer(first, reward_model=length_reward)
+    trainer.train(PROMPTS, callbacks=[_StopAt(2)])
+    assert trainer.global_step == 2 and trainer.stop_reason == "test stop"
+    lrs = [r["lr"] for r in read_metrics(run / "metrics.jsonl")]
+    longer = make_config(tiny_model_dir, run, total_steps=8, lr_scheduler="linear")
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        PPOTrainer(longer, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+    assert "planned for 4 updates and now for 8" in caplog.text
+    after = [r["lr"] for r in read_metrics(run / "metrics.jsonl")][2:]
+    # The third update uses the rate the 4-step plan had reached (half the peak), not the 8-step
+    # plan's 3/4 of it, and then it decays to 0 at the new end: no jump back up.
+    assert after[0] == pytest.approx(first.learning_rate * 2 / 4, rel=1e-5)
+    assert after[0] <= lrs[-1] and all(a > b for a, b in zip(after, after[1:]))
+
+
+# --------------------------------------------------------------------------- signals
+
+_TRAIN_SCRIPT = """
+import base_setup, sys, time, json
+from config.ppo_config import PPOConfig
+from models.tiny_corpus import review_prompts
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.callbacks import TrainerCallback
+from training.run_control import stop_exit_code
+
+class Slow(TrainerCallback):
+    def on_step_end(self, trainer, step, metrics):
+        print(f"step {step}", flush=True)
+        time.sleep(1.5)
+
+config = PPOConfig(**json.loads(sys.argv[1]))
+trainer = PPOTrainer(config, reward_model=lambda p, c: [float(len(x)) for x in c])
+try:
+    trainer.train(review_prompts(16, seed=0), callbacks=[Slow()])
+except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+print(f"stopped={trainer.stop_reason} at {trainer.global_step}", flush=True)
+sys.exit(stop_exit_code(trainer.stop_reason))
+"""
+
+
+def _start(config: dict[str, Any]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _TRAIN_SCRIPT, json.dumps(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_step(process: subprocess.Popen[str]) -> None:
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith("step "), line
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_exits_non_zero(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    config = dict(
+        model_name=str(tiny_model_dir),
+        max_new_tokens=4,
+        batch_size=2,
+        num_ppo_epochs=1,
+        output_dir=str(run),
+        progress_bar=False,
+        total_steps=20,
+    )
+    process = _start(config)
+    _wait_for_step(process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 143, err[-2000:]
+    assert "stopped=SIGTERM" in out and "SIGTERM: finishing this step" in err
+    step = int(out.split("stopped=SIGTERM at ")[1].split()[0])
+    assert (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+
+    # Twice: stop at once, say "interrupted", exit 130, no traceback.
+    process = _start({**config, "output_dir": str(tmp_path / "run2")})
+    _wait_for_step(process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err
