@@ -317,10 +317,15 @@ class CheckpointManager:
         if not self.keep_last:
             return
         for old in self.checkpoints()[: -self.keep_last]:
-            # Out of the listing first, then deleted: a kill in between leaves only a leftover.
-            trash = self.root / f".trash-{old.name}-{os.getpid()}"
-            old.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            _prune_one(old)
+
+
+def _prune_one(checkpoint: Path) -> None:
+    """Delete a checkpoint: out of the listing first (a rename), then deleted, so a kill in
+    between leaves only a hidden leftover that the next save removes."""
+    trash = checkpoint.parent / f".trash-{checkpoint.name}-{os.getpid()}"
+    checkpoint.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def save_training_state(

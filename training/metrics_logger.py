@@ -82,8 +82,7 @@ class MetricsLogger:
         record = {"step": step, **metrics}
         line = json.dumps(record) + "\n"
         try:
-            with open(self.path, "a") as f:
-                f.write(line)
+            _append_line(self.path, line)
         except OSError as err:
             from training.checkpoint import write_failure
 
@@ -101,6 +100,11 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _append_line(path: Path, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

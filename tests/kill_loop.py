@@ -1,0 +1,212 @@
+"""Kill a PPO run with SIGKILL again and again, resume it each time, and check that nothing is lost.
+
+    python -m tests.kill_loop --kills 30 --out /tmp/kill_loop
+
+1. An uninterrupted reference run (``python main.py train``, a LoRA policy and a value model on
+   the tiny model, a checkpoint every step, the last two kept, so every save also prunes).
+2. The same run, killed ``--kills`` times with SIGKILL: half at random moments, half exactly inside
+   the writes that matter (a checkpoint's files, the rename that publishes it, the deletion of a
+   pruned one, the final model's files, the metrics file), by a child process that kills itself at
+   the n-th call of that function. After every kill every listed checkpoint must be complete
+   (each file's size and checksum against its manifest); the run then resumes from ``latest``
+   (or starts afresh with ``--overwrite`` when no checkpoint exists yet).
+3. Once a run finishes, its final weights must equal the reference's, bit for bit, and its
+   metrics must hold each step once.
+
+The test suite runs a short version (tests/test_reliability.py); this script is the long one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+#: Where a child kills itself: (module, function) patched to SIGKILL the process at its n-th call.
+CRASH_POINTS: dict[str, tuple[str, str]] = {
+    "checkpoint file": ("mlx.core", "save_safetensors"),
+    "publish rename": ("training.checkpoint", "_replace_directory"),
+    "prune": ("training.checkpoint", "_prune_one"),
+    "final model": ("models.policy_model", "save_adapters"),
+    "metrics line": ("training.metrics_logger", "_append_line"),
+}
+
+
+def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    """A deterministic reward the tiny model can move: completions' lengths, scaled."""
+    return [len(c) / 20.0 for c in completions]
+
+
+def _train_args(run: Path, model: Path, prompts: Path, *extra: str) -> list[str]:
+    settings = {
+        "model_name": str(model),
+        "output_dir": str(run),
+        "max_new_tokens": 8,
+        "batch_size": 4,
+        "num_ppo_epochs": 2,
+        "num_mini_batches": 2,
+        "learning_rate": 3e-3,
+        "total_steps": STEPS,
+        "save_every": 1,
+        "keep_last_checkpoints": 2,
+        "log_rollouts_every": 0,
+        "progress_bar": "false",
+    }
+    args = ["train", "--prompts", str(prompts), "--reward-fn", "tests.kill_loop:length_reward"]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={value}"]
+    return args + list(extra)
+
+
+def child_main() -> None:
+    """Run ``main.py`` with the arguments after ``--``, killing this process at the n-th call of
+    the function named by ``PPO_MLX_KILL_AT`` (``"<point>:<n>"``), if set."""
+    import base_setup
+
+    base_setup.setup_blas() if hasattr(base_setup, "setup_blas") else None
+    crash = os.environ.get("PPO_MLX_KILL_AT")
+    if crash:
+        point, _, nth = crash.rpartition(":")
+        module_name, attr = CRASH_POINTS[point]
+        import importlib
+
+        module = importlib.import_module(module_name)
+        original = getattr(module, attr)
+        calls = {"n": 0}
+
+        def killing(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == int(nth):
+                if point in ("checkpoint file", "metrics line", "final model"):
+                    original(*args, **kwargs)  # die with the write half done
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        setattr(module, attr, killing)
+    import main
+
+    sys.exit(main.main(sys.argv[sys.argv.index("--") + 1 :]))
+
+
+def _run(args: list[str], env: dict[str, str], kill_after: float | None) -> int:
+    command = [sys.executable, "-c", "import tests.kill_loop as k; k.child_main()", "--", *args]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if kill_after is not None:
+        try:
+            process.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+    _, err = process.communicate(timeout=600)
+    if process.returncode not in (0, -signal.SIGKILL):
+        raise RuntimeError(f"the run failed (exit {process.returncode}):\n{err[-3000:]}")
+    return process.returncode
+
+
+def check_complete(run: Path) -> int:
+    """Every listed checkpoint complete, checksums included; returns how many there are."""
+    from training.checkpoint import CheckpointManager, verify_checkpoint
+
+    listed = CheckpointManager(run / "checkpoints").checkpoints()
+    for path in listed:
+        problem = verify_checkpoint(path, checksums=True)
+        if problem is not None:
+            raise AssertionError(f"listed checkpoint {path} is damaged: {problem}")
+    return len(listed)
+
+
+def final_weights(run: Path) -> dict[str, Any]:
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    weights = {}
+    for file in sorted((run / "final").rglob("*.safetensors")):
+        for name, value in load_file(str(file)).items():
+            weights[f"{file.relative_to(run)}:{name}"] = np.asarray(value)
+    return weights
+
+
+def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
+    """The whole procedure (see the module doc); returns what happened."""
+    from models.tiny_corpus import review_prompts
+    from models.tiny_model import build_tiny_checkpoint
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_checkpoint(out / "model", size="test", seed=0)
+    prompts = out / "prompts.txt"
+    prompts.write_text("\n".join(review_prompts(16, seed=0)) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PPO_MLX_KILL_AT", None)
+
+    reference = out / "reference"
+    shutil.rmtree(reference, ignore_errors=True)
+    start = time.perf_counter()
+    _run(_train_args(reference, model, prompts), env, None)
+    duration = time.perf_counter() - start
+
+    rng = random.Random(seed)
+    run = out / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    done = 0
+    log: list[str] = []
+    while True:
+        has_checkpoint = check_complete(run) > 0 if run.exists() else False
+        extra = ["--resume", "latest"] if has_checkpoint else ["--overwrite"]
+        child_env = dict(env)
+        kill_after: float | None = None
+        if done < kills:
+            if done % 2 == 0:
+                kill_after = rng.uniform(0.2, duration)
+                how = f"at {kill_after:.1f} s"
+            else:
+                point = rng.choice(sorted(CRASH_POINTS))
+                child_env["PPO_MLX_KILL_AT"] = f"{point}:{rng.randint(1, 3)}"
+                how = f"inside {child_env['PPO_MLX_KILL_AT']}"
+        else:
+            how = "to the end"
+        code = _run(_train_args(run, model, prompts, *extra), child_env, kill_after)
+        listed = check_complete(run)
+        log.append(f"{'resume' if has_checkpoint else 'fresh'} {how}: exit {code}, {listed} listed")
+        if code == 0 and (run / "final").is_dir() and done >= kills:
+            break
+        if code == -signal.SIGKILL:
+            done += 1
+        elif done < kills:
+            done += 0  # the run ended before the kill came: start again (kills still to do)
+            shutil.rmtree(run)  # a finished run is not resumed: begin the next round afresh
+
+    ours, theirs = final_weights(run), final_weights(reference)
+    import numpy as np
+
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    different = [k for k in ours if not np.array_equal(ours[k], theirs[k])]
+    assert not different, f"final weights differ from the uninterrupted run: {different[:5]}"
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1)), steps
+    return {"kills": done, "log": log}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=30, help="SIGKILLs before the last resume")
+    parser.add_argument("--out", default="runs/kill_loop", help="working folder")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
+    args = parser.parse_args()
+    result = kill_loop(Path(args.out), args.kills, args.seed)
+    print("\n".join(result["log"]))
+    print(f"{result['kills']} kills; every listed checkpoint complete; final weights identical")
+
+
+if __name__ == "__main__":
+    main()
