@@ -28,6 +28,10 @@ class ModelConfig:
             reward model's weights if there is a reward model, else the policy's backbone with a
             fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
+        fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
+            functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
+            on a GPU); false = mlx-lm's own layers. The environment variable
+            PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
         use_lora: Train LoRA adapters on the policy (and value) model instead of all weights;
             when False the lora_* fields are ignored.
         lora_r: LoRA rank.
@@ -47,6 +51,7 @@ class ModelConfig:
     value_model_name: str | None = None
     value_init: ValueInit = "reward"
     dtype: Dtype = "float32"
+    fast_math: bool = True
     use_lora: bool = True
     lora_r: int = 8
     lora_alpha: float = 16.0

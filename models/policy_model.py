@@ -130,6 +130,9 @@ class PolicyModel(nn.Module):
             (:mod:`base_setup.tokenizer_setup`).
         model_path: the local directory the base weights came from.
         lora: the LoRA settings, or ``None`` when every weight trains.
+
+    ``fast_math`` (default True) runs ``model``'s layers through the fast CPU functions of
+    :mod:`base_setup.fast_math` (this instance only; False: mlx-lm's own layers).
     """
 
     def __init__(
@@ -140,10 +143,11 @@ class PolicyModel(nn.Module):
         model_path: str | Path,
         config: Mapping[str, Any],
         lora: LoraSettings | None = None,
+        fast_math: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
-        accelerate_model(model)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
+        accelerate_model(model, enabled=fast_math)  # fast SwiGLU, attention ... on the CPU
         self.tokenizer = tokenizer
         self.model_path = Path(model_path)
         self.lora = lora
@@ -159,6 +163,7 @@ class PolicyModel(nn.Module):
         dtype: str | None = None,
         lora: LoraSettings | None = None,
         adapter_path: str | Path | None = None,
+        fast_math: bool = True,
     ) -> PolicyModel:
         """Load a model with mlx-lm's loader (``mlx_lm.utils.load_model``) and its tokenizer.
 
@@ -170,6 +175,7 @@ class PolicyModel(nn.Module):
             lora: add fresh LoRA adapters and freeze the base weights.
             adapter_path: instead, load adapters saved by :meth:`save_pretrained` (or
                 ``mlx_lm.lora``) to continue training them.
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
 
         The model comes back in eval mode, as mlx-lm loads it; call ``.train()`` where dropout
         (LoRA dropout) should act.
@@ -203,7 +209,9 @@ class PolicyModel(nn.Module):
             apply_lora(model, lora)
         elif adapter_path is not None:
             lora = load_adapters(model, adapter_path)
-        return cls(model, tokenizer, model_path=model_path, config=config, lora=lora)
+        return cls(
+            model, tokenizer, model_path=model_path, config=config, lora=lora, fast_math=fast_math
+        )
 
     @property
     def config(self) -> dict[str, Any]:

@@ -139,7 +139,7 @@ class PPOTrainer:
         seed_everything(config.seed)
         lora = LoraSettings.from_model_config(config) if config.use_lora else None
         self.policy = policy or PolicyModel.from_pretrained(
-            config.model_name, dtype=config.dtype, lora=lora
+            config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
         )
         self.policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
         self.tokenizer = tokenizer if tokenizer is not None else self.policy.tokenizer
@@ -157,7 +157,7 @@ class PPOTrainer:
             self.reward_fn = reward_model
         elif config.reward_model_name:
             self.reward_model = RewardModel.from_pretrained(
-                config.reward_model_name, dtype=config.dtype
+                config.reward_model_name, dtype=config.dtype, fast_math=config.fast_math
             )
         elif type(self).compute_scores is PPOTrainer.compute_scores:
             # A subclass that overrides compute_scores brings its own reward.
@@ -203,13 +203,16 @@ class PPOTrainer:
         if cfg.use_lora and cfg.ref_model_name == cfg.model_name:
             # Same base weights with the adapters switched off: no second copy in memory.
             return ReferenceModel.from_policy(self.policy)
-        return ReferenceModel.from_pretrained(cfg.ref_model_name, dtype=cfg.dtype)
+        return ReferenceModel.from_pretrained(
+            cfg.ref_model_name, dtype=cfg.dtype, fast_math=cfg.fast_math
+        )
 
     def _build_value_model(self) -> ValueModel:
         kind, path = self.config.value_source
+        cfg = self.config
         if kind == "policy":
-            return ValueModel.from_policy_backbone(path, dtype=self.config.dtype)
-        return ValueModel.from_pretrained(path, dtype=self.config.dtype)
+            return ValueModel.from_policy_backbone(path, dtype=cfg.dtype, fast_math=cfg.fast_math)
+        return ValueModel.from_pretrained(path, dtype=cfg.dtype, fast_math=cfg.fast_math)
 
     def _stop_token_ids(self) -> list[int]:
         if self.config.stop_token_ids is not None:  # [] = never stop early
