@@ -48,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from base_setup.backend import setup_cpu_buffer_cache
+from base_setup.backend import blas_info, setup_cpu_buffer_cache
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -553,10 +553,12 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     is safe. Returns whether the model now uses any of them (False: ``enabled`` is False, fast
     math is off, or the architecture uses none of the functions replaced).
 
-    Also raises MLX's CPU buffer-cache limit, either way
-    (:func:`base_setup.backend.setup_cpu_buffer_cache`), the other CPU speed-up a model needs.
+    Also the CPU set-up a model needs, either way: MLX's CPU buffer-cache limit
+    (:func:`base_setup.backend.setup_cpu_buffer_cache`), and one warning if MLX missed the fast
+    BLAS because mlx was imported before :func:`base_setup.backend.setup_blas` ran.
     """
     setup_cpu_buffer_cache()
+    blas_info()  # the first call after a missed set-up logs the warning
     layers = [layer for _, layer in model.named_modules()]
     if not enabled:
         for layer in layers:

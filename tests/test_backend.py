@@ -42,7 +42,9 @@ def test_openblas_is_loaded_and_bound() -> None:
 _MATMUL_RATE = """
 import os, sys, time
 sys.path.insert(0, os.getcwd())
-import base_setup, mlx.core as mx
+import base_setup
+base_setup.setup_blas()
+import mlx.core as mx
 a = mx.random.normal((1024, 1024)); mx.eval(a @ a)
 best = float("inf")
 for _ in range(3):
@@ -75,23 +77,49 @@ def test_matmul_runs_far_above_reference_blas_rate() -> None:
     assert fast > 3 * slow, f"OpenBLAS {fast:.1f} vs reference {slow:.1f} GFLOP/s ({blas_info()})"
 
 
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+
+
 def test_import_order_is_enforced_in_a_fresh_process() -> None:
-    """Importing mlx before base_setup is detected and reported, not silently slow."""
-    code = "import mlx.core, base_setup; print(base_setup.blas_info().name)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    """Importing mlx before setup_blas is detected and reported, not silently slow."""
+    out = _run_python("import mlx.core, base_setup; print(base_setup.setup_blas().name)")
     assert out.stdout.strip() == ("accelerate" if sys.platform == "darwin" else "reference")
+    if LINUX_X86:  # a warning that says what happened and how to fix it
+        assert "mlx was imported before base_setup.setup_blas() ran" in out.stderr
+        assert "setup_blas()` at the top of your script" in out.stderr
 
 
-def test_user_script_import_gets_fast_blas() -> None:
-    """`import ppo_trainer` from a user's script is an entry point too."""
-    code = "import ppo_trainer, base_setup; print(base_setup.blas_info().name)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+def test_importing_the_packages_has_no_side_effect_and_setup_blas_first_is_fast() -> None:
+    """Importing the project's packages loads no BLAS; a script that calls setup_blas() first,
+    as every entry point does, gets OpenBLAS."""
+    out = _run_python(
+        "import pathlib, base_setup, models, ppo_trainer, training\n"
+        "from base_setup import backend\n"
+        "print(backend._BLAS_INFO is None, 'libopenblas' in pathlib.Path('/proc/self/maps')"
+        ".read_text() if pathlib.Path('/proc/self/maps').exists() else False)"
     )
-    expected = "openblas" if LINUX_X86 else blas_info().name
-    assert out.stdout.strip() == expected
+    assert out.stdout.split() == ["True", "False"]
+    out = _run_python(
+        "from base_setup import setup_blas; setup_blas()\n"
+        "import ppo_trainer.ppo_trainer, base_setup; print(base_setup.blas_info().name)"
+    )
+    assert out.stdout.strip() == ("openblas" if LINUX_X86 else blas_info().name)
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
+def test_a_model_built_without_setup_blas_warns_once(tiny_model_dir: Path) -> None:
+    """A library user's script that imports the packages (so mlx) without calling setup_blas:
+    building a model logs one warning that names the fix."""
+    out = _run_python(
+        "from models.policy_model import PolicyModel\n"
+        f"PolicyModel.from_pretrained({str(tiny_model_dir)!r})\n"
+        f"PolicyModel.from_pretrained({str(tiny_model_dir)!r})\n"
+    )
+    assert out.stderr.count("mlx was imported before base_setup.setup_blas() ran") == 1
+    assert "from base_setup import setup_blas; setup_blas()" in out.stderr
 
 
 def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
