@@ -6,8 +6,6 @@ The only place that parses files and flags; everything else receives a config ob
 
 from __future__ import annotations
 
-import base_setup  # noqa: F401  (first: loads a fast BLAS before anything imports mlx)
-
 import argparse
 import importlib
 import json
@@ -15,6 +13,8 @@ import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from base_setup import setup_blas
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -350,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    blas = setup_blas()  # first, before anything imports mlx (commands import it lazily)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logger.info(base_setup.blas_info().describe())  # the backend line, now that logging is set up
+    logger.info(blas.describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)

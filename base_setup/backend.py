@@ -3,8 +3,17 @@
 The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS (about 5 GFLOP/s on a 1024^3 float32
 matmul). Loading OpenBLAS from the ``cmeel-openblas`` wheel into the global symbol scope *before*
 ``mlx.core`` is first imported makes MLX's ``cblas_*`` calls resolve to OpenBLAS instead (30-60x
-faster). This module does that without importing mlx, so it must be imported first: every package of
-this project imports ``base_setup`` in its ``__init__``, and so do ``main.py`` and ``tests/conftest.py``.
+faster). This module does that without importing mlx, so :func:`setup_blas` must run before
+anything imports ``mlx.core``: every entry point calls it first (``main.py``, ``tests/conftest.py``,
+the examples and benchmarks run as scripts), and a script of your own should too::
+
+    from base_setup import setup_blas
+
+    setup_blas()  # before any import of mlx or of this project's packages
+
+Where it was missed, MLX keeps the reference BLAS; the first model this project builds then logs
+a warning saying so (:func:`blas_info` runs then). The environment settings are described in
+``docs/environment.md``.
 
 Two details of the wheel are handled here rather than left to the user:
 
@@ -174,36 +183,44 @@ def _load_openblas() -> BlasInfo:
     return BlasInfo("openblas", f"{config} ({threads} threads) from {lib_path}{gfortran_note}")
 
 
+_IMPORTED_FIRST = (
+    "mlx was imported before base_setup.setup_blas() ran, so MLX's BLAS calls are bound to the "
+    "wheel's reference BLAS, 30-60x slower matmuls. Fix: call `from base_setup import "
+    "setup_blas; setup_blas()` at the top of your script, before importing mlx, mlx_lm or any "
+    "package of this project"
+)
+
+
 def setup_blas() -> BlasInfo:
     """Give MLX a fast BLAS on Linux; idempotent, and a no-op on macOS.
 
-    Must run before the first ``import mlx.core`` in the process. Logs one line saying which BLAS is
-    in use (logger ``ppo_mlx``) and returns it. Set ``PPO_MLX_BLAS=reference`` to opt out.
+    Must run before the first ``import mlx.core`` in the process. Logs one line saying which BLAS
+    is in use (logger ``ppo_mlx``) and returns it; where mlx was imported first, that line is a
+    warning that says how to fix the import order. Set ``PPO_MLX_BLAS=reference`` to opt out.
     """
     global _BLAS_INFO
     if _BLAS_INFO is not None:
         return _BLAS_INFO
+    level = logging.INFO
     if sys.platform == "darwin":
         info = BlasInfo("accelerate", "macOS: MLX uses Accelerate / Metal; nothing to load")
     elif os.environ.get("PPO_MLX_BLAS", "").lower() == "reference":
         info = BlasInfo("reference", "PPO_MLX_BLAS=reference: OpenBLAS not loaded")
-    elif "mlx.core" in sys.modules:
-        info = BlasInfo(
-            "reference",
-            "mlx.core was imported before base_setup, so its BLAS symbols are already bound; "
-            "import base_setup (or any package of this project) before mlx",
-        )
-    elif sys.platform.startswith("linux") and platform.machine() == "x86_64":
-        info = _load_openblas()
-    else:
+    elif not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
         info = BlasInfo("reference", f"no fast BLAS known for {sys.platform}/{platform.machine()}")
+    elif "mlx.core" in sys.modules:
+        info = BlasInfo("reference", _IMPORTED_FIRST)
+        level = logging.WARNING
+    else:
+        info = _load_openblas()
     _BLAS_INFO = info
-    logger.info(info.describe())
+    logger.log(level, info.describe())
     return info
 
 
 def blas_info() -> BlasInfo:
-    """The BLAS chosen by :func:`setup_blas` (running it if it has not run yet)."""
+    """The BLAS chosen by :func:`setup_blas` (running it if it has not run yet: if mlx is
+    imported by then, that logs the warning that the fast BLAS was missed)."""
     return setup_blas()
 
 

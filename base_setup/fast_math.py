@@ -24,27 +24,31 @@ each is one compiled function of MLX's own formula (:func:`rms_norm`, :func:`rop
 and dtypes, differentiated by MLX itself), which matters where per-op overhead dominates: a
 decoding step of a small model.
 
-Where: :func:`accelerate_model` points an mlx-lm model's module at :func:`swiglu` and
-:func:`scaled_dot_product_attention` and its ``nn.RMSNorm`` / ``nn.RoPE`` layers at
-:func:`rms_norm` / :func:`rope` (all fall back to MLX's own functions on a GPU device),
-and the log-prob code calls :func:`logsumexp` / :func:`softmax`. Only on the CPU backend of a
-Linux/x86 build is it worth it; :func:`fast_math_enabled` decides, and ``PPO_MLX_FAST_MATH=0``
-turns it off (MLX's own functions everywhere).
+Where: :func:`accelerate_model` gives the layers of one model instance (the models this project
+loads: ``PolicyModel``, ``ScalarHeadModel``) fast subclasses of their classes: mlx-lm's MLP and
+attention layers call :func:`swiglu` and :func:`scaled_dot_product_attention`, ``nn.RMSNorm`` /
+``nn.RoPE`` :func:`rms_norm` / :func:`rope` (all fall back to MLX's own functions on a GPU
+device). No module of mlx-lm is changed, so a model loaded with ``mlx_lm.load`` runs mlx-lm's own
+code. The log-prob code calls :func:`logsumexp` / :func:`softmax`. Only on the CPU backend of a
+Linux/x86 build is it worth it; :func:`fast_math_enabled` decides, ``PPO_MLX_FAST_MATH=0`` turns
+every function off (MLX's own functions everywhere), and a config's ``fast_math: false`` keeps
+the run's models on mlx-lm's layers (docs/environment.md).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-import sys
+import types
 from typing import Any, Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from base_setup.backend import setup_cpu_buffer_cache
+from base_setup.backend import blas_info, setup_cpu_buffer_cache
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -407,29 +411,6 @@ def _probe() -> bool:
     return True
 
 
-def _sdpa_for(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """mlx-lm's ``base.scaled_dot_product_attention(q, k, v, cache, scale, mask, sinks=None)``
-    with the fast attention on the CPU; ``original`` for sinks, quantised caches and GPUs."""
-
-    def sdpa(
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
-        cache: Any,
-        scale: float,
-        mask: mx.array | str | None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        b, h, length, _ = queries.shape
-        small = b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION  # e.g. one decoding step
-        if small or sinks is not None or hasattr(cache, "bits") or not fast_math_enabled():
-            return original(queries, keys, values, cache, scale, mask, sinks)
-        return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-    sdpa.__wrapped__ = original  # type: ignore[attr-defined]
-    return sdpa
-
-
 class _FastRMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` through :func:`rms_norm` (same parameters, same results)."""
 
@@ -451,50 +432,145 @@ class _FastRoPE(nn.RoPE):
         )
 
 
-def _use_fast_layers(model: nn.Module) -> int:
-    """Turn ``model``'s plain ``nn.RMSNorm`` / ``nn.RoPE`` layers (exactly those classes, not
-    subclasses with other math) into the fast subclasses above, in place: the parameters and
-    settings stay, only ``__call__`` changes. Returns how many layers changed or already were."""
-    count = 0
-    for _, layer in model.named_modules():
-        if type(layer) is nn.RMSNorm:
-            layer.__class__ = _FastRMSNorm
-        elif type(layer) is nn.RoPE:
-            layer.__class__ = _FastRoPE
-        count += type(layer) in (_FastRMSNorm, _FastRoPE)
-    return count
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the functions nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
 
 
-def accelerate_model(model: Any) -> bool:
-    """Use the fast CPU functions in ``model``, an mlx-lm model, when enabled.
+#: See :func:`mlx_lm_replacements` (filled on first use: importing mlx-lm takes seconds).
+_REPLACEMENTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
-    Points the model's architecture module's ``swiglu`` and ``scaled_dot_product_attention``
-    (the names mlx-lm's llama / qwen2 / qwen3 / mistral / phi3 ... modules import) at this
-    module's versions, which changes them for every model of that architecture in the process,
-    and runs the model's ``nn.RMSNorm`` and ``nn.RoPE`` layers through :func:`rms_norm` and
-    :func:`rope`. Every replacement defers to MLX's own function on a GPU device, so a later
-    device change is safe. Returns whether the model now uses any of them (False: fast math is
-    off, or the architecture uses other functions). Also raises MLX's CPU buffer-cache limit
-    (:func:`base_setup.backend.setup_cpu_buffer_cache`), the other CPU speed-up a model needs.
+
+def mlx_lm_replacements() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """What the fast layers replace in mlx-lm's architecture modules: ``{global name: (mlx-lm's
+    function, ours)}``.
+
+    mlx-lm's llama / qwen2 / qwen3 / mistral / phi3 ... modules call ``swiglu(gate, x)`` (from
+    ``mlx_lm.models.activations``) and ``scaled_dot_product_attention(queries, keys, values,
+    cache=..., scale=..., mask=...)`` (from ``mlx_lm.models.base``) by these global names.
+    ``tests/test_backend.py`` checks that mlx-lm's functions still have the signature and the
+    results ours assume.
+    """
+    if not _REPLACEMENTS:
+        from mlx_lm.models import activations, base
+
+        _REPLACEMENTS["swiglu"] = (activations.swiglu, swiglu)
+        _REPLACEMENTS["scaled_dot_product_attention"] = (
+            base.scaled_dot_product_attention,
+            _mlx_lm_attention(base.scaled_dot_product_attention),
+        )
+    return _REPLACEMENTS
+
+
+def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's ``scaled_dot_product_attention`` (``original``) with the fast attention on the
+    CPU; ``original`` for attention sinks, quantised KV caches, small inputs and GPUs."""
+
+    def attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        b, h, length, _ = queries.shape
+        small = b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION  # e.g. one decoding step
+        if small or sinks is not None or hasattr(cache, "bits") or not fast_math_enabled():
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+#: Each layer class a model was seen with -> its fast subclass (None: nothing to replace).
+_FAST_CLASSES: dict[type, type | None] = {nn.RMSNorm: _FastRMSNorm, nn.RoPE: _FastRoPE}
+
+
+def _fast_class(cls: type) -> type | None:
+    """The fast subclass of layer class ``cls``, made once: :class:`_FastRMSNorm` /
+    :class:`_FastRoPE` for exactly ``nn.RMSNorm`` / ``nn.RoPE``; for an mlx-lm layer whose
+    ``__call__`` calls a function of :func:`mlx_lm_replacements` by its global name, a subclass
+    whose ``__call__`` is that same code run with the name bound to ours: the function is
+    re-made from its code object with a copy of its module's globals (taken now) in which the
+    name is ours, so mlx-lm's module itself is not changed. None for any other class."""
+    if cls in _FAST_CLASSES:
+        return _FAST_CLASSES[cls]
+    fast: type | None = None
+    call = getattr(cls, "__call__", None)
+    if isinstance(call, types.FunctionType) and call.__module__.startswith("mlx_lm.models."):
+        module_globals = call.__globals__
+        used = _code_names(call.__code__)
+        ours = {
+            name: replacement
+            for name, (original, replacement) in mlx_lm_replacements().items()
+            if name in used and module_globals.get(name) is original
+        }
+        if ours:
+            fast_call = types.FunctionType(
+                call.__code__,
+                {**module_globals, **ours},
+                call.__name__,
+                call.__defaults__,
+                call.__closure__,
+            )
+            fast_call.__kwdefaults__ = call.__kwdefaults__
+            functools.update_wrapper(fast_call, call)
+            fast = type(
+                f"Fast{cls.__name__}",
+                (cls,),
+                {
+                    "__call__": fast_call,
+                    "__module__": __name__,
+                    "fast_math_replaces": tuple(sorted(ours)),
+                },
+            )
+    _FAST_CLASSES[cls] = fast
+    return fast
+
+
+def _is_fast(cls: type) -> bool:
+    return cls in _FAST_CLASSES.values()
+
+
+def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
+    """Run ``model``'s layers through this module's fast CPU functions (``enabled``), or back
+    through mlx-lm's and MLX's own (``enabled=False``); in place, this model instance only.
+
+    Each layer that has a fast counterpart (see :func:`_fast_class`: ``nn.RMSNorm``,
+    ``nn.RoPE``, and the mlx-lm MLP / attention layers that call ``swiglu`` /
+    ``scaled_dot_product_attention``) gets the fast subclass of its class: its parameters,
+    settings and every other method stay, only ``__call__`` changes. Nothing else in the
+    process changes: another model of the same architecture (e.g. one a user loads with
+    ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
+    device and when ``PPO_MLX_FAST_MATH=0``, checked at each call, so a later change of either
+    is safe. Returns whether the model now uses any of them (False: ``enabled`` is False, fast
+    math is off, or the architecture uses none of the functions replaced).
+
+    Also the CPU set-up a model needs, either way: MLX's CPU buffer-cache limit
+    (:func:`base_setup.backend.setup_cpu_buffer_cache`), and one warning if MLX missed the fast
+    BLAS because mlx was imported before :func:`base_setup.backend.setup_blas` ran.
     """
     setup_cpu_buffer_cache()
+    blas_info()  # the first call after a missed set-up logs the warning
+    layers = [layer for _, layer in model.named_modules()]
+    if not enabled:
+        for layer in layers:
+            if _is_fast(type(layer)):
+                layer.__class__ = type(layer).__bases__[0]
+        return False
     if not fast_math_enabled():
         return False
-    module = sys.modules.get(type(model).__module__)
-    if module is None or not module.__name__.startswith("mlx_lm.models."):
-        return False
-    from mlx_lm.models import activations, base
-
-    changed = _use_fast_layers(model) > 0
-    if getattr(module, "swiglu", None) is activations.swiglu:
-        setattr(module, "swiglu", swiglu)
-        changed = True
-    elif getattr(module, "swiglu", None) is swiglu:
-        changed = True
-    current = getattr(module, "scaled_dot_product_attention", None)
-    if current is base.scaled_dot_product_attention:
-        setattr(module, "scaled_dot_product_attention", _sdpa_for(current))
-        changed = True
-    elif getattr(current, "__wrapped__", None) is base.scaled_dot_product_attention:
-        changed = True
+    changed = False
+    for layer in layers:
+        fast = type(layer) if _is_fast(type(layer)) else _fast_class(type(layer))
+        if fast is not None:
+            layer.__class__ = fast
+            changed = True
     return changed

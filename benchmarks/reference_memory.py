@@ -19,6 +19,11 @@ included.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything imports mlx
+    from base_setup import setup_blas
+
+    setup_blas()
+
 import argparse
 import json
 import subprocess

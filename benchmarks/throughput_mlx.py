@@ -25,8 +25,6 @@ models and shapes right after the iterations (median of ``floor_repeats`` after 
 
 from __future__ import annotations
 
-import base_setup  # noqa: F401  (first: MLX's fast BLAS)
-
 import statistics
 import tempfile
 import time

@@ -65,8 +65,6 @@ How its work differs from the MLX side's:
 
 from __future__ import annotations
 
-import base_setup  # noqa: F401  (first: MLX's fast BLAS, exactly as throughput_mlx)
-
 import time
 from types import ModuleType
 from typing import Any, Sequence, cast

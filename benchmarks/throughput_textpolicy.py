@@ -3,7 +3,8 @@
 
 textpolicy needs Python >= 3.12, so this worker runs with the interpreter of its own virtual
 environment (``requirements-bench-textpolicy.txt``), which also has this repository's runtime
-requirements: ``base_setup`` is imported first, so both sides run MLX on the same OpenBLAS.
+requirements: the worker runs ``base_setup.setup_blas`` first, so both sides run MLX on the same
+OpenBLAS.
 
 What one iteration runs, all of it textpolicy's code but the reward model:
 
@@ -61,8 +62,6 @@ packing included); ``other`` is the rest (environment resets and tokenisation, b
 """
 
 from __future__ import annotations
-
-import base_setup  # noqa: F401  (first: MLX's fast BLAS, the same as ours)
 
 import platform
 import time

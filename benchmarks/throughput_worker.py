@@ -1,8 +1,9 @@
 """Run one throughput measurement in this process: ``python -m benchmarks.throughput_worker
 SPEC.json RESULT.json`` (what ``benchmarks.ppo_throughput`` starts for every configuration).
 
-A separate module, so that a TRL worker imports neither MLX nor ``base_setup`` (this one imports
-only the standard library and the worker of the spec's system).
+A separate module, so that a TRL worker neither imports MLX nor loads MLX's BLAS (this one imports
+only the standard library and the worker of the spec's system, after ``setup_blas`` for an MLX
+system).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from benchmarks.throughput_spec import RunResult, RunSpec
 
 def run_spec(spec: RunSpec) -> RunResult:
     """Measure ``spec`` on its system, in this process."""
+    if spec.system != "trl":  # an MLX system: the fast BLAS before its module imports mlx
+        from base_setup import setup_blas
+
+        setup_blas()
     if spec.system == "mlx":
         from benchmarks.throughput_mlx import run_mlx
 

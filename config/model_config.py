@@ -94,6 +94,10 @@ class ModelConfig(LoraConfig):
             reward model's weights if there is a reward model, else the policy's backbone with a
             fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
+        fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
+            functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
+            on a GPU); false = mlx-lm's own layers. The environment variable
+            PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
         trust_remote_code: Allow tokenizers/configs that run code from the model repository.
     """
 
@@ -103,6 +107,7 @@ class ModelConfig(LoraConfig):
     value_model_name: str | None = None
     value_init: ValueInit = "reward"
     dtype: Dtype = "float32"
+    fast_math: bool = True
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:

@@ -24,6 +24,10 @@ class FineTuneConfig(OptimConfig):
         model_name: Local directory or Hugging Face repo id of the causal LM to start from
             (required).
         dtype: Parameter dtype ("float32", "bfloat16" or "float16").
+        fast_math: Run the model's SwiGLU, attention, RMSNorm and RoPE through the fast CPU
+            functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
+            on a GPU); false = mlx-lm's own layers. The environment variable
+            PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
         dataset: Training data: a local JSON Lines file, or a Hugging Face Hub dataset name
             (needs network or the datasets cache); None = the caller passes records to the
             trainer itself (run_sft / run_reward_training need it set).
@@ -45,6 +49,7 @@ class FineTuneConfig(OptimConfig):
 
     model_name: str
     dtype: Dtype = "float32"
+    fast_math: bool = True
     dataset: str | None = None
     dataset_split: str = "train"
     eval_dataset: str | None = None

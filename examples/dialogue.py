@@ -23,6 +23,11 @@ Run: ``python -m examples.dialogue --steps 2`` (the embedded tiny model, heurist
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything imports mlx
+    from base_setup import setup_blas
+
+    setup_blas()
+
 import logging
 import re
 import sys

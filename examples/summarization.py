@@ -27,6 +27,11 @@ Run: ``python -m examples.summarization --steps 2`` (the embedded tiny model), o
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything imports mlx
+    from base_setup import setup_blas
+
+    setup_blas()
+
 import functools
 import logging
 import sys

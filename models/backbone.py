@@ -445,12 +445,22 @@ class ScalarHeadModel(nn.Module):
         head: ``nn.Linear(D, 1, bias=False)`` (parameter ``score.weight``, shape (1, D)).
         config: the Hugging Face config the model was read from (read-only).
         architecture: the ``<Arch>ForSequenceClassification`` name :meth:`save_pretrained` writes.
+
+    ``fast_math`` (default True) runs the backbone's layers through the fast CPU functions of
+    :mod:`base_setup.fast_math` (this instance only; False: mlx-lm's own layers).
     """
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, config: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        hidden_size: int,
+        config: Mapping[str, Any],
+        *,
+        fast_math: bool = True,
+    ) -> None:
         super().__init__()
         self.model = backbone
-        accelerate_model(backbone)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
+        accelerate_model(backbone, enabled=fast_math)  # fast SwiGLU, attention ... on the CPU
         # Item, not attribute, assignment: a subclass method named `score` must not shadow it.
         self["score"] = nn.Linear(hidden_size, 1, bias=False)
         # A read-only mapping, so nn.Module keeps it out of the parameter tree.
@@ -487,7 +497,9 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1)  # (B, L)
 
     @classmethod
-    def from_pretrained(cls: type[M], path_or_repo: str | Path, *, dtype: DtypeLike = None) -> M:
+    def from_pretrained(
+        cls: type[M], path_or_repo: str | Path, *, dtype: DtypeLike = None, fast_math: bool = True
+    ) -> M:
         """Load a ``*ForSequenceClassification`` checkpoint with one label (backbone + scalar
         head), e.g. one written by transformers or by :meth:`save_pretrained`.
 
@@ -495,6 +507,7 @@ class ScalarHeadModel(nn.Module):
             path_or_repo: checkpoint directory, or a Hugging Face repo id when it is not a local
                 path (needs network or the hub cache).
             dtype: parameter dtype; None = float32.
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
 
         Raises:
             FileNotFoundError: missing path (named in the message) or files.
@@ -512,7 +525,7 @@ class ScalarHeadModel(nn.Module):
                 "from it first (RewardModel.from_causal_lm(path) adds a fresh head for the "
                 "reward trainer), or for a value model use ValueModel.from_policy_backbone(path)"
             )
-        model = cls(loaded.backbone, loaded.hidden_size, loaded.config)
+        model = cls(loaded.backbone, loaded.hidden_size, loaded.config, fast_math=fast_math)
         model.head.weight = loaded.head_weight
         model.set_dtype(resolve_dtype(dtype))
         mx.eval(model.parameters())
@@ -526,6 +539,7 @@ class ScalarHeadModel(nn.Module):
         head_init: HeadInit = "zeros",
         seed: int = 0,
         dtype: DtypeLike = None,
+        fast_math: bool = True,
     ) -> M:
         """A causal LM's backbone (its ``lm_head`` dropped) with a fresh scalar head.
 
@@ -538,6 +552,7 @@ class ScalarHeadModel(nn.Module):
                 the head) or "normal" (N(0, 1/(D+1)) from ``seed``).
             seed: seed of the "normal" head.
             dtype: parameter dtype; None = float32.
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
         """
         if head_init not in ("zeros", "normal"):
             raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
@@ -546,7 +561,7 @@ class ScalarHeadModel(nn.Module):
         else:
             loaded = load_backbone(path_or_model)
             backbone, hidden_size, config = loaded.backbone, loaded.hidden_size, loaded.config
-        model = cls(backbone, hidden_size, config)
+        model = cls(backbone, hidden_size, config, fast_math=fast_math)
         if head_init == "zeros":
             model.head.weight = mx.zeros((1, hidden_size))  # (1, D)
         else:

@@ -132,6 +132,9 @@ class PolicyModel(nn.Module):
         name_or_path: the base model as the user named it: a Hub id as given, or the absolute
             path of a local directory. Saved adapters record it as their base.
         lora: the LoRA settings, or ``None`` when every weight trains.
+
+    ``fast_math`` (default True) runs ``model``'s layers through the fast CPU functions of
+    :mod:`base_setup.fast_math` (this instance only; False: mlx-lm's own layers).
     """
 
     def __init__(
@@ -143,10 +146,11 @@ class PolicyModel(nn.Module):
         config: Mapping[str, Any],
         lora: LoraSettings | None = None,
         name_or_path: str | None = None,
+        fast_math: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
-        accelerate_model(model)  # fast SiLU / softmax on the CPU (base_setup.fast_math)
+        accelerate_model(model, enabled=fast_math)  # fast SwiGLU, attention ... on the CPU
         self.tokenizer = tokenizer
         self.model_path = Path(model_path)
         self.name_or_path = name_or_path or str(self.model_path.resolve())
@@ -163,6 +167,7 @@ class PolicyModel(nn.Module):
         dtype: str | None = None,
         lora: LoraSettings | None = None,
         adapter_path: str | Path | None = None,
+        fast_math: bool = True,
     ) -> PolicyModel:
         """Load a model with mlx-lm's loader (``mlx_lm.utils.load_model``) and its tokenizer.
 
@@ -174,6 +179,7 @@ class PolicyModel(nn.Module):
             lora: add fresh LoRA adapters and freeze the base weights.
             adapter_path: instead, load adapters saved by :meth:`save_pretrained` (or
                 ``mlx_lm.lora``) to continue training them.
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
 
         The model comes back in eval mode, as mlx-lm loads it; call ``.train()`` where dropout
         (LoRA dropout) should act.
@@ -216,6 +222,7 @@ class PolicyModel(nn.Module):
             config=config,
             lora=lora,
             name_or_path=name_or_path,
+            fast_math=fast_math,
         )
 
     @property

@@ -40,9 +40,11 @@ class ReferenceModel:
         self.shares_policy_weights = shares_policy_weights
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: str | None = None) -> ReferenceModel:
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str | None = None, fast_math: bool = True
+    ) -> ReferenceModel:
         """A separate, frozen copy of the model at ``path`` (see ``PolicyModel.from_pretrained``)."""
-        policy = PolicyModel.from_pretrained(path, dtype=dtype)
+        policy = PolicyModel.from_pretrained(path, dtype=dtype, fast_math=fast_math)
         policy.model.freeze()
         policy.model.eval()
         return cls(policy.model, policy.tokenizer, shares_policy_weights=False)

@@ -34,6 +34,7 @@ class ValueModel(ScalarHeadModel):
         head_init: HeadInit = "zeros",
         seed: int = 0,
         dtype: DtypeLike = None,
+        fast_math: bool = True,
     ) -> ValueModel:
         """The policy's backbone (``lm_head`` dropped) with a fresh scalar head.
 
@@ -45,5 +46,8 @@ class ValueModel(ScalarHeadModel):
                 head) or "normal" (N(0, 1/(D+1)) from ``seed``).
             seed: seed of the "normal" head.
             dtype: parameter dtype; None = float32.
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
         """
-        return cls.from_causal_lm(path_or_model, head_init=head_init, seed=seed, dtype=dtype)
+        return cls.from_causal_lm(
+            path_or_model, head_init=head_init, seed=seed, dtype=dtype, fast_math=fast_math
+        )

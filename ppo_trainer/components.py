@@ -58,14 +58,19 @@ def build_models(
             LoRA.
     """
     lora = LoraSettings.from_model_config(config) if config.use_lora else None
-    policy = policy or PolicyModel.from_pretrained(config.model_name, dtype=config.dtype, lora=lora)
+    fast = config.fast_math
+    policy = policy or PolicyModel.from_pretrained(
+        config.model_name, dtype=config.dtype, lora=lora, fast_math=fast
+    )
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
     if ref_model is None:
         if config.use_lora and config.ref_model_name == config.model_name:
             # Same base weights with the adapters switched off: no second copy in memory.
             ref_model = ReferenceModel.from_policy(policy)
         else:
-            ref_model = ReferenceModel.from_pretrained(config.ref_model_name, dtype=config.dtype)
+            ref_model = ReferenceModel.from_pretrained(
+                config.ref_model_name, dtype=config.dtype, fast_math=fast
+            )
     reward_model: RewardModel | None = None
     reward_fn: RewardFunction | None = None
     if isinstance(reward, RewardModel):
@@ -78,7 +83,9 @@ def build_models(
             )
         reward_fn = reward
     elif config.reward_model_name:
-        reward_model = RewardModel.from_pretrained(config.reward_model_name, dtype=config.dtype)
+        reward_model = RewardModel.from_pretrained(
+            config.reward_model_name, dtype=config.dtype, fast_math=fast
+        )
     elif not custom_scores:
         raise ValueError(
             "no reward: pass reward_model=<RewardModel or function (prompts, completions, "
@@ -88,9 +95,9 @@ def build_models(
     if config.algorithm == "ppo" and value_model is None:
         kind, path = config.value_source
         if kind == "policy":
-            value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype)
+            value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype, fast_math=fast)
         else:
-            value_model = ValueModel.from_pretrained(path, dtype=config.dtype)
+            value_model = ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)
     if config.algorithm != "ppo":
         value_model = None
     return RunModels(

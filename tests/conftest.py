@@ -1,8 +1,10 @@
-"""Shared test set-up. Importing base_setup first gives MLX its fast BLAS in the test process."""
+"""Shared test set-up: MLX's fast BLAS (base_setup.setup_blas) before any test imports mlx."""
 
-import base_setup  # noqa: F401  (must precede every mlx import)
+from base_setup import setup_blas
 
-from pathlib import Path
+setup_blas()  # pytest imports this file before the test modules, so before every mlx import
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 

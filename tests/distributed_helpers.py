@@ -15,11 +15,11 @@
 
 from __future__ import annotations
 
-import base_setup  # noqa: F401  (first: loads a fast BLAS before anything imports mlx)
-
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from base_setup import setup_blas
 
 
 def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
@@ -173,4 +173,5 @@ def run(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
+    setup_blas()  # first: MLX's fast BLAS, before run() imports mlx
     sys.exit(run(sys.argv[1:]))

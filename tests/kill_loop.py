@@ -71,9 +71,9 @@ def _train_args(run: Path, model: Path, prompts: Path, *extra: str) -> list[str]
 def child_main() -> None:
     """Run ``main.py`` with the arguments after ``--``, killing this process at the n-th call of
     the function named by ``PPO_MLX_KILL_AT`` (``"<point>:<n>"``), if set."""
-    import base_setup
+    from base_setup import setup_blas
 
-    base_setup.setup_blas() if hasattr(base_setup, "setup_blas") else None
+    setup_blas()  # first: before mlx is imported
     crash = os.environ.get("PPO_MLX_KILL_AT")
     if crash:
         point, _, nth = crash.rpartition(":")

@@ -7,9 +7,10 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
+from typing import Any, Iterator, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -41,7 +42,9 @@ def test_openblas_is_loaded_and_bound() -> None:
 _MATMUL_RATE = """
 import os, sys, time
 sys.path.insert(0, os.getcwd())
-import base_setup, mlx.core as mx
+import base_setup
+base_setup.setup_blas()
+import mlx.core as mx
 a = mx.random.normal((1024, 1024)); mx.eval(a @ a)
 best = float("inf")
 for _ in range(3):
@@ -74,23 +77,49 @@ def test_matmul_runs_far_above_reference_blas_rate() -> None:
     assert fast > 3 * slow, f"OpenBLAS {fast:.1f} vs reference {slow:.1f} GFLOP/s ({blas_info()})"
 
 
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+
+
 def test_import_order_is_enforced_in_a_fresh_process() -> None:
-    """Importing mlx before base_setup is detected and reported, not silently slow."""
-    code = "import mlx.core, base_setup; print(base_setup.blas_info().name)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    """Importing mlx before setup_blas is detected and reported, not silently slow."""
+    out = _run_python("import mlx.core, base_setup; print(base_setup.setup_blas().name)")
     assert out.stdout.strip() == ("accelerate" if sys.platform == "darwin" else "reference")
+    if LINUX_X86:  # a warning that says what happened and how to fix it
+        assert "mlx was imported before base_setup.setup_blas() ran" in out.stderr
+        assert "setup_blas()` at the top of your script" in out.stderr
 
 
-def test_user_script_import_gets_fast_blas() -> None:
-    """`import ppo_trainer` from a user's script is an entry point too."""
-    code = "import ppo_trainer, base_setup; print(base_setup.blas_info().name)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+def test_importing_the_packages_has_no_side_effect_and_setup_blas_first_is_fast() -> None:
+    """Importing the project's packages loads no BLAS; a script that calls setup_blas() first,
+    as every entry point does, gets OpenBLAS."""
+    out = _run_python(
+        "import pathlib, base_setup, models, ppo_trainer, training\n"
+        "from base_setup import backend\n"
+        "print(backend._BLAS_INFO is None, 'libopenblas' in pathlib.Path('/proc/self/maps')"
+        ".read_text() if pathlib.Path('/proc/self/maps').exists() else False)"
     )
-    expected = "openblas" if LINUX_X86 else blas_info().name
-    assert out.stdout.strip() == expected
+    assert out.stdout.split() == ["True", "False"]
+    out = _run_python(
+        "from base_setup import setup_blas; setup_blas()\n"
+        "import ppo_trainer.ppo_trainer, base_setup; print(base_setup.blas_info().name)"
+    )
+    assert out.stdout.strip() == ("openblas" if LINUX_X86 else blas_info().name)
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
+def test_a_model_built_without_setup_blas_warns_once(tiny_model_dir: Path) -> None:
+    """A library user's script that imports the packages (so mlx) without calling setup_blas:
+    building a model logs one warning that names the fix."""
+    out = _run_python(
+        "from models.policy_model import PolicyModel\n"
+        f"PolicyModel.from_pretrained({str(tiny_model_dir)!r})\n"
+        f"PolicyModel.from_pretrained({str(tiny_model_dir)!r})\n"
+    )
+    assert out.stderr.count("mlx was imported before base_setup.setup_blas() ran") == 1
+    assert "from base_setup import setup_blas; setup_blas()" in out.stderr
 
 
 def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,18 +361,18 @@ def test_accelerated_model_matches_mlx_functions(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiny qwen3's logits and gradients with the fast functions equal MLX's own."""
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
 
     from models.policy_model import PolicyModel
 
+    from mlx_lm.models import qwen3
+
     policy = PolicyModel.from_pretrained(tiny_model_dir)
-    module = sys.modules[type(policy.model).__module__]
-    assert module.swiglu is fast_math.swiglu  # installed by PolicyModel
     layers = [type(m) for _, m in policy.model.named_modules()]
-    if fast_math.fast_math_enabled():  # every norm and RoPE runs through the fast functions
-        assert nn.RMSNorm not in layers and nn.RoPE not in layers
+    if fast_math.fast_math_enabled():  # every norm, RoPE, MLP and attention: the fast ones
+        assert not {nn.RMSNorm, nn.RoPE, qwen3.MLP, qwen3.Attention} & set(layers)
         assert fast_math._FastRMSNorm in layers and fast_math._FastRoPE in layers
+        assert {"FastMLP", "FastAttention"} <= {t.__name__ for t in layers}
     tokens = mx.array(np.random.default_rng(4).integers(0, 500, (3, 11)))
 
     def loss(model: nn.Module) -> mx.array:
@@ -495,3 +524,288 @@ def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.Mon
     finally:
         lib.openblas_set_num_threads(start)
         backend._OPENBLAS.pop("sample", None)
+
+
+# ------------------------------------------- the fast layers: our model instances only, guarded
+def _layer_types(model: Any) -> set[type]:
+    return {type(m) for _, m in model.named_modules()}
+
+
+def _fast_layer_types(model: Any) -> set[type]:
+    return {t for t in _layer_types(model) if t.__module__ == fast_math.__name__}
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+def test_a_model_loaded_with_mlx_lm_stays_untouched(tiny_model_dir: Path) -> None:
+    """Accelerating our PolicyModel changes neither mlx-lm's modules nor a model the user loads
+    with mlx_lm.load in the same process (before or after)."""
+    import mlx_lm
+    from mlx_lm.models import activations, base, qwen3
+
+    from models.policy_model import PolicyModel
+
+    before = mlx_lm.load(str(tiny_model_dir))[0]
+    tokens = mx.array(np.random.default_rng(5).integers(0, 500, (4, 40)))
+    logits_before = before(tokens)
+    mx.eval(logits_before)
+
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    assert _fast_layer_types(policy.model), "PolicyModel's layers were not accelerated"
+    after = mlx_lm.load(str(tiny_model_dir))[0]
+    for model in (before, after):
+        assert not _fast_layer_types(model)
+        assert {qwen3.MLP, qwen3.Attention, nn.RMSNorm, nn.RoPE} <= _layer_types(model)
+    assert qwen3.swiglu is activations.swiglu
+    assert qwen3.scaled_dot_product_attention is base.scaled_dot_product_attention
+    assert mx.array_equal(before(tokens), logits_before).item()  # bit for bit: same functions
+    assert mx.array_equal(after(tokens), logits_before).item()
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+def test_accelerate_model_can_be_undone_and_is_idempotent(tiny_model_dir: Path) -> None:
+    from mlx_lm.models import qwen3
+
+    from models.policy_model import PolicyModel
+
+    policy = PolicyModel.from_pretrained(tiny_model_dir, fast_math=False)
+    plain = _layer_types(policy.model)
+    assert not _fast_layer_types(policy.model)
+    assert {qwen3.MLP, qwen3.Attention, nn.RMSNorm, nn.RoPE} <= plain
+    assert fast_math.accelerate_model(policy.model) is fast_math.fast_math_enabled()
+    fast = _layer_types(policy.model)
+    assert fast_math.accelerate_model(policy.model) is fast_math.fast_math_enabled()
+    assert _layer_types(policy.model) == fast  # a second call changes nothing
+    assert fast_math.accelerate_model(policy.model, enabled=False) is False
+    assert _layer_types(policy.model) == plain
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+@pytest.mark.parametrize("trainer", ["ppo", "sft", "reward"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_config_fast_math_switches_every_model_of_a_run(
+    tiny_model_dir: Path, tmp_path: Path, trainer: str, enabled: bool
+) -> None:
+    """``fast_math`` in the PPO / SFT / reward config decides for every model the trainer loads."""
+    from config.ppo_config import PPOConfig
+    from config.reward_config import RewardConfig
+    from config.sft_config import SFTConfig
+    from ppo_trainer.ppo_trainer import PPOTrainer
+    from training.reward_trainer import RewardTrainer
+    from training.sft_trainer import SFTTrainer
+
+    common: dict[str, Any] = dict(
+        model_name=str(tiny_model_dir), output_dir=str(tmp_path), fast_math=enabled
+    )
+    models: list[Any]
+    if trainer == "ppo":  # no LoRA: a separate reference; the value model from the policy
+        ppo = PPOTrainer(
+            PPOConfig(**common, use_lora=False, progress_bar=False),
+            reward_model=lambda prompts, completions: [0.0] * len(completions),
+        )
+        assert ppo.value_model is not None and not ppo.ref_model.shares_policy_weights
+        models = [ppo.policy.model, ppo.ref_model.model, ppo.value_model.model]
+    elif trainer == "sft":
+        models = [SFTTrainer(SFTConfig(**common, progress_bar=False)).model.model]
+    else:
+        models = [RewardTrainer(RewardConfig(**common, progress_bar=False)).reward_model.model]
+    for model in models:
+        assert bool(_fast_layer_types(model)) is (enabled and fast_math.fast_math_enabled())
+
+
+# What base_setup.fast_math assumes of mlx-lm. An mlx-lm upgrade that changes any of it fails
+# here, naming what changed, rather than running other math than the tests checked.
+#: sha256 of the source of the mlx-lm functions whose results the fast layers reproduce.
+MLX_LM_SOURCES = {
+    "mlx_lm.models.activations.swiglu": (
+        "f33dad1e9f94f039a4fed04bbf12716b35f037d63521aca73e41269413e84373"
+    ),
+    "mlx_lm.models.base.scaled_dot_product_attention": (
+        "8deba4a8a8fb4e29f1e69ea81701da68f08f90656e1421a1e7a82332aadc41c1"
+    ),
+}
+
+
+def test_mlx_lm_functions_the_fast_layers_replace_are_unchanged() -> None:
+    """The fast ``swiglu`` and attention reproduce mlx-lm's ``activations.swiglu`` and
+    ``base.scaled_dot_product_attention`` (the latter: ``mx.fast.scaled_dot_product_attention``
+    unless the KV cache is quantised or there are sinks, where ours defers to it). A changed
+    source means that assumption must be checked again."""
+    import hashlib
+    import importlib
+    import inspect
+
+    for name, expected in MLX_LM_SOURCES.items():
+        module, _, attr = name.rpartition(".")
+        source = inspect.getsource(getattr(importlib.import_module(module), attr))
+        digest = hashlib.sha256(source.encode()).hexdigest()
+        assert digest == expected, (
+            f"mlx-lm's {name} changed (source sha256 {digest}, checked against {expected}). "
+            "base_setup.fast_math reproduces it: read the new source, make the fast function "
+            "(swiglu / _mlx_lm_attention) match it or defer to it, then update MLX_LM_SOURCES "
+            f"in tests/test_backend.py. The new source:\n{source}"
+        )
+
+
+def test_mlx_lm_attention_signature_is_the_one_the_fast_layers_take() -> None:
+    import inspect
+
+    from mlx_lm.models import base
+
+    original, ours = fast_math.mlx_lm_replacements()["scaled_dot_product_attention"]
+    assert original is base.scaled_dot_product_attention
+
+    def parameters(fn: Any) -> list[tuple[str, Any, Any]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert parameters(ours) == parameters(original), (
+        "mlx-lm's scaled_dot_product_attention now takes "
+        f"{inspect.signature(original)}; base_setup.fast_math._mlx_lm_attention takes "
+        f"{inspect.signature(ours)}: make them match"
+    )
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive", "none"])
+def test_fast_attention_matches_mlx_lm_attention(mask_kind: str) -> None:
+    """What mlx-lm's attention gives (no cache and a KV cache) is what the fast one gives."""
+    from mlx_lm.models import base
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(11)
+    b, h, hkv, length, d = 2, 4, 2, 32, 16  # above the fast attention's size threshold
+    q, k, v = (
+        mx.array(rng.normal(size=shape).astype(np.float32))
+        for shape in ((b, h, length, d), (b, hkv, length, d), (b, hkv, length, d))
+    )
+    mask: mx.array | str | None = {
+        "causal": "causal",
+        "bool": base.create_causal_mask(length, 0),
+        "additive": mx.array(rng.normal(size=(length, length)).astype(np.float32)),
+        "none": None,
+    }[mask_kind]
+    _, ours = fast_math.mlx_lm_replacements()["scaled_dot_product_attention"]
+    for cache in (None, KVCache()):
+        want = base.scaled_dot_product_attention(
+            q, k, v, cache=cache, scale=0.25, mask=cast(Any, mask)
+        )
+        got = ours(q, k, v, cache=cache, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+
+
+def test_fast_swiglu_matches_mlx_lm_swiglu() -> None:
+    from mlx_lm.models import activations
+
+    rng = np.random.default_rng(12)
+    gate, up = (mx.array(rng.normal(0, 4, (8, 512)).astype(np.float32)) for _ in range(2))
+    want = activations.swiglu(gate, up)
+    got = fast_math.swiglu(gate, up)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-6, atol=1e-6)
+
+
+#: Small configurations of the architectures the fast layers are checked on (mlx-lm ModelArgs).
+_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    **{
+        arch: dict(
+            model_type=arch,
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-6,
+            vocab_size=97,
+            rope_theta=10000.0,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            head_dim=16,
+        )
+        for arch in ("llama", "qwen2", "qwen3", "phi3")
+    },
+    "gpt2": dict(
+        model_type="gpt2",
+        n_ctx=256,
+        n_embd=64,
+        n_head=4,
+        n_layer=2,
+        n_positions=256,
+        layer_norm_epsilon=1e-5,
+        vocab_size=97,
+    ),
+}
+#: What each architecture's fast layers replace: {layer class: names of mlx-lm's functions}.
+_REPLACED: dict[str, dict[str, tuple[str, ...]]] = {
+    "llama": {"MLP": ("swiglu",), "Attention": ("scaled_dot_product_attention",)},
+    "qwen2": {"MLP": ("swiglu",), "Attention": ("scaled_dot_product_attention",)},
+    "qwen3": {"MLP": ("swiglu",), "Attention": ("scaled_dot_product_attention",)},
+    "phi3": {"MLP": ("swiglu",), "Attention": ("scaled_dot_product_attention",)},
+    "gpt2": {"Attention": ("scaled_dot_product_attention",)},
+}
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+@pytest.mark.parametrize("arch", sorted(_ARCHITECTURES))
+def test_fast_layers_of_each_architecture_match_mlx_lm(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per architecture: the MLP / attention layers still call mlx-lm's ``swiglu`` /
+    ``scaled_dot_product_attention`` by those names (so the fast layers apply), the fast paths
+    run, and logits and gradients equal those of the same weights on mlx-lm's own layers."""
+    import importlib
+
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = module.ModelArgs.from_dict(_ARCHITECTURES[arch])
+    plain = module.Model(args)
+    fast = module.Model(args)
+    fast.update(plain.parameters())
+    assert fast_math.accelerate_model(fast)
+    replaced = {
+        t.__bases__[0].__name__: t.fast_math_replaces
+        for t in _fast_layer_types(fast)
+        if hasattr(t, "fast_math_replaces")
+    }
+    assert replaced == _REPLACED[arch], (
+        f"mlx-lm's {arch} layers now call other functions: the fast layers replace {replaced}, "
+        f"expected {_REPLACED[arch]}; see base_setup.fast_math.mlx_lm_replacements"
+    )
+    assert not _fast_layer_types(plain)
+
+    calls: list[str] = []
+    real_swiglu, real_attention = fast_math._swiglu_fast, fast_math.scaled_dot_product_attention
+
+    def count_swiglu(gate: mx.array, x: mx.array) -> Any:
+        calls.append("swiglu")
+        return real_swiglu(gate, x)
+
+    def count_attention(*arrays: mx.array, **kwargs: Any) -> mx.array:
+        calls.append("attention")
+        return real_attention(*arrays, **kwargs)
+
+    monkeypatch.setattr(fast_math, "_swiglu_fast", count_swiglu)
+    monkeypatch.setattr(fast_math, "scaled_dot_product_attention", count_attention)
+    tokens = mx.array(np.random.default_rng(6).integers(0, 97, (2, 32)))  # fast-path sizes
+
+    def loss(model: nn.Module) -> mx.array:
+        return (model(tokens)[:, 3:] ** 2).mean()
+
+    fast_value, fast_grads = nn.value_and_grad(fast, loss)(fast)
+    value, grads = nn.value_and_grad(plain, loss)(plain)
+    expected_calls = {"attention"} | ({"swiglu"} if "MLP" in _REPLACED[arch] else set())
+    assert set(calls) == expected_calls
+    np.testing.assert_allclose(np.array(fast(tokens)), np.array(plain(tokens)), atol=1e-4)
+    np.testing.assert_allclose(fast_value.item(), value.item(), rtol=1e-5)
+    fast_flat = dict(cast(list[tuple[str, mx.array]], tree_flatten(fast_grads)))
+    for name, g in cast(list[tuple[str, mx.array]], tree_flatten(grads)):
+        scale = float(mx.abs(g).max()) + 1e-12
+        assert float(mx.abs(fast_flat[name] - g).max()) / scale < 1e-4, f"{arch}: {name}"
+
+
+def test_private_mlx_lm_function_the_models_use_still_works() -> None:
+    """models/backbone.py and fixtures/checkpoint_families.py build an architecture's classes
+    from a config with mlx-lm's private ``mlx_lm.utils._get_classes`` (mlx-lm has no public
+    equivalent): it must still map a config to ``(Model, ModelArgs)``."""
+    from mlx_lm.models import llama, qwen3
+    from mlx_lm.utils import _get_classes
+
+    assert _get_classes({"model_type": "qwen3"}) == (qwen3.Model, qwen3.ModelArgs)
+    assert _get_classes({"model_type": "mistral"}) == (llama.Model, llama.ModelArgs)

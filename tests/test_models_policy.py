@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten as _tree_flatten
 
+from base_setup.fast_math import accelerate_model
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_disabled,
@@ -47,10 +48,13 @@ def _batch(tokenizer: Any, texts: list[str]) -> mx.array:
 
 
 def _load(path: str, adapter_path: str | None = None) -> tuple[nn.Module, Any]:
-    """``mlx_lm.load`` (model, tokenizer)."""
+    """``mlx_lm.load`` (model, tokenizer), the model running the fast layers PolicyModel runs
+    (``base_setup.fast_math``; a model mlx-lm loads keeps mlx-lm's own), so that the two give
+    the same logits bit for bit when their weights are the same."""
     import mlx_lm
 
     loaded = mlx_lm.load(path, adapter_path=adapter_path)
+    accelerate_model(loaded[0])
     return loaded[0], loaded[1]
 
 

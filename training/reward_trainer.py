@@ -111,7 +111,11 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
         seed_everything(config.seed)
         if model is None:
             model = RewardModel.from_causal_lm(
-                config.model_name, head_init=config.head_init, seed=config.seed, dtype=config.dtype
+                config.model_name,
+                head_init=config.head_init,
+                seed=config.seed,
+                dtype=config.dtype,
+                fast_math=config.fast_math,
             )
         if tokenizer is None:
             tokenizer = load_tokenizer(resolve_model_path(config.model_name))

@@ -87,7 +87,9 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
                     num_layers=config.lora_layers,
                     keys=config.lora_keys,
                 )
-            model = PolicyModel.from_pretrained(config.model_name, dtype=config.dtype, lora=lora)
+            model = PolicyModel.from_pretrained(
+                config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
+            )
         elif (model.lora is not None) != config.use_lora:
             has = "has" if model.lora is not None else "has no"
             raise ValueError(
