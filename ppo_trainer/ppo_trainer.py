@@ -866,6 +866,7 @@ class PPOTrainer:
             learning_rate=schedule(cfg.learning_rate),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
         )
         if self.value_model is not None:
             lr = cfg.value_learning_rate or cfg.learning_rate
@@ -873,6 +874,7 @@ class PPOTrainer:
                 learning_rate=schedule(lr),
                 eps=cfg.adam_eps,
                 weight_decay=cfg.weight_decay,
+                bias_correction=cfg.adam_bias_correction,
             )
         if previous:
             self._apply_optimizer_state(previous)

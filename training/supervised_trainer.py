@@ -177,6 +177,7 @@ class SupervisedTrainer(Generic[E, B]):
             learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
         )
         resume_step = None
         if resume_from is not None:
