@@ -7,7 +7,6 @@ The only place that parses files and flags; everything else receives a config ob
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
@@ -52,13 +51,9 @@ def read_prompts(path: str | Path) -> list[Any]:
 
 def load_function(spec: str) -> Callable[..., Any]:
     """``module.path:function`` -> the function (for ``--reward-fn``)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--reward-fn must look like 'package.module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(fn):
-        raise ValueError(f"{spec}: {attr} is not a function in {module_name}")
-    return fn
+    from ppo_trainer.components import load_function as load
+
+    return load(spec)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from advantage.whitening import masked_var
 from base_setup.distributed import Group
+from reward_kl.reward_computer import sequence_rewards
 from token_attribution.extractor import check_ndim
 
 # Added to the standard deviation (TRL's GRPOTrainer).
@@ -90,3 +91,31 @@ def leave_one_out_advantages(scores: mx.array, group_size: int) -> mx.array:
     grouped = _grouped(scores, group_size)  # (P, g)
     others_mean = (mx.sum(grouped, axis=1, keepdims=True) - grouped) / (group_size - 1)  # (P, g)
     return (grouped - others_mean).reshape(-1)  # (B,)
+
+
+def rloo_advantages(
+    scores: mx.array, kl: mx.array, mask: mx.array, kl_coef: float | mx.array, group_size: int
+) -> tuple[mx.array, mx.array]:
+    """RLOO as TRL's RLOOTrainer: the KL penalty in the sequence reward, then the leave-one-out
+    baseline.
+
+    ``R_b = score_b - kl_coef * sum_t m_bt kl_bt``
+    (:func:`reward_kl.reward_computer.sequence_rewards`), ``A_b = R_b - mean_{j != b in the group}
+    R_j`` (:func:`leave_one_out_advantages`). The advantages are not normalised (TRL's
+    ``normalize_advantages=False`` default); the baseline needs only the prompt's own group, so
+    each rank of a data-parallel run computes its rows alone.
+
+    Args:
+        scores: (B,) sequence scores (constants), B = P * group_size, group by group.
+        kl: (B, T) per-token KL estimates of the rollout policy against the reference
+            (constants; TRL uses ``"k1"``).
+        mask: (B, T), nonzero on action tokens.
+        kl_coef: the KL coefficient (TRL's RLOO ``beta``).
+        group_size: g, samples per prompt (>= 2).
+
+    Returns:
+        ``(advantages, rewards)``: (B,) float32 each; ``rewards`` are the ``R_b`` (TRL logs their
+        mean as the RLHF reward).
+    """
+    rewards = sequence_rewards(scores, kl, mask, kl_coef)  # (B,)
+    return leave_one_out_advantages(rewards, group_size), rewards

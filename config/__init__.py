@@ -7,7 +7,14 @@ argument parsing.
 
 from config.loading import SECTIONS, config_to_dict, field_docs, load_config, save_config
 from config.model_config import Dtype, LoraConfig, ModelConfig, ValueInit, ValueSource
-from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator, PPOConfig
+from config.ppo_config import (
+    Algorithm,
+    GRPOAdvantageScale,
+    ImportanceSamplingLevel,
+    KLEstimator,
+    LossType,
+    PPOConfig,
+)
 from config.reward_config import RewardConfig
 from config.sft_config import FineTuneConfig, SFTConfig
 from config.training_config import Logger, LRScheduler, OptimConfig, TrainingConfig
@@ -17,11 +24,13 @@ __all__ = [
     "Algorithm",
     "Dtype",
     "GRPOAdvantageScale",
+    "ImportanceSamplingLevel",
     "KLEstimator",
     "FineTuneConfig",
     "LRScheduler",
     "Logger",
     "LoraConfig",
+    "LossType",
     "ModelConfig",
     "OptimConfig",
     "PPOConfig",

@@ -1,6 +1,9 @@
-"""The composed run configuration: models + training + the PPO / GRPO algorithm itself."""
+"""The composed run configuration: models + training + the policy-gradient algorithm itself
+(PPO, GRPO and its loss variants, RLOO, REINFORCE++)."""
 
 import copy
+import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -8,10 +11,32 @@ from config._fields import check_field_types, divisors, is_non_negative, is_posi
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
 
-Algorithm = Literal["ppo", "grpo"]
+Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 KLEstimator = Literal["k1", "k2", "k3"]
 GRPOAdvantageScale = Literal["group", "batch", "none"]
 RolloutLogprobs = Literal["sampling", "forward"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+
+#: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
+GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
+# "package.module:function": a reward function; anything else in reward_funcs is a model.
+_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def is_reward_function_spec(spec: str) -> bool:
+    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``)
+    rather than a reward model (a local directory or a Hugging Face repo id)."""
+    return bool(_FUNCTION_SPEC.match(spec.strip()))
+
+
+def reward_func_name(spec: str) -> str:
+    """The name a ``reward_funcs`` entry is logged under (``rewards/<name>/mean``), as TRL names
+    them: a function's name, or a model path's last component."""
+    spec = spec.strip()
+    if is_reward_function_spec(spec):
+        return spec.rpartition(":")[2]
+    return spec.rstrip("/\\").replace("\\", "/").rpartition("/")[2]
 
 
 @dataclass(kw_only=True)
@@ -31,8 +56,13 @@ class PPOConfig(ModelConfig, TrainingConfig):
     k2 = log_ratio ** 2 / 2, k3 = (r - 1) - log r.
 
     Attributes:
-        algorithm: "ppo" (clipped PPO with a learned value model and GAE) or "grpo" (group-relative
-            advantages from group_size samples per prompt, no value model).
+        algorithm: "ppo" (clipped PPO with a learned value model and GAE); "grpo" (group-relative
+            advantages from group_size samples per prompt, no value model); "rloo" (TRL's RLOO:
+            the summed KL in the sequence reward, a leave-one-out baseline over the group, a
+            clipped sequence-level loss); "reinforce_pp" (REINFORCE++: per-token KL in the
+            reward, discounted returns whitened over the batch, the clipped PPO loss, no value
+            model); "reinforce_pp_baseline" (REINFORCE++-baseline: the group's mean score
+            subtracted first). See docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
         max_prompt_length: Most tokens in a prompt.
         temperature: Sampling temperature of the rollouts (> 0).
@@ -46,9 +76,10 @@ class PPOConfig(ModelConfig, TrainingConfig):
             same logits, the same function of the same weights, saving one forward pass of the
             policy per iteration; "forward" recomputes them with a forward pass over the whole
             sequences. They agree to float rounding (about 1e-6; tests check 1e-4).
-        kl_coef: Weight of the per-token KL penalty in the PPO reward, reward - kl_coef * kl
-            (the initial value when adaptive_kl is on).
-        kl_estimator: Per-token KL estimator of the PPO reward penalty: "k1", "k2" or "k3".
+        kl_coef: Weight of the KL penalty in the reward, reward - kl_coef * kl, per token for
+            "ppo" and "reinforce_pp*", summed over the response for "rloo" (TRL's RLOO beta);
+            the initial value when adaptive_kl is on. Unused by "grpo" (see beta).
+        kl_estimator: Per-token KL estimator of that reward penalty: "k1", "k2" or "k3".
         adaptive_kl: Adapt kl_coef towards kl_target (Ziegler et al., 2019) instead of keeping it
             fixed.
         kl_target: Target sequence KL (nats) of the adaptive controller.
@@ -56,7 +87,10 @@ class PPOConfig(ModelConfig, TrainingConfig):
         gamma: Discount factor, in [0, 1].
         lam: GAE lambda, in [0, 1].
         clip_epsilon: PPO's policy-ratio clip range (the paper's epsilon, TRL's cliprange); also
-            readable as ``cliprange``.
+            readable as ``cliprange``. The lower one when clip_epsilon_high is set.
+        clip_epsilon_high: Upper clip range of the policy ratio, which is clipped to
+            [1 - clip_epsilon, 1 + clip_epsilon_high] (DAPO's clip-higher; the paper uses 0.28;
+            TRL's epsilon_high); None = clip_epsilon (symmetric). Every algorithm.
         cliprange_value: Clip range of the value-function update around the rollout values.
         vf_coef: Weight of the value loss in the PPO loss (> 0 for "ppo"; unused by "grpo").
         num_ppo_epochs: Optimisation passes over each rollout batch.
@@ -64,10 +98,31 @@ class PPOConfig(ModelConfig, TrainingConfig):
         whiten_advantages: Whiten the advantages over the batch (PPO).
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
             token (>= 0); None = no penalty.
-        group_size: Responses sampled per prompt; GRPO needs >= 2.
-        beta: Weight of GRPO's k3 KL term in its loss (>= 0; unused by "ppo").
+        reward_funcs: Several rewards, summed with reward_weights (TRL's GRPO reward_funcs): each
+            entry a Python function "package.module:function" (prompts, completions) ->
+            list[float | None] (None where the function does not apply), or a reward model
+            (local directory or repo id). Each is logged as rewards/<name>/mean and /std, name =
+            the function's name or the model path's last component. None = the single reward
+            of reward_model_name or the trainer's reward function.
+        reward_weights: Weight of each of reward_funcs, in order (finite, not all 0); None = 1.0
+            each.
+        group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
+            need >= 2.
+        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only).
         grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
+        loss_type: How GRPO's per-token losses make the loss (TRL's loss_type): "bnpo" = token
+            mean of each micro-batch (the behaviour before the option existed; TRL's "bnpo" on
+            one process), "dapo" = token mean of the whole batch of an update (TRL's default),
+            "grpo" = mean over sequences of each one's token mean (the GRPO paper), "dr_grpo" =
+            token sum / (sequences * max_new_tokens) (Dr. GRPO; pair with grpo_advantage_scale
+            "none"). "grpo" algorithm only.
+        importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
+            per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
+            algorithm only.
+        mask_truncated_completions: Leave responses that hit max_new_tokens without a stop
+            token out of the policy loss (DAPO; TRL's option); their scores still enter the
+            group statistics. Not for "ppo" (its value model trains on every token).
         eval_temperature: Sampling temperature at evaluation; 0 = greedy.
         eval_max_new_tokens: Most tokens generated per evaluation response; None = max_new_tokens.
         log_rollouts_every: Steps between rollout records (rollouts/step_NNNNNN.jsonl in
@@ -94,15 +149,21 @@ class PPOConfig(ModelConfig, TrainingConfig):
     gamma: float = 1.0
     lam: float = 0.95
     clip_epsilon: float = 0.2
+    clip_epsilon_high: float | None = None
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     num_ppo_epochs: int = 4
     whiten_rewards: bool = False
     whiten_advantages: bool = True
     missing_eos_penalty: float | None = None
+    reward_funcs: list[str] | None = None
+    reward_weights: list[float] | None = None
     group_size: int = 1
     beta: float = 0.04
     grpo_advantage_scale: GRPOAdvantageScale = "group"
+    loss_type: LossType = "bnpo"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    mask_truncated_completions: bool = False
     eval_temperature: float = 0.0
     eval_max_new_tokens: int | None = None
     log_rollouts_every: int = 10
@@ -114,6 +175,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
         check_field_types(self, PPOConfig)
         self._check_generation()
         self._check_algorithm()
+        self._check_algorithm_options()
+        self._check_rewards()
         self._check_batch_split()
         self._check_rollout_records()
 
@@ -209,15 +272,114 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 "set the amount subtracted from the score (e.g. 1.0), or null for none",
             )
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1", "set e.g. 1")
-        if self.algorithm == "grpo":
+        if self.algorithm in GROUP_ALGORITHMS:
             require(
                 self.group_size >= 2,
                 "group_size",
                 self.group_size,
-                '>= 2 when algorithm is "grpo"',
-                "GRPO compares responses to the same prompt; set group_size to e.g. 4",
+                f'>= 2 when algorithm is "{self.algorithm}"',
+                f"{self.algorithm} compares responses to the same prompt; set group_size to "
+                f"e.g. 4",
             )
         require(is_non_negative(self.beta), "beta", self.beta, ">= 0", "set e.g. 0.04")
+
+    def _check_algorithm_options(self) -> None:
+        """Options of one algorithm are refused with the others, where they would do nothing."""
+        if self.clip_epsilon_high is not None:
+            require(
+                is_positive(self.clip_epsilon_high),
+                "clip_epsilon_high",
+                self.clip_epsilon_high,
+                "> 0 or null",
+                "set e.g. 0.28 (DAPO), or null to clip symmetrically with clip_epsilon",
+            )
+        if self.algorithm != "grpo":
+            require(
+                self.loss_type == "bnpo",
+                "loss_type",
+                self.loss_type,
+                f'"bnpo" (the default) when algorithm is "{self.algorithm}"',
+                "loss_type chooses among GRPO's loss variants; set algorithm: grpo, or remove "
+                "loss_type",
+            )
+            require(
+                self.importance_sampling_level == "token",
+                "importance_sampling_level",
+                self.importance_sampling_level,
+                f'"token" (the default) when algorithm is "{self.algorithm}"',
+                "sequence-level ratios (GSPO) are a GRPO variant; set algorithm: grpo, or "
+                "remove importance_sampling_level",
+            )
+        if self.algorithm == "ppo":
+            require(
+                not self.mask_truncated_completions,
+                "mask_truncated_completions",
+                self.mask_truncated_completions,
+                'false when algorithm is "ppo"',
+                "PPO's value model learns from every token; use it with grpo, rloo or "
+                "reinforce_pp, or set missing_eos_penalty to discourage truncation",
+            )
+        if self.algorithm == "reinforce_pp_baseline":
+            require(
+                self.gamma == 1.0,
+                "gamma",
+                self.gamma,
+                '1.0 when algorithm is "reinforce_pp_baseline"',
+                "REINFORCE++-baseline uses undiscounted returns (as OpenRLHF); set gamma: 1.0, "
+                "or use algorithm: reinforce_pp for a discount",
+            )
+
+    def _check_rewards(self) -> None:
+        if self.reward_funcs is None:
+            require(
+                self.reward_weights is None,
+                "reward_weights",
+                self.reward_weights,
+                "null when reward_funcs is not set",
+                "list the rewards in reward_funcs, one weight each, or remove reward_weights",
+            )
+            return
+        require(
+            len(self.reward_funcs) > 0 and all(spec.strip() for spec in self.reward_funcs),
+            "reward_funcs",
+            self.reward_funcs,
+            "null or a non-empty list of non-empty entries",
+            'list "package.module:function" specs or reward model paths, or null for the '
+            "single reward of reward_model_name",
+        )
+        require(
+            self.reward_model_name is None,
+            "reward_model_name",
+            self.reward_model_name,
+            "null when reward_funcs is set",
+            "list the reward model in reward_funcs instead (value_model_name can still "
+            "initialise the value model from it)",
+        )
+        names = self.reward_func_names
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        require(
+            not repeated,
+            "reward_funcs",
+            self.reward_funcs,
+            f"entries with distinct names (the metrics rewards/<name>/...), but {repeated} repeat",
+            "list each reward once and give it one weight in reward_weights",
+        )
+        if self.reward_weights is not None:
+            require(
+                len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights",
+                self.reward_weights,
+                f"one weight per entry of reward_funcs ({len(self.reward_funcs)})",
+                "give one weight per reward function, in the same order, or null for 1.0 each",
+            )
+            require(
+                all(math.isfinite(w) for w in self.reward_weights)
+                and any(w != 0 for w in self.reward_weights),
+                "reward_weights",
+                self.reward_weights,
+                "finite numbers, not all 0",
+                "set finite weights such as [1.0, 0.5]",
+            )
 
     def _check_batch_split(self) -> None:
         rollout = self.rollout_batch_size
@@ -259,6 +421,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
     def cliprange(self) -> float:
         """PPO's policy clip range (TRL / OpenAI name for ``clip_epsilon``)."""
         return self.clip_epsilon
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The name of each entry of ``reward_funcs`` (see :func:`reward_func_name`); [] when
+        unset."""
+        return [reward_func_name(spec) for spec in self.reward_funcs or []]
 
     @property
     def rollout_batch_size(self) -> int:

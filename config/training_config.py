@@ -37,6 +37,11 @@ class OptimConfig:
         warmup_steps: Steps of linear warm-up from 0 to the learning rate; 0 = none.
         weight_decay: Decoupled (AdamW) weight decay; 0 = plain Adam.
         adam_eps: Adam epsilon.
+        adam_bias_correction: Divide Adam's moment estimates by (1 - beta^t) (bias correction), as
+            PyTorch's torch.optim.AdamW does and as the learning rates of TRL and published
+            PPO/GRPO/SFT recipes assume. MLX's AdamW does not by default, which makes its first
+            updates several times larger; false restores that (this project's behaviour before
+            the option existed).
         num_epochs: Passes over the training data (PPO: over the prompts).
         total_steps: Cap on the number of steps; None = num_epochs passes.
         seed: Seed of every random generator (data order, sampling, dropout, fresh weights);
@@ -62,6 +67,7 @@ class OptimConfig:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_eps: float = 1e-5
+    adam_bias_correction: bool = True
     num_epochs: int = 1
     total_steps: int | None = None
     seed: int = 0

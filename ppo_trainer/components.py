@@ -3,26 +3,30 @@ of a data-parallel run."""
 
 from __future__ import annotations
 
+import importlib
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, cast
 
 from base_setup import distributed as dist
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import eos_token_ids
 from config._fields import divisors
 from config.loading import config_to_dict
-from config.ppo_config import PPOConfig
+from config.ppo_config import PPOConfig, is_reward_function_spec
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 
+#: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
+NamedReward = tuple[str, "RewardModel | RewardFunction"]
+
 
 @dataclass
 class RunModels:
     """Everything an iteration runs: the trained policy (and value model), the frozen reference,
-    the reward (a model or a function), the tokenizer."""
+    the reward (a model, a function, or several of them with weights), the tokenizer."""
 
     policy: PolicyModel
     ref_model: ReferenceModel
@@ -30,6 +34,28 @@ class RunModels:
     reward_fn: RewardFunction | None
     value_model: ValueModel | None
     tokenizer: Any
+    reward_funcs: list[NamedReward] = field(default_factory=list)
+
+
+def load_function(spec: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function (``--reward-fn``, ``reward_funcs``).
+
+    Raises:
+        ValueError: a malformed spec, a module that cannot be imported, or no such function.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(
+            f"a reward function must look like 'package.module:function', got {spec!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{spec}: cannot import {module_name} ({err})") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{spec}: {attr} is not a function in {module_name}")
+    return cast(Callable[..., Any], fn)
 
 
 def build_models(
@@ -47,9 +73,9 @@ def build_models(
     * policy: ``config.model_name`` (LoRA adapters if ``use_lora``; a quantized model only so);
     * reference: the policy's base weights with the adapters off (LoRA on the same model), else
       a frozen copy of ``sft_model_name or model_name``;
-    * reward: a :class:`RewardModel`, a function ``(prompts, completions, **columns)``, or
-      ``reward_model_name``; none is needed when ``custom_scores`` (a trainer that overrides
-      ``compute_scores``);
+    * reward: a :class:`RewardModel`, a function ``(prompts, completions, **columns)``,
+      ``reward_model_name``, or ``reward_funcs`` (functions and models, weighted); none is
+      needed when ``custom_scores`` (a trainer that overrides ``compute_scores``);
     * value model (PPO only): ``value_model_name``, else the reward model's checkpoint, else the
       policy's backbone with a fresh head (``config.value_source``).
 
@@ -82,6 +108,8 @@ def build_models(
                 f"(prompts, completions) -> list[float], got {type(reward).__name__}"
             )
         reward_fn = reward
+    elif config.reward_funcs:
+        pass  # several rewards, below
     elif config.reward_model_name:
         reward_model = RewardModel.from_pretrained(
             config.reward_model_name, dtype=config.dtype, fast_math=fast
@@ -100,6 +128,19 @@ def build_models(
             value_model = ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)
     if config.algorithm != "ppo":
         value_model = None
+    reward_funcs: list[NamedReward] = []
+    if config.reward_funcs:
+        if reward is not None:
+            raise ValueError(
+                "reward_funcs is set in the config and a reward was passed to the trainer: "
+                "use one of them"
+            )
+        for name, spec in zip(config.reward_func_names, config.reward_funcs):
+            if is_reward_function_spec(spec):
+                reward_funcs.append((name, load_function(spec)))
+            else:
+                model = RewardModel.from_pretrained(spec, dtype=config.dtype, fast_math=fast)
+                reward_funcs.append((name, model))
     return RunModels(
         policy=policy,
         ref_model=ref_model,
@@ -107,6 +148,7 @@ def build_models(
         reward_fn=reward_fn,
         value_model=value_model,
         tokenizer=tokenizer if tokenizer is not None else policy.tokenizer,
+        reward_funcs=reward_funcs,
     )
 
 

@@ -1,8 +1,9 @@
 """Phases 3-4 of an iteration: from a rollout to what the update learns from.
 
 :func:`make_experience` turns scores and log-probs into per-token KL, per-token rewards and
-advantages (GAE with a value model for PPO; group-relative for GRPO), with the math of the stage
-folders (``reward_kl/``, ``advantage/``). Whitening and group statistics use the global batch of a
+advantages (GAE with a value model for PPO; group-relative for GRPO; leave-one-out for RLOO;
+whitened returns for REINFORCE++), with the math of the stage folders (``reward_kl/``,
+``advantage/``). Whitening and group statistics use the global batch of a
 data-parallel run (``group``).
 """
 
@@ -15,13 +16,15 @@ import mlx.core as mx
 import numpy as np
 
 from advantage.gae_advantage import compute_gae
-from advantage.group_advantage import group_advantages
+from advantage.group_advantage import group_advantages, rloo_advantages
+from advantage.reinforce_pp import reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from advantage.whitening import masked_whiten
 from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator
 from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.rollout import Rollout
 from reward_kl.kl_divergence import kl_estimate
 from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
+from token_attribution.extractor import mask_truncated_completions
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ExperienceSettings:
     beta: float
     grpo_advantage_scale: GRPOAdvantageScale
     missing_eos_penalty: float | None
+    mask_truncated_completions: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ExperienceSettings:
@@ -53,13 +57,19 @@ class ExperienceSettings:
             beta=config.beta,
             grpo_advantage_scale=config.grpo_advantage_scale,
             missing_eos_penalty=config.missing_eos_penalty,
+            mask_truncated_completions=config.mask_truncated_completions,
         )
+
+
+#: Algorithms whose per-sequence reward holds the KL penalty (weighted by ``kl_coef``, which the
+#: adaptive controller may move); GRPO puts it in the loss instead (``beta``).
+KL_IN_REWARD: frozenset[str] = frozenset({"ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})
 
 
 def kl_per_token(rollout: Rollout, settings: ExperienceSettings) -> mx.array:
     """The per-token KL to the reference the algorithm penalises, (B, T), 0 after each response:
-    GRPO's k3 (the term of its loss), else PPO's ``kl_estimator``. Training and evaluation both
-    report its sum over a response as ``objective/kl`` / ``eval/kl``."""
+    GRPO's k3 (the term of its loss), else ``kl_estimator``. Training and evaluation both report
+    its sum over a response as ``objective/kl`` / ``eval/kl``."""
     estimator: KLEstimator = "k3" if settings.algorithm == "grpo" else settings.kl_estimator
     return kl_estimate(rollout.logprobs, rollout.ref_logprobs, estimator) * rollout.mask
 
@@ -74,12 +84,18 @@ def make_experience(
 ) -> tuple[RolloutBatch, dict[str, mx.array]]:
     """The rollout batch the update learns from, and per-token statistics for the metrics.
 
-    * scores: minus ``missing_eos_penalty`` for responses without a stop token;
-    * PPO: ``kl = kl_estimate(logprobs, ref_logprobs)`` per token; rewards ``-kl_coef * kl`` per
-      token plus the score at the last token (optionally whitened); GAE advantages and returns
-      over the values (advantages optionally whitened over the batch);
-    * GRPO: the k3 KL per token (the loss's penalty, weighted by ``beta``); the scores'
-      group-relative advantages.
+    Scores first lose ``missing_eos_penalty`` for responses without a stop token; ``kl`` is
+    :func:`kl_per_token`. Then, by algorithm:
+
+    * ``ppo``: per-token rewards ``-kl_coef * kl`` plus the score at the last token (optionally
+      whitened), GAE advantages and returns over the values (advantages optionally whitened);
+    * ``grpo``: the scores' group-relative advantages (the KL is in the loss, ``beta``);
+    * ``rloo``: leave-one-out advantages of ``score - kl_coef * sum(kl)`` (TRL's RLOO);
+    * ``reinforce_pp``: the per-token rewards' discounted returns, whitened over the batch
+      (REINFORCE++); ``reinforce_pp_baseline``: the same from group-centred scores, gamma 1.
+
+    ``mask_truncated_completions`` (group methods) then drops responses without a stop token from
+    the loss (``batch.mask`` all 0 for them); they still count in their group's baseline.
 
     Returns:
         ``(batch, stats)`` with ``stats``: ``kl`` (B, T), ``non_score`` (B, T) the KL part of the
@@ -87,39 +103,51 @@ def make_experience(
         score minus ``beta * kl``, what its loss optimises).
 
     Raises:
-        ValueError: the rewards or advantages are not finite (scores too large to whiten or to
-            regress on), naming ``step``: no update is made from them.
+        ValueError: the advantages or returns are not finite (scores too large for float32),
+            naming ``step``: no update is made from them.
     """
     r = rollout
     scores = r.scores
+    ended = r.generation.ended_with_stop
     if settings.missing_eos_penalty is not None:
-        scores = apply_missing_eos_penalty(
-            scores, r.generation.ended_with_stop, settings.missing_eos_penalty
-        )
-    returns = None
+        scores = apply_missing_eos_penalty(scores, ended, settings.missing_eos_penalty)
     kl = kl_per_token(r, settings)  # (B, T)
-    if settings.algorithm == "grpo":
-        advantages = group_advantages(
-            scores, settings.group_size, settings.grpo_advantage_scale, group=group
-        )  # (B,)
-        # GRPO's loss penalises beta * kl; as per-token rewards (for the records), that reads
-        # score at the last token minus beta * kl.
-        rewards, non_score = per_token_rewards(scores, kl, r.mask, settings.beta)
-        stats = {"kl": kl, "non_score": non_score, "rewards": rewards}
-    else:
+    coef = settings.beta if settings.algorithm == "grpo" else kl_coef
+    rewards, non_score = per_token_rewards(scores, kl, r.mask, coef)  # (B, T) each
+    stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # rewards before whitening
+    returns = None
+    algorithm = settings.algorithm
+    if algorithm == "ppo":
         assert r.values is not None, "PPO needs the rollout's values"
-        rewards, non_score = per_token_rewards(scores, kl, r.mask, kl_coef)  # (B, T) each
-        stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # before whitening
         if settings.whiten_rewards:
             rewards = masked_whiten(rewards, r.mask, shift_mean=False, group=group)
         advantages, returns = compute_gae(rewards, r.values, r.mask, settings.gamma, settings.lam)
         if settings.whiten_advantages:
             advantages = masked_whiten(advantages, r.mask, group=group)
+    elif algorithm == "grpo":
+        advantages = group_advantages(
+            scores, settings.group_size, settings.grpo_advantage_scale, group=group
+        )  # (B,)
+    elif algorithm == "rloo":
+        advantages, _ = rloo_advantages(scores, kl, r.mask, kl_coef, settings.group_size)  # (B,)
+    elif algorithm == "reinforce_pp":
+        advantages, returns = reinforce_pp_advantages(
+            scores, kl, r.mask, kl_coef, settings.gamma, group=group
+        )  # (B, T) each
+    elif algorithm == "reinforce_pp_baseline":
+        advantages, returns = reinforce_pp_baseline_advantages(
+            scores, kl, r.mask, kl_coef, settings.group_size, group=group
+        )
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    mask = r.mask
+    if settings.mask_truncated_completions:
+        mask = mask_truncated_completions(mask, ended)
     batch = RolloutBatch(
         query_responses=r.query_responses,
         prompt_lengths=r.prompt_lengths,
         responses=r.generation.responses,
-        mask=r.mask,
+        mask=mask,
         logprobs=r.logprobs,
         ref_logprobs=r.ref_logprobs,
         scores=scores,
@@ -127,7 +155,7 @@ def make_experience(
         values=r.values,
         returns=returns,
     )
-    mx.eval(batch.advantages, batch.returns, stats)
+    mx.eval(batch.advantages, batch.returns, batch.mask, stats)
     _check_finite(batch, step)
     return batch, stats
 

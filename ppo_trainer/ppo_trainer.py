@@ -64,9 +64,14 @@ from ppo_trainer.components import (
     context_length,
     stop_token_ids,
 )
-from ppo_trainer.experience import ExperienceSettings, kl_per_token, make_experience
+from ppo_trainer.experience import (
+    KL_IN_REWARD,
+    ExperienceSettings,
+    kl_per_token,
+    make_experience,
+)
 from ppo_trainer.generator import GenerationOutput
-from ppo_trainer.metrics import iteration_metrics
+from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
     Columns,
     Prompt,
@@ -86,7 +91,14 @@ from ppo_trainer.rollout_records import (
     select_rows,
     write_rollout_records,
 )
-from ppo_trainer.update import Learner, policy_loss_fn, ppo_epochs, value_loss_fn
+from ppo_trainer.update import (
+    Learner,
+    policy_loss_fn,
+    policy_weighting,
+    ppo_epochs,
+    value_loss_fn,
+)
+from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from training.checkpoint import (
     STATE_FILE,
@@ -120,7 +132,9 @@ RESUME_KEYS: tuple[str, ...] = (
     "value_model_name",
     "value_init",
     "reward_model_name",
+    "reward_funcs",
     "dtype",
+    "adam_bias_correction",
 )
 
 
@@ -183,6 +197,8 @@ class PPOTrainer:
         self.reward_fn = models.reward_fn
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
+        self.reward_funcs = models.reward_funcs
+        self._reward_metrics: dict[str, mx.array] = {}
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
@@ -264,6 +280,10 @@ class PPOTrainer:
         (with the columns it accepts). Override to compute a task's own reward (see
         ``examples/``).
         """
+        if self.reward_funcs:
+            return self._combined_scores(
+                prompts, completions, query_responses, sequence_lengths, columns
+            )
         if self.reward_model is not None:
             return self.reward_model.score(query_responses, sequence_lengths)
         assert self.reward_fn is not None
@@ -340,7 +360,10 @@ class PPOTrainer:
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
         metrics = iteration_metrics(rollout, batch, stats, update_metrics, self.group)
-        if cfg.algorithm == "ppo":
+        if self._reward_metrics:  # several rewards: each one's mean and spread
+            metrics.update(reduce_over_ranks(self._reward_metrics, {}, self.group))
+            self._reward_metrics = {}
+        if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()
         assert self.policy_optimizer is not None
@@ -462,12 +485,43 @@ class PPOTrainer:
         """The value model (PPO), then the policy: the models are independent, and a value loss
         that overflows (huge rewards) then stops the step before the policy has moved."""
         assert self.policy_optimizer is not None
-        learners = [Learner(self.policy, self.policy_optimizer, self._policy_grad, "policy")]
+        learners = [
+            Learner(
+                self.policy,
+                self.policy_optimizer,
+                self._policy_grad,
+                "policy",
+                policy_weighting(self.config),
+            )
+        ]
         if self.value_model is not None:
             assert self.value_optimizer is not None and self._value_grad is not None
             value = Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
             learners.insert(0, value)
         return learners
+
+    def _combined_scores(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        query_responses: mx.array,
+        sequence_lengths: mx.array,
+        columns: Columns,
+    ) -> mx.array:
+        """``reward_funcs`` weighted by ``reward_weights`` (a function's None: not applicable);
+        each one's mean and spread go to the step's metrics as ``rewards/<name>/...``."""
+        names = [name for name, _ in self.reward_funcs]
+        values: list[list[float | None]] = []
+        for name, reward in self.reward_funcs:
+            if isinstance(reward, RewardModel):
+                values.append(np.asarray(reward.score(query_responses, sequence_lengths)).tolist())
+            else:
+                out = reward(prompts, completions, **columns_for(reward, columns, positional=2))
+                values.append(list(out))
+        matrix = reward_matrix(values, names, len(completions))  # (K, B)
+        self._reward_metrics = reward_metrics(matrix, names)
+        weights = self.config.reward_weights or [1.0] * len(names)
+        return combine_rewards(matrix, weights)
 
     def _check_columns(self, columns: Columns) -> None:
         """Raise ValueError before any generation if the reward needs a column that the
@@ -475,12 +529,17 @@ class PPOTrainer:
         columns_for(self.compute_scores, columns, positional=4)
         if self.reward_fn is not None:
             columns_for(self.reward_fn, columns, positional=2)
+        for _, reward in self.reward_funcs:
+            if not isinstance(reward, RewardModel):
+                columns_for(reward, columns, positional=2)
 
     def _score_source(self) -> str:
         if type(self).compute_scores is not PPOTrainer.compute_scores:
             return f"{type(self).__name__}.compute_scores"
         if self.reward_fn is not None:
             return f"the reward function {getattr(self.reward_fn, '__qualname__', self.reward_fn)}"
+        if self.reward_funcs:
+            return "the combined reward_funcs"
         return "the reward model"
 
     # ------------------------------------------------------------------ the loop
@@ -758,7 +817,10 @@ class PPOTrainer:
             "value": self.value_optimizer.state if self.value_optimizer else None,
         }
         self.policy_optimizer = AdamW(
-            learning_rate=schedule, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            learning_rate=schedule,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
         )
         if previous["policy"]:
             self.policy_optimizer.state = previous["policy"]
@@ -772,6 +834,7 @@ class PPOTrainer:
                 learning_rate=value_schedule if ratio != 1.0 else schedule,
                 eps=cfg.adam_eps,
                 weight_decay=cfg.weight_decay,
+                bias_correction=cfg.adam_bias_correction,
             )
             if previous["value"]:
                 self.value_optimizer.state = previous["value"]

@@ -13,7 +13,7 @@ rounded to 6 significant digits; a non-finite number is written as the string ``
     format: 1, the version of this record format
     step: the PPO iteration (counted from 1) whose rollout this is
     source: "train" (a rollout the update learned from) or "eval" (an evaluation sample)
-    algorithm: "ppo" or "grpo"
+    algorithm: the run's algorithm ("ppo", "grpo", "rloo", "reinforce_pp", ...)
     index: the response's row in the (rank's) rollout batch
     group: the index of the response's prompt in the batch (row // group_size) when
         group_size > 1, else null
@@ -26,7 +26,8 @@ rounded to 6 significant digits; a non-finite number is written as the string ``
     length: the number of response tokens, the stop token included
     ended_with_stop: whether the response ended with a stop token (false: cut at max_new_tokens)
     score: the sequence score (reward model or function, after the missing-EOS penalty)
-    sequence_advantage: GRPO: the response's group-relative advantage; null for PPO
+    sequence_advantage: GRPO and RLOO: the response's (sequence-level) advantage; null for the
+        token-level advantages of PPO and REINFORCE++
     logprob: per token, the log-prob under the rollout policy
     ref_logprob: per token, the log-prob under the reference model
     kl: per token, the KL term (PPO: the reward's kl_estimator; GRPO: the loss's k3)
@@ -73,7 +74,7 @@ class RolloutArrays:
 
     Attributes:
         step: the PPO iteration (from 1) whose rollout this is.
-        algorithm: "ppo" or "grpo".
+        algorithm: the run's algorithm ("ppo", "grpo", "rloo", ...).
         prompts: B prompt texts (as formatted for the policy; repeated within a group).
         query_responses: (B, L) int, prompt then response then padding.
         prompt_lengths: (B,) int, prompt tokens of each row.
@@ -96,7 +97,7 @@ class RolloutArrays:
     """
 
     step: int
-    algorithm: Literal["ppo", "grpo"]
+    algorithm: str
     prompts: Sequence[str]
     query_responses: Array
     prompt_lengths: Array
@@ -122,8 +123,8 @@ class RolloutArrays:
                 if value.dtype == mx.bfloat16:  # numpy has no bfloat16
                     value = value.astype(mx.float32)
                 setattr(self, field.name, np.asarray(value))
-        if self.algorithm not in ("ppo", "grpo"):
-            raise ValueError(f"algorithm must be 'ppo' or 'grpo', got {self.algorithm!r}")
+        if not self.algorithm:
+            raise ValueError("algorithm must name the algorithm (e.g. 'ppo' or 'grpo')")
         if self.source not in ("train", "eval"):
             raise ValueError(f"source must be 'train' or 'eval', got {self.source!r}")
         if self.step < 0:

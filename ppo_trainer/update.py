@@ -1,8 +1,8 @@
 """Phase 5 of an iteration: ``num_ppo_epochs`` passes over shuffled minibatches of the rollout.
 
 Each minibatch (split into ``gradient_accumulation_steps`` micro-batches) gets one optimiser step
-of the policy (clipped PPO, or GRPO's loss) and, for PPO, one of the value model (clipped value
-loss), through the one optimiser step every trainer shares
+of the value model (PPO: clipped value loss) and one of the policy (PPO's or REINFORCE++'s clipped
+surrogate, GRPO's loss, RLOO's sequence loss), through the one optimiser step every trainer shares
 (:func:`training.optimizer.optimizer_step`). The losses call the models inside the
 differentiated functions; every other input is a rollout constant.
 """
@@ -10,7 +10,7 @@ differentiated functions; every other input is a rollout constant.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,15 +21,23 @@ from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from token_attribution.sequences import gather_positions, response_positions, token_logprobs
 from training.optimizer import ValueAndGrad, optimizer_step
-from training.policy_loss import grpo_policy_loss, ppo_policy_loss
+from config.ppo_config import LossType
+from training.policy_loss import (
+    grpo_policy_loss,
+    micro_batch_weights,
+    ppo_policy_loss,
+    rloo_policy_loss,
+)
 from training.value_loss import clipped_value_loss
 
 LossFn = Callable[[nn.Module, RolloutBatch], tuple[mx.array, dict[str, mx.array]]]
 
 
 def policy_loss_fn(config: Any) -> LossFn:
-    """``loss(policy, minibatch) -> (loss, metrics)``: PPO's clipped surrogate, or GRPO's loss
-    with its k3 KL term, at the sampling temperature."""
+    """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the clipped
+    surrogate on token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its
+    ``loss_type`` / ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
+    upper clip ``clip_epsilon_high`` when set."""
 
     def loss(policy: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict[str, mx.array]]:
         # The model call is inside the differentiated function; every mb.* array is a rollout
@@ -38,6 +46,7 @@ def policy_loss_fn(config: Any) -> LossFn:
         logprobs, _ = token_logprobs(
             policy.logits_at(mb.query_responses, positions), mb.responses, config.temperature
         )
+        high = config.clip_epsilon_high
         if config.algorithm == "grpo":
             return grpo_policy_loss(
                 logprobs,
@@ -47,10 +56,34 @@ def policy_loss_fn(config: Any) -> LossFn:
                 mb.mask,
                 config.clip_epsilon,
                 config.beta,
+                cliprange_high=high,
+                loss_type=config.loss_type,
+                importance_sampling_level=config.importance_sampling_level,
+                max_completion_length=config.max_new_tokens,
             )
-        return ppo_policy_loss(logprobs, mb.logprobs, mb.advantages, mb.mask, config.clip_epsilon)
+        if config.algorithm == "rloo":
+            return rloo_policy_loss(
+                logprobs,
+                mb.logprobs,
+                mb.advantages,
+                mb.mask,
+                config.clip_epsilon,
+                cliprange_high=high,
+            )
+        return ppo_policy_loss(
+            logprobs, mb.logprobs, mb.advantages, mb.mask, config.clip_epsilon, cliprange_high=high
+        )
 
     return loss
+
+
+def policy_weighting(config: Any) -> LossType:
+    """How the policy loss's micro-batches are weighted in an update
+    (:func:`training.policy_loss.micro_batch_weights`): GRPO's ``loss_type``; RLOO's sequence
+    mean as ``"grpo"``; the token means of PPO and REINFORCE++ as ``"bnpo"``."""
+    if config.algorithm == "grpo":
+        return cast(LossType, config.loss_type)
+    return "grpo" if config.algorithm == "rloo" else "bnpo"
 
 
 def value_loss_fn(config: Any) -> LossFn:
@@ -71,31 +104,31 @@ def value_loss_fn(config: Any) -> LossFn:
 
 @dataclass
 class Learner:
-    """One trained model: its optimiser, the gradient of its loss, and its metric prefix
-    ("policy" or "val")."""
+    """One trained model: its optimiser, the gradient of its loss, its metric prefix ("policy"
+    or "val"), and how its micro-batches are weighted (a token mean is ``"bnpo"``)."""
 
     model: nn.Module
     optimizer: optim.Optimizer
     value_and_grad: ValueAndGrad
     prefix: str
+    weighting: LossType = "bnpo"
 
 
-def token_weights(micro_batches: list[RolloutBatch], group: Any) -> list[float | mx.array]:
-    """Each micro-batch's gradient weight: ``1 / n`` on one process.
-
-    In a data-parallel run the losses are means over the action tokens of a micro-batch, and
-    ranks hold different numbers of them: a plain mean of the ranks' gradients would weigh a
-    token more on a rank with few. With ``w_k = N c_k / sum_r c_{r,k} / n`` (``c_k``: this rank's
-    action tokens in micro-batch ``k``), ``sum_r w_{r,k} g_{r,k} / N`` is the gradient of the
-    token mean over the union of the ranks' ``k``-th micro-batches, what one process computes
-    on that global micro-batch.
-    """
+def update_weights(
+    micro_batches: list[RolloutBatch], weighting: LossType, group: Any
+) -> list[float | mx.array]:
+    """Each micro-batch's gradient weight in one update, so that the accumulated (and, in a
+    data-parallel run, rank-averaged) gradient is that of the whole update's loss
+    (:func:`training.policy_loss.micro_batch_weights`; on one process with a token-mean loss,
+    ``1 / n``). Ranks hold different numbers of action tokens, so the token counts are
+    all-reduced: the update is the one a single process would make on the global batch."""
     n = len(micro_batches)
     world = group.size() if group is not None else 1
-    if world == 1:
-        return [1.0 / n] * n
+    if world == 1 and weighting in ("bnpo", "grpo", "dr_grpo"):
+        return [1.0 / n] * n  # no host sync: the common case
     counts = mx.stack([(mb.mask != 0).sum().astype(mx.float32) for mb in micro_batches])  # (n,)
-    weights = world * counts / dist.all_sum(counts, group) / n  # (n,)
+    totals = dist.all_sum(counts, group) if world > 1 else None
+    weights = micro_batch_weights(weighting, counts, totals, world)  # (n,)
     return [weights[k] for k in range(n)]
 
 
@@ -120,7 +153,6 @@ def ppo_epochs(
     for _ in range(num_ppo_epochs):
         for minibatch in iterate_minibatches(batch, num_mini_batches, rng):
             micro = split_micro_batches(minibatch, gradient_accumulation_steps)
-            weights = token_weights(micro, group)
             metrics: dict[str, mx.array] = {}
             for learner in learners:
                 out = optimizer_step(
@@ -128,7 +160,7 @@ def ppo_epochs(
                     learner.optimizer,
                     learner.value_and_grad,
                     micro,
-                    weights,
+                    update_weights(micro, learner.weighting, group),
                     max_grad_norm=max_grad_norm,
                     step=step,
                     what="the policy loss" if learner.prefix == "policy" else "the value loss",
@@ -136,6 +168,9 @@ def ppo_epochs(
                 )
                 loss_key = "loss/policy" if learner.prefix == "policy" else "loss/value"
                 metrics[loss_key] = out.pop("loss")  # TRL's names
-                metrics.update({f"{learner.prefix}/{k}": v for k, v in out.items()})
+                for key, value in out.items():  # TRL logs clip_ratio/* without a prefix
+                    metrics[key if key.startswith("clip_ratio/") else f"{learner.prefix}/{key}"] = (
+                        value
+                    )
             step_metrics.append(metrics)
     return step_metrics

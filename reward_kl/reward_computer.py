@@ -53,6 +53,36 @@ def per_token_rewards(
     return rewards, non_score
 
 
+def sequence_rewards(
+    scores: mx.array, kl: mx.array, mask: mx.array, kl_coef: float | mx.array
+) -> mx.array:
+    """Sequence rewards with the KL penalty summed over each response (RLOO, as TRL's RLOOTrainer).
+
+    ``R_b = score_b - kl_coef * sum_t m_bt kl_bt``: the sum over the row of
+    :func:`per_token_rewards` (TRL's RLOO and its earlier ``token_level_kl`` option both reduce to
+    this number before the leave-one-out baseline).
+
+    Args:
+        scores: (B,) sequence scores (constants).
+        kl: (B, T) per-token KL estimates (constants; TRL's RLOO uses ``"k1"``, the rollout
+            policy's log-probs minus the reference's).
+        mask: (B, T), nonzero on action tokens.
+        kl_coef: the KL coefficient (a Python float, or a scalar array).
+
+    Returns:
+        (B,) float32.
+    """
+    check_ndim("scores", scores, 1, "(B,)")
+    check_token_arrays("kl", kl, mask=mask)
+    if scores.shape[0] != kl.shape[0]:
+        raise ValueError(
+            f"scores has shape {tuple(scores.shape)} but kl has {tuple(kl.shape)}; "
+            f"scores needs one entry per row of kl"
+        )
+    kl_sum = mx.sum(mx.where(valid_mask(mask), kl.astype(mx.float32), 0.0), axis=1)  # (B,)
+    return scores.astype(mx.float32) - kl_coef * kl_sum
+
+
 def apply_missing_eos_penalty(
     scores: mx.array, ended_with_stop: mx.array, penalty: float
 ) -> mx.array:

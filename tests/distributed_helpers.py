@@ -68,6 +68,7 @@ def _check_collectives() -> None:
     import numpy as np
 
     from advantage.group_advantage import group_advantages
+    from advantage.reinforce_pp import reinforce_pp_advantages
     from advantage.whitening import masked_mean, masked_var, masked_whiten
     from base_setup import distributed as dist
 
@@ -102,6 +103,11 @@ def _check_collectives() -> None:
     # Without the group, "batch" would use the local std.
     want = group_advantages(scores, 3, "batch")[6 * r : 6 * r + 6]
     assert not close(group_advantages(local_scores, 3, "batch"), want)
+    # REINFORCE++: returns whitened with the statistics of the global batch.
+    seq_scores = mx.array(rng.normal(size=(2 * n,)).astype(np.float32))  # (B,)
+    want = reinforce_pp_advantages(seq_scores, x, mask, 0.05, 0.9)[0][rows]
+    got = reinforce_pp_advantages(seq_scores[rows], local_x, local_mask, 0.05, 0.9, group=group)
+    assert close(got[0], want)
     print(f"rank {r}: global whitening ok", flush=True)
 
     assert dist.all_mean(mx.array([float(r)])).item() == (n - 1) / 2

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from advantage.gae_advantage import compute_gae
-from advantage.group_advantage import group_advantages, leave_one_out_advantages
+from advantage.group_advantage import (
+    group_advantages,
+    leave_one_out_advantages,
+    rloo_advantages,
+)
+from advantage.reinforce_pp import reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from advantage.reward_to_go import reward_to_go
 from advantage.td_error import td_errors
 from advantage.whitening import masked_mean, masked_var, masked_whiten
@@ -311,3 +316,107 @@ def test_group_advantages_errors():
         group_advantages(mx.zeros((4,)), 2, "std")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"\(B,\)"):
         group_advantages(mx.zeros((2, 2)), 2, "group")
+
+
+# ----------------------------------------------------------------------------- RLOO, REINFORCE++
+
+
+def f32(x: np.ndarray) -> mx.array:
+    return mx.array(x.astype(np.float32))
+
+
+def naive_sequence_rewards(scores, kl, mask, kl_coef):
+    return np.array(
+        [
+            scores[b] - kl_coef * sum(kl[b, t] for t in range(kl.shape[1]) if mask[b, t])
+            for b in range(len(scores))
+        ]
+    )
+
+
+def naive_reinforce_pp(scores, kl, mask, kl_coef, gamma):
+    """Per-token rewards (score on the last action token), discounted return over the action
+    tokens (holes skipped), whitened over all action tokens (Bessel, +1e-8); float64 loops."""
+    B, T = kl.shape
+    returns = np.zeros((B, T))
+    for b in range(B):
+        steps = [t for t in range(T) if mask[b, t]]
+        running = 0.0
+        for t in reversed(steps):
+            reward = -kl_coef * kl[b, t] + (scores[b] if t == steps[-1] else 0.0)
+            running = reward + gamma * running
+            returns[b, t] = running
+    values = [returns[b, t] for b in range(B) for t in range(T) if mask[b, t]]
+    mean, var = np.mean(values), np.var(values, ddof=1)
+    whitened = np.where(mask, (returns - mean) / np.sqrt(var + 1e-8), 0.0)
+    return whitened, returns
+
+
+def rl_inputs(seed: int, n_prompts: int, g: int, T: int, kind: str):
+    rng = np.random.default_rng(seed + 300)
+    B = n_prompts * g
+    scores = rng.normal(1.0, 2.0, size=B)
+    kl = rng.normal(0.0, 0.3, size=(B, T))
+    mask = make_mask(rng, B, T, kind)
+    kl = np.where(mask, kl, 1e6)  # garbage at invalid positions must not leak in
+    return scores, kl, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n_prompts,g,T", [(1, 2, 1), (3, 4, 6)])
+@pytest.mark.parametrize("kind", ["prefix", "holes"])
+def test_rloo_advantages_match_naive(seed, n_prompts, g, T, kind):
+    scores, kl, mask = rl_inputs(seed, n_prompts, g, T, kind)
+    advantages, rewards = rloo_advantages(f32(scores), f32(kl), mx.array(mask), 0.05, g)
+    want_rewards = naive_sequence_rewards(scores, kl, mask, 0.05)
+    np.testing.assert_allclose(np.array(rewards), want_rewards, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(advantages), naive_rloo(want_rewards, g), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_rloo_hand_case():
+    # Two samples of one prompt: rewards 1 - 0.1 * (0.5 + 0.5) = 0.9 and 3 - 0.1 * 2 = 2.8.
+    scores = mx.array([1.0, 3.0])
+    kl = mx.array([[0.5, 0.5, 7.0], [2.0, 0.0, 0.0]])
+    mask = mx.array([[1, 1, 0], [1, 0, 0]])
+    advantages, rewards = rloo_advantages(scores, kl, mask, 0.1, 2)
+    np.testing.assert_allclose(np.array(rewards), [0.9, 2.8], rtol=1e-6)
+    np.testing.assert_allclose(np.array(advantages), [0.9 - 2.8, 2.8 - 0.9], rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n_prompts,g,T", [(1, 2, 1), (3, 4, 6), (2, 3, 17)])
+@pytest.mark.parametrize("kind", ["prefix", "holes", "single"])
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_advantages_match_naive(seed, n_prompts, g, T, kind, gamma):
+    scores, kl, mask = rl_inputs(seed, n_prompts, g, T, kind)
+    m = mx.array(mask).astype(MASK_DTYPES[seed % 3])
+    advantages, returns = reinforce_pp_advantages(f32(scores), f32(kl), m, 0.05, gamma)
+    want_adv, want_ret = naive_reinforce_pp(scores, kl, mask, 0.05, gamma)
+    np.testing.assert_allclose(np.array(returns), want_ret, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(advantages), want_adv, rtol=1e-4, atol=1e-4)
+    # -baseline: the group mean of the scores is subtracted first, gamma is 1.
+    advantages, returns = reinforce_pp_baseline_advantages(f32(scores), f32(kl), m, 0.05, g)
+    centred = scores - np.repeat(scores.reshape(-1, g).mean(axis=1), g)
+    want_adv, want_ret = naive_reinforce_pp(centred, kl, mask, 0.05, 1.0)
+    np.testing.assert_allclose(np.array(returns), want_ret, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(advantages), want_adv, rtol=1e-4, atol=1e-4)
+
+
+def test_reinforce_pp_hand_case():
+    # Row 0: rewards [-0.1, -0.1 + 2] -> returns (gamma 0.5) [-0.1 + 0.5 * 1.9, 1.9] = [0.85, 1.9].
+    # Row 1: one token, reward -0.2 + 0 = -0.2.
+    scores = mx.array([2.0, 0.0])
+    kl = mx.array([[1.0, 1.0], [2.0, 5.0]])
+    mask = mx.array([[1, 1], [1, 0]])
+    advantages, returns = reinforce_pp_advantages(scores, kl, mask, 0.1, 0.5)
+    np.testing.assert_allclose(np.array(returns), [[0.85, 1.9], [-0.2, 0.0]], rtol=1e-6, atol=1e-7)
+    values = np.array([0.85, 1.9, -0.2])
+    whitened = (values - values.mean()) / np.sqrt(values.var(ddof=1) + 1e-8)
+    np.testing.assert_allclose(
+        np.array(advantages), [[whitened[0], whitened[1]], [whitened[2], 0.0]], rtol=1e-5
+    )
+    # Baseline variant, one group of 2: scores 2, 0 -> +1, -1 before the KL terms.
+    _, returns = reinforce_pp_baseline_advantages(scores, kl, mask, 0.1, 2)
+    np.testing.assert_allclose(np.array(returns), [[0.8, 0.9], [-1.2, 0.0]], rtol=1e-6, atol=1e-7)

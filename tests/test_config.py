@@ -237,6 +237,24 @@ INVALID: list[tuple[str, Any, dict[str, Any]]] = [
     ("group_size", 1, {"algorithm": "grpo"}),
     ("beta", -0.04, {}),
     ("grpo_advantage_scale", "global", {}),
+    ("clip_epsilon_high", 0.0, {}),
+    ("clip_epsilon_high", math.inf, {}),
+    ("loss_type", "token_mean", {}),
+    ("loss_type", "dapo", {}),  # a GRPO option with algorithm "ppo"
+    ("importance_sampling_level", "sequence", {"algorithm": "rloo", "group_size": 2}),
+    ("mask_truncated_completions", True, {}),  # with algorithm "ppo"
+    ("group_size", 1, {"algorithm": "rloo"}),
+    ("group_size", 1, {"algorithm": "reinforce_pp_baseline"}),
+    ("gamma", 0.99, {"algorithm": "reinforce_pp_baseline", "group_size": 2}),
+    ("reward_funcs", [], {}),
+    ("reward_funcs", ["rewards:fmt", " "], {}),
+    ("reward_funcs", ["a.rewards:fmt", "b.rewards:fmt"], {}),  # two metrics named "fmt"
+    ("reward_model_name", "rm", {"reward_funcs": ["rewards:fmt"]}),
+    ("reward_weights", [1.0], {}),
+    ("reward_weights", [1.0], {"reward_funcs": ["rewards:fmt", "rewards:acc"]}),
+    ("reward_weights", [math.nan], {"reward_funcs": ["rewards:fmt"]}),
+    ("reward_weights", [0.0, 0.0], {"reward_funcs": ["rewards:fmt", "rewards:acc"]}),
+    ("adam_bias_correction", 1, {}),
     ("eval_temperature", -0.1, {}),
     ("eval_max_new_tokens", 0, {}),
     ("log_rollouts_every", -1, {}),
@@ -262,13 +280,57 @@ def test_invalid_value_names_the_field(field: str, value: Any, extra: dict[str, 
     assert ": " in message
 
 
+def test_algorithm_options_defaults_and_combinations() -> None:
+    """The defaults are the behaviour before the options existed; each option is accepted with
+    the algorithms it applies to, and the errors say what to change."""
+    c = PPOConfig(model_name="m")
+    assert (c.loss_type, c.importance_sampling_level, c.mask_truncated_completions) == (
+        "bnpo",
+        "token",
+        False,
+    )
+    assert (c.clip_epsilon_high, c.reward_funcs, c.reward_weights) == (None, None, None)
+    assert c.adam_bias_correction is True and c.reward_func_names == []
+    grpo = PPOConfig(
+        model_name="m",
+        algorithm="grpo",
+        group_size=4,
+        batch_size=2,
+        loss_type="dr_grpo",
+        importance_sampling_level="sequence",
+        clip_epsilon_high=0.28,
+        mask_truncated_completions=True,
+    )
+    assert grpo.clip_epsilon_high == 0.28
+    for algorithm in ("rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        PPOConfig(
+            model_name="m", algorithm=algorithm, group_size=2, mask_truncated_completions=True
+        )
+    PPOConfig(model_name="m", algorithm="reinforce_pp", gamma=0.99)  # no group needed
+    several = PPOConfig(
+        model_name="m",
+        reward_funcs=["my_rewards.checks:format_reward", "org/reward-model", "/models/rm/"],
+        reward_weights=[1, 0.5, -0.25],
+    )
+    assert several.reward_func_names == ["format_reward", "reward-model", "rm"]
+    assert several.reward_weights == [1.0, 0.5, -0.25]
+    with pytest.raises(ValueError, match=r"set algorithm: grpo, or remove loss_type"):
+        PPOConfig(model_name="m", algorithm="rloo", group_size=2, loss_type="dapo")
+    with pytest.raises(ValueError, match=r"list the reward model in reward_funcs instead"):
+        PPOConfig(model_name="m", reward_model_name="rm", reward_funcs=["org/rm2"])
+    with pytest.raises(ValueError, match=r"\['fmt'\] repeat"):
+        PPOConfig(model_name="m", reward_funcs=["a:fmt", "b:fmt"])
+
+
 def test_invalid_message_says_what_to_change() -> None:
     with pytest.raises(ValueError) as info:
         TrainingConfig(learning_rate=-0.1)
     assert str(info.value) == (
         "learning_rate must be > 0, got -0.1: set a positive learning rate such as 1e-5"
     )
-    with pytest.raises(ValueError, match=r"algorithm must be one of 'ppo', 'grpo', got 'gpro'"):
+    with pytest.raises(
+        ValueError, match=r"algorithm must be one of 'ppo', 'grpo', 'rloo', .*, got 'gpro'"
+    ):
         PPOConfig(model_name="m", algorithm="gpro")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="did you mean 'grpo'"):
         PPOConfig(model_name="m", algorithm="gpro")  # type: ignore[arg-type]
@@ -566,7 +628,11 @@ def test_all_problems_reported_at_once(tmp_path: Path) -> None:
         ("batch_size: abc", "batch_size must be an integer, got 'abc'"),
         ("batch_size: 2.5", "batch_size must be an integer, got 2.5"),
         ("use_lora: 3", "use_lora must be true or false, got 3"),
-        ("algorithm: gpro", "algorithm must be one of 'ppo', 'grpo', got 'gpro'"),
+        (
+            "algorithm: gpro",
+            "algorithm must be one of 'ppo', 'grpo', 'rloo', 'reinforce_pp', "
+            "'reinforce_pp_baseline', got 'gpro'",
+        ),
         ("kl_estimator: K3", "kl_estimator must be one of 'k1', 'k2', 'k3'"),
         ("dtype: bf16", "dtype must be one of 'float32', 'bfloat16', 'float16'"),
         ("learning_rate: fast", "learning_rate must be a number, got 'fast'"),

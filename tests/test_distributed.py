@@ -133,10 +133,10 @@ RUN_SETTINGS: dict[str, Any] = dict(
     num_epochs=2,
     total_steps=3,
     progress_bar=False,
-    # Seed 1: every step's rollout has scores that differ (checked below). With all scores equal,
+    # Seed 3: every step's rollout has scores that differ (checked below). With all scores equal,
     # the whitened advantages would be the rounding noise of the KL term, magnified to order 1,
     # and the ranks' and the single process's (different batch shapes) would not agree.
-    seed=1,
+    seed=3,
 )
 
 

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController, kl_estimate
-from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
+from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
+from reward_kl.reward_computer import (
+    apply_missing_eos_penalty,
+    per_token_rewards,
+    sequence_rewards,
+)
 from token_attribution.extractor import first_stop_index, truncate_after_stop
 
 
@@ -187,3 +192,73 @@ def test_missing_eos_penalty():
         apply_missing_eos_penalty(scores, ended, -1.0)
     with pytest.raises(ValueError, match=r"ended_with_stop has shape \(3,\) but scores has \(4,\)"):
         apply_missing_eos_penalty(scores, ended[:3], 1.0)
+
+
+# ----------------------------------------------------------------------------- RLOO's sequence reward
+
+
+def test_sequence_rewards_equal_the_row_sums_of_per_token_rewards():
+    rng = np.random.default_rng(4)
+    scores = mx.array(rng.normal(size=(5,)).astype(np.float32))
+    kl = mx.array(rng.normal(size=(5, 7)).astype(np.float32))
+    mask = mx.array(np.arange(7)[None, :] < np.array([1, 3, 7, 2, 5])[:, None])
+    rewards, _ = per_token_rewards(scores, kl, mask, 0.1)
+    np.testing.assert_allclose(
+        np.array(sequence_rewards(scores, kl, mask, 0.1)), np.array(rewards.sum(axis=1)), rtol=1e-5
+    )
+    # Hand case: 2 - 0.5 * (1 + 3), the masked 100 ignored.
+    got = sequence_rewards(
+        mx.array([2.0]), mx.array([[1.0, 3.0, 100.0]]), mx.array([[1, 1, 0]]), 0.5
+    )
+    assert got.item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="one entry per row"):
+        sequence_rewards(mx.zeros((3,)), mx.zeros((2, 4)), mx.ones((2, 4)), 0.1)
+
+
+# ----------------------------------------------------------------------------- several rewards
+
+
+def test_combine_rewards_matches_naive_nansum():
+    rng = np.random.default_rng(5)
+    K, B = 3, 8
+    scores = rng.normal(size=(K, B))
+    scores[rng.random((K, B)) < 0.3] = np.nan
+    scores[0, np.isnan(scores).all(axis=0)] = 1.5  # every completion scored by some function
+    weights = [0.5, 2.0, -1.0]
+    got = combine_rewards(mx.array(scores.astype(np.float32)), weights)
+    want = [
+        sum(weights[k] * scores[k, b] for k in range(K) if not math.isnan(scores[k, b]))
+        for b in range(B)
+    ]
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-6)
+    # One function, weight 1: its scores unchanged.
+    single = mx.array([[0.25, -3.0]])
+    assert mx.array_equal(combine_rewards(single, [1.0]), single[0]).item()
+
+
+def test_combine_rewards_refuses_unscored_completions_and_bad_weights():
+    scores = mx.array([[1.0, float("nan"), 2.0], [float("nan"), float("nan"), 0.0]])
+    with pytest.raises(ValueError, match=r"completions \[1\] were scored by no reward function"):
+        combine_rewards(scores, [1.0, 1.0])
+    with pytest.raises(ValueError, match="one weight per function"):
+        combine_rewards(mx.ones((2, 3)), [1.0])
+
+
+def test_reward_matrix_reads_none_as_not_applicable_and_refuses_nan():
+    got = reward_matrix([[1.0, None], [0.5, 2]], ["fmt", "acc"], 2)
+    np.testing.assert_array_equal(np.isnan(np.array(got)), [[False, True], [False, False]])
+    assert got[1, 1].item() == 2.0
+    with pytest.raises(ValueError, match=r"'acc' returned nan for completion 0.*or None"):
+        reward_matrix([[1.0, 2.0], [float("nan"), 1.0]], ["fmt", "acc"], 2)
+    with pytest.raises(ValueError, match=r"'fmt' returned 1 scores for 2 completions"):
+        reward_matrix([[1.0], [1.0, 1.0]], ["fmt", "acc"], 2)
+
+
+def test_reward_metrics_are_trls_nan_aware_mean_and_std():
+    scores = np.array([[1.0, 2.0, 4.0], [np.nan, 3.0, np.nan], [np.nan] * 3])
+    metrics = reward_metrics(mx.array(scores.astype(np.float32)), ["a", "b", "c"])
+    assert metrics["rewards/a/mean"].item() == pytest.approx(7 / 3)
+    assert metrics["rewards/a/std"].item() == pytest.approx(np.std([1, 2, 4], ddof=1), rel=1e-6)
+    assert metrics["rewards/b/mean"].item() == pytest.approx(3.0)
+    # Undefined statistics are left out, not logged as NaN.
+    assert set(metrics) == {"rewards/a/mean", "rewards/a/std", "rewards/b/mean"}

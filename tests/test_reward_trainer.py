@@ -118,6 +118,9 @@ def test_reward_model_learns_the_preference_and_loads_for_ppo(
         total_steps=24,
         eval_every=12,
         center_rewards_coefficient=0.01,
+        # With AdamW's bias correction (the default): 1e-3 reached 0.78 held-out accuracy in the
+        # 24 steps, 3e-3 0.95-0.97 on seeds 0-2 (uncorrected 1e-3: 0.98).
+        learning_rate=3e-3,
     )
     out = run_reward_training(cfg)
     records = read_metrics(tmp_path / "run" / METRICS_FILE)

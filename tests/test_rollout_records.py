@@ -206,7 +206,7 @@ def test_mlx_arrays_are_copied_to_the_host() -> None:
         ({"advantages": np.zeros(3)}, "advantages has shape (3,)"),
         ({"scores": np.zeros(5)}, "scores has shape (5,)"),
         ({"group_size": 3}, "group_size=3"),
-        ({"algorithm": "dpo"}, "algorithm must be"),
+        ({"algorithm": ""}, "algorithm must name"),
         ({"prompt_lengths": np.full(4, 9)}, "prompt_lengths exceed"),
     ],
 )

@@ -6,7 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from token_attribution.extractor import first_stop_index, truncate_after_stop
+from token_attribution.extractor import (
+    first_stop_index,
+    mask_truncated_completions,
+    truncate_after_stop,
+)
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 SHAPES = [(1, 1, 2), (2, 3, 7), (3, 9, 50), (2, 16, 257)]
@@ -188,3 +192,23 @@ def test_truncate_after_stop_errors():
         truncate_after_stop(mx.array([[1, 2, 3]]), [], 0)
     with pytest.raises(ValueError, match="pad_token_id"):
         truncate_after_stop(mx.array([[1, 2, 3]]), [2], None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [mx.bool_, mx.int32, mx.float32])
+def test_mask_truncated_completions(dtype):
+    rng = np.random.default_rng(0)
+    mask = rng.random((5, 7)) < 0.7
+    ended = np.array([True, False, True, False, False])
+    got = mask_truncated_completions(mx.array(mask).astype(dtype), mx.array(ended))
+    assert got.dtype == dtype
+    want = np.array([[mask[b, t] and ended[b] for t in range(7)] for b in range(5)])
+    np.testing.assert_array_equal(np.array(got).astype(bool), want)
+    # With the stop flags of truncate_after_stop's rows: the row without a stop is dropped.
+    responses = mx.array([[5, 2, 0, 0], [5, 6, 7, 8]])
+    _, cut_mask, _ = truncate_after_stop(responses, 2, 0)
+    _, flags = first_stop_index(responses, 2)
+    np.testing.assert_array_equal(
+        np.array(mask_truncated_completions(cut_mask, flags)), [[1, 1, 0, 0], [0, 0, 0, 0]]
+    )
+    with pytest.raises(ValueError, match=r"one flag per row"):
+        mask_truncated_completions(mx.array(mask), mx.array(ended[:3]))

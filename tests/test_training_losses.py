@@ -15,7 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from training.policy_loss import grpo_policy_loss, ppo_policy_loss
+from training.policy_loss import (
+    aggregate_loss,
+    grpo_policy_loss,
+    micro_batch_weights,
+    ppo_policy_loss,
+    rloo_policy_loss,
+)
 from training.value_loss import clipped_value_loss
 
 SHAPES = [(1, 1), (3, 6), (4, 9)]
@@ -310,6 +316,330 @@ def test_losses_run_compiled_without_host_sync():
         np.testing.assert_allclose(np.array(g_c), np.array(g_e), rtol=1e-5, atol=1e-7)
 
 
+# ------------------------------------------------ GRPO variants, asymmetric clip, GSPO, RLOO
+EPS_HIGH = 0.28
+CLIP_EDGES = (1 - CLIPRANGE, 1 + CLIPRANGE, 1 + EPS_HIGH)
+
+
+def naive_grpo_variant(logp, old, ref, seq_adv, mask, eps_high, beta, loss_type, level, max_len):
+    """Float64 loops: GRPO's per-token loss with ratio r_bt (token) or r_b (sequence: exp of the
+    row's mean log-ratio), clip to [1 - CLIPRANGE, 1 + eps_high], aggregated per loss_type."""
+    B, T = logp.shape
+    losses = np.zeros((B, T))
+    ratios = np.ones((B, T))
+    for b in range(B):
+        tokens = [t for t in range(T) if mask[b, t]]
+        seq = sum(logp[b, t] - old[b, t] for t in tokens) / max(len(tokens), 1)
+        for t in range(T):
+            ratio = math.exp(seq if level == "sequence" else logp[b, t] - old[b, t])
+            ratios[b, t] = ratio
+            clipped = min(max(ratio, 1 - CLIPRANGE), 1 + eps_high)
+            kl = math.exp(ref[b, t] - logp[b, t]) - (ref[b, t] - logp[b, t]) - 1
+            losses[b, t] = max(-seq_adv[b] * ratio, -seq_adv[b] * clipped) + beta * kl
+    n = [sum(1 for t in range(T) if mask[b, t]) for b in range(B)]
+    total = sum(losses[b, t] for b in range(B) for t in range(T) if mask[b, t])
+    if loss_type == "grpo":
+        loss = (
+            sum(sum(losses[b, t] for t in range(T) if mask[b, t]) / max(n[b], 1) for b in range(B))
+            / B
+        )
+    elif loss_type == "dr_grpo":
+        loss = total / (B * max_len)
+    else:  # dapo, bnpo: the micro-batch's token mean
+        loss = total / max(sum(n), 1)
+    # Ratio metrics: per token, or per sequence (rows that have a token).
+    if level == "sequence":
+        units = [(b, 0) for b in range(B) if n[b] > 0]
+    else:
+        units = [(b, t) for b in range(B) for t in range(T) if mask[b, t]]
+    low = [ratios[u] < 1 - CLIPRANGE and seq_adv[u[0]] < 0 for u in units]
+    high = [ratios[u] > 1 + eps_high and seq_adv[u[0]] > 0 for u in units]
+    metrics = {
+        "ratio": np.mean([ratios[u] for u in units]),
+        "clipfrac": np.mean([lo or hi for lo, hi in zip(low, high)]),
+        "clip_ratio/low_mean": np.mean(low),
+        "clip_ratio/high_mean": np.mean(high),
+        "clip_ratio/region_mean": np.mean([lo or hi for lo, hi in zip(low, high)]),
+    }
+    return loss, metrics
+
+
+def variant_inputs(seed: int, shape: tuple[int, int], kind: str):
+    """Log-probs whose token and sequence ratios lie inside and outside both clip ranges, away
+    from every clip edge (finite differences stay valid)."""
+    rng = np.random.default_rng(seed + 100)
+    B, T = shape
+    mask = make_mask(rng, B, T, kind)
+    while True:
+        logp = -rng.exponential(1.5, size=shape)
+        row_shift = rng.normal(0, 0.25, size=(B, 1))
+        old = logp + rng.normal(0, 0.25, size=shape) + row_shift
+        d = logp - old
+        seq = np.array([np.exp(d[b][mask[b]].mean()) for b in range(B)])
+        ratios = np.concatenate([np.exp(d).ravel(), seq])
+        if min(np.abs(ratios - e).min() for e in CLIP_EDGES) > MARGIN:
+            break
+    ref = logp + rng.normal(0, 0.3, size=shape)
+    seq_adv = rng.normal(size=B)
+    return logp, old, ref, seq_adv, mask
+
+
+VARIANT_CASES = [(0, (1, 1), "prefix"), (0, (4, 7), "prefix"), (1, (4, 7), "holes")]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("eps_high", [None, EPS_HIGH])
+@pytest.mark.parametrize("seed,shape,kind", VARIANT_CASES)
+def test_grpo_variants_values_and_gradient(loss_type, level, eps_high, seed, shape, kind):
+    logp, old, ref, seq_adv, mask = variant_inputs(seed, shape, kind)
+    beta, max_len = 0.04, shape[1] + 3
+    upper = CLIPRANGE if eps_high is None else eps_high
+
+    def loss_fn(lp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        return grpo_policy_loss(
+            lp,
+            f32(old),
+            f32(ref),
+            f32(seq_adv),
+            mx.array(mask),
+            CLIPRANGE,
+            beta,
+            cliprange_high=eps_high,
+            loss_type=loss_type,
+            importance_sampling_level=level,
+            max_completion_length=max_len,
+        )
+
+    def naive(lp: np.ndarray) -> tuple[float, dict[str, float]]:
+        return naive_grpo_variant(
+            lp, old, ref, seq_adv, mask, upper, beta, loss_type, level, max_len
+        )
+
+    loss, metrics = loss_fn(f32(logp))
+    want_loss, want_metrics = naive(logp)
+    np.testing.assert_allclose(loss.item(), want_loss, rtol=1e-4, atol=1e-6)
+    assert_metrics(metrics, want_metrics)
+    grad = mx.grad(lambda lp: loss_fn(lp)[0])(f32(logp))
+    fd = central_differences(lambda lp: naive(lp)[0], logp)
+    np.testing.assert_allclose(np.array(grad), fd, rtol=1e-3, atol=1e-5)
+
+
+def test_asymmetric_clip_hand_case():
+    # Token 0: r = e^0.25 = 1.284 with A = 1: above 1 + 0.28, clipped high (loss -1.28).
+    # Token 1: r = e^0.25 with A = 1 and symmetric eps 0.2 would be clipped at 1.2; here not.
+    # Token 2: r = e^-0.3 = 0.741 with A = -1: below 0.8, clipped low (loss 0.8).
+    logp = mx.array([[0.25, 0.22, -0.3]])
+    old = mx.zeros((1, 3))
+    adv = mx.array([[1.0, 1.0, -1.0]])
+    mask = mx.ones((1, 3))
+    loss, metrics = ppo_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=0.28)
+    assert loss.item() == pytest.approx((-1.28 - math.exp(0.22) + 0.8) / 3, rel=1e-6)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+    assert metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)
+    assert metrics["clip_ratio/region_mean"].item() == pytest.approx(2 / 3)
+    assert metrics["clipfrac"].item() == pytest.approx(2 / 3)
+    # The clipped tokens pass no gradient; token 1 gets -A r / 3.
+    grad = mx.grad(lambda lp: ppo_policy_loss(lp, old, adv, mask, 0.2, cliprange_high=0.28)[0])(
+        logp
+    )
+    np.testing.assert_allclose(np.array(grad), [[0.0, -math.exp(0.22) / 3, 0.0]], rtol=1e-6)
+    # Symmetric: token 1 is clipped too.
+    _, symmetric = ppo_policy_loss(logp, old, adv, mask, 0.2)
+    assert symmetric["clip_ratio/high_mean"].item() == pytest.approx(2 / 3)
+
+
+def test_sequence_level_ratio_hand_case():
+    """GSPO: one ratio per row, exp of the mean log-ratio over its valid tokens (TRL)."""
+    logp = mx.array([[0.1, 0.3, 9.0], [0.0, 0.0, 0.0]])
+    old = mx.zeros((2, 3))
+    adv = mx.array([1.0, -1.0])
+    mask = mx.array([[1, 1, 0], [1, 0, 0]])
+    loss, metrics = grpo_policy_loss(
+        logp, old, old, adv, mask, 0.2, 0.0, importance_sampling_level="sequence", loss_type="grpo"
+    )
+    # Row 0: r = e^0.2 = 1.2214 > 1.2 with A = 1 -> clipped, loss -1.2; row 1: r = 1, loss 1.
+    assert loss.item() == pytest.approx((-1.2 + 1.0) / 2, rel=1e-6)
+    assert metrics["ratio"].item() == pytest.approx((math.exp(0.2) + 1) / 2, rel=1e-6)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(0.5)
+    # Row 1's gradient: d/dlogp [-A exp(mean)] = -A r / n_b = 1 on its one token, / B = 0.5.
+    grad = mx.grad(
+        lambda lp: grpo_policy_loss(
+            lp,
+            old,
+            old,
+            adv,
+            mask,
+            0.2,
+            0.0,
+            importance_sampling_level="sequence",
+            loss_type="grpo",
+        )[0]
+    )(logp)
+    np.testing.assert_allclose(np.array(grad), [[0.0, 0.0, 0.0], [0.5, 0.0, 0.0]], atol=1e-7)
+
+
+def test_aggregate_loss_hand_case():
+    per_token = mx.array([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
+    mask = mx.array([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # the last row masked out (truncated)
+    assert aggregate_loss(per_token, mask, "grpo").item() == pytest.approx((2.0 + 4.0 + 0.0) / 3)
+    assert aggregate_loss(per_token, mask, "dapo").item() == pytest.approx(10.0 / 4)
+    assert aggregate_loss(per_token, mask, "bnpo").item() == pytest.approx(10.0 / 4)
+    dr = aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=5)
+    assert dr.item() == pytest.approx(10.0 / (3 * 5))
+    # Every row masked: 0, not NaN (a micro-batch of truncated completions only).
+    assert aggregate_loss(per_token, mx.zeros((3, 3)), "dapo").item() == 0.0
+
+
+def test_micro_batch_weights_give_the_whole_batch_loss():
+    """Simulated data parallelism: R ranks x n micro-batches of b rows. (1/R) sum_r sum_k
+    w_rk loss_rk equals each loss_type's formula over the whole batch (naive, float64)."""
+    R, n, b, T, max_len = 2, 3, 2, 5, 8
+    rng = np.random.default_rng(5)
+    per_token = rng.normal(size=(R, n, b, T))
+    mask = rng.random((R, n, b, T)) < 0.6
+    mask[0, 1] = False  # a micro-batch with no valid token at all
+    counts = mask.sum(axis=(2, 3)).astype(np.float32)  # (R, n)
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        total = mx.array(0.0)
+        for r in range(R):
+            weights = micro_batch_weights(
+                loss_type, mx.array(counts[r]), mx.array(counts.sum(axis=0)), world_size=R
+            )
+            for k in range(n):
+                loss = aggregate_loss(
+                    f32(per_token[r, k]), mx.array(mask[r, k]), loss_type, max_len
+                )
+                total = total + weights[k] * loss / R
+        rows = [(r, k, i) for r in range(R) for k in range(n) for i in range(b)]
+        token_sum = float((per_token * mask).sum())
+        if loss_type == "grpo":
+            want = np.mean(
+                [(per_token[row] * mask[row]).sum() / max(mask[row].sum(), 1) for row in rows]
+            )
+        elif loss_type == "dr_grpo":
+            want = token_sum / (len(rows) * max_len)
+        elif loss_type == "dapo":
+            want = token_sum / mask.sum()
+        else:  # bnpo: token mean of step k over all ranks, averaged over the n steps
+            want = np.mean(
+                [(per_token[:, k] * mask[:, k]).sum() / max(mask[:, k].sum(), 1) for k in range(n)]
+            )
+        assert total.item() == pytest.approx(want, rel=1e-5), loss_type
+    # One process: bnpo and the grpo family weigh micro-batches equally (the trainer's 1/n).
+    ones = micro_batch_weights("bnpo", mx.array([3.0, 5.0]))
+    np.testing.assert_allclose(np.array(ones), [0.5, 0.5])
+
+
+def naive_rloo(logp, old, seq_adv, mask, eps_high):
+    B, T = logp.shape
+    total = 0.0
+    for b in range(B):
+        ratio = math.exp(sum(logp[b, t] - old[b, t] for t in range(T) if mask[b, t]))
+        clipped = min(max(ratio, 1 - CLIPRANGE), 1 + eps_high)
+        total += max(-seq_adv[b] * ratio, -seq_adv[b] * clipped)
+    return total / B
+
+
+@pytest.mark.parametrize("eps_high", [None, EPS_HIGH])
+@pytest.mark.parametrize("seed,shape,kind", VARIANT_CASES)
+def test_rloo_policy_loss_values_and_gradient(eps_high, seed, shape, kind):
+    rng = np.random.default_rng(seed + 200)
+    B, T = shape
+    mask = make_mask(rng, B, T, kind)
+    while True:  # sequence ratios (sums of log-ratios) away from the clip edges
+        logp = -rng.exponential(1.5, size=shape)
+        old = logp + rng.normal(0, 0.15, size=shape)
+        seq = np.exp(((logp - old) * mask).sum(axis=1))
+        if min(np.abs(seq - e).min() for e in CLIP_EDGES) > MARGIN:
+            break
+    seq_adv = rng.normal(size=B)
+    upper = CLIPRANGE if eps_high is None else eps_high
+
+    def loss_fn(lp: mx.array) -> mx.array:
+        return rloo_policy_loss(
+            lp, f32(old), f32(seq_adv), mx.array(mask), CLIPRANGE, cliprange_high=eps_high
+        )[0]
+
+    np.testing.assert_allclose(
+        loss_fn(f32(logp)).item(), naive_rloo(logp, old, seq_adv, mask, upper), rtol=1e-4, atol=1e-6
+    )
+    grad = mx.grad(loss_fn)(f32(logp))
+    fd = central_differences(lambda lp: naive_rloo(lp, old, seq_adv, mask, upper), logp)
+    np.testing.assert_allclose(np.array(grad), fd, rtol=1e-3, atol=1e-5)
+
+
+def test_rloo_loss_hand_case_and_constants():
+    # Row 0: log-ratios 0.1 + 0.05 -> r = e^0.15 = 1.162 (inside), A = 2: loss -2 r.
+    # Row 1: r = e^0.3 = 1.35 > 1.2 with A = 1: clipped, loss -1.2, no gradient.
+    logp = mx.array([[0.1, 0.05, 4.0], [0.3, 0.0, 0.0]])
+    old = mx.zeros((2, 3))
+    adv = mx.array([2.0, 1.0])
+    mask = mx.array([[1, 1, 0], [1, 1, 1]])
+    loss, metrics = rloo_policy_loss(logp, old, adv, mask, 0.2)
+    assert loss.item() == pytest.approx((-2 * math.exp(0.15) - 1.2) / 2, rel=1e-6)
+    assert metrics["clipfrac"].item() == pytest.approx(0.5)
+    assert metrics["clip_ratio/high_mean"].item() == pytest.approx(0.5)
+    grad = mx.grad(lambda lp: rloo_policy_loss(lp, old, adv, mask, 0.2)[0])(logp)
+    # Every valid token of row 0 gets -A r / B = -e^0.15; the masked token and row 1 get 0.
+    want = [[-math.exp(0.15), -math.exp(0.15), 0.0], [0.0, 0.0, 0.0]]
+    np.testing.assert_allclose(np.array(grad), want, rtol=1e-6)
+    g_old, g_adv = mx.grad(lambda o, a: rloo_policy_loss(logp, o, a, mask, 0.2)[0], argnums=(0, 1))(
+        old, adv
+    )
+    assert not np.array(g_old).any() and not np.array(g_adv).any()
+
+
+def test_loss_variant_errors():
+    z = mx.zeros((2, 3))
+    a = mx.zeros((2,))
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_policy_loss(z, z, z, a, z, 0.2, 0.0, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        grpo_policy_loss(z, z, z, a, z, 0.2, 0.0, loss_type="seq_mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo_policy_loss(z, z, z, a, z, 0.2, 0.0, importance_sampling_level="row")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cliprange_high must be >= 0"):
+        ppo_policy_loss(z, z, z, z, 0.2, cliprange_high=-0.1)
+    with pytest.raises(ValueError, match=r"RLOO takes one advantage per row"):
+        rloo_policy_loss(z, z, z, z, 0.2)
+    with pytest.raises(ValueError, match="global_token_counts"):
+        micro_batch_weights("dapo", mx.array([1.0, 2.0]), mx.array([3.0]))
+
+
+def test_loss_variants_run_compiled_without_host_sync():
+    logp, old, ref, seq_adv, mask = variant_inputs(4, (3, 6), "prefix")
+    m = mx.array(mask)
+
+    def step(lp: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        total, metrics = rloo_policy_loss(lp, f32(old), f32(seq_adv), m, CLIPRANGE)
+        for loss_type in ("grpo", "dr_grpo", "dapo"):
+            for level in ("token", "sequence"):
+                loss, more = grpo_policy_loss(
+                    lp,
+                    f32(old),
+                    f32(ref),
+                    f32(seq_adv),
+                    m,
+                    CLIPRANGE,
+                    0.04,
+                    cliprange_high=EPS_HIGH,
+                    loss_type=loss_type,
+                    importance_sampling_level=level,
+                    max_completion_length=8,
+                )
+                total = total + loss
+                metrics.update({f"{loss_type}/{level}/{k}": v for k, v in more.items()})
+        return total, metrics
+
+    (loss_e, metrics_e), grad_e = mx.value_and_grad(step)(f32(logp))
+    (loss_c, metrics_c), grad_c = mx.compile(mx.value_and_grad(step))(f32(logp))
+    assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-6)
+    for key in metrics_e:
+        assert metrics_c[key].item() == pytest.approx(metrics_e[key].item(), rel=1e-6, abs=1e-7)
+    np.testing.assert_allclose(np.array(grad_c), np.array(grad_e), rtol=1e-5, atol=1e-7)
+
+
 # ------------------------------------------------------------------ compiled AdamW
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("bias_correction", [False, True])
@@ -347,6 +677,114 @@ def test_compiled_adamw_equals_mlx_adamw(weight_decay: float, bias_correction: b
     state_ours, state_theirs = (dict(tree_flatten(o.state)) for o in optimizers[::-1])
     for name in state_theirs:
         assert mx.array_equal(state_ours[name], state_theirs[name]).item(), name
+
+
+def numpy_adamw(
+    params: dict[str, np.ndarray],
+    grads: list[dict[str, np.ndarray]],
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> dict[str, np.ndarray]:
+    """torch.optim.AdamW's documented algorithm (amsgrad off), in float64, one step per entry of
+    ``grads``: p <- p - lr wd p; m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+    m_hat = m / (1 - b1^t); v_hat = v / (1 - b2^t); p <- p - lr m_hat / (sqrt(v_hat) + eps)."""
+    b1, b2 = betas
+    p = {k: v.astype(np.float64).copy() for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v2 = {k: np.zeros_like(v) for k, v in p.items()}
+    for t, g in enumerate(grads, start=1):
+        for k in p:
+            p[k] = p[k] - lr * weight_decay * p[k]
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v2[k] = b2 * v2[k] + (1 - b2) * g[k] ** 2
+            m_hat = m[k] / (1 - b1**t)
+            v_hat = v2[k] / (1 - b2**t)
+            p[k] = p[k] - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return p
+
+
+def _adamw_problem() -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(3)
+    params = {"weight": rng.normal(size=(8, 24)), "bias": rng.normal(size=(8,))}
+    # Gradients of mixed scale (some entries far below eps) so eps and the corrections matter.
+    grads = [
+        {
+            k: rng.normal(size=v.shape) * rng.choice([1e-7, 1e-3, 1.0], size=v.shape)
+            for k, v in params.items()
+        }
+        for _ in range(6)
+    ]
+    return params, grads
+
+
+def _run_ours(
+    params: dict[str, np.ndarray], grads: list[dict[str, np.ndarray]], **kwargs: Any
+) -> dict[str, np.ndarray]:
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from training.optimizer import AdamW
+
+    model = nn.Linear(24, 8)
+    model.update({k: f32(v) for k, v in params.items()})
+    optimizer = AdamW(**kwargs)
+    for g in grads:
+        optimizer.update(model, {k: f32(v) for k, v in g.items()})
+        mx.eval(model.parameters(), optimizer.state)
+    return {
+        k: np.array(v) for k, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    }
+
+
+ADAMW_SETTINGS = dict(learning_rate=1e-2, betas=[0.9, 0.999], eps=1e-5, weight_decay=0.01)
+
+
+def test_adamw_with_bias_correction_matches_pytorch_algorithm() -> None:
+    """AdamW(bias_correction=True) follows torch.optim.AdamW's documented update (NumPy, float64)."""
+    params, grads = _adamw_problem()
+    ours = _run_ours(params, grads, bias_correction=True, **ADAMW_SETTINGS)
+    want = numpy_adamw(params, grads, 1e-2, (0.9, 0.999), 1e-5, 0.01)
+    for k in want:
+        np.testing.assert_allclose(ours[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_adamw_without_bias_correction_takes_larger_first_steps() -> None:
+    """MLX's default (no correction): the first update is (1 - b1) / sqrt(1 - b2) = 3.16 times
+    the bias-corrected one (lr * sign(g) when |g| >> eps), as the issue measured."""
+    params, grads = _adamw_problem()
+    big = {k: np.sign(v) for k, v in grads[0].items()}  # |g| = 1 >> eps: the ratio is clean
+    settings = {**ADAMW_SETTINGS, "weight_decay": 0.0}
+    moved = {
+        bc: {
+            k: v - params[k]
+            for k, v in _run_ours(params, [big], bias_correction=bc, **settings).items()
+        }
+        for bc in (False, True)
+    }
+    for k in params:
+        np.testing.assert_allclose(moved[True][k], -1e-2 * big[k], rtol=1e-4)
+        np.testing.assert_allclose(
+            moved[False][k] / moved[True][k], math.sqrt(1000) / 10, rtol=1e-3
+        )
+
+
+def test_adamw_with_bias_correction_matches_torch() -> None:
+    """The same run through torch.optim.AdamW itself (skipped when torch is not installed)."""
+    torch = pytest.importorskip("torch")
+    params, grads = _adamw_problem()
+    ours = _run_ours(params, grads, bias_correction=True, **ADAMW_SETTINGS)
+    tensors = {k: torch.tensor(v.astype(np.float32), requires_grad=True) for k, v in params.items()}
+    optimizer = torch.optim.AdamW(
+        list(tensors.values()), lr=1e-2, betas=(0.9, 0.999), eps=1e-5, weight_decay=0.01
+    )
+    for g in grads:
+        for k, t in tensors.items():
+            t.grad = torch.tensor(g[k].astype(np.float32))
+        optimizer.step()
+    for k, t in tensors.items():
+        np.testing.assert_allclose(ours[k], t.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 # ------------------------------------------------------------------ the shared optimiser step

@@ -132,3 +132,31 @@ def truncate_after_stop(
     responses = mx.where(mask, responses, mx.array(pad_token_id, dtype=responses.dtype))
     lengths = mx.sum(mask.astype(mx.int32), axis=1).astype(mx.int32)  # (B,)
     return responses, mask.astype(mx.float32), lengths
+
+
+def mask_truncated_completions(mask: mx.array, ended_with_stop: mx.array) -> mx.array:
+    """Drop truncated completions from a loss mask (DAPO's overlong filtering; TRL's
+    ``mask_truncated_completions``).
+
+    ``out[b, t] = mask[b, t]`` if response ``b`` ended with a stop token, else 0: a completion cut
+    off by the token budget says nothing reliable about its ending, so none of its tokens is
+    learned from. Apply it to the mask the policy loss sees; advantages are computed from every
+    completion first (TRL computes its group statistics before masking, and its ``"dapo"``
+    normaliser then counts only the unmasked tokens, as :func:`training.policy_loss.aggregate_loss`
+    does with this mask).
+
+    Args:
+        mask: (B, T) action mask (bool, int or float).
+        ended_with_stop: (B,) bool (or 0/1), from :func:`first_stop_index`.
+
+    Returns:
+        (B, T), ``mask``'s dtype.
+    """
+    check_ndim("mask", mask, 2, "(B, T)")
+    if tuple(ended_with_stop.shape) != (mask.shape[0],):
+        raise ValueError(
+            f"ended_with_stop has shape {tuple(ended_with_stop.shape)} but mask has "
+            f"{tuple(mask.shape)}; pass one flag per row, shape (B,)"
+        )
+    keep = valid_mask(ended_with_stop)[:, None]  # (B, 1)
+    return mx.where(keep, mask, mx.zeros_like(mask))

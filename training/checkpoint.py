@@ -398,15 +398,21 @@ def load_training_state(
     return state
 
 
+#: What a config written before a setting existed meant by it (checkpoints of older versions).
+LEGACY_DEFAULTS: dict[str, Any] = {"adam_bias_correction": False}
+
+
 def check_resume_config(
     path: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str]
 ) -> None:
     """Raise ``ValueError`` unless the config a checkpoint was written with agrees with this
-    run's on every one of ``keys`` (settings that change the data order, the trained parameters
-    or their shapes)."""
+    run's on every one of ``keys`` (settings that change the data order, the trained parameters,
+    their shapes or how they are optimised). A key the checkpoint's config lacks counts as its
+    :data:`LEGACY_DEFAULTS` value."""
     for key in keys:
-        if saved.get(key) != current.get(key):
+        if saved.get(key, LEGACY_DEFAULTS.get(key)) != current.get(key):
             raise ValueError(
-                f"checkpoint {path} was written with {key}={saved.get(key)!r} but this run has "
+                f"checkpoint {path} was written with {key}="
+                f"{saved.get(key, LEGACY_DEFAULTS.get(key))!r} but this run has "
                 f"{key}={current.get(key)!r}: resume with the same configuration"
             )

@@ -51,18 +51,67 @@ def _adamw_update(
     return parameter - lr * m / (mx.sqrt(v) + eps), m, v
 
 
-class AdamW(optim.AdamW):
-    """``mlx.optimizers.AdamW`` with a compiled per-parameter update (see the module docstring).
+@mx.compile
+def _adamw_update_corrected(
+    gradient: mx.array,
+    parameter: mx.array,
+    m: mx.array,
+    v: mx.array,
+    lr: mx.array,
+    step_size: mx.array,
+    rsqrt_correction2: mx.array,
+    hyper: mx.array,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One AdamW step with bias correction (PyTorch's ``torch.optim.AdamW``), as
+    ``mlx.optimizers.AdamW(bias_correction=True)`` computes it.
 
-    With ``bias_correction=True`` it defers to MLX's own update.
+    ``step_size = lr / (1 - b1^t)`` and ``rsqrt_correction2 = 1 / sqrt(1 - b2^t)`` at step ``t``
+    (scalars in the gradient's dtype, computed outside as MLX does); ``hyper`` as in
+    :func:`_adamw_update`. Returns ``(parameter, m, v)``::
+
+        p <- p * (1 - lr * wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+        p <- p - step_size * m / (sqrt(v) * rsqrt_correction2 + eps)
+
+    which is ``p - lr * m_hat / (sqrt(v_hat) + eps)`` with ``m_hat = m / (1 - b1^t)`` and
+    ``v_hat = v / (1 - b2^t)``, in MLX's order of operations.
+    """
+    b1, c1, b2, c2, eps, weight_decay = (hyper[i].astype(gradient.dtype) for i in range(6))
+    parameter = parameter * (1 - lr * weight_decay)
+    m = b1 * m + c1 * gradient
+    v = b2 * v + c2 * mx.square(gradient)
+    return parameter - step_size * m / (mx.sqrt(v) * rsqrt_correction2 + eps), m, v
+
+
+class AdamW(optim.AdamW):
+    """``mlx.optimizers.AdamW`` with a compiled per-parameter update (see the module docstring),
+    with and without bias correction.
+
+    Note MLX's default is ``bias_correction=False``, while PyTorch's ``torch.optim.AdamW`` (which
+    TRL and published PPO/GRPO learning rates assume) corrects: uncorrected, the first updates
+    are several times larger. The trainers of this project pass
+    :attr:`config.training_config.OptimConfig.adam_bias_correction` (True by default).
     """
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
-        if self.bias_correction:
-            return super().apply_single(gradient, parameter, state)
         lr = self.learning_rate.astype(gradient.dtype)
         b1, b2 = self.betas
         hyper = mx.array([b1, 1 - b1, b2, 1 - b2, self.eps, self.weight_decay], dtype=mx.float32)
+        if self.bias_correction:
+            # The two scalars exactly as mlx.optimizers.Adam computes them (bit-identical).
+            step = self.step
+            step_size = (lr / (1 - b1**step)).astype(gradient.dtype)
+            rsqrt_correction2 = mx.rsqrt(1 - b2**step).astype(gradient.dtype)
+            new_parameter, state["m"], state["v"] = _adamw_update_corrected(
+                gradient,
+                parameter,
+                state["m"],
+                state["v"],
+                lr,
+                step_size,
+                rsqrt_correction2,
+                hyper,
+            )
+            return new_parameter
         new_parameter, state["m"], state["v"] = _adamw_update(
             gradient, parameter, state["m"], state["v"], lr, hyper
         )

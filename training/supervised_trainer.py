@@ -61,7 +61,7 @@ B = TypeVar("B")  # one collated micro-batch
 #: Name of the trained model's directory under ``output_dir``.
 MODEL_DIR = "model"
 # Config fields a checkpoint must agree on to be resumed.
-_RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window")
+_RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window", "adam_bias_correction")
 
 
 def load_run_data(
@@ -179,6 +179,7 @@ class SupervisedTrainer(Generic[E, B]):
             learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
         )
         resume_step = None
         if resume_from is not None:
