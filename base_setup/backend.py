@@ -252,11 +252,73 @@ def _cpu_sample() -> tuple[float, float, float] | None:
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
     busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     times = os.times()
-    return busy, times.user + times.system, time.monotonic()
+    # This process's own time includes its finished children's (MLX's JIT compiler, cc1plus):
+    # they are this run's work, never "other load".
+    own = times.user + times.system + times.children_user + times.children_system
+    return busy, own, time.monotonic()
+
+
+def blas_mode() -> str:
+    """``PPO_MLX_ADAPTIVE_BLAS``: "run" (default; also "1"), "step", or "off" (also "0")."""
+    value = os.environ.get(_ADAPT_ENV, "run").strip().lower()
+    aliases = {"1": "run", "run": "run", "step": "step", "0": "off", "off": "off"}
+    if value not in aliases:
+        raise ValueError(
+            f"{_ADAPT_ENV}={value!r} is not a setting: use run (the default), step or off "
+            "(docs/environment.md)"
+        )
+    return aliases[value]
+
+
+def run_blas_threads(saved: int | None = None) -> int | None:
+    """Fix OpenBLAS's thread count for a whole run; the trainers call it as a run starts.
+
+    A fresh run (``saved`` None) measures, over a quarter of a second, how many cores other
+    processes keep busy and takes :func:`blas_threads_for_load` (every thread on a quiet machine,
+    or with ``PPO_MLX_ADAPTIVE_BLAS=off``). A resumed run takes ``saved``, the count its
+    checkpoint records: the thread count changes the order of a matmul's sums, so this is what
+    makes a resumed run bit for bit the uninterrupted one, whatever the load now. Returns the count
+    (to record in checkpoints), or None without OpenBLAS.
+    """
+    lib = _OPENBLAS.get("lib")
+    if lib is None:
+        return None
+    max_threads = int(_OPENBLAS["max_threads"])
+    if saved is not None:
+        wanted = min(int(saved), max_threads)
+        if wanted != int(saved):
+            logger.warning(
+                "the checkpoint was trained with %d BLAS threads but OpenBLAS has %d here: the "
+                "resumed run will differ from an uninterrupted one by float rounding",
+                saved,
+                max_threads,
+            )
+    elif blas_mode() == "off":
+        wanted = max_threads
+    else:
+        first = _cpu_sample()
+        time.sleep(0.25)
+        now = _cpu_sample()
+        other = 0.0
+        if first is not None and now is not None and now[2] > first[2]:
+            other = ((now[0] - first[0]) - (now[1] - first[1])) / (now[2] - first[2])
+        wanted = blas_threads_for_load(other, os.cpu_count() or 1, max_threads)
+        if wanted < max_threads:
+            logger.info(
+                "BLAS threads for this run: %d (other processes keep %.1f of %d cores busy)",
+                wanted,
+                other,
+                os.cpu_count() or 1,
+            )
+    lib.openblas_set_num_threads(wanted)
+    _OPENBLAS.pop("sample", None)
+    return wanted
 
 
 def adapt_blas_threads() -> int | None:
-    """Fit OpenBLAS's threads to the cores other processes leave free; call it between steps.
+    """With ``PPO_MLX_ADAPTIVE_BLAS=step``: fit OpenBLAS's threads to the cores other processes
+    leave free, at every step (call it between steps). Otherwise a no-op returning None: the
+    count stays the run's (:func:`run_blas_threads`).
 
     Why: OpenBLAS's threads wait for each other by spinning. When other processes keep the
     cores busy, a multi-threaded matmul waits for a thread the kernel has descheduled, and every
@@ -267,14 +329,18 @@ def adapt_blas_threads() -> int | None:
     :func:`blas_threads_for_load` (at most the count OpenBLAS started with: its default or
     ``OPENBLAS_NUM_THREADS``). A quiet machine keeps every thread.
 
+    Changing the count mid-run changes the float rounding of every later matmul, so a run
+    resumed from a checkpoint no longer reproduces the uninterrupted one bit for bit: hence not
+    the default.
+
     Returns the thread count now set, or None where it does not apply: no OpenBLAS loaded (macOS,
-    reference BLAS), ``PPO_MLX_ADAPTIVE_BLAS=0``, no /proc/stat, or the first call (it only
-    takes the first sample). Calls less than 0.2 s apart keep the count and the sample. Call it
+    reference BLAS), a mode other than "step", no /proc/stat, or the first call (it only takes
+    the first sample). Calls less than 0.2 s apart keep the count and the sample. Call it
     only while no MLX computation is running: ``openblas_set_num_threads`` is not safe during a
     matmul (the trainers call it at the start of each step, after the last step's evaluation).
     """
     lib = _OPENBLAS.get("lib")
-    if lib is None or os.environ.get(_ADAPT_ENV, "1") == "0":
+    if lib is None or blas_mode() != "step":
         return None
     now = _cpu_sample()
     if now is None:

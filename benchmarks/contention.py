@@ -7,12 +7,13 @@ Usage::
 
 OpenBLAS's threads wait for each other by spinning, so when other processes hold the cores a
 multi-threaded matmul waits for a descheduled thread, once per matmul.
-:func:`base_setup.backend.adapt_blas_threads` (called by the trainers at every step) gives
-OpenBLAS only the cores the others leave free. This script times the throughput benchmark's tiny
-PPO configuration (16 prompts x 32 new tokens, a fresh worker process per measurement) while
+:func:`base_setup.backend.adapt_blas_threads` (with ``PPO_MLX_ADAPTIVE_BLAS=step``, at every
+trainer step) gives OpenBLAS only the cores the others leave free; the trainers' default does the
+same once per run. This script times the throughput benchmark's tiny PPO configuration (16
+prompts x 32 new tokens, a fresh worker process per measurement, calling ``trainer.step``) while
 ``N`` busy processes run (each a Python loop that keeps one core busy), with
-``PPO_MLX_ADAPTIVE_BLAS=1`` (the default) and ``=0`` (OpenBLAS keeps every thread), and prints the
-median seconds per iteration and their ratio. The first two iterations are not timed: the
+``PPO_MLX_ADAPTIVE_BLAS=step`` and ``=off`` (OpenBLAS keeps every thread), and prints the median
+seconds per iteration and their ratio. The first two iterations are not timed: the
 trainer's first step only takes the first load sample.
 """
 
@@ -47,7 +48,7 @@ def measure(spec: RunSpec, busy: int, adaptive: bool, log_dir: Path) -> RunResul
     for hog in hogs:
         hog.start()
     previous = os.environ.get("PPO_MLX_ADAPTIVE_BLAS")
-    os.environ["PPO_MLX_ADAPTIVE_BLAS"] = "1" if adaptive else "0"
+    os.environ["PPO_MLX_ADAPTIVE_BLAS"] = "step" if adaptive else "off"
     try:
         time.sleep(0.5 if busy else 0.0)
         return run_spec(spec, isolate=True, log_dir=log_dir)

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
-from base_setup.backend import adapt_blas_threads, step_seed
+from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from base_setup.tokenizer_setup import chat_template_text, encode_text
 from config.loading import config_to_dict, save_config
 from config.ppo_config import PPOConfig
@@ -240,6 +240,7 @@ class PPOTrainer:
         self._schedule_plan: SchedulePlan | None = None
         self._last_step: int | None = None  # the run's last step, while train() runs
         self._record_eval = False  # evaluate() writes rollout records (periodic evaluations)
+        self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -310,7 +311,7 @@ class PPOTrainer:
         first = self.rank * local
         texts, prompt_ids, columns = self._prepare_prompts(prompts, first, first + local)
         self._ensure_optimizers(total_steps=None)
-        adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
+        adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
         step = self.global_step + 1
         t0 = time.perf_counter()
@@ -574,6 +575,8 @@ class PPOTrainer:
         self._check_run_dir(resuming=resume_from is not None)
         self._ensure_optimizers(total_steps=total)
         resume_step = self._resume(resume_from) if resume_from is not None else None
+        if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
+            self.blas_threads = run_blas_threads()
         self._check_same_weights("at the start of training")
         metrics_log = self._open_metrics(resume_step)
         for cb in self._callbacks:
@@ -934,6 +937,7 @@ class PPOTrainer:
             "config": config_to_dict(self.config),
             "world_size": self.world_size,
             "schedule": self._schedule_plan.to_dict() if self._schedule_plan else None,
+            "blas_threads": self.blas_threads,
         }
         path = save_training_state(self.checkpoints, self.global_step, *self._checkpointed(), state)
         for cb in self._callbacks:
@@ -958,6 +962,8 @@ class PPOTrainer:
                 "the batch and its minibatch order depend on it"
             )
         load_training_state(path, *self._checkpointed())
+        # The checkpoint's BLAS thread count: resumed matmuls sum in the same order.
+        self.blas_threads = run_blas_threads(state.get("blas_threads"))
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])

@@ -512,6 +512,7 @@ def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.Mon
     monkeypatch.setattr(backend.os, "cpu_count", lambda: 2)
     monkeypatch.setitem(backend._OPENBLAS, "max_threads", 2)
     monkeypatch.delitem(backend._OPENBLAS, "sample", raising=False)
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "step")
     try:
         assert backend.adapt_blas_threads() is None  # the first sample
         assert backend.adapt_blas_threads() == 1
@@ -521,9 +522,42 @@ def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.Mon
         assert backend.adapt_blas_threads() == 2
         monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "0")
         assert backend.adapt_blas_threads() is None
+        monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "run")  # the default: fixed per run
+        assert backend.adapt_blas_threads() is None
     finally:
         lib.openblas_set_num_threads(start)
         backend._OPENBLAS.pop("sample", None)
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
+def test_a_run_fixes_its_blas_threads_and_a_resumed_run_takes_them_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fresh: fitted to the load once (a child's CPU time is this run's); resumed: the
+    checkpoint's count whatever the load, so resumed matmuls sum in the same order."""
+    from base_setup import backend
+
+    lib = backend._OPENBLAS["lib"]
+    start = int(lib.openblas_get_num_threads())
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setitem(backend._OPENBLAS, "max_threads", 2)
+    monkeypatch.setattr(backend.time, "sleep", lambda seconds: None)
+    try:
+        busy = iter([(100.0, 10.0, 0.0), (101.6, 10.1, 1.0)])  # others: 1.5 cores
+        monkeypatch.setattr(backend, "_cpu_sample", lambda: next(busy))
+        assert backend.run_blas_threads() == 1 and int(lib.openblas_get_num_threads()) == 1
+        quiet = iter([(100.0, 10.0, 0.0), (101.9, 11.9, 1.0)])  # all of it our own
+        monkeypatch.setattr(backend, "_cpu_sample", lambda: next(quiet))
+        assert backend.run_blas_threads() == 2
+        # Resumed on a quiet machine from a run that had one thread: one thread again.
+        assert backend.run_blas_threads(saved=1) == 1 and int(lib.openblas_get_num_threads()) == 1
+        monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
+        assert backend.run_blas_threads() == 2
+        monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "sometimes")
+        with pytest.raises(ValueError, match="run .*step or off"):
+            backend.run_blas_threads()
+    finally:
+        lib.openblas_set_num_threads(start)
 
 
 # ------------------------------------------- the fast layers: our model instances only, guarded

@@ -256,7 +256,12 @@ def _comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
     ]
 
 
-def test_stop_and_resume_equals_an_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_stop_and_resume_equals_an_uninterrupted_run(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two fresh runs must start with the same BLAS threads whatever the load (a resumed run takes
+    # its checkpoint's count by itself).
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
     prompts = PROMPTS[:12]
     straight_cfg = make_config(tiny_model_dir, tmp_path / "a", save_every=100)
     straight = PPOTrainer(straight_cfg, reward_model=e_rate)

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
 from models.tiny_corpus import review_prompts
@@ -184,7 +186,8 @@ def test_a_longer_run_on_resume_continues_the_learning_rate(
 # --------------------------------------------------------------------------- signals
 
 _TRAIN_SCRIPT = """
-import base_setup, sys, time, json
+from base_setup import setup_blas; setup_blas()
+import sys, time, json
 from config.ppo_config import PPOConfig
 from models.tiny_corpus import review_prompts
 from ppo_trainer.ppo_trainer import PPOTrainer
@@ -256,3 +259,49 @@ def test_sigterm_finishes_the_step_saves_and_exits_non_zero(
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_resume_is_bit_exact_when_the_load_changes(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both fresh runs start on a busy machine (one BLAS thread); the stopped one resumes on a
+    quiet machine and must still take its checkpoint's one thread: the same weights, bit for
+    bit, as the uninterrupted run."""
+    from base_setup import backend
+
+    if backend._OPENBLAS.get("lib") is None:
+        pytest.skip("OpenBLAS is loaded on Linux x86_64 only")
+    start = int(backend._OPENBLAS["lib"].openblas_get_num_threads())
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: 2)
+    monkeypatch.setitem(backend._OPENBLAS, "max_threads", 2)
+    monkeypatch.setattr(backend.time, "sleep", lambda seconds: None)
+
+    def load(others: float) -> None:
+        samples = iter([(0.0, 0.0, 0.0), (others, 0.0, 1.0)])
+        monkeypatch.setattr(backend, "_cpu_sample", lambda: next(samples))
+
+    try:
+        load(1.8)
+        straight = PPOTrainer(
+            make_config(tiny_model_dir, tmp_path / "a", total_steps=4), reward_model=length_reward
+        )
+        straight.train(PROMPTS)
+        assert straight.blas_threads == 1
+        load(1.8)
+        first = PPOTrainer(
+            make_config(tiny_model_dir, tmp_path / "b", total_steps=4), reward_model=length_reward
+        )
+        first.train(PROMPTS, callbacks=[_StopAt(2)])
+        load(0.0)  # quiet now: a fresh run would take both threads
+        resumed = PPOTrainer(
+            make_config(tiny_model_dir, tmp_path / "b", total_steps=4), reward_model=length_reward
+        )
+        resumed.train(PROMPTS, resume_from="latest")
+        assert resumed.blas_threads == 1
+        want = dict(tree_flatten(straight.policy.trainable_parameters()))
+        got = dict(tree_flatten(resumed.policy.trainable_parameters()))
+        assert want.keys() == got.keys() and want
+        for key in want:
+            np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), key)
+    finally:
+        backend._OPENBLAS["lib"].openblas_set_num_threads(start)

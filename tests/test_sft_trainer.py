@@ -201,7 +201,10 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model_dir: Path, tmp_p
         )
 
 
-def test_resume_continues_to_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_resume_continues_to_the_same_weights(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # two fresh runs: the same BLAS threads
     records = sft_records(24, seed=2)
     common: dict[str, Any] = dict(
         num_epochs=2, batch_size=8, save_every=2, lr_scheduler="cosine", warmup_steps=1

@@ -38,7 +38,7 @@ import mlx.optimizers as optim
 import numpy as np
 from tqdm import tqdm
 
-from base_setup.backend import adapt_blas_threads, step_seed
+from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from config.loading import config_to_dict, save_config
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
@@ -120,6 +120,7 @@ class SupervisedTrainer(Generic[E, B]):
         )
         self.optimizer: optim.Optimizer | None = None
         self._num_train_examples: int | None = None
+        self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
 
     # ------------------------------------------------------------------ task seams
@@ -187,6 +188,8 @@ class SupervisedTrainer(Generic[E, B]):
             self.load_checkpoint(path)
             resume_step = self.global_step
             logger.info("resumed from %s at step %d", path, self.global_step)
+        else:
+            self.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
         save_config(cfg, self.run_dir / CONFIG_FILE)
         metrics_logger = MetricsLogger(
             self.run_dir,
@@ -255,7 +258,7 @@ class SupervisedTrainer(Generic[E, B]):
         if self.optimizer is None:
             raise ValueError("no optimiser: call train(), which builds it for the run's length")
         t0 = time.perf_counter()
-        adapt_blas_threads()  # fewer BLAS threads while other processes keep the cores busy
+        adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         self.model.train()
         mx.random.seed(step_seed(cfg.seed, self.global_step))  # dropout, as a resumed run draws
         micro = [
@@ -304,6 +307,7 @@ class SupervisedTrainer(Generic[E, B]):
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "num_train_examples": self._num_train_examples,
+            "blas_threads": self.blas_threads,
             "history": self.history,
             "config": config_to_dict(self.config),
         }
@@ -332,6 +336,7 @@ class SupervisedTrainer(Generic[E, B]):
                 f"this run has {self._num_train_examples}: resume with the same data"
             )
         load_training_state(path, {"model": self.model}, {"optimizer": self.optimizer})
+        self.blas_threads = run_blas_threads(state.get("blas_threads"))  # the same sums
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
