@@ -57,6 +57,7 @@ def _train_args(run: Path, model: Path, prompts: Path, *extra: str) -> list[str]
         "num_mini_batches": 2,
         "learning_rate": 3e-3,
         "total_steps": STEPS,
+        "num_epochs": 2,
         "save_every": 1,
         "keep_last_checkpoints": 2,
         "log_rollouts_every": 0,
@@ -146,7 +147,9 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
     model = build_tiny_checkpoint(out / "model", size="test", seed=0)
     prompts = out / "prompts.txt"
     prompts.write_text("\n".join(review_prompts(16, seed=0)) + "\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Every thread in both runs: two runs started separately must not pick different BLAS thread
+    # counts from the load at their starts (a resumed run takes its checkpoint's count anyway).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PPO_MLX_ADAPTIVE_BLAS": "off"}
     env.pop("PPO_MLX_KILL_AT", None)
 
     reference = out / "reference"
@@ -170,8 +173,10 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
                 kill_after = rng.uniform(0.2, duration)
                 how = f"at {kill_after:.1f} s"
             else:
-                point = rng.choice(sorted(CRASH_POINTS))
-                child_env["PPO_MLX_KILL_AT"] = f"{point}:{rng.randint(1, 3)}"
+                # Each crash point in turn; the final model is written once per run.
+                point = sorted(CRASH_POINTS)[(done // 2) % len(CRASH_POINTS)]
+                nth = 1 if point == "final model" else rng.randint(1, 3)
+                child_env["PPO_MLX_KILL_AT"] = f"{point}:{nth}"
                 how = f"inside {child_env['PPO_MLX_KILL_AT']}"
         else:
             how = "to the end"
@@ -183,8 +188,9 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
         if code == -signal.SIGKILL:
             done += 1
         elif done < kills:
-            done += 0  # the run ended before the kill came: start again (kills still to do)
-            shutil.rmtree(run)  # a finished run is not resumed: begin the next round afresh
+            # The run ended before the kill came: begin the next round afresh (a finished run
+            # has nothing left to resume); the kills still to do come in the new round.
+            shutil.rmtree(run)
 
     ours, theirs = final_weights(run), final_weights(reference)
     import numpy as np

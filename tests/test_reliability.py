@@ -305,3 +305,14 @@ def test_resume_is_bit_exact_when_the_load_changes(
             np.testing.assert_array_equal(np.array(got[key]), np.array(want[key]), key)
     finally:
         backend._OPENBLAS["lib"].openblas_set_num_threads(start)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_and_inside_writes_loses_nothing(tmp_path: Path) -> None:
+    """The short version of tests/kill_loop.py (30 kills: python -m tests.kill_loop)."""
+    from tests.kill_loop import CRASH_POINTS, kill_loop
+
+    result = kill_loop(tmp_path, kills=2 * len(CRASH_POINTS), seed=1)
+    assert result["kills"] == 2 * len(CRASH_POINTS)
+    inside = {line.split("inside ")[1].split(":")[0] for line in result["log"] if "inside" in line}
+    assert inside == set(CRASH_POINTS)
