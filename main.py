@@ -1,5 +1,4 @@
-"""Command line: ``python main.py {demo,train,evaluate,sft,reward,generate,chat,export,inspect}
-...`` (``ppo-mlx ...`` once the project is installed with ``pip install -e .``).
+"""The command line (``python main.py ...``, or ``ppo-mlx ...`` after ``pip install -e .``).
 
 The only place that parses files and flags; everything else receives a config object or plain values.
 """
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from base_setup import setup_blas
+from training.run_control import TrainingStopped, stop_exit_code
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -56,15 +56,28 @@ def load_function(spec: str) -> Callable[..., Any]:
     return load(spec)
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML run configuration (flat or model/training/ppo)")
+#: A --set example per command, with keys of that command's config.
+_SET_EXAMPLES = {
+    "ppo": "--set kl_coef=0.1 --set algorithm=grpo",
+    "sft": "--set learning_rate=2e-5 --set use_lora=true",
+    "reward": "--set margin=0.5 --set max_length=512",
+}
+
+
+def _add_config_args(parser: argparse.ArgumentParser, kind: str = "ppo") -> None:
+    parser.add_argument(
+        "--config",
+        help="YAML run configuration: keys flat"
+        + (" or under model: / training: / ppo:" if kind == "ppo" else "")
+        + f" (python main.py config --kind {kind} lists them)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field, e.g. --set kl_coef=0.1 (repeatable)",
+        help=f"override a config key, e.g. {_SET_EXAMPLES[kind]} (repeatable)",
     )
 
 
@@ -253,12 +266,43 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 
 
+DESCRIPTION = """\
+RLHF fine-tuning of language models on MLX: supervised fine-tuning, a reward model, then PPO
+(value model and GAE), GRPO, RLOO or REINFORCE++ against it, with LoRA or full weights.
+
+The pipeline:   sft  ->  reward  ->  train    then    generate | chat | export
+Try it first:   demo (every stage on a tiny model, offline, a few minutes)
+See a run:      inspect (what PPO rewarded, token by token, as an HTML page)
+Every setting:  config (the keys of each run kind, their defaults and meaning)
+"""
+
+EPILOG = """\
+examples:
+  %(prog)s demo
+  %(prog)s sft --data sft.jsonl --set model_name=Qwen/Qwen3-0.6B-Base --set use_lora=true
+  %(prog)s reward --data preferences.jsonl --set model_name=runs/sft/model
+  %(prog)s train --config run.yaml --prompts prompts.jsonl --set kl_coef=0.1
+  %(prog)s train --config run.yaml --prompts prompts.jsonl --resume latest
+  %(prog)s chat --model runs/ppo
+  %(prog)s config --kind ppo
+
+docs: README.md, docs/configuration.md, docs/models.md, docs/algorithms.md
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="ppo-mlx" if Path(sys.argv[0]).name == "ppo-mlx" else "main.py",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="SFT -> reward model -> PPO on the embedded tiny model")
-    demo.add_argument("--output-dir", default="runs/demo")
+    demo.add_argument(
+        "--output-dir", default="runs/demo", help="where the stages write (default: runs/demo)"
+    )
     demo.add_argument("--fresh", action="store_true", help="rebuild every stage, ignore caches")
     demo.add_argument(
         "--ppo-steps", type=int, default=None, help="PPO iterations (default: demo's)"
@@ -268,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=cmd_demo)
 
-    train = sub.add_parser("train", help="PPO/GRPO from a YAML config")
+    train = sub.add_parser(
+        "train", help="PPO, GRPO, RLOO or REINFORCE++ on a prompt file (YAML config, --set)"
+    )
     _add_config_args(train)
     _add_reward_arg(train)
     train.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
@@ -280,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
     _add_config_args(evaluate)
     _add_reward_arg(evaluate)
-    evaluate.add_argument("--prompts", required=True)
+    evaluate.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
     group = evaluate.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="a training checkpoint directory (step_NNNNNN)")
     group.add_argument("--model", help="a directory written by save_model")
@@ -292,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("reward", cmd_reward, "reward-model training on prompt/chosen/rejected JSONL"),
     ):
         stage = sub.add_parser(name, help=help_text)
-        _add_config_args(stage)
+        _add_config_args(stage, name)
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
         stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
         _add_overwrite_arg(stage)
@@ -341,7 +387,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="where to write the page (default: RUN/rollouts/inspect.html)"
     )
     inspect.set_defaults(func=cmd_inspect)
+
+    config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
+    config.add_argument(
+        "--kind",
+        choices=("ppo", "sft", "reward"),
+        default="ppo",
+        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft or reward",
+    )
+    config.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print docs/configuration.md (every kind) instead",
+    )
+    config.set_defaults(func=cmd_config)
     return parser
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    from config.reference import configuration_markdown, keys_text
+
+    print(configuration_markdown() if args.markdown else keys_text(args.kind), end="")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -360,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except TrainingStopped as stopped:
+        print(str(stopped), file=sys.stderr)
+        return stop_exit_code(stopped.reason)
     return int(code or 0)
 
 

@@ -98,7 +98,6 @@ class ModelConfig(LoraConfig):
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
             on a GPU); false = mlx-lm's own layers. The environment variable
             PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
-        trust_remote_code: Allow tokenizers/configs that run code from the model repository.
     """
 
     model_name: str
@@ -108,7 +107,6 @@ class ModelConfig(LoraConfig):
     value_init: ValueInit = "reward"
     dtype: Dtype = "float32"
     fast_math: bool = True
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         LoraConfig.__post_init__(self)

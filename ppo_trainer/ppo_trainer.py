@@ -111,7 +111,12 @@ from training.checkpoint import (
 )
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 from training.optimizer import AdamW, SchedulePlan, resumed_schedule
-from training.run_control import CONFIG_FILE, StopSignals, prepare_run_dir
+from training.run_control import (
+    CONFIG_FILE,
+    StopSignals,
+    output_beside_progress,
+    prepare_run_dir,
+)
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -590,7 +595,7 @@ class PPOTrainer:
             dynamic_ncols=True,
         )
         self._stop = StopSignals()
-        with self._stop:
+        with self._stop, output_beside_progress(not bar.disable):
             try:
                 while self.global_step < total and not self._stop.requested:
                     metrics = self.step(self._next_batch(prompts))

@@ -96,11 +96,11 @@ def test_defaults_follow_n_plus_implementation_details() -> None:
     assert (c.eval_temperature, c.eval_max_new_tokens, c.eval_tokens) == (0.0, None, 64)
     # model
     assert (c.sft_model_name, c.reward_model_name, c.value_model_name) == (None, None, None)
-    assert (c.value_init, c.dtype, c.use_lora, c.trust_remote_code) == (
+    assert (c.value_init, c.dtype, c.use_lora, c.fast_math) == (
         "reward",
         "float32",
         True,
-        False,
+        True,
     )
     assert (c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_layers, c.lora_keys) == (
         8,
@@ -723,3 +723,16 @@ def test_config_to_dict() -> None:
     grouped = config_to_dict(c, sectioned=True)
     assert {k: v for section in grouped.values() for k, v in section.items()} == config_to_dict(c)
     assert PPOConfig(**config_to_dict(c)) == c
+
+
+def test_the_configuration_page_is_generated_from_the_dataclasses() -> None:
+    """docs/configuration.md is what `python main.py config --markdown` prints today."""
+    from config.reference import config_keys, configuration_markdown
+
+    page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert (
+        page == configuration_markdown()
+    ), "docs/configuration.md is stale: python main.py config --markdown > docs/configuration.md"
+    for kind, cls in (("ppo", PPOConfig), ("sft", SFTConfig), ("reward", RewardConfig)):
+        listed = [key.name for _, keys in config_keys(kind) for key in keys]
+        assert sorted(listed) == sorted(names(cls)) and len(listed) == len(set(listed))

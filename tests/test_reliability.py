@@ -316,3 +316,58 @@ def test_sigkill_at_random_moments_and_inside_writes_loses_nothing(tmp_path: Pat
     assert result["kills"] == 2 * len(CRASH_POINTS)
     inside = {line.split("inside ")[1].split(":")[0] for line in result["log"] if "inside" in line}
     assert inside == set(CRASH_POINTS)
+
+
+def test_sft_stops_on_sigterm_after_the_step_and_saves(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from config.sft_config import SFTConfig
+    from models.demo_data import write_sft_data
+    from training.run_control import TrainingStopped
+    from training.sft_trainer import SFTTrainer, run_sft
+
+    original = SFTTrainer.step
+
+    def step_then_sigterm(self: Any, examples: Any) -> Any:
+        out = original(self, examples)
+        if self.global_step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends mid-step
+        return out
+
+    monkeypatch.setattr(SFTTrainer, "step", step_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    config = SFTConfig(
+        model_name=str(tiny_model_dir),
+        dataset=str(write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)),
+        output_dir=str(tmp_path / "sft"),
+        batch_size=8,
+        eval_fraction=0.0,
+        progress_bar=False,
+    )
+    with pytest.raises(TrainingStopped, match=r"stopped \(SIGTERM\) after step 1"):
+        run_sft(config)
+    assert (tmp_path / "sft" / "checkpoints" / "step_000001" / "manifest.json").is_file()
+    assert not (tmp_path / "sft" / "model").exists()  # no final model from a stopped run
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_prints_and_log_lines_go_above_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from tqdm import tqdm
+
+    from training.run_control import output_beside_progress
+
+    written: list[str] = []
+    monkeypatch.setattr(tqdm, "write", staticmethod(lambda s, file=None, **_: written.append(s)))
+    with output_beside_progress(True):
+        print("step 3: reward 0.5")
+        print("partial", end="")
+        print(" line")
+        logging.getLogger("ppo_mlx").warning("a log line")
+    assert written[:2] == ["step 3: reward 0.5", "partial line"]
+    with output_beside_progress(False):
+        print("plain")  # no bar: untouched
+    assert written[-1] != "plain"

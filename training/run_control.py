@@ -3,6 +3,8 @@
 * :class:`StopSignals`: the first Ctrl-C (SIGINT) or SIGTERM (what schedulers and ``docker stop``
   send) asks the loop to stop after the current step and save; a second one interrupts at once
   (``KeyboardInterrupt``). The command line reports either and exits non-zero.
+* :func:`output_beside_progress`: while a progress bar runs, log lines and a callback's prints
+  are written above it (``tqdm.write``) instead of through it.
 * :func:`prepare_run_dir`: a fresh run refuses a folder that holds another run (its new
   checkpoints would be pruned against the old ones and ``--resume latest`` would continue the
   old run), unless told to overwrite it; the folder must be writable before any model loads.
@@ -10,13 +12,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -75,6 +80,23 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+
+
+class TrainingStopped(Exception):
+    """A run stopped before its end by a signal or a callback; its state is in a checkpoint.
+
+    Attributes:
+        reason: "SIGINT", "SIGTERM" or the callback's reason.
+        step: the last completed (and saved) step.
+    """
+
+    def __init__(self, reason: str, step: int) -> None:
+        super().__init__(
+            f"stopped ({reason}) after step {step}; the checkpoint is saved: continue with "
+            "--resume latest"
+        )
+        self.reason = reason
+        self.step = step
 
 
 def stop_exit_code(reason: str | None) -> int:
@@ -144,3 +166,50 @@ def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> 
             f"output_dir {run_dir} is not writable ({type(err).__name__}: {err.strerror or err}): "
             "choose a folder you can write to"
         ) from None
+
+
+class _AboveTheBar(io.TextIOBase):
+    """A text stream that hands whole lines to ``tqdm.write`` (which clears the bar, writes the
+    line to ``target``, and draws the bar again)."""
+
+    def __init__(self, target: Any) -> None:
+        super().__init__()
+        self.target = target
+        self._pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            tqdm.write(line, file=self.target)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            from tqdm import tqdm
+
+            tqdm.write(self._pending, file=self.target)
+            self._pending = ""
+        self.target.flush()
+
+
+@contextlib.contextmanager
+def output_beside_progress(enabled: bool) -> Iterator[None]:
+    """Within the block, the root logger's console lines and ``print`` output go above the
+    progress bar (when ``enabled``: a bar is shown) rather than breaking its line."""
+    if not enabled:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    stream = _AboveTheBar(sys.stdout)
+    with logging_redirect_tqdm(loggers=[logging.getLogger()]), contextlib.redirect_stdout(stream):
+        try:
+            yield
+        finally:
+            stream.flush()

@@ -30,7 +30,7 @@ from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from training.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
 from training.checkpoint import atomic_directory
-from training.run_control import prepare_run_dir
+from training.run_control import TrainingStopped, prepare_run_dir
 from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
@@ -166,6 +166,7 @@ def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path
 
     Raises:
         ValueError: ``config.dataset`` is not set, or the data is malformed.
+        TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
     """
     train_records, eval_records = load_run_data(config, load_sft_data)
     # Before the model loads: a folder that holds another run, or that cannot be written.
@@ -174,4 +175,6 @@ def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path
     )
     trainer = SFTTrainer(config)
     trainer.train(train_records, eval_records, resume_from=resume_from)
+    if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run, not a model
+        raise TrainingStopped(trainer.stop_reason, trainer.global_step)
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)

@@ -50,7 +50,12 @@ from training.checkpoint import (
 )
 from training.data import length_bucketed_batches, train_eval_split
 from training.optimizer import AdamW, lr_schedule, optimizer_step
-from training.run_control import CONFIG_FILE, prepare_run_dir
+from training.run_control import (
+    CONFIG_FILE,
+    StopSignals,
+    output_beside_progress,
+    prepare_run_dir,
+)
 from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
 
 logger = logging.getLogger("ppo_mlx")
@@ -121,6 +126,7 @@ class SupervisedTrainer(Generic[E, B]):
         self.optimizer: optim.Optimizer | None = None
         self._num_train_examples: int | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
+        self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
 
     # ------------------------------------------------------------------ task seams
@@ -206,50 +212,60 @@ class SupervisedTrainer(Generic[E, B]):
             dynamic_ncols=True,
         )
         last_saved = self.global_step if resume_step is not None else -1
-        try:
-            if eval_examples and cfg.eval_every and self.global_step == 0:
-                record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
-                self.history.append(record)
-                metrics_logger.log(0, record)
-            batches: list[list[int]] = []
-            batches_epoch = -1
-            # 3. Steps.
-            while self.global_step < total:
-                if batches_epoch != self.epoch:
-                    batches = length_bucketed_batches(
-                        lengths,
-                        cfg.batch_size,
-                        window=cfg.bucket_window,
-                        seed=cfg.seed,
-                        epoch=self.epoch,
-                    )
-                    batches_epoch = self.epoch
-                metrics = self.step([examples[i] for i in batches[self.batch_in_epoch]])
-                record = {"step": self.global_step, "epoch": self.epoch, **metrics}
-                self.batch_in_epoch += 1
-                if self.batch_in_epoch == len(batches):
-                    self.epoch += 1
-                    self.batch_in_epoch = 0
-                # 4. Evaluation, logging, checkpoints.
-                due = cfg.eval_every and self.global_step % cfg.eval_every == 0
-                if eval_examples and (due or self.global_step == total):
-                    record.update(self.evaluate(eval_examples))
-                self.history.append(record)
-                metrics_logger.log(self.global_step, record)
-                bar.update(1)
-                bar.set_postfix(self._postfix(record))
-                if cfg.save_every and self.global_step % cfg.save_every == 0:
+        stop = StopSignals()  # Ctrl-C / SIGTERM: finish the step, save, return (stop_reason)
+        with stop, output_beside_progress(not bar.disable):
+            try:
+                if eval_examples and cfg.eval_every and self.global_step == 0:
+                    record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
+                    self.history.append(record)
+                    metrics_logger.log(0, record)
+                batches: list[list[int]] = []
+                batches_epoch = -1
+                # 3. Steps.
+                while self.global_step < total and not stop.requested:
+                    if batches_epoch != self.epoch:
+                        batches = length_bucketed_batches(
+                            lengths,
+                            cfg.batch_size,
+                            window=cfg.bucket_window,
+                            seed=cfg.seed,
+                            epoch=self.epoch,
+                        )
+                        batches_epoch = self.epoch
+                    metrics = self.step([examples[i] for i in batches[self.batch_in_epoch]])
+                    record = {"step": self.global_step, "epoch": self.epoch, **metrics}
+                    self.batch_in_epoch += 1
+                    if self.batch_in_epoch == len(batches):
+                        self.epoch += 1
+                        self.batch_in_epoch = 0
+                    # 4. Evaluation, logging, checkpoints.
+                    due = cfg.eval_every and self.global_step % cfg.eval_every == 0
+                    if eval_examples and (due or self.global_step == total):
+                        record.update(self.evaluate(eval_examples))
+                    self.history.append(record)
+                    metrics_logger.log(self.global_step, record)
+                    bar.update(1)
+                    bar.set_postfix(self._postfix(record))
+                    if cfg.save_every and self.global_step % cfg.save_every == 0:
+                        self.save_checkpoint()
+                        last_saved = self.global_step
+                if last_saved != self.global_step:
                     self.save_checkpoint()
-                    last_saved = self.global_step
-            if last_saved != self.global_step:
-                self.save_checkpoint()
-        finally:
-            bar.close()
-            metrics_logger.close()
-            # 5. Curves.
-            records = read_metrics(metrics_logger.path)
-            if records:
-                plot_metrics(records, self.run_dir / PLOT_FILE)
+            finally:
+                bar.close()
+                metrics_logger.close()
+                # 5. Curves (a failing plot, e.g. on a full disk, must not hide the real error).
+                records = read_metrics(metrics_logger.path)
+                if records:
+                    try:
+                        plot_metrics(records, self.run_dir / PLOT_FILE)
+                    except OSError as err:
+                        logger.warning("could not draw %s: %s", self.run_dir / PLOT_FILE, err)
+        self.stop_reason = stop.reason
+        if stop.requested:
+            logger.warning(
+                "stopped (%s) at step %d; the checkpoint is saved", stop.reason, self.global_step
+            )
         return self.history
 
     def step(self, examples: Sequence[E]) -> dict[str, float]:
