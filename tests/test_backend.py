@@ -425,11 +425,12 @@ def _cache_limit() -> int:
     return limit
 
 
-def test_cpu_buffer_cache_is_raised_to_a_quarter_of_the_memory_limit(
+def test_cpu_buffer_cache_is_raised_to_a_bounded_limit(
     default_cache_limit: ModuleType,
 ) -> None:
     backend = default_cache_limit
-    want = max(backend.MLX_CPU_DEFAULT_CACHE_BYTES, mx.get_memory_limit() // 4)
+    want = min(backend.CPU_CACHE_DEFAULT_BYTES, mx.get_memory_limit() // 4)
+    assert want > backend.MLX_CPU_DEFAULT_CACHE_BYTES
     assert backend.setup_cpu_buffer_cache() == want
     assert _cache_limit() == want
     mx.set_cache_limit(123 << 20)  # idempotent: a second call changes nothing
