@@ -169,7 +169,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_sft(args: argparse.Namespace) -> None:
     from config.loading import load_config
     from config.sft_config import SFTConfig
-    from training.sft_trainer import run_sft
+    from finetune.sft_trainer import run_sft
 
     out = run_sft(
         load_config(args.config, _overrides(args), cls=SFTConfig), resume_from=args.resume
@@ -180,7 +180,7 @@ def cmd_sft(args: argparse.Namespace) -> None:
 def cmd_reward(args: argparse.Namespace) -> None:
     from config.loading import load_config
     from config.reward_config import RewardConfig
-    from training.reward_trainer import run_reward_training
+    from finetune.reward_trainer import run_reward_training
 
     out = run_reward_training(
         load_config(args.config, _overrides(args), cls=RewardConfig), resume_from=args.resume

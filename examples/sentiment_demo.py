@@ -28,8 +28,8 @@ from models.tiny_model import build_tiny_checkpoint
 from ppo_trainer.inspector import write_inspector
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.metrics_logger import read_metrics
-from training.reward_trainer import run_reward_training
-from training.sft_trainer import run_sft
+from finetune.reward_trainer import run_reward_training
+from finetune.sft_trainer import run_sft
 
 logger = logging.getLogger("ppo_mlx")
 

@@ -39,7 +39,7 @@ from base_setup.lora_setup import (
 from models.policy_model import PolicyModel
 from training.checkpoint import STATE_FILE, CheckpointManager
 from training.metrics_logger import METRICS_FILE
-from training.supervised_trainer import CONFIG_FILE, MODEL_DIR
+from finetune.supervised_trainer import CONFIG_FILE, MODEL_DIR
 
 logger = logging.getLogger("ppo_mlx")
 

@@ -4,7 +4,6 @@ import ctypes
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, cast
@@ -625,8 +624,8 @@ def test_config_fast_math_switches_every_model_of_a_run(
     from config.reward_config import RewardConfig
     from config.sft_config import SFTConfig
     from ppo_trainer.ppo_trainer import PPOTrainer
-    from training.reward_trainer import RewardTrainer
-    from training.sft_trainer import SFTTrainer
+    from finetune.reward_trainer import RewardTrainer
+    from finetune.sft_trainer import SFTTrainer
 
     common: dict[str, Any] = dict(
         model_name=str(tiny_model_dir), output_dir=str(tmp_path), fast_math=enabled

@@ -1,4 +1,4 @@
-"""Tests for training/data.py (loading, checks, tokenisation, batching) and models/demo_data.py."""
+"""Tests for finetune/data.py (loading, checks, tokenisation, batching) and models/demo_data.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from models.demo_data import (
     write_sft_data,
 )
 from models.tiny_corpus import lexicon_score
-from training.data import (
+from finetune.data import (
     PreferenceExample,
     SFTExample,
     chat_tokens,

@@ -39,7 +39,7 @@ from ppo_trainer.chat import SamplingSettings, chat_session, generate_text, stre
 from ppo_trainer.export import TRANSFORMERS_LAYOUT, export_model
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.trained_model import load_trained_model, resolve_trained_model
-from training.sft_trainer import run_sft
+from finetune.sft_trainer import run_sft
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Review of the camera:"
@@ -96,7 +96,6 @@ def sft_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def quantized_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model in mlx-lm's 4-bit format (every linear layer's input size is a multiple of
     64, so each is quantized with mlx-lm's default group size)."""
-    from mlx_lm import load
     from mlx_lm import load
     from mlx_lm.utils import quantize_model, save
 
@@ -397,7 +396,6 @@ def test_float_export_loads_in_transformers_with_the_same_logits(
     ppo_run: Path, tmp_path: Path
 ) -> None:
     torch = pytest.importorskip("torch")
-    from mlx_lm import load
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = export_model(ppo_run, tmp_path / "hf", fuse=True)

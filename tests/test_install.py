@@ -9,6 +9,7 @@ through a ``.pth`` file, and then used from another directory.
 from __future__ import annotations
 
 import shutil
+import tomllib
 import subprocess
 import sys
 import sysconfig
@@ -19,18 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = (
-    "config",
-    "base_setup",
-    "models",
-    "fixtures",
-    "token_attribution",
-    "reward_kl",
-    "advantage",
-    "experience_buffer",
-    "training",
-    "ppo_trainer",
-    "examples",
+PACKAGES: tuple[str, ...] = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 )
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv*", "venv", "runs", "outputs", "build", "*.egg-info", "__pycache__", ".*_cache"
@@ -107,3 +98,13 @@ def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path)
     assert any(line.startswith("Requires-Dist: mlx-lm") for line in requires), requires
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "ppo-mlx = main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_every_package_folder_is_declared() -> None:
+    """A new top-level package must be added to pyproject.toml, or `pip install` leaves it out."""
+    folders = {
+        p.name
+        for p in ROOT.iterdir()
+        if (p / "__init__.py").is_file() and not p.name.startswith(".")
+    }
+    assert folders - {"tests", "benchmarks"} == set(PACKAGES)

@@ -326,7 +326,7 @@ def test_sft_stops_on_sigterm_after_the_step_and_saves(
     from config.sft_config import SFTConfig
     from models.demo_data import write_sft_data
     from training.run_control import TrainingStopped
-    from training.sft_trainer import SFTTrainer, run_sft
+    from finetune.sft_trainer import SFTTrainer, run_sft
 
     original = SFTTrainer.step
 

@@ -1,4 +1,4 @@
-"""Tests for training/reward_trainer.py and config/reward_config.py: the Bradley-Terry loss
+"""Tests for finetune/reward_trainer.py and config/reward_config.py: the Bradley-Terry loss
 against a naive reference, reward-model training on the tiny model (a learnable preference is
 learned), and the saved model loading as PPO's reward and value models."""
 
@@ -20,9 +20,9 @@ from models.demo_data import preference_records, write_preference_data
 from models.reward_model import RewardModel
 from models.tiny_corpus import lexicon_score
 from models.value_model import ValueModel
-from training.data import collate_preferences, tokenize_preferences
+from finetune.data import collate_preferences, tokenize_preferences
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
-from training.reward_trainer import RewardTrainer, bradley_terry_loss, run_reward_training
+from finetune.reward_trainer import RewardTrainer, bradley_terry_loss, run_reward_training
 
 
 def flat(tree: Any) -> dict[str, np.ndarray]:

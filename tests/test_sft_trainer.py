@@ -1,4 +1,4 @@
-"""Tests for training/sft_trainer.py, the shared loop (training/supervised_trainer.py) and
+"""Tests for finetune/sft_trainer.py, the shared loop (finetune/supervised_trainer.py) and
 config/sft_config.py: the loss against a naive reference, full and LoRA fine-tuning on the tiny
 model, gradient accumulation, resuming, and the saved model loading as PPO's policy."""
 
@@ -20,10 +20,10 @@ from config.sft_config import SFTConfig
 from models.demo_data import sft_records, write_sft_data
 from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
-from training.sft_trainer import SFTTrainer, run_sft, sft_loss
-from training.data import load_sft_data
+from finetune.sft_trainer import SFTTrainer, run_sft, sft_loss
+from finetune.data import load_sft_data
 from training.optimizer import lr_schedule
-from training.supervised_trainer import CONFIG_FILE, load_run_data
+from finetune.supervised_trainer import CONFIG_FILE, load_run_data
 
 PROMPTS = ["Review of the camera:", "Review of the sushi bar:"]
 

@@ -22,7 +22,7 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("value loss", ("loss/value",)),
     ("entropy", ("objective/entropy",)),
     ("clip fraction", ("policy/clipfrac", "val/clipfrac")),
-    # SFT and reward-model training (training/sft_trainer.py, training/reward_trainer.py).
+    # SFT and reward-model training (finetune/sft_trainer.py, finetune/reward_trainer.py).
     ("loss", ("loss/sft", "loss/reward", "eval/loss")),
     ("next-token accuracy", ("sft/token_accuracy", "eval/token_accuracy")),
     ("preference accuracy", ("reward/accuracy", "eval/accuracy")),

@@ -13,7 +13,7 @@ checkpoints and metrics.
    the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps;
 5. ``training_curves.png``.
 
-:class:`training.sft_trainer.SFTTrainer` and :class:`training.reward_trainer.RewardTrainer` fill
+:class:`finetune.sft_trainer.SFTTrainer` and :class:`finetune.reward_trainer.RewardTrainer` fill
 in the task: :meth:`~SupervisedTrainer.prepare`, :meth:`~SupervisedTrainer.collate`,
 :meth:`~SupervisedTrainer.loss_fn`, :meth:`~SupervisedTrainer.evaluate` and
 :meth:`~SupervisedTrainer.save_pretrained`.
@@ -48,7 +48,7 @@ from training.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from training.data import length_bucketed_batches, train_eval_split
+from finetune.data import length_bucketed_batches, train_eval_split
 from training.optimizer import AdamW, lr_schedule, optimizer_step
 from training.run_control import (
     CONFIG_FILE,
@@ -81,7 +81,7 @@ def load_run_data(
     """
     if config.dataset is None:
         raise ValueError(
-            "dataset is not set: point it at a JSONL file (see training/data.py for the "
+            "dataset is not set: point it at a JSONL file (see finetune/data.py for the "
             "formats) or a Hugging Face dataset name"
         )
     records = load(config.dataset, split=config.dataset_split)

@@ -28,7 +28,7 @@ from base_setup.tokenizer_setup import load_tokenizer
 from config.reward_config import RewardConfig
 from models.backbone import last_token_values, resolve_model_path
 from models.reward_model import RewardModel
-from training.data import (
+from finetune.data import (
     PreferenceBatch,
     PreferenceExample,
     collate_preferences,
@@ -37,7 +37,7 @@ from training.data import (
 )
 from training.checkpoint import atomic_directory
 from training.run_control import TrainingStopped, prepare_run_dir
-from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
+from finetune.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
 def bradley_terry_loss(

@@ -28,10 +28,10 @@ from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings
 from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
-from training.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
+from finetune.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
 from training.checkpoint import atomic_directory
 from training.run_control import TrainingStopped, prepare_run_dir
-from training.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
+from finetune.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
 
 
 def sft_loss(

@@ -1,0 +1,1 @@
+"""The first RLHF stages: supervised fine-tuning and reward-model training, and their data."""
