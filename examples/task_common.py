@@ -7,7 +7,7 @@ plus the fields its reward reads (reference summaries, unit tests, ...), which
 ``trainer.train(records)``.
 
 * :func:`load_task_records`: a local JSONL file (every line checked, errors name file and line)
-  or a Hugging Face Hub dataset, through :func:`finetune.data.load_records`, as prompt records.
+  or a Hugging Face Hub dataset, through :func:`finetune.records.load_records`, as prompt records.
 * :func:`train_on_records`: the run on prepared records (held-out evaluation, enough epochs for
   ``total_steps``).
 * The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`).
@@ -27,7 +27,7 @@ from config.loading import load_config
 from config.ppo_config import PPOConfig
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.ppo_trainer import PPOTrainer
-from finetune.data import load_records, train_eval_split
+from finetune.records import load_records, train_eval_split
 
 logger = logging.getLogger("ppo_mlx")
 

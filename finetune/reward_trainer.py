@@ -28,11 +28,11 @@ from base_setup.tokenizer_setup import load_tokenizer
 from config.reward_config import RewardConfig
 from models.backbone import last_token_values, resolve_model_path
 from models.reward_model import RewardModel
-from finetune.data import (
+from finetune.records import load_preference_data
+from finetune.tokenize import (
     PreferenceBatch,
     PreferenceExample,
     collate_preferences,
-    load_preference_data,
     tokenize_preferences,
 )
 from training.checkpoint import atomic_directory

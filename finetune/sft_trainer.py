@@ -28,7 +28,8 @@ from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings
 from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
-from finetune.data import SFTBatch, SFTExample, collate_sft, load_sft_data, tokenize_sft
+from finetune.records import load_sft_data
+from finetune.tokenize import SFTBatch, SFTExample, collate_sft, tokenize_sft
 from training.checkpoint import atomic_directory
 from training.run_control import TrainingStopped, prepare_run_dir
 from finetune.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data

@@ -48,7 +48,8 @@ from training.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from finetune.data import length_bucketed_batches, train_eval_split
+from finetune.records import train_eval_split
+from finetune.tokenize import length_bucketed_batches
 from training.optimizer import AdamW, lr_schedule, optimizer_step
 from training.run_control import (
     CONFIG_FILE,
@@ -81,7 +82,7 @@ def load_run_data(
     """
     if config.dataset is None:
         raise ValueError(
-            "dataset is not set: point it at a JSONL file (see finetune/data.py for the "
+            "dataset is not set: point it at a JSONL file (see finetune/records.py for the "
             "formats) or a Hugging Face dataset name"
         )
     records = load(config.dataset, split=config.dataset_split)

@@ -32,7 +32,7 @@ from models.reward_model import RewardModel
 from models.tiny_corpus import lexicon_score, review_corpus
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
-from finetune.data import tokenize_preferences
+from finetune.tokenize import tokenize_preferences
 from finetune.reward_trainer import run_reward_training
 from finetune.sft_trainer import run_sft
 

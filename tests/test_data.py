@@ -1,4 +1,4 @@
-"""Tests for finetune/data.py (loading, checks, tokenisation, batching) and models/demo_data.py."""
+"""Tests for finetune/records.py and finetune/tokenize.py (loading, checks, tokenisation, batching) and models/demo_data.py."""
 
 from __future__ import annotations
 
@@ -18,19 +18,17 @@ from models.demo_data import (
     write_sft_data,
 )
 from models.tiny_corpus import lexicon_score
-from finetune.data import (
+from finetune.records import load_preference_data, load_sft_data, train_eval_split
+from finetune.tokenize import (
     PreferenceExample,
     SFTExample,
     chat_tokens,
     collate_preferences,
     collate_sft,
     length_bucketed_batches,
-    load_preference_data,
-    load_sft_data,
     prompt_completion_tokens,
     tokenize_preferences,
     tokenize_sft,
-    train_eval_split,
 )
 
 

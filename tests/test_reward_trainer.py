@@ -20,7 +20,7 @@ from models.demo_data import preference_records, write_preference_data
 from models.reward_model import RewardModel
 from models.tiny_corpus import lexicon_score
 from models.value_model import ValueModel
-from finetune.data import collate_preferences, tokenize_preferences
+from finetune.tokenize import collate_preferences, tokenize_preferences
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from finetune.reward_trainer import RewardTrainer, bradley_terry_loss, run_reward_training
 

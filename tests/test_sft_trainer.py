@@ -21,7 +21,7 @@ from models.demo_data import sft_records, write_sft_data
 from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from finetune.sft_trainer import SFTTrainer, run_sft, sft_loss
-from finetune.data import load_sft_data
+from finetune.records import load_sft_data
 from training.optimizer import lr_schedule
 from finetune.supervised_trainer import CONFIG_FILE, load_run_data
 
