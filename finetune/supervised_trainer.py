@@ -36,10 +36,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from tqdm import tqdm
 
 from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
-from config.loading import config_to_dict, save_config
+from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
 from training.checkpoint import (
@@ -51,13 +50,7 @@ from training.checkpoint import (
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
 from training.optimizer import AdamW, lr_schedule, optimizer_step
-from training.run_control import (
-    CONFIG_FILE,
-    StopSignals,
-    output_beside_progress,
-    prepare_run_dir,
-)
-from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
+from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -197,29 +190,22 @@ class SupervisedTrainer(Generic[E, B]):
             logger.info("resumed from %s at step %d", path, self.global_step)
         else:
             self.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
-        save_config(cfg, self.run_dir / CONFIG_FILE)
-        metrics_logger = MetricsLogger(
+        last_saved = self.global_step if resume_step is not None else -1
+        run_log = RunLog(
             self.run_dir,
-            cfg.log_with,
-            config_to_dict(cfg),
-            resume_step=resume_step,
-            project=cfg.wandb_project,
-        )
-        bar = tqdm(
+            cfg,
             total=total,
             initial=self.global_step,
             desc=self.name,
-            disable=not cfg.progress_bar,
-            dynamic_ncols=True,
+            resume_step=resume_step,
         )
-        last_saved = self.global_step if resume_step is not None else -1
         stop = StopSignals()  # Ctrl-C / SIGTERM: finish the step, save, return (stop_reason)
-        with stop, output_beside_progress(not bar.disable):
+        with stop, run_log:
             try:
                 if eval_examples and cfg.eval_every and self.global_step == 0:
                     record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
                     self.history.append(record)
-                    metrics_logger.log(0, record)
+                    run_log.write(0, record)
                 batches: list[list[int]] = []
                 batches_epoch = -1
                 # 3. Steps.
@@ -244,24 +230,16 @@ class SupervisedTrainer(Generic[E, B]):
                     if eval_examples and (due or self.global_step == total):
                         record.update(self.evaluate(eval_examples))
                     self.history.append(record)
-                    metrics_logger.log(self.global_step, record)
-                    bar.update(1)
-                    bar.set_postfix(self._postfix(record))
+                    run_log.log(self.global_step, record, self._postfix(record))
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save_checkpoint()
                         last_saved = self.global_step
                 if last_saved != self.global_step:
                     self.save_checkpoint()
-            finally:
-                bar.close()
-                metrics_logger.close()
-                # 5. Curves (a failing plot, e.g. on a full disk, must not hide the real error).
-                records = read_metrics(metrics_logger.path)
-                if records:
-                    try:
-                        plot_metrics(records, self.run_dir / PLOT_FILE)
-                    except OSError as err:
-                        logger.warning("could not draw %s: %s", self.run_dir / PLOT_FILE, err)
+            except BaseException as err:
+                if save_after_failure(err, False, self.global_step, last_saved):
+                    self.save_checkpoint()
+                raise
         self.stop_reason = stop.reason
         if stop.requested:
             logger.warning(

@@ -44,13 +44,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from tqdm import tqdm
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.loading import config_to_dict, save_config
+from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
@@ -91,6 +90,13 @@ from ppo_trainer.rollout_records import (
     select_rows,
     write_rollout_records,
 )
+from ppo_trainer.run_state import (
+    build_optimizers,
+    check_checkpoint,
+    load_models,
+    save_models,
+    schedule_plan,
+)
 from ppo_trainer.update import (
     Learner,
     policy_loss_fn,
@@ -103,44 +109,13 @@ from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from training.checkpoint import (
     STATE_FILE,
     CheckpointManager,
-    CheckpointWriteError,
-    atomic_directory,
-    check_resume_config,
     load_training_state,
     save_training_state,
 )
-from training.metrics_logger import PLOT_FILE, MetricsLogger, plot_metrics, read_metrics
-from training.optimizer import AdamW, SchedulePlan, resumed_schedule
-from training.run_control import (
-    CONFIG_FILE,
-    StopSignals,
-    output_beside_progress,
-    prepare_run_dir,
-)
+from training.optimizer import SchedulePlan, resumed_schedule
+from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
 
 logger = logging.getLogger("ppo_mlx")
-
-#: Settings a checkpoint must share with the run resuming it: the data order, the sampled
-#: responses, and the trained parameters (their set and shapes) depend on them.
-RESUME_KEYS: tuple[str, ...] = (
-    "algorithm",
-    "model_name",
-    "batch_size",
-    "group_size",
-    "num_mini_batches",
-    "seed",
-    "use_lora",
-    "lora_r",
-    "lora_alpha",
-    "lora_layers",
-    "lora_keys",
-    "value_model_name",
-    "value_init",
-    "reward_model_name",
-    "reward_funcs",
-    "dtype",
-    "adam_bias_correction",
-)
 
 
 class PPOTrainer:
@@ -583,23 +558,24 @@ class PPOTrainer:
         if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
             self.blas_threads = run_blas_threads()
         self._check_same_weights("at the start of training")
-        metrics_log = self._open_metrics(resume_step)
         for cb in self._callbacks:
             cb.on_train_begin(self)
         last_saved = self.global_step if resume_step is not None else -1
-        bar = tqdm(
+        run_log = RunLog(
+            self.run_dir,
+            cfg,
             total=total,
             initial=self.global_step,
             desc=cfg.algorithm.upper(),
-            disable=not cfg.progress_bar or not self.is_main_process,
-            dynamic_ncols=True,
+            writes=self.is_main_process,
+            resume_step=resume_step,
         )
         self._stop = StopSignals()
-        with self._stop, output_beside_progress(not bar.disable):
+        with self._stop, run_log:
             try:
                 while self.global_step < total and not self._stop.requested:
                     metrics = self.step(self._next_batch(prompts))
-                    self._record(metrics, steps_per_epoch, total, eval_prompts, metrics_log, bar)
+                    self._record(metrics, steps_per_epoch, total, eval_prompts, run_log)
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save_checkpoint()
                         last_saved = self.global_step
@@ -611,11 +587,9 @@ class PPOTrainer:
                 if last_saved != self.global_step:
                     self.save_checkpoint()
             except BaseException as err:
-                self._save_after_failure(err, last_saved)
+                if save_after_failure(err, self._updating, self.global_step, last_saved):
+                    self.save_checkpoint()
                 raise
-            finally:
-                bar.close()
-                self._close_metrics(metrics_log)
         self.stop_reason = self._stop.reason
         self._check_same_weights("at the end of training")
         if eval_prompts and not self._stop.requested:
@@ -679,8 +653,7 @@ class PPOTrainer:
         steps_per_epoch: int,
         total: int,
         eval_prompts: Sequence[PromptInput] | None,
-        metrics_log: MetricsLogger | None,
-        bar: Any,
+        run_log: RunLog,
     ) -> None:
         """After a step: evaluation when due, history, metrics.jsonl, callbacks, progress bar,
         the end of an epoch."""
@@ -690,14 +663,13 @@ class PPOTrainer:
         if eval_prompts and cfg.eval_every and self.global_step % cfg.eval_every == 0:
             metrics.update(self._periodic_eval(eval_prompts))
         self.history.append(metrics)
-        if metrics_log is not None:
-            metrics_log.log(self.global_step, metrics)
+        postfix = {
+            "reward": f"{metrics['objective/scores']:.3f}",
+            "kl": f"{metrics['objective/kl']:.3f}",
+        }
+        run_log.log(self.global_step, metrics, postfix)
         for cb in self._callbacks:
             cb.on_step_end(self, self.global_step, metrics)
-        bar.update(1)
-        bar.set_postfix(
-            reward=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}"
-        )
         if self.step_in_epoch == steps_per_epoch or self.global_step == total:
             self._end_epoch()
 
@@ -710,47 +682,6 @@ class PPOTrainer:
             cb.on_epoch_end(self, self.epoch, summary)
         self.epoch += 1
         self.step_in_epoch = 0
-
-    def _save_after_failure(self, err: BaseException, last_saved: int) -> None:
-        """A failure between steps (a bad reward, a second Ctrl-C) leaves the models at the end
-        of the last completed step: save it so no training is lost. Not after a failed write
-        (it would fail again) nor in the middle of an update (a half-updated state)."""
-        if isinstance(err, CheckpointWriteError) or self._updating:
-            return
-        if self.global_step <= max(last_saved, 0):
-            return
-        path = self.save_checkpoint()
-        what = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by an error"
-        logger.error(
-            "training %s; the state after step %d is saved to %s", what, self.global_step, path
-        )
-
-    def _open_metrics(self, resume_step: int | None) -> MetricsLogger | None:
-        """metrics.jsonl (cut back to ``resume_step`` on resume) and config.yaml, on rank 0."""
-        if not self.is_main_process:
-            return None
-        save_config(self.config, self.run_dir / CONFIG_FILE)
-        return MetricsLogger(
-            self.run_dir,
-            self.config.log_with,
-            config_to_dict(self.config),
-            resume_step=resume_step,
-            project=self.config.wandb_project,
-        )
-
-    def _close_metrics(self, metrics_log: MetricsLogger | None) -> None:
-        """Close the trackers and draw the curves. A failing plot (e.g. a full disk) is logged,
-        so that it never hides the error that ended the run."""
-        if metrics_log is None:
-            return
-        metrics_log.close()
-        records = read_metrics(metrics_log.path)
-        if not records:
-            return
-        try:
-            plot_metrics(records, self.run_dir / PLOT_FILE)
-        except OSError as err:
-            logger.warning("could not draw %s: %s", self.run_dir / PLOT_FILE, err)
 
     def _resume(self, resume_from: str | Path) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""
@@ -806,46 +737,17 @@ class PPOTrainer:
         """
         if self.policy_optimizer is not None and total_steps is None:
             return
-        cfg = self.config
-        updates = cfg.num_ppo_epochs * cfg.num_mini_batches
-        self._schedule_plan = SchedulePlan(
-            learning_rate=cfg.learning_rate,
-            scheduler=cfg.lr_scheduler,
-            warmup_steps=cfg.warmup_steps * updates,  # warmup_steps counts PPO iterations
-            total_steps=max((total_steps or cfg.total_steps or 1000) * updates, 1),
-        )
+        self._schedule_plan = schedule_plan(self.config, total_steps)
         self._build_optimizers(self._schedule_plan.schedule())
 
     def _build_optimizers(self, schedule: Callable[[mx.array], mx.array]) -> None:
-        """New AdamW optimisers following ``schedule`` (the value model's scaled to its learning
-        rate), keeping the state of the previous ones."""
-        cfg = self.config
         previous = {
             "policy": self.policy_optimizer.state if self.policy_optimizer else None,
             "value": self.value_optimizer.state if self.value_optimizer else None,
         }
-        self.policy_optimizer = AdamW(
-            learning_rate=schedule,
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            bias_correction=cfg.adam_bias_correction,
+        self.policy_optimizer, self.value_optimizer = build_optimizers(
+            self.config, schedule, self.value_model is not None, previous
         )
-        if previous["policy"]:
-            self.policy_optimizer.state = previous["policy"]
-        if self.value_model is not None:
-            ratio = cfg.value_lr / cfg.learning_rate
-
-            def value_schedule(step: mx.array) -> mx.array:
-                return ratio * schedule(step)
-
-            self.value_optimizer = AdamW(
-                learning_rate=value_schedule if ratio != 1.0 else schedule,
-                eps=cfg.adam_eps,
-                weight_decay=cfg.weight_decay,
-                bias_correction=cfg.adam_bias_correction,
-            )
-            if previous["value"]:
-                self.value_optimizer.state = previous["value"]
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(
@@ -957,15 +859,7 @@ class PPOTrainer:
                 another number of processes, or is incomplete.
         """
         state = CheckpointManager.read_state(path)
-        check_resume_config(path, state["config"], config_to_dict(self.config), RESUME_KEYS)
-        saved_world = int(state.get("world_size", 1))
-        if saved_world != self.world_size:
-            raise ValueError(
-                f"checkpoint {path} was written by a run on {saved_world} process(es) but this "
-                f"run has {self.world_size}: resume with the same number of processes "
-                f"(mlx.launch -n {saved_world} ..., or no launcher for 1); each rank's share of "
-                "the batch and its minibatch order depend on it"
-            )
+        check_checkpoint(path, state, self.config, self.world_size)
         load_training_state(path, *self._checkpointed())
         # The checkpoint's BLAS thread count: resumed matmuls sum in the same order.
         self.blas_threads = run_blas_threads(state.get("blas_threads"))
@@ -995,40 +889,13 @@ class PPOTrainer:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for
         PPO, the value model under ``<path>/value_model``, all or nothing. Only rank 0 of a
         data-parallel run writes (the weights are the same on every rank)."""
-        path = Path(path)
         if not self.is_main_process:
-            return path
-        with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
-            self.policy.save_pretrained(tmp)
-            if self.value_model is not None:
-                self.value_model.save_pretrained(tmp / "value_model")
-        return path
+            return Path(path)
+        return save_models(self.policy, self.value_model, path)
 
     def load_model(self, path: str | Path) -> None:
         """Load weights saved by :meth:`save_model` into this trainer's policy (and value model)."""
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"no saved model at {path}")
-        if self.policy.lora is not None:
-            # The policy already carries adapters: overwrite their weights (names are checked).
-            adapter_file = path / "adapters.safetensors"
-            if not adapter_file.is_file():
-                raise FileNotFoundError(
-                    f"{path} has no adapters.safetensors: this trainer uses LoRA, so load_model "
-                    "expects the adapter directory written by save_model"
-                )
-            self.policy.model.load_weights(str(adapter_file), strict=False)
-        else:
-            weights: dict[str, mx.array] = {}
-            for shard in sorted(path.glob("model*.safetensors")):
-                loaded = mx.load(str(shard))
-                assert isinstance(loaded, dict)
-                weights.update(loaded)
-            if not weights:
-                raise FileNotFoundError(f"{path} has no model*.safetensors weights to load")
-            self.policy.model.load_weights(list(weights.items()), strict=True)
-        if self.value_model is not None and (path / "value_model").exists():
-            self.value_model.load_pretrained_weights(path / "value_model")
+        load_models(self.policy, self.value_model, path)
 
 
 def check_scores_of(scores: Any, expected: int, source: str) -> mx.array:

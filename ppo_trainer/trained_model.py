@@ -39,7 +39,8 @@ from base_setup.lora_setup import (
 from models.policy_model import PolicyModel
 from training.checkpoint import STATE_FILE, CheckpointManager
 from training.metrics_logger import METRICS_FILE
-from finetune.supervised_trainer import CONFIG_FILE, MODEL_DIR
+from finetune.supervised_trainer import MODEL_DIR
+from training.run_control import CONFIG_FILE
 
 logger = logging.getLogger("ppo_mlx")
 

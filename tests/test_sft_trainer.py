@@ -23,7 +23,8 @@ from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from finetune.sft_trainer import SFTTrainer, run_sft, sft_loss
 from finetune.records import load_sft_data
 from training.optimizer import lr_schedule
-from finetune.supervised_trainer import CONFIG_FILE, load_run_data
+from finetune.supervised_trainer import load_run_data
+from training.run_control import CONFIG_FILE
 
 PROMPTS = ["Review of the camera:", "Review of the sushi bar:"]
 

@@ -4,7 +4,8 @@
   send) asks the loop to stop after the current step and save; a second one interrupts at once
   (``KeyboardInterrupt``). The command line reports either and exits non-zero.
 * :func:`output_beside_progress`: while a progress bar runs, log lines and a callback's prints
-  are written above it (``tqdm.write``) instead of through it.
+  are written above it (``tqdm.write``) instead of through it; :class:`RunLog` holds the bar,
+  ``config.yaml``, ``metrics.jsonl`` and the curves of a run.
 * :func:`prepare_run_dir`: a fresh run refuses a folder that holds another run (its new
   checkpoints would be pruned against the old ones and ``--resume latest`` would continue the
   old run), unless told to overwrite it; the folder must be writable before any model loads.
@@ -213,3 +214,105 @@ def output_beside_progress(enabled: bool) -> Iterator[None]:
             yield
         finally:
             stream.flush()
+
+
+class RunLog:
+    """What a run writes as it goes, on the process that writes (rank 0): ``config.yaml`` when it
+    starts, ``metrics.jsonl`` (cut back to ``resume_step`` on resume) and a tracker, a progress
+    bar, and ``training_curves.png`` when it ends. A context manager: within it, prints and log
+    lines go above the bar; on exit the bar and trackers close and the curves are drawn (a
+    failing plot, e.g. on a full disk, is logged so that it never hides the error that ended the
+    run).
+
+    Args:
+        run_dir: the run folder.
+        config: the run's config dataclass (saved, and sent to the tracker).
+        total: the run's steps (the bar's length); ``initial``: steps already done.
+        desc: the bar's label.
+        writes: whether this process writes (False on data-parallel ranks other than 0: a silent
+            log with no bar).
+        resume_step: on resume, the checkpoint's step (metrics after it are dropped).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: Any,
+        *,
+        total: int,
+        initial: int,
+        desc: str,
+        writes: bool = True,
+        resume_step: int | None = None,
+    ) -> None:
+        from tqdm import tqdm
+
+        from config.loading import config_to_dict, save_config
+        from training.metrics_logger import MetricsLogger
+
+        self.run_dir = Path(run_dir)
+        self.metrics: MetricsLogger | None = None
+        if writes:
+            save_config(config, self.run_dir / CONFIG_FILE)
+            self.metrics = MetricsLogger(
+                self.run_dir,
+                config.log_with,
+                config_to_dict(config),
+                resume_step=resume_step,
+                project=config.wandb_project,
+            )
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            disable=not (writes and config.progress_bar),
+            dynamic_ncols=True,
+        )
+        self._output = output_beside_progress(not self.bar.disable)
+
+    def log(self, step: int, record: dict[str, Any], postfix: dict[str, str]) -> None:
+        """One step's record: to metrics.jsonl and the tracker; the bar moves on."""
+        if self.metrics is not None:
+            self.metrics.log(step, record)
+        self.bar.update(1)
+        self.bar.set_postfix(postfix)
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        """A record that is not a step (an evaluation before the first step)."""
+        if self.metrics is not None:
+            self.metrics.log(step, record)
+
+    def __enter__(self) -> RunLog:
+        self._output.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from training.metrics_logger import PLOT_FILE, plot_metrics, read_metrics
+
+        try:
+            self.bar.close()
+            if self.metrics is not None:
+                self.metrics.close()
+                records = read_metrics(self.metrics.path)
+                if records:
+                    try:
+                        plot_metrics(records, self.run_dir / PLOT_FILE)
+                    except OSError as err:
+                        logger.warning("could not draw %s: %s", self.run_dir / PLOT_FILE, err)
+        finally:
+            self._output.__exit__(*exc)
+
+
+def save_after_failure(err: BaseException, updating: bool, step: int, last_saved: int) -> bool:
+    """Whether a run that failed with ``err`` should save its state before re-raising: a failure
+    between steps (a bad reward, a second Ctrl-C) leaves the models at the end of the last
+    completed step, so saving it loses nothing; not after a failed write (it would fail again),
+    nor in the middle of an update (a half-updated state), nor when that step is already saved.
+    Logs what happened when it says yes."""
+    from training.checkpoint import CheckpointWriteError
+
+    if isinstance(err, CheckpointWriteError) or updating or step <= max(last_saved, 0):
+        return False
+    what = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by an error"
+    logger.error("training %s; saving the state after step %d", what, step)
+    return True

@@ -1,0 +1,140 @@
+"""What a PPO run keeps across a restart and what it leaves behind: its optimisers and their
+schedule, the check that a checkpoint belongs to this run, and the trained models on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import mlx.core as mx
+import mlx.optimizers as optim
+
+from config.loading import config_to_dict
+from config.ppo_config import PPOConfig
+from models.policy_model import PolicyModel
+from models.value_model import ValueModel
+from training.checkpoint import atomic_directory, check_resume_config
+from training.optimizer import AdamW, SchedulePlan
+
+#: Settings a checkpoint must share with the run resuming it: the data order, the sampled
+#: responses, and the trained parameters (their set and shapes) depend on them.
+RESUME_KEYS: tuple[str, ...] = (
+    "algorithm",
+    "model_name",
+    "batch_size",
+    "group_size",
+    "num_mini_batches",
+    "seed",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_layers",
+    "lora_keys",
+    "value_model_name",
+    "value_init",
+    "reward_model_name",
+    "reward_funcs",
+    "dtype",
+    "adam_bias_correction",
+)
+
+
+def schedule_plan(config: PPOConfig, total_steps: int | None) -> SchedulePlan:
+    """The learning-rate schedule of a run of ``total_steps`` iterations, in optimiser updates
+    (``num_ppo_epochs * num_mini_batches`` per iteration; ``warmup_steps`` counts iterations)."""
+    updates = config.num_ppo_epochs * config.num_mini_batches
+    return SchedulePlan(
+        learning_rate=config.learning_rate,
+        scheduler=config.lr_scheduler,
+        warmup_steps=config.warmup_steps * updates,
+        total_steps=max((total_steps or config.total_steps or 1000) * updates, 1),
+    )
+
+
+def build_optimizers(
+    config: PPOConfig,
+    schedule: Callable[[mx.array], mx.array],
+    with_value: bool,
+    previous: Mapping[str, Any] | None = None,
+) -> tuple[optim.Optimizer, optim.Optimizer | None]:
+    """AdamW for the policy and (``with_value``) the value model following ``schedule`` (the
+    value model's scaled to ``value_learning_rate``), carrying over ``previous`` states
+    (``{"policy": ..., "value": ...}``: moments and step counts)."""
+    previous = previous or {}
+
+    def adamw(lr: Any) -> optim.Optimizer:
+        return AdamW(
+            learning_rate=lr,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            bias_correction=config.adam_bias_correction,
+        )
+
+    policy_optimizer = adamw(schedule)
+    if previous.get("policy"):
+        policy_optimizer.state = previous["policy"]
+    if not with_value:
+        return policy_optimizer, None
+    ratio = config.value_lr / config.learning_rate
+
+    def value_schedule(step: mx.array) -> mx.array:
+        return ratio * schedule(step)
+
+    value_optimizer = adamw(value_schedule if ratio != 1.0 else schedule)
+    if previous.get("value"):
+        value_optimizer.state = previous["value"]
+    return policy_optimizer, value_optimizer
+
+
+def check_checkpoint(
+    path: str | Path, state: Mapping[str, Any], config: PPOConfig, world_size: int
+) -> None:
+    """Raise ``ValueError`` unless the checkpoint at ``path`` (its JSON ``state``) was written by
+    this run: the same :data:`RESUME_KEYS` and the same number of processes."""
+    check_resume_config(path, state["config"], config_to_dict(config), RESUME_KEYS)
+    saved_world = int(state.get("world_size", 1))
+    if saved_world != world_size:
+        raise ValueError(
+            f"checkpoint {path} was written by a run on {saved_world} process(es) but this "
+            f"run has {world_size}: resume with the same number of processes "
+            f"(mlx.launch -n {saved_world} ..., or no launcher for 1); each rank's share of "
+            "the batch and its minibatch order depend on it"
+        )
+
+
+def save_models(policy: PolicyModel, value_model: ValueModel | None, path: str | Path) -> Path:
+    """The policy (a directory mlx-lm loads; adapters only with LoRA) and the value model under
+    ``<path>/value_model``, written all or nothing."""
+    path = Path(path)
+    with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
+        policy.save_pretrained(tmp)
+        if value_model is not None:
+            value_model.save_pretrained(tmp / "value_model")
+    return path
+
+
+def load_models(policy: PolicyModel, value_model: ValueModel | None, path: str | Path) -> None:
+    """Load what :func:`save_models` wrote into ``policy`` (and ``value_model``), in place."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no saved model at {path}")
+    if policy.lora is not None:
+        # The policy already carries adapters: overwrite their weights (names are checked).
+        adapter_file = path / "adapters.safetensors"
+        if not adapter_file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no adapters.safetensors: this trainer uses LoRA, so load_model "
+                "expects the adapter directory written by save_model"
+            )
+        policy.model.load_weights(str(adapter_file), strict=False)
+    else:
+        weights: dict[str, mx.array] = {}
+        for shard in sorted(path.glob("model*.safetensors")):
+            loaded = mx.load(str(shard))
+            assert isinstance(loaded, dict)
+            weights.update(loaded)
+        if not weights:
+            raise FileNotFoundError(f"{path} has no model*.safetensors weights to load")
+        policy.model.load_weights(list(weights.items()), strict=True)
+    if value_model is not None and (path / "value_model").exists():
+        value_model.load_pretrained_weights(path / "value_model")
