@@ -18,6 +18,7 @@ from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 
 #: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
 NamedReward = tuple[str, "RewardModel | RewardFunction"]
@@ -164,6 +165,14 @@ def stop_token_ids(config: PPOConfig, tokenizer: Any) -> list[int]:
             "responses can end"
         )
     return ids
+
+
+def kl_controller(config: PPOConfig) -> FixedKLController | AdaptiveKLController:
+    """The KL coefficient's controller: fixed at ``kl_coef``, or adaptive towards ``kl_target``
+    (Ziegler et al., 2019) with ``adaptive_kl``."""
+    if config.adaptive_kl:
+        return AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+    return FixedKLController(config.kl_coef)
 
 
 def context_length(policy: PolicyModel) -> int | None:

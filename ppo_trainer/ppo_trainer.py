@@ -32,9 +32,7 @@ share of the batch; use ``trainer.is_main_process`` to write files).
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -47,20 +45,20 @@ import numpy as np
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
-from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
+from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
-from ppo_trainer.callbacks import CallbackLike, TrainerCallback, as_callbacks
+from ppo_trainer.callbacks import CallbackLike, TrainerCallback
 from ppo_trainer.components import (
     build_models,
     check_data_parallel_config,
     context_length,
+    kl_controller,
     stop_token_ids,
 )
 from ppo_trainer.experience import (
@@ -82,21 +80,23 @@ from ppo_trainer.prompt_records import (
 )
 from ppo_trainer.rollout import Rollout, SamplingSettings, check_prompts, collect_rollout
 from ppo_trainer.rollout_records import (
-    RolloutArrays,
-    Source,
     log_rollouts,
+    rollout_arrays,
     rollout_records,
     rollouts_due,
     select_rows,
     write_rollout_records,
 )
+from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
     build_optimizers,
-    check_checkpoint,
     load_models,
+    load_trainer_state,
     save_models,
+    save_trainer_state,
     schedule_plan,
 )
+from ppo_trainer.run_loop import TrainingRun
 from ppo_trainer.update import (
     Learner,
     policy_loss_fn,
@@ -104,16 +104,11 @@ from ppo_trainer.update import (
     ppo_epochs,
     value_loss_fn,
 )
-from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
-from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from training.checkpoint import (
-    STATE_FILE,
     CheckpointManager,
-    load_training_state,
-    save_training_state,
 )
-from training.optimizer import SchedulePlan, resumed_schedule
-from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
+from training.optimizer import SchedulePlan
+from training.run_control import StopSignals, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -173,31 +168,19 @@ class PPOTrainer:
         )
         self.policy = models.policy
         self.ref_model = models.ref_model
-        self.reward_model = models.reward_model
-        self.reward_fn = models.reward_fn
+        self.rewards = Rewards(
+            models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
+        )
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
-        self.reward_funcs = models.reward_funcs
         self._reward_metrics: dict[str, mx.array] = {}
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer)
-        self.sampling = SamplingSettings(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-            stop_token_ids=self.stop_token_ids,
-            pad_token_id=self.pad_token_id,
-            logprobs_from=config.rollout_logprobs,
-        )
+        self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
-        self.kl_ctl: FixedKLController | AdaptiveKLController = (
-            AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
-            if config.adaptive_kl
-            else FixedKLController(config.kl_coef)
-        )
+        self.kl_ctl = kl_controller(config)
         self.global_step = 0
         self.epoch = 0
         self.step_in_epoch = 0
@@ -261,17 +244,10 @@ class PPOTrainer:
         (with the columns it accepts). Override to compute a task's own reward (see
         ``examples/``).
         """
-        if self.reward_funcs:
-            return self._combined_scores(
-                prompts, completions, query_responses, sequence_lengths, columns
-            )
-        if self.reward_model is not None:
-            return self.reward_model.score(query_responses, sequence_lengths)
-        assert self.reward_fn is not None
-        scores = self.reward_fn(
-            prompts, completions, **columns_for(self.reward_fn, columns, positional=2)
+        scores, self._reward_metrics = self.rewards.score(
+            prompts, completions, query_responses, sequence_lengths, columns
         )
-        return check_scores_of(scores, len(completions), self._score_source())
+        return scores
 
     # ------------------------------------------------------------------ one iteration
     def step(self, prompts: Sequence[PromptInput]) -> dict[str, float]:
@@ -316,7 +292,7 @@ class PPOTrainer:
         if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self._last_step):
             log_rollouts(
                 self.run_dir,
-                self._rollout_arrays(rollout, batch, stats, step),
+                rollout_arrays(rollout, batch, stats, step, cfg.algorithm, cfg.group_size),
                 self.tokenizer,
                 cfg.rollout_records_per_step,
             )
@@ -363,37 +339,6 @@ class PPOTrainer:
         self.global_step = step
         self.last_rollout = (rollout, batch, stats)
         return metrics
-
-    def _rollout_arrays(
-        self,
-        rollout: Rollout,
-        batch: RolloutBatch,
-        stats: dict[str, mx.array],
-        step: int,
-        source: Source = "train",
-    ) -> RolloutArrays:
-        """What the rollout records (:mod:`ppo_trainer.rollout_records`) are made of."""
-        return RolloutArrays(
-            step=step,
-            algorithm=self.config.algorithm,
-            prompts=rollout.texts,
-            query_responses=batch.query_responses,
-            prompt_lengths=batch.prompt_lengths,
-            responses=batch.responses,
-            mask=batch.mask,
-            ended_with_stop=rollout.generation.ended_with_stop,
-            scores=batch.scores,
-            logprobs=batch.logprobs,
-            ref_logprobs=batch.ref_logprobs,
-            kl=stats["kl"],
-            entropy=rollout.entropy,
-            values=batch.values,
-            rewards=stats.get("rewards"),
-            advantages=batch.advantages if source == "train" else None,
-            returns=batch.returns,
-            group_size=self.config.group_size if source == "train" else 1,
-            source=source,
-        )
 
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
@@ -481,47 +426,26 @@ class PPOTrainer:
             learners.insert(0, value)
         return learners
 
-    def _combined_scores(
-        self,
-        prompts: list[str],
-        completions: list[str],
-        query_responses: mx.array,
-        sequence_lengths: mx.array,
-        columns: Columns,
-    ) -> mx.array:
-        """``reward_funcs`` weighted by ``reward_weights`` (a function's None: not applicable);
-        each one's mean and spread go to the step's metrics as ``rewards/<name>/...``."""
-        names = [name for name, _ in self.reward_funcs]
-        values: list[list[float | None]] = []
-        for name, reward in self.reward_funcs:
-            if isinstance(reward, RewardModel):
-                values.append(np.asarray(reward.score(query_responses, sequence_lengths)).tolist())
-            else:
-                out = reward(prompts, completions, **columns_for(reward, columns, positional=2))
-                values.append(list(out))
-        matrix = reward_matrix(values, names, len(completions))  # (K, B)
-        self._reward_metrics = reward_metrics(matrix, names)
-        weights = self.config.reward_weights or [1.0] * len(names)
-        return combine_rewards(matrix, weights)
-
     def _check_columns(self, columns: Columns) -> None:
         """Raise ValueError before any generation if the reward needs a column that the
         prompts do not carry."""
         columns_for(self.compute_scores, columns, positional=4)
-        if self.reward_fn is not None:
-            columns_for(self.reward_fn, columns, positional=2)
-        for _, reward in self.reward_funcs:
-            if not isinstance(reward, RewardModel):
-                columns_for(reward, columns, positional=2)
+        self.rewards.check_columns(columns)
 
     def _score_source(self) -> str:
         if type(self).compute_scores is not PPOTrainer.compute_scores:
             return f"{type(self).__name__}.compute_scores"
-        if self.reward_fn is not None:
-            return f"the reward function {getattr(self.reward_fn, '__qualname__', self.reward_fn)}"
-        if self.reward_funcs:
-            return "the combined reward_funcs"
-        return "the reward model"
+        return self.rewards.source
+
+    @property
+    def reward_model(self) -> RewardModel | None:
+        """The reward model, if the reward is one."""
+        return self.rewards.model
+
+    @property
+    def reward_fn(self) -> RewardFunction | None:
+        """The reward function, if the reward is one."""
+        return self.rewards.fn
 
     # ------------------------------------------------------------------ the loop
     def train(
@@ -547,162 +471,12 @@ class PPOTrainer:
         Ctrl-C or SIGTERM stops after the current step and saves a checkpoint
         (:attr:`stop_reason` says which); a second one interrupts at once.
         """
-        cfg = self.config
-        # Check the prompts, the run folder and the checkpoint before any step.
-        total, steps_per_epoch = self._plan_run(prompts, num_epochs, eval_prompts)
-        self._last_step = total
-        self._callbacks = as_callbacks(callbacks)
-        self._check_run_dir(resuming=resume_from is not None)
-        self._ensure_optimizers(total_steps=total)
-        resume_step = self._resume(resume_from) if resume_from is not None else None
-        if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
-            self.blas_threads = run_blas_threads()
-        self._check_same_weights("at the start of training")
-        for cb in self._callbacks:
-            cb.on_train_begin(self)
-        last_saved = self.global_step if resume_step is not None else -1
-        run_log = RunLog(
-            self.run_dir,
-            cfg,
-            total=total,
-            initial=self.global_step,
-            desc=cfg.algorithm.upper(),
-            writes=self.is_main_process,
-            resume_step=resume_step,
-        )
-        self._stop = StopSignals()
-        with self._stop, run_log:
-            try:
-                while self.global_step < total and not self._stop.requested:
-                    metrics = self.step(self._next_batch(prompts))
-                    self._record(metrics, steps_per_epoch, total, eval_prompts, run_log)
-                    if cfg.save_every and self.global_step % cfg.save_every == 0:
-                        self.save_checkpoint()
-                        last_saved = self.global_step
-                    # Stop on every rank or on none: a signal or a callback may reach only some.
-                    if dist.any_rank(self._stop.requested, self.group):
-                        self._stop.request(self._stop.reason or "another rank stopped")
-                if self._stop.requested:
-                    logger.warning("stopped (%s) at step %d", self._stop.reason, self.global_step)
-                if last_saved != self.global_step:
-                    self.save_checkpoint()
-            except BaseException as err:
-                if save_after_failure(err, self._updating, self.global_step, last_saved):
-                    self.save_checkpoint()
-                raise
-        self.stop_reason = self._stop.reason
-        self._check_same_weights("at the end of training")
-        if eval_prompts and not self._stop.requested:
-            final = self._periodic_eval(eval_prompts)
-            if self.is_main_process:
-                (self.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
-        for cb in self._callbacks:
-            cb.on_train_end(self, self.history)
-        return self.history
+        return TrainingRun(self, prompts, num_epochs, callbacks, eval_prompts).run(resume_from)
 
-    def _plan_run(
-        self,
-        prompts: Sequence[PromptInput],
-        num_epochs: int | None,
-        eval_prompts: Sequence[PromptInput] | None,
-    ) -> tuple[int, int]:
-        """``(total steps, steps per epoch)`` of a run over ``prompts``, after checking every
-        prompt (and that every rank has the same ones)."""
-        cfg = self.config
-        if not prompts:
-            raise ValueError("train() got an empty prompt list: give at least one prompt")
-        epochs = cfg.num_epochs if num_epochs is None else num_epochs
-        if epochs < 1:
-            raise ValueError(f"num_epochs must be >= 1, got {epochs}")
-        texts, _, _ = self._prepare_prompts(prompts, 0, len(prompts))
-        if eval_prompts:
-            self._prepare_prompts(eval_prompts, 0, len(eval_prompts))
-        dist.check_same_on_all_ranks(
-            json.dumps(texts).encode(),
-            "the training prompts",
-            "give every rank the same prompt file: each rank takes its slice of the same order",
-            self.group,
-        )
-        steps_per_epoch = math.ceil(len(prompts) / cfg.batch_size)
-        total = epochs * steps_per_epoch
-        return (min(total, cfg.total_steps) if cfg.total_steps else total), steps_per_epoch
-
-    def _check_run_dir(self, resuming: bool) -> None:
-        """A fresh run must not reuse a folder that holds another run (collective)."""
-        error: ValueError | None = None
-        if self.is_main_process:
-            try:
-                prepare_run_dir(
-                    self.run_dir, resuming=resuming, overwrite=self.config.overwrite_output_dir
-                )
-            except ValueError as err:
-                error = err
-        dist.raise_if_any_rank_failed(error, f"checking output_dir {self.run_dir}", self.group)
-
-    def _next_batch(self, prompts: Sequence[PromptInput]) -> list[PromptInput]:
-        """The prompts of the next step: the epoch's permutation (a function of seed and epoch),
-        wrapping around at the end of the prompt list."""
-        cfg = self.config
-        order = np.random.default_rng([cfg.seed, self.epoch]).permutation(len(prompts))
-        start = self.step_in_epoch * cfg.batch_size
-        return [prompts[int(order[(start + k) % len(prompts)])] for k in range(cfg.batch_size)]
-
-    def _record(
-        self,
-        metrics: dict[str, float],
-        steps_per_epoch: int,
-        total: int,
-        eval_prompts: Sequence[PromptInput] | None,
-        run_log: RunLog,
-    ) -> None:
-        """After a step: evaluation when due, history, metrics.jsonl, callbacks, progress bar,
-        the end of an epoch."""
-        cfg = self.config
-        metrics["epoch"] = self.epoch
-        self.step_in_epoch += 1
-        if eval_prompts and cfg.eval_every and self.global_step % cfg.eval_every == 0:
-            metrics.update(self._periodic_eval(eval_prompts))
-        self.history.append(metrics)
-        postfix = {
-            "reward": f"{metrics['objective/scores']:.3f}",
-            "kl": f"{metrics['objective/kl']:.3f}",
-        }
-        run_log.log(self.global_step, metrics, postfix)
-        for cb in self._callbacks:
-            cb.on_step_end(self, self.global_step, metrics)
-        if self.step_in_epoch == steps_per_epoch or self.global_step == total:
-            self._end_epoch()
-
-    def _end_epoch(self) -> None:
-        records = [h for h in self.history if h.get("epoch") == self.epoch]
-        keys = [k for k in records[0] if isinstance(records[0][k], (int, float))]
-        summary = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
-        summary["steps"] = float(len(records))
-        for cb in self._callbacks:
-            cb.on_epoch_end(self, self.epoch, summary)
-        self.epoch += 1
-        self.step_in_epoch = 0
-
-    def _resume(self, resume_from: str | Path) -> int:
-        """Load the checkpoint to resume from (every rank the same one); returns its step."""
-        path: Path | None = None
-        error: FileNotFoundError | None = None
-        try:
-            path = self.checkpoints.resolve(resume_from)
-        except FileNotFoundError as err:
-            error = err
-        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", self.group)
-        assert path is not None
-        dist.check_same_on_all_ranks(
-            (path / STATE_FILE).read_bytes(),
-            f"the checkpoint {path}",
-            "every rank must read the same checkpoint: keep output_dir on storage that every "
-            "machine shares, or copy it to the same path on each",
-            self.group,
-        )
-        self.load_checkpoint(path)
-        logger.info("resumed from %s at step %d", path, self.global_step)
-        return self.global_step
+    def request_stop(self, reason: str = "requested by a callback") -> None:
+        """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
+        does); callbacks use it for early stopping."""
+        self._stop.request(reason)
 
     def _check_same_weights(self, moment: str) -> None:
         """Raise on every rank unless every rank holds the same models and optimiser states."""
@@ -710,24 +484,6 @@ class PPOTrainer:
         tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
         tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
         dist.check_same_weights(tree, f"the trained state {moment}", self.group)
-
-    def request_stop(self, reason: str = "requested by a callback") -> None:
-        """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
-        does); callbacks use it for early stopping."""
-        self._stop.request(reason)
-
-    def _periodic_eval(self, eval_prompts: Sequence[PromptInput]) -> dict[str, float]:
-        # Evaluations during training are recorded (overrides of evaluate() that call the base
-        # method record too, without a parameter to pass along).
-        self._record_eval = self.is_main_process
-        try:
-            result = self.evaluate(eval_prompts)
-        finally:
-            self._record_eval = False
-        scalars = {k: v for k, v in result.items() if isinstance(v, float)}
-        for cb in self._callbacks:
-            cb.on_evaluate(self, self.global_step, scalars)
-        return scalars
 
     def _ensure_optimizers(self, total_steps: int | None) -> None:
         """Build the AdamW optimisers with a schedule over ``total_steps`` iterations.
@@ -790,9 +546,13 @@ class PPOTrainer:
             kl = kl_tokens.sum(axis=1)  # (B,)
             room = cfg.rollout_records_per_step - len(records)
             if record and room > 0:
-                batch = self._eval_batch(rollout)
-                arrays = self._rollout_arrays(
-                    rollout, batch, {"kl": kl_tokens}, self.global_step, "eval"
+                arrays = rollout_arrays(
+                    rollout,
+                    rollout.as_batch(),
+                    {"kl": kl_tokens},
+                    self.global_step,
+                    cfg.algorithm,
+                    source="eval",
                 )
                 rows = select_rows(len(texts), 1, room)
                 records += rollout_records(arrays, self.tokenizer, rows)
@@ -812,20 +572,6 @@ class PPOTrainer:
             "samples": samples,
         }
 
-    @staticmethod
-    def _eval_batch(rollout: Rollout) -> RolloutBatch:
-        """An evaluation rollout as a batch (no advantages: nothing learns from it)."""
-        return RolloutBatch(
-            query_responses=rollout.query_responses,
-            prompt_lengths=rollout.prompt_lengths,
-            responses=rollout.generation.responses,
-            mask=rollout.mask,
-            logprobs=rollout.logprobs,
-            ref_logprobs=rollout.ref_logprobs,
-            scores=rollout.scores,
-            advantages=mx.zeros_like(rollout.scores),
-        )
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Write everything needed to continue (atomically) under ``<output_dir>/checkpoints``.
@@ -835,44 +581,20 @@ class PPOTrainer:
         """
         if not self.is_main_process:
             return self.checkpoints.root / f"step_{self.global_step:06d}"
-        state = {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "step_in_epoch": self.step_in_epoch,
-            "kl_controller": self.kl_ctl.state_dict(),
-            "history": self.history,
-            "config": config_to_dict(self.config),
-            "world_size": self.world_size,
-            "schedule": self._schedule_plan.to_dict() if self._schedule_plan else None,
-            "blas_threads": self.blas_threads,
-        }
-        path = save_training_state(self.checkpoints, self.global_step, *self._checkpointed(), state)
+        path = save_trainer_state(self)
         for cb in self._callbacks:
             cb.on_save(self, self.global_step, path)
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore models, optimiser states, KL controller and counters from a checkpoint.
+        """Restore models, optimiser states, KL controller, counters, the schedule and the BLAS
+        threads from a checkpoint of this run.
 
         Raises:
-            ValueError: the checkpoint was written with other settings (:data:`RESUME_KEYS`),
-                another number of processes, or is incomplete.
+            ValueError: the checkpoint was written with other settings (``RESUME_KEYS`` of
+                :mod:`ppo_trainer.run_state`), another number of processes, or is incomplete.
         """
-        state = CheckpointManager.read_state(path)
-        check_checkpoint(path, state, self.config, self.world_size)
-        load_training_state(path, *self._checkpointed())
-        # The checkpoint's BLAS thread count: resumed matmuls sum in the same order.
-        self.blas_threads = run_blas_threads(state.get("blas_threads"))
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        self.global_step = int(state["global_step"])
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.history = list(state["history"])
-        if self._schedule_plan is not None and self.policy_optimizer is not None:
-            updates = int(np.asarray(self.policy_optimizer.step))
-            self._build_optimizers(
-                resumed_schedule(state.get("schedule"), self._schedule_plan, updates)
-            )
+        load_trainer_state(self, path)
 
     def _checkpointed(
         self,
@@ -896,13 +618,6 @@ class PPOTrainer:
     def load_model(self, path: str | Path) -> None:
         """Load weights saved by :meth:`save_model` into this trainer's policy (and value model)."""
         load_models(self.policy, self.value_model, path)
-
-
-def check_scores_of(scores: Any, expected: int, source: str) -> mx.array:
-    """A reward's scores as a (B,) float32 array (see :func:`ppo_trainer.rollout.check_scores`)."""
-    from ppo_trainer.rollout import check_scores
-
-    return check_scores(scores, expected, source)
 
 
 __all__ = ["PPOTrainer", "Prompt", "PromptInput", "RolloutBatch"]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 import mlx.core as mx
 import numpy as np
 
+from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
@@ -57,6 +58,21 @@ class SamplingSettings:
     pad_token_id: int
     logprobs_from: Literal["sampling", "forward"] = "sampling"
 
+    @classmethod
+    def from_config(
+        cls, config: Any, stop_token_ids: Sequence[int], pad_token_id: int
+    ) -> SamplingSettings:
+        """The rollout sampling of a ``PPOConfig``."""
+        return cls(
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            stop_token_ids=stop_token_ids,
+            pad_token_id=pad_token_id,
+            logprobs_from=config.rollout_logprobs,
+        )
+
     @property
     def scoring_temperature(self) -> float:
         """The temperature log-probs are taken at: the sampling one, 1 when greedy."""
@@ -79,6 +95,20 @@ class Rollout:
     entropy: mx.array  # (B, T) of the rollout policy's distribution
     values: mx.array | None  # (B, T) value model (PPO)
     scores: mx.array  # (B,) float32, finite
+
+    def as_batch(self) -> RolloutBatch:
+        """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""
+        return RolloutBatch(
+            query_responses=self.query_responses,
+            prompt_lengths=self.prompt_lengths,
+            responses=self.generation.responses,
+            mask=self.mask,
+            logprobs=self.logprobs,
+            ref_logprobs=self.ref_logprobs,
+            scores=self.scores,
+            advantages=mx.zeros_like(self.scores),
+            values=self.values,
+        )
 
 
 def collect_rollout(

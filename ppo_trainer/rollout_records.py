@@ -48,7 +48,7 @@ import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Literal, Mapping, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -430,3 +430,39 @@ def read_rollout_records(run_dir: str | Path) -> list[StepRecords]:
             records.append(record)
         steps.append(StepRecords(step, "eval" if source == "eval" else "train", records))
     return steps
+
+
+def rollout_arrays(
+    rollout: Any,
+    batch: Any,
+    stats: Mapping[str, Any],
+    step: int,
+    algorithm: str,
+    group_size: int = 1,
+    source: Source = "train",
+) -> RolloutArrays:
+    """What the records of one step are made of, from the trainer's rollout
+    (:class:`ppo_trainer.rollout.Rollout`), its batch (:class:`RolloutBatch`) and the experience
+    phase's per-token ``stats`` (``kl``, and ``rewards`` when there are any). An evaluation
+    (``source="eval"``) records no advantages."""
+    return RolloutArrays(
+        step=step,
+        algorithm=algorithm,
+        prompts=rollout.texts,
+        query_responses=batch.query_responses,
+        prompt_lengths=batch.prompt_lengths,
+        responses=batch.responses,
+        mask=batch.mask,
+        ended_with_stop=rollout.generation.ended_with_stop,
+        scores=batch.scores,
+        logprobs=batch.logprobs,
+        ref_logprobs=batch.ref_logprobs,
+        kl=stats["kl"],
+        entropy=rollout.entropy,
+        values=batch.values,
+        rewards=stats.get("rewards"),
+        advantages=batch.advantages if source == "train" else None,
+        returns=batch.returns,
+        group_size=group_size if source == "train" else 1,
+        source=source,
+    )

@@ -4,7 +4,7 @@ schedule, the check that a checkpoint belongs to this run, and the trained model
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -13,8 +13,20 @@ from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
-from training.checkpoint import atomic_directory, check_resume_config
-from training.optimizer import AdamW, SchedulePlan
+import numpy as np
+
+from base_setup.backend import run_blas_threads
+from training.checkpoint import (
+    CheckpointManager,
+    atomic_directory,
+    check_resume_config,
+    load_training_state,
+    save_training_state,
+)
+from training.optimizer import AdamW, SchedulePlan, resumed_schedule
+
+if TYPE_CHECKING:
+    from ppo_trainer.ppo_trainer import PPOTrainer
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
 #: responses, and the trained parameters (their set and shapes) depend on them.
@@ -138,3 +150,44 @@ def load_models(policy: PolicyModel, value_model: ValueModel | None, path: str |
         policy.model.load_weights(list(weights.items()), strict=True)
     if value_model is not None and (path / "value_model").exists():
         value_model.load_pretrained_weights(path / "value_model")
+
+
+def save_trainer_state(trainer: PPOTrainer) -> Path:
+    """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
+    states, and the JSON state (counters, KL controller, history, config, number of processes,
+    schedule, BLAS threads); returns its directory."""
+    plan = trainer._schedule_plan
+    state = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.epoch,
+        "step_in_epoch": trainer.step_in_epoch,
+        "kl_controller": trainer.kl_ctl.state_dict(),
+        "history": trainer.history,
+        "config": config_to_dict(trainer.config),
+        "world_size": trainer.world_size,
+        "schedule": plan.to_dict() if plan else None,
+        "blas_threads": trainer.blas_threads,
+    }
+    return save_training_state(
+        trainer.checkpoints, trainer.global_step, *trainer._checkpointed(), state
+    )
+
+
+def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
+    """Restore what :func:`save_trainer_state` wrote into ``trainer``, after checking that the
+    checkpoint belongs to this run (:func:`check_checkpoint`). The resumed run takes the
+    checkpoint's BLAS thread count (its matmuls sum in the same order) and its learning-rate
+    schedule (continued, not restarted, when the run's length changed)."""
+    state = CheckpointManager.read_state(path)
+    check_checkpoint(path, state, trainer.config, trainer.world_size)
+    load_training_state(path, *trainer._checkpointed())
+    trainer.blas_threads = run_blas_threads(state.get("blas_threads"))
+    trainer.kl_ctl.load_state_dict(state["kl_controller"])
+    trainer.global_step = int(state["global_step"])
+    trainer.epoch = int(state["epoch"])
+    trainer.step_in_epoch = int(state["step_in_epoch"])
+    trainer.history = list(state["history"])
+    if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
+        updates = int(np.asarray(trainer.policy_optimizer.step))
+        schedule = resumed_schedule(state.get("schedule"), trainer._schedule_plan, updates)
+        trainer._build_optimizers(schedule)

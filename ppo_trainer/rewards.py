@@ -1,0 +1,81 @@
+"""The run's reward, whichever kind it is: a reward model scoring token ids, a Python function
+scoring texts (with the columns of prompt records it names), or several of either weighted
+together (``reward_funcs`` + ``reward_weights``, TRL's GRPO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from models.reward_model import RewardFunction, RewardModel
+from ppo_trainer.components import NamedReward
+from ppo_trainer.prompt_records import Columns, columns_for
+from ppo_trainer.rollout import check_scores
+from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
+
+
+@dataclass
+class Rewards:
+    """A run's reward (exactly one of ``model``, ``fn``, ``funcs`` is set, or none when the
+    trainer overrides ``compute_scores``).
+
+    Attributes:
+        model: a reward model.
+        fn: a function ``(prompts, completions, **columns) -> list[float]``.
+        funcs: several named rewards, summed with ``weights`` (None: 1 each).
+    """
+
+    model: RewardModel | None = None
+    fn: RewardFunction | None = None
+    funcs: list[NamedReward] = field(default_factory=list)
+    weights: list[float] | None = None
+
+    @property
+    def source(self) -> str:
+        """What computes the scores, for error messages."""
+        if self.fn is not None:
+            return f"the reward function {getattr(self.fn, '__qualname__', self.fn)}"
+        if self.funcs:
+            return "the combined reward_funcs"
+        return "the reward model"
+
+    def score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        query_responses: mx.array,
+        sequence_lengths: mx.array,
+        columns: Columns,
+    ) -> tuple[mx.array, dict[str, mx.array]]:
+        """``(scores (B,), metrics)``: the reward of each completion and, for several rewards,
+        each one's ``rewards/<name>/mean`` and ``/std`` (a function's None: not applicable)."""
+        if self.funcs:
+            names = [name for name, _ in self.funcs]
+            values: list[list[float | None]] = []
+            for _, reward in self.funcs:
+                if isinstance(reward, RewardModel):
+                    scores = reward.score(query_responses, sequence_lengths)
+                    values.append(np.asarray(scores).tolist())
+                else:
+                    out = reward(prompts, completions, **columns_for(reward, columns, positional=2))
+                    values.append(list(out))
+            matrix = reward_matrix(values, names, len(completions))  # (K, B)
+            weights = self.weights or [1.0] * len(names)
+            return combine_rewards(matrix, weights), reward_metrics(matrix, names)
+        if self.model is not None:
+            return self.model.score(query_responses, sequence_lengths), {}
+        if self.fn is None:
+            raise ValueError("no reward to score with: pass a reward model or function")
+        out = self.fn(prompts, completions, **columns_for(self.fn, columns, positional=2))
+        return check_scores(out, len(completions), self.source), {}
+
+    def check_columns(self, columns: Columns) -> None:
+        """Raise ``ValueError`` before any generation if a reward function needs a column that
+        the prompts do not carry."""
+        functions: list[Any] = [self.fn] if self.fn is not None else []
+        functions += [r for _, r in self.funcs if not isinstance(r, RewardModel)]
+        for function in functions:
+            columns_for(function, columns, positional=2)

@@ -1,0 +1,219 @@
+"""One call of :meth:`PPOTrainer.train`: the loop over iterations and what surrounds it.
+
+:class:`TrainingRun` checks everything before the first step (the prompts, the run folder, the
+checkpoint to resume), then repeats :meth:`PPOTrainer.step` on the epoch's next batch; after each
+step: an evaluation when due, the history, ``metrics.jsonl``, callbacks, the progress bar, a
+checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). The counters
+and the history live on the trainer, which its checkpoints hold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from base_setup import distributed as dist
+from base_setup.backend import run_blas_threads
+from ppo_trainer.callbacks import CallbackLike, as_callbacks
+from ppo_trainer.prompt_records import PromptInput
+from training.checkpoint import STATE_FILE
+from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
+
+if TYPE_CHECKING:
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+logger = logging.getLogger("ppo_mlx")
+
+
+class TrainingRun:
+    """A run of ``trainer`` over ``prompts`` (see :meth:`PPOTrainer.train` for the arguments)."""
+
+    def __init__(
+        self,
+        trainer: PPOTrainer,
+        prompts: Sequence[PromptInput],
+        num_epochs: int | None,
+        callbacks: Sequence[CallbackLike] | None,
+        eval_prompts: Sequence[PromptInput] | None,
+    ) -> None:
+        self.trainer = trainer
+        self.prompts = prompts
+        self.num_epochs = num_epochs
+        self.callbacks = as_callbacks(callbacks)
+        self.eval_prompts = eval_prompts
+
+    def run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
+        """The whole run; returns the trainer's per-step history."""
+        t = self.trainer
+        cfg = t.config
+        # Check the prompts, the run folder and the checkpoint before any step.
+        total, steps_per_epoch = self._plan()
+        t._last_step = total
+        t._callbacks = self.callbacks
+        self._check_run_dir(resuming=resume_from is not None)
+        t._ensure_optimizers(total_steps=total)
+        resume_step = self._resume(resume_from) if resume_from is not None else None
+        if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
+            t.blas_threads = run_blas_threads()
+        t._check_same_weights("at the start of training")
+        for cb in self.callbacks:
+            cb.on_train_begin(t)
+        last_saved = t.global_step if resume_step is not None else -1
+        run_log = RunLog(
+            t.run_dir,
+            cfg,
+            total=total,
+            initial=t.global_step,
+            desc=cfg.algorithm.upper(),
+            writes=t.is_main_process,
+            resume_step=resume_step,
+        )
+        t._stop = stop = StopSignals()
+        with stop, run_log:
+            try:
+                while t.global_step < total and not stop.requested:
+                    metrics = t.step(self._next_batch())
+                    self._record(metrics, steps_per_epoch, total, run_log)
+                    if cfg.save_every and t.global_step % cfg.save_every == 0:
+                        t.save_checkpoint()
+                        last_saved = t.global_step
+                    # Stop on every rank or on none: a signal or a callback may reach only some.
+                    if dist.any_rank(stop.requested, t.group):
+                        stop.request(stop.reason or "another rank stopped")
+                if stop.requested:
+                    logger.warning("stopped (%s) at step %d", stop.reason, t.global_step)
+                if last_saved != t.global_step:
+                    t.save_checkpoint()
+            except BaseException as err:
+                if save_after_failure(err, t._updating, t.global_step, last_saved):
+                    t.save_checkpoint()
+                raise
+        t.stop_reason = stop.reason
+        t._check_same_weights("at the end of training")
+        if self.eval_prompts and not stop.requested:
+            final = self._evaluate()
+            if t.is_main_process:
+                (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
+        for cb in self.callbacks:
+            cb.on_train_end(t, t.history)
+        return t.history
+
+    def _plan(self) -> tuple[int, int]:
+        """``(total steps, steps per epoch)``, after checking every prompt (and that every rank
+        has the same ones)."""
+        t = self.trainer
+        cfg = t.config
+        if not self.prompts:
+            raise ValueError("train() got an empty prompt list: give at least one prompt")
+        epochs = cfg.num_epochs if self.num_epochs is None else self.num_epochs
+        if epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1, got {epochs}")
+        texts, _, _ = t._prepare_prompts(self.prompts, 0, len(self.prompts))
+        if self.eval_prompts:
+            t._prepare_prompts(self.eval_prompts, 0, len(self.eval_prompts))
+        dist.check_same_on_all_ranks(
+            json.dumps(texts).encode(),
+            "the training prompts",
+            "give every rank the same prompt file: each rank takes its slice of the same order",
+            t.group,
+        )
+        steps_per_epoch = math.ceil(len(self.prompts) / cfg.batch_size)
+        total = epochs * steps_per_epoch
+        return (min(total, cfg.total_steps) if cfg.total_steps else total), steps_per_epoch
+
+    def _check_run_dir(self, resuming: bool) -> None:
+        """A fresh run must not reuse a folder that holds another run (collective)."""
+        t = self.trainer
+        error: ValueError | None = None
+        if t.is_main_process:
+            try:
+                prepare_run_dir(
+                    t.run_dir, resuming=resuming, overwrite=t.config.overwrite_output_dir
+                )
+            except ValueError as err:
+                error = err
+        dist.raise_if_any_rank_failed(error, f"checking output_dir {t.run_dir}", t.group)
+
+    def _resume(self, resume_from: str | Path) -> int:
+        """Load the checkpoint to resume from (every rank the same one); returns its step."""
+        t = self.trainer
+        path: Path | None = None
+        error: FileNotFoundError | None = None
+        try:
+            path = t.checkpoints.resolve(resume_from)
+        except FileNotFoundError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", t.group)
+        assert path is not None
+        dist.check_same_on_all_ranks(
+            (path / STATE_FILE).read_bytes(),
+            f"the checkpoint {path}",
+            "every rank must read the same checkpoint: keep output_dir on storage that every "
+            "machine shares, or copy it to the same path on each",
+            t.group,
+        )
+        t.load_checkpoint(path)
+        logger.info("resumed from %s at step %d", path, t.global_step)
+        return t.global_step
+
+    def _next_batch(self) -> list[PromptInput]:
+        """The prompts of the next step: the epoch's permutation (a function of seed and epoch),
+        wrapping around at the end of the prompt list."""
+        t = self.trainer
+        n = len(self.prompts)
+        order = np.random.default_rng([t.config.seed, t.epoch]).permutation(n)
+        start = t.step_in_epoch * t.config.batch_size
+        return [self.prompts[int(order[(start + k) % n])] for k in range(t.config.batch_size)]
+
+    def _record(
+        self, metrics: dict[str, float], steps_per_epoch: int, total: int, run_log: RunLog
+    ) -> None:
+        """After a step: evaluation when due, history, metrics.jsonl, callbacks, progress bar,
+        the end of an epoch."""
+        t = self.trainer
+        metrics["epoch"] = t.epoch
+        t.step_in_epoch += 1
+        every = t.config.eval_every
+        if self.eval_prompts and every and t.global_step % every == 0:
+            metrics.update(self._evaluate())
+        t.history.append(metrics)
+        postfix = {
+            "reward": f"{metrics['objective/scores']:.3f}",
+            "kl": f"{metrics['objective/kl']:.3f}",
+        }
+        run_log.log(t.global_step, metrics, postfix)
+        for cb in self.callbacks:
+            cb.on_step_end(t, t.global_step, metrics)
+        if t.step_in_epoch == steps_per_epoch or t.global_step == total:
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        t = self.trainer
+        records = [h for h in t.history if h.get("epoch") == t.epoch]
+        keys = [k for k in records[0] if isinstance(records[0][k], (int, float))]
+        summary = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
+        summary["steps"] = float(len(records))
+        for cb in self.callbacks:
+            cb.on_epoch_end(t, t.epoch, summary)
+        t.epoch += 1
+        t.step_in_epoch = 0
+
+    def _evaluate(self) -> dict[str, float]:
+        """An evaluation during the run, recorded (overrides of evaluate() that call the base
+        method record too, without a parameter to pass along)."""
+        t = self.trainer
+        assert self.eval_prompts is not None
+        t._record_eval = t.is_main_process
+        try:
+            result = t.evaluate(self.eval_prompts)
+        finally:
+            t._record_eval = False
+        scalars: dict[str, Any] = {k: v for k, v in result.items() if isinstance(v, float)}
+        for cb in self.callbacks:
+            cb.on_evaluate(t, t.global_step, scalars)
+        return scalars
