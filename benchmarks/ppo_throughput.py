@@ -74,7 +74,7 @@ from benchmarks.throughput_spec import (
     System,
     package_version,
 )
-from models.tiny_model import TINY_SIZES, TinyModelSpec
+from fixtures.tiny_model import TINY_SIZES, TinyModelSpec
 
 #: The benchmark's model sizes (``toy`` is the smoke test's).
 MODEL_SHAPES: dict[str, TinyModelSpec] = {

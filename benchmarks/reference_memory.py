@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.reference_memory            # demo-size model and a ~20M-parameter one
     python -m benchmarks.reference_memory --sizes demo
 
-For each model size it builds a tiny qwen3 checkpoint (:mod:`models.tiny_model`), then runs one
+For each model size it builds a tiny qwen3 checkpoint (:mod:`fixtures.tiny_model`), then runs one
 subprocess per mode, so each peak is measured alone:
 
 * ``copy``: ``PolicyModel`` with LoRA + ``ReferenceModel.from_pretrained`` (two sets of weights);
@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import cast
 
-from models.tiny_model import TINY_SIZES, TinyModelSpec, build_checkpoint
+from fixtures.tiny_model import TINY_SIZES, TinyModelSpec, build_checkpoint
 
 #: About 19.5M parameters (78 MB in float32).
 SPEC_20M = TinyModelSpec(

@@ -1,7 +1,7 @@
 """The benchmark's checkpoints and prompts: a random-weight qwen3 policy, a reward model that
 shares its backbone, both in Hugging Face layout, so that MLX and TRL load the same weights.
 
-The review corpus (:mod:`models.tiny_corpus`) only supports a byte-level BPE of about 900 tokens,
+The review corpus (:mod:`fixtures.tiny_corpus`) only supports a byte-level BPE of about 900 tokens,
 so :func:`pad_vocabulary` fills the vocabulary up to the benchmark's size with plain added tokens
 ``<|extra_k|>``. They decode to text and re-encode to the same single ids, so a system that
 re-tokenises completions (TRL's GRPO reward path does) sees sequences of the generated length.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.tiny_corpus import review_corpus
-from models.tiny_model import TinyModelSpec, build_checkpoint
+from fixtures.tiny_corpus import review_corpus
+from fixtures.tiny_model import TinyModelSpec, build_checkpoint
 
 POLICY_DIR = "policy"
 REWARD_DIR = "reward"
@@ -67,7 +67,7 @@ def build_benchmark_checkpoints(
 ) -> tuple[Path, Path]:
     """Write the policy and the reward checkpoint for one model size; returns their directories.
 
-    The policy is :func:`models.tiny_model.build_checkpoint` of ``spec`` with the vocabulary
+    The policy is :func:`fixtures.tiny_model.build_checkpoint` of ``spec`` with the vocabulary
     padded to ``spec.vocab_size``. The reward checkpoint is its backbone with a random
     ``N(0, 1/(D+1))`` scalar head, written by ``RewardModel.save_pretrained`` as a one-label
     ``Qwen3ForSequenceClassification`` (transformers' AutoModelForSequenceClassification loads

@@ -22,9 +22,9 @@ from typing import Any
 from config.ppo_config import PPOConfig
 from config.reward_config import RewardConfig
 from config.sft_config import SFTConfig
-from models.demo_data import write_preference_data, write_sft_data
-from models.tiny_corpus import lexicon_score, review_prompts
-from models.tiny_model import build_tiny_checkpoint
+from fixtures.demo_data import write_preference_data, write_sft_data
+from fixtures.tiny_corpus import lexicon_score, review_prompts
+from fixtures.tiny_model import build_tiny_checkpoint
 from ppo_trainer.inspector import write_inspector
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.metrics_logger import read_metrics

@@ -173,7 +173,7 @@ def config_from_args(
     overrides += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     model = args.model
     if model is None and not _sets_model(args):
-        from models.tiny_model import build_tiny_checkpoint
+        from fixtures.tiny_model import build_tiny_checkpoint
 
         output_dir = load_config(args.config, overrides + ["model_name=tiny"]).output_dir
         model = str(build_tiny_checkpoint(Path(output_dir) / "tiny_model", size=args.tiny_size))

@@ -12,6 +12,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny qwen3 checkpoint (size "test", seed 0), built once per test session."""
-    from models.tiny_model import build_tiny_checkpoint
+    from fixtures.tiny_model import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_model"), size="test", seed=0)

@@ -140,8 +140,8 @@ def final_weights(run: Path) -> dict[str, Any]:
 
 def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
     """The whole procedure (see the module doc); returns what happened."""
-    from models.tiny_corpus import review_prompts
-    from models.tiny_model import build_tiny_checkpoint
+    from fixtures.tiny_corpus import review_prompts
+    from fixtures.tiny_model import build_tiny_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_checkpoint(out / "model", size="test", seed=0)

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.ppo_trainer import PPOTrainer
 
 #: Ids of tokens the random tiny model samples often (" h", "Î", " T", "²"): as stop tokens they

@@ -13,7 +13,7 @@ from benchmarks import ppo_throughput
 from benchmarks.ppo_throughput import design_floor, main, scaling_points
 from benchmarks.throughput_models import benchmark_prompts, pad_vocabulary
 from benchmarks.throughput_spec import FLOOR_KEYS, SPLIT_KEYS, CpuMonitor, RunResult, RunSpec
-from models.tiny_model import TINY_SIZES, build_checkpoint
+from fixtures.tiny_model import TINY_SIZES, build_checkpoint
 
 
 def _spec(**overrides: object) -> RunSpec:

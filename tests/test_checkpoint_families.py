@@ -29,7 +29,7 @@ from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quan
 from models.checkpoint_config import check_config_is_read, config_updates
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
-from models.tiny_corpus import lexicon_score, review_corpus
+from fixtures.tiny_corpus import lexicon_score, review_corpus
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 from finetune.tokenize import tokenize_preferences

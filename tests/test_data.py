@@ -1,4 +1,4 @@
-"""Tests for finetune/records.py and finetune/tokenize.py (loading, checks, tokenisation, batching) and models/demo_data.py."""
+"""Tests for finetune/records.py and finetune/tokenize.py (loading, checks, tokenisation, batching) and fixtures/demo_data.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from base_setup.tokenizer_setup import load_tokenizer
-from models.demo_data import (
+from fixtures.demo_data import (
     preference_records,
     sft_records,
     write_preference_data,
     write_sft_data,
 )
-from models.tiny_corpus import lexicon_score
+from fixtures.tiny_corpus import lexicon_score
 from finetune.records import load_preference_data, load_sft_data, train_eval_split
 from finetune.tokenize import (
     PreferenceExample,

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
 from config.loading import load_config
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.generator import generate
 from ppo_trainer.ppo_trainer import PPOTrainer
 from main import read_prompts

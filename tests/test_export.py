@@ -31,9 +31,9 @@ from config.loading import load_config
 from config.ppo_config import PPOConfig
 from config.sft_config import SFTConfig
 from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quantize_checkpoint
-from models.demo_data import write_sft_data
+from fixtures.demo_data import write_sft_data
 from models.policy_model import PolicyModel
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer import export as export_module
 from ppo_trainer.chat import SamplingSettings, chat_session, generate_text, stream_reply
 from ppo_trainer.export import TRANSFORMERS_LAYOUT, export_model

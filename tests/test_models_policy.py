@@ -25,13 +25,13 @@ from base_setup.lora_setup import (
 from base_setup.tokenizer_setup import apply_chat_template, ensure_pad_token, eos_token_ids
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
-from models.tiny_corpus import (
+from fixtures.tiny_corpus import (
     NEGATIVE_WORDS,
     POSITIVE_WORDS,
     lexicon_score,
     review_corpus,
 )
-from models.tiny_model import CHECKPOINT_FILES, build_tiny_checkpoint
+from fixtures.tiny_model import CHECKPOINT_FILES, build_tiny_checkpoint
 
 TEXTS = [
     "Review of the camera: The screen is superb.",

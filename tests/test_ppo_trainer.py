@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 

@@ -17,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.metrics_logger import read_metrics
@@ -189,7 +189,7 @@ _TRAIN_SCRIPT = """
 from base_setup import setup_blas; setup_blas()
 import sys, time, json
 from config.ppo_config import PPOConfig
-from models.tiny_corpus import review_prompts
+from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.callbacks import TrainerCallback
 from training.run_control import stop_exit_code
@@ -324,7 +324,7 @@ def test_sft_stops_on_sigterm_after_the_step_and_saves(
     import os
 
     from config.sft_config import SFTConfig
-    from models.demo_data import write_sft_data
+    from fixtures.demo_data import write_sft_data
     from training.run_control import TrainingStopped
     from finetune.sft_trainer import SFTTrainer, run_sft
 

@@ -16,9 +16,9 @@ from mlx.utils import tree_flatten
 from base_setup.tokenizer_setup import load_tokenizer
 from config.loading import load_config
 from config.reward_config import RewardConfig
-from models.demo_data import preference_records, write_preference_data
+from fixtures.demo_data import preference_records, write_preference_data
 from models.reward_model import RewardModel
-from models.tiny_corpus import lexicon_score
+from fixtures.tiny_corpus import lexicon_score
 from models.value_model import ValueModel
 from finetune.tokenize import collate_preferences, tokenize_preferences
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics

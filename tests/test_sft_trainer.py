@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from base_setup.lora_setup import LoraSettings
 from config.loading import load_config, save_config
 from config.sft_config import SFTConfig
-from models.demo_data import sft_records, write_sft_data
+from fixtures.demo_data import sft_records, write_sft_data
 from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from finetune.sft_trainer import SFTTrainer, run_sft, sft_loss
