@@ -1,9 +1,9 @@
 """MLX backend set-up: a fast BLAS on Linux, the device, and one seed for every RNG.
 
-The Linux ``mlx[cpu]`` wheel links the netlib reference BLAS (about 5 GFLOP/s on a 1024^3 float32
-matmul). Loading OpenBLAS from the ``cmeel-openblas`` wheel into the global symbol scope *before*
-``mlx.core`` is first imported makes MLX's ``cblas_*`` calls resolve to OpenBLAS instead (30-60x
-faster). This module does that without importing mlx, so :func:`setup_blas` must run before
+The Linux ``mlx[cpu]`` wheel links the slow netlib reference BLAS. Loading OpenBLAS from the
+``cmeel-openblas`` wheel into the global symbol scope *before* ``mlx.core`` is first imported makes
+MLX's ``cblas_*`` calls resolve to OpenBLAS instead (docs/performance.md has the measured
+difference). This module does that without importing mlx, so :func:`setup_blas` must run before
 anything imports ``mlx.core``: every entry point calls it first (``main.py``, ``tests/conftest.py``,
 the examples and benchmarks run as scripts), and a script of your own should too::
 
@@ -154,7 +154,7 @@ def _load_openblas() -> BlasInfo:
             # NumPy >= 2.5's Linux wheels no longer bundle a libgfortran to borrow.
             message = (
                 f"{lib_path} needs libgfortran.so.5, which this system lacks and NumPy "
-                f"{_numpy_version()} does not bundle; MLX keeps its reference BLAS (about 50x "
+                f"{_numpy_version()} does not bundle; MLX keeps its reference BLAS (much "
                 "slower matmuls). Fix: install the system library (Debian/Ubuntu: apt install "
                 "libgfortran5; Fedora: dnf install libgfortran) or pip install 'numpy<2.5'"
             )
@@ -185,7 +185,7 @@ def _load_openblas() -> BlasInfo:
 
 _IMPORTED_FIRST = (
     "mlx was imported before base_setup.setup_blas() ran, so MLX's BLAS calls are bound to the "
-    "wheel's reference BLAS, 30-60x slower matmuls. Fix: call `from base_setup import "
+    "wheel's reference BLAS (much slower matmuls). Fix: call `from base_setup import "
     "setup_blas; setup_blas()` at the top of your script, before importing mlx, mlx_lm or any "
     "package of this project"
 )
@@ -322,9 +322,7 @@ def adapt_blas_threads() -> int | None:
 
     Why: OpenBLAS's threads wait for each other by spinning. When other processes keep the
     cores busy, a multi-threaded matmul waits for a thread the kernel has descheduled, and every
-    matmul costs a scheduler time slice: measured on 2 cores with 2 other busy processes, a
-    generation 35x and a training step 8x slower than on a quiet machine, against 3.4x and 2.5x
-    with one BLAS thread. So each call measures, from /proc/stat, how many cores other processes
+    matmul costs a scheduler time slice (docs/performance.md has the measurements). So each call measures, from /proc/stat, how many cores other processes
     used since the previous call, and sets the thread count to
     :func:`blas_threads_for_load` (at most the count OpenBLAS started with: its default or
     ``OPENBLAS_NUM_THREADS``). A quiet machine keeps every thread.

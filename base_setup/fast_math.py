@@ -285,9 +285,9 @@ def scaled_dot_product_attention(
 # and sin every time). In a decoding step of a small model, where each node costs a few
 # microseconds of scheduling whatever its size, that is more than half of the step's ~720 nodes.
 
-#: Up to these many elements RMSNorm is one compiled function (4 nodes: ~2.5x faster at 16 x 256,
-#: a decoding step's norm); above, MLX's own (the compiled kernel broadcasts the row scale slowly:
-#: 2.3x slower at 736 x 256).
+#: Up to these many elements RMSNorm is one compiled function (4 nodes, a win at a decoding step's
+#: small shapes); above, MLX's own (the compiled kernel broadcasts the row scale slowly, which loses
+#: at prompt-sized shapes).
 _MAX_COMPILED_RMS_NORM = 1 << 13
 _RMS_NORM_FNS: dict[float, Callable[[mx.array, mx.array], mx.array]] = {}
 _ROPE_FREQS: dict[tuple[int, float], mx.array] = {}
@@ -401,7 +401,7 @@ def _probe() -> bool:
     except RuntimeError as err:  # MLX reports a failed kernel build as a RuntimeError
         logger.warning(
             "fast CPU math is off: MLX could not compile its kernels (%s); install a C++ "
-            "compiler (g++) for about 2x faster CPU forward passes",
+            "compiler (g++) for faster CPU forward passes",
             str(err).splitlines()[0] if str(err) else type(err).__name__,
         )
         return False

@@ -94,7 +94,7 @@ def apply_missing_eos_penalty(
     Args:
         scores: (B,) sequence scores.
         ended_with_stop: (B,) bool (or 0/1), from
-            :func:`token_attribution.extractor.first_stop_index`.
+            the generator's ``ended_with_stop``.
         penalty: >= 0.
 
     Returns:

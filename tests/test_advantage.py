@@ -25,7 +25,7 @@ MASK_DTYPES = [mx.bool_, mx.int32, mx.float32]
 def make_mask(rng: np.random.Generator, B: int, T: int, kind: str) -> np.ndarray:
     """(B, T) bool mask, at least one valid token per row.
 
-    prefix: random length valid prefix, pad at the end (what truncate_after_stop makes);
+    prefix: random length valid prefix, pad at the end (what the rollout makes);
     full: all valid; single: one valid token per row (row 0 at the start, others anywhere);
     holes: random holes anywhere, including in the middle.
     """

@@ -15,7 +15,6 @@ from reward_kl.reward_computer import (
     per_token_rewards,
     sequence_rewards,
 )
-from token_attribution.extractor import first_stop_index, truncate_after_stop
 
 
 def naive_kl(logp: float, ref: float, estimator: str) -> float:
@@ -115,8 +114,9 @@ PAD, EOS = 0, 2
 
 
 def test_score_lands_on_stop_token_not_pad():
-    responses = mx.array([[5, 6, EOS, PAD, PAD], [7, 8, 9, 4, 3], [EOS, 6, 6, 6, 6]])
-    _, mask, _ = truncate_after_stop(responses, [EOS], PAD)
+    # Responses [5, 6, EOS | pad pad], [7, 8, 9, 4, 3] (no stop), [EOS | ...]: the mask covers
+    # each response up to and including its stop token.
+    mask = mx.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=mx.float32)
     kl = mx.array(
         [[0.1, 0.2, 0.3, 9.0, 9.0], [0.1, -0.1, 0.0, 0.2, 0.4], [1.0, 5.0, 5.0, 5.0, 5.0]]
     )
@@ -179,8 +179,8 @@ def test_per_token_rewards_errors():
 
 
 def test_missing_eos_penalty():
-    responses = mx.array([[5, EOS, PAD], [5, 6, 7], [EOS, PAD, PAD], [5, 6, PAD]])
-    _, ended = first_stop_index(responses, EOS)
+    # [5, EOS, pad], [5, 6, 7], [EOS, pad, pad], [5, 6, pad]: the first and third ended.
+    ended = mx.array([True, False, True, False])
     scores = mx.array([1.0, 1.0, -2.0, 0.5])
     got = apply_missing_eos_penalty(scores, ended, 1.5)
     assert got.dtype == mx.float32

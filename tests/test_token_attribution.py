@@ -1,4 +1,4 @@
-"""token_attribution/: selective log-softmax, entropy, truncation after the stop token."""
+"""token_attribution/: selective log-softmax, entropy, dropping truncated completions."""
 
 from __future__ import annotations
 
@@ -6,11 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from token_attribution.extractor import (
-    first_stop_index,
-    mask_truncated_completions,
-    truncate_after_stop,
-)
+from token_attribution.extractor import mask_truncated_completions
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 SHAPES = [(1, 1, 2), (2, 3, 7), (3, 9, 50), (2, 16, 257)]
@@ -102,96 +98,7 @@ def test_logprob_shape_errors():
         entropy_from_logits(mx.zeros((3, 5)))
 
 
-# ----------------------------------------------------------------------------- truncate_after_stop
-
-PAD, EOS, EOT = 0, 2, 3
-
-
-def test_truncate_after_stop_hand_cases():
-    responses = mx.array(
-        [
-            [5, 6, EOS, 7, 8],  # stop in the middle: later tokens become pad
-            [EOS, 5, 6, 7, 8],  # stop first: a one-token response
-            [5, 6, 7, PAD, PAD],  # no stop, batch padding at the end: not actions
-            [5, 6, 7, 8, 9],  # no stop, no pad: all actions
-            [5, PAD, 6, EOT, PAD],  # pad inside the content stays; EOT is also a stop id
-            [PAD, PAD, PAD, PAD, PAD],  # nothing generated
-        ]
-    )
-    out, mask, lengths = truncate_after_stop(responses, [EOS, EOT], PAD)
-    assert out.dtype == responses.dtype and mask.dtype == mx.float32 and lengths.dtype == mx.int32
-    assert out.tolist() == [
-        [5, 6, EOS, PAD, PAD],
-        [EOS, PAD, PAD, PAD, PAD],
-        [5, 6, 7, PAD, PAD],
-        [5, 6, 7, 8, 9],
-        [5, PAD, 6, EOT, PAD],
-        [PAD, PAD, PAD, PAD, PAD],
-    ]
-    assert mask.tolist() == [
-        [1, 1, 1, 0, 0],
-        [1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0],
-        [1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 0],
-        [0, 0, 0, 0, 0],
-    ]
-    assert lengths.tolist() == [3, 1, 3, 5, 4, 0]
-    stop_index, ended = first_stop_index(responses, [EOS, EOT])
-    assert stop_index.tolist() == [2, 0, 5, 5, 3, 5]
-    assert ended.tolist() == [True, True, False, False, True, False]
-    # Same answer on the truncated responses.
-    assert first_stop_index(out, [EOS, EOT])[1].tolist() == ended.tolist()
-
-
-def test_truncate_after_stop_pad_is_stop():
-    """pad == EOS (GPT-2 style): the first pad is the stop token and is an action."""
-    responses = mx.array([[5, 6, EOS, EOS], [5, 6, 7, 8], [EOS, EOS, EOS, EOS]])
-    out, mask, lengths = truncate_after_stop(responses, EOS, EOS)
-    assert out.tolist() == responses.tolist()
-    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert lengths.tolist() == [3, 4, 1]
-
-
-def naive_truncate(rows: np.ndarray, stops: list[int], pad: int):
-    out, mask = np.full_like(rows, pad), np.zeros(rows.shape, dtype=np.float32)
-    for b, row in enumerate(rows):
-        stop_at = next((t for t, tok in enumerate(row) if tok in stops), None)
-        if stop_at is not None:
-            end = stop_at + 1
-        else:
-            end = len(row)
-            if pad not in stops:
-                while end > 0 and row[end - 1] == pad:
-                    end -= 1
-        out[b, :end] = row[:end]
-        mask[b, :end] = 1
-    return out, mask, mask.sum(axis=1).astype(np.int32)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("stops,pad", [([2], 0), ([2, 3], 0), ([2], 2), ([1, 2], 1)])
-def test_truncate_after_stop_matches_naive(seed, stops, pad):
-    rng = np.random.default_rng(seed)
-    rows = rng.integers(0, 6, size=(8, 12)).astype(np.int32)
-    # Some rows end in a run of pad (batch padding) with no stop token.
-    rows[:3] = np.where(np.isin(rows[:3], stops), 5, rows[:3])
-    rows[0, 7:] = pad
-    rows[1, :] = pad
-    out, mask, lengths = truncate_after_stop(mx.array(rows), stops, pad)
-    ref_out, ref_mask, ref_lengths = naive_truncate(rows, stops, pad)
-    np.testing.assert_array_equal(np.array(out), ref_out)
-    np.testing.assert_array_equal(np.array(mask), ref_mask)
-    np.testing.assert_array_equal(np.array(lengths), ref_lengths)
-
-
-def test_truncate_after_stop_errors():
-    with pytest.raises(ValueError, match=r"\(B, T\)"):
-        truncate_after_stop(mx.array([1, 2, 3]), [2], 0)
-    with pytest.raises(ValueError, match="stop_token_ids is empty"):
-        truncate_after_stop(mx.array([[1, 2, 3]]), [], 0)
-    with pytest.raises(ValueError, match="pad_token_id"):
-        truncate_after_stop(mx.array([[1, 2, 3]]), [2], None)  # type: ignore[arg-type]
+# ----------------------------------------------------------------------------- mask_truncated_completions
 
 
 @pytest.mark.parametrize("dtype", [mx.bool_, mx.int32, mx.float32])
@@ -203,10 +110,9 @@ def test_mask_truncated_completions(dtype):
     assert got.dtype == dtype
     want = np.array([[mask[b, t] and ended[b] for t in range(7)] for b in range(5)])
     np.testing.assert_array_equal(np.array(got).astype(bool), want)
-    # With the stop flags of truncate_after_stop's rows: the row without a stop is dropped.
-    responses = mx.array([[5, 2, 0, 0], [5, 6, 7, 8]])
-    _, cut_mask, _ = truncate_after_stop(responses, 2, 0)
-    _, flags = first_stop_index(responses, 2)
+    # A response cut after its stop token keeps its mask; one that ran out of budget loses it.
+    cut_mask = mx.array([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=mx.float32)
+    flags = mx.array([True, False])
     np.testing.assert_array_equal(
         np.array(mask_truncated_completions(cut_mask, flags)), [[1, 1, 0, 0], [0, 0, 0, 0]]
     )

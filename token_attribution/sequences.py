@@ -55,29 +55,6 @@ def gather_positions(x: mx.array, positions: mx.array) -> mx.array:
     return mx.take_along_axis(x, index, axis=1)
 
 
-def response_logprobs(
-    logits: mx.array,
-    prompt_lengths: mx.array,
-    responses: mx.array,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[mx.array, mx.array | None]:
-    """Per-token log-probs of the responses under ``logits / temperature``.
-
-    Args:
-        logits: (B, L, V) logits of the model on the query_responses.
-        prompt_lengths: (B,) prompt lengths.
-        responses: (B, T) response tokens.
-        temperature: the sampling temperature (the trainer scores at the temperature it sampled at).
-        with_entropy: also return the (B, T) entropy of the scaled distribution.
-
-    Returns:
-        ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
-    """
-    positions = response_positions(prompt_lengths, responses.shape[1])
-    return token_logprobs(gather_positions(logits, positions), responses, temperature, with_entropy)
-
-
 def token_logprobs(
     scored: mx.array,
     responses: mx.array,
