@@ -32,6 +32,17 @@ def require(ok: bool, name: str, value: object, rule: str, fix: str) -> None:
         raise ValueError(f"{name} must be {rule}, got {value!r}: {fix}")
 
 
+def require_model_name(model_name: str) -> None:
+    """Raise ``ValueError`` unless ``model_name`` names a model (a non-empty path or repo id)."""
+    require(
+        bool(model_name.strip()),
+        "model_name",
+        model_name,
+        "a non-empty path or repo id",
+        "set model_name to a local model directory or a Hugging Face repo id",
+    )
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending (for messages that suggest valid values)."""
     return [d for d in range(1, n + 1) if n % d == 0]

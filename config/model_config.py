@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from config._fields import check_field_types, is_positive, require
+from config._fields import check_field_types, is_positive, require, require_model_name
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 ValueInit = Literal["reward", "policy"]
@@ -111,13 +111,7 @@ class ModelConfig(LoraConfig):
     def __post_init__(self) -> None:
         LoraConfig.__post_init__(self)
         check_field_types(self, ModelConfig)
-        require(
-            bool(self.model_name.strip()),
-            "model_name",
-            self.model_name,
-            "a non-empty path or repo id",
-            "set model_name to a local model directory or a Hugging Face repo id",
-        )
+        require_model_name(self.model_name)
         for name in ("sft_model_name", "reward_model_name", "value_model_name"):
             value = getattr(self, name)
             require(

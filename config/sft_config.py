@@ -9,7 +9,7 @@ cls=SFTConfig)`` like the PPO config (flat YAML keys).
 
 from dataclasses import dataclass
 
-from config._fields import check_field_types, divisors, require
+from config._fields import check_field_types, divisors, require, require_model_name
 from config.model_config import Dtype, LoraConfig
 from config.training_config import LRScheduler, OptimConfig
 
@@ -66,13 +66,7 @@ class FineTuneConfig(OptimConfig):
     def __post_init__(self) -> None:
         OptimConfig.__post_init__(self)
         check_field_types(self, FineTuneConfig)
-        require(
-            bool(self.model_name.strip()),
-            "model_name",
-            self.model_name,
-            "a non-empty path or repo id",
-            "set model_name to a local model directory or a Hugging Face repo id",
-        )
+        require_model_name(self.model_name)
         for name in ("dataset", "eval_dataset"):
             value = getattr(self, name)
             require(

@@ -89,19 +89,8 @@ def check_sft_record(record: Any, where: str) -> None:
         if record.get("system") is not None:
             _require_text(record, "system", where, "a system message")
         return
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(
-            f'{where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}} '
-            f"objects, got {messages!r:.80}"
-        )
+    _check_messages(messages, where, "messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not all(
-            isinstance(message.get(k), str) for k in ("role", "content")
-        ):
-            raise ValueError(
-                f"{where}: messages[{i}] must be an object with string 'role' and 'content', "
-                f"got {message!r:.80}"
-            )
         if message["role"] == "assistant" and not message["content"].strip():
             raise ValueError(f"{where}: messages[{i}] is an empty assistant turn; nothing to learn")
     if messages[-1]["role"] != "assistant":

@@ -36,8 +36,7 @@ from finetune.tokenize import (
     tokenize_preferences,
 )
 from training.checkpoint import atomic_directory
-from training.run_control import TrainingStopped, prepare_run_dir
-from finetune.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
+from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
 
 def bradley_terry_loss(
@@ -204,13 +203,4 @@ def run_reward_training(config: RewardConfig, *, resume_from: str | Path | None 
         ValueError: ``config.dataset`` is not set, or the data is malformed.
         TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
     """
-    train_records, eval_records = load_run_data(config, load_preference_data)
-    # Before the model loads: a folder that holds another run, or that cannot be written.
-    prepare_run_dir(
-        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
-    )
-    trainer = RewardTrainer(config)
-    trainer.train(train_records, eval_records, resume_from=resume_from)
-    if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run, not a model
-        raise TrainingStopped(trainer.stop_reason, trainer.global_step)
-    return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)
+    return run_stage(RewardTrainer, config, load_preference_data, resume_from)

@@ -31,8 +31,7 @@ from models.policy_model import PolicyModel
 from finetune.records import load_sft_data
 from finetune.tokenize import SFTBatch, SFTExample, collate_sft, tokenize_sft
 from training.checkpoint import atomic_directory
-from training.run_control import TrainingStopped, prepare_run_dir
-from finetune.supervised_trainer import MODEL_DIR, SupervisedTrainer, load_run_data
+from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
 
 def sft_loss(
@@ -169,13 +168,4 @@ def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path
         ValueError: ``config.dataset`` is not set, or the data is malformed.
         TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
     """
-    train_records, eval_records = load_run_data(config, load_sft_data)
-    # Before the model loads: a folder that holds another run, or that cannot be written.
-    prepare_run_dir(
-        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
-    )
-    trainer = SFTTrainer(config)
-    trainer.train(train_records, eval_records, resume_from=resume_from)
-    if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run, not a model
-        raise TrainingStopped(trainer.stop_reason, trainer.global_step)
-    return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)
+    return run_stage(SFTTrainer, config, load_sft_data, resume_from)

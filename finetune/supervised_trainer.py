@@ -50,7 +50,13 @@ from training.checkpoint import (
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
 from training.optimizer import AdamW, lr_schedule, optimizer_step
-from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
+from training.run_control import (
+    RunLog,
+    StopSignals,
+    TrainingStopped,
+    prepare_run_dir,
+    save_after_failure,
+)
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -84,6 +90,35 @@ def load_run_data(
         return [dict(r) for r in records], [dict(r) for r in held_out]
     train, held_out_part = train_eval_split(records, config.eval_fraction, config.seed)
     return train, held_out_part or None
+
+
+C = TypeVar("C", bound=FineTuneConfig)
+
+
+def run_stage(
+    trainer_class: Callable[[C], SupervisedTrainer[Any, Any]],
+    config: C,
+    load: Callable[..., Iterable[Mapping[str, Any]]],
+    resume_from: str | Path | None,
+) -> Path:
+    """One fine-tuning stage from its config alone: read the data (:func:`load_run_data`), check
+    the output folder before the model loads, train, and save the model to
+    ``<output_dir>/model``, which is returned.
+
+    Raises:
+        ValueError: ``config.dataset`` is not set, or the data is malformed.
+        TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
+    """
+    train_records, eval_records = load_run_data(config, load)
+    # Before the model loads: a folder that holds another run, or that cannot be written.
+    prepare_run_dir(
+        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
+    )
+    trainer = trainer_class(config)
+    trainer.train(train_records, eval_records, resume_from=resume_from)
+    if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run, not a model
+        raise TrainingStopped(trainer.stop_reason, trainer.global_step)
+    return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)
 
 
 class SupervisedTrainer(Generic[E, B]):
