@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,10 +64,8 @@ from ppo_trainer.components import (
 from ppo_trainer.experience import (
     KL_IN_REWARD,
     ExperienceSettings,
-    kl_per_token,
     make_experience,
 )
-from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
     Columns,
@@ -78,23 +76,27 @@ from ppo_trainer.prompt_records import (
     slice_columns,
     split_records,
 )
-from ppo_trainer.rollout import Rollout, SamplingSettings, check_prompts, collect_rollout
+from ppo_trainer.evaluation import evaluate_rollouts
+from ppo_trainer.rollout import (
+    Rollout,
+    SamplingSettings,
+    check_prompts,
+    collect_rollout,
+    decode_completions,
+    rollout_keys,
+)
 from ppo_trainer.rollout_records import (
     log_rollouts,
     rollout_arrays,
-    rollout_records,
     rollouts_due,
-    select_rows,
-    write_rollout_records,
 )
 from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
-    build_optimizers,
+    ensure_optimizers,
     load_models,
     load_trainer_state,
     save_models,
     save_trainer_state,
-    schedule_plan,
 )
 from ppo_trainer.run_loop import TrainingRun
 from ppo_trainer.update import (
@@ -266,7 +268,7 @@ class PPOTrainer:
         local = cfg.batch_size // self.world_size
         first = self.rank * local
         texts, prompt_ids, columns = self._prepare_prompts(prompts, first, first + local)
-        self._ensure_optimizers(total_steps=None)
+        ensure_optimizers(self, total_steps=None)
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
         step = self.global_step + 1
@@ -274,7 +276,8 @@ class PPOTrainer:
 
         # 1-3. Generate group_size responses per prompt; log-probs, values and scores.
         group = cfg.group_size
-        keys = self._rollout_keys(self.global_step)[first * group : (first + local) * group]
+        keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
+        keys = keys[first * group : (first + local) * group]
         rollout = self._rollout(
             [t for t in texts for _ in range(group)],
             [p for p in prompt_ids for _ in range(group)],
@@ -385,27 +388,11 @@ class PPOTrainer:
             texts,
             prompt_ids,
             sampling,
-            decode=self._decode_completions,
+            decode=lambda gen: decode_completions(gen, self.decode_completion),
             score=score,
             score_source=self._score_source(),
             keys=keys,
         )
-
-    def _rollout_keys(self, step: int) -> mx.array:
-        """One PRNG key per sequence of the global rollout batch, (batch_size * group_size, 2).
-
-        Sequence ``k`` (sample ``k % group_size`` of prompt ``k // group_size``) samples from key
-        ``k`` whichever rank generates it, so a data-parallel run draws the responses one process
-        would, and a resumed run those of an uninterrupted one.
-        """
-        seed = int(np.random.default_rng([self.config.seed, step, 2]).integers(2**63))
-        return mx.random.split(mx.random.key(seed), self.config.rollout_batch_size)
-
-    def _decode_completions(self, gen: GenerationOutput) -> list[str]:
-        """Texts of the generated responses, each without its stop token."""
-        ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()
-        rows = np.array(gen.responses).tolist()
-        return [self.decode_completion(row[:end]) for row, end in zip(rows, ends)]
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
@@ -478,33 +465,6 @@ class PPOTrainer:
         does); callbacks use it for early stopping."""
         self._stop.request(reason)
 
-    def _check_same_weights(self, moment: str) -> None:
-        """Raise on every rank unless every rank holds the same models and optimiser states."""
-        models, optimizers = self._checkpointed()
-        tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
-        tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
-        dist.check_same_weights(tree, f"the trained state {moment}", self.group)
-
-    def _ensure_optimizers(self, total_steps: int | None) -> None:
-        """Build the AdamW optimisers with a schedule over ``total_steps`` iterations.
-
-        Called by :meth:`train` with the run's length (and by :meth:`step` with None, which keeps
-        existing optimisers). Rebuilding keeps the moments and step count of the previous ones.
-        """
-        if self.policy_optimizer is not None and total_steps is None:
-            return
-        self._schedule_plan = schedule_plan(self.config, total_steps)
-        self._build_optimizers(self._schedule_plan.schedule())
-
-    def _build_optimizers(self, schedule: Callable[[mx.array], mx.array]) -> None:
-        previous = {
-            "policy": self.policy_optimizer.state if self.policy_optimizer else None,
-            "value": self.value_optimizer.state if self.value_optimizer else None,
-        }
-        self.policy_optimizer, self.value_optimizer = build_optimizers(
-            self.config, schedule, self.value_model is not None, previous
-        )
-
     # ------------------------------------------------------------------ evaluation
     def evaluate(
         self,
@@ -532,45 +492,7 @@ class PPOTrainer:
             temperature=cfg.eval_temperature if temperature is None else temperature,
             logprobs_from="sampling",
         )
-        rewards: list[float] = []
-        kls: list[float] = []
-        lengths: list[float] = []
-        samples: list[dict[str, Any]] = []
-        records: list[dict[str, Any]] = []
-        record = self._record_eval
-        for start in range(0, len(prompts), cfg.rollout_batch_size):
-            stop = min(start + cfg.rollout_batch_size, len(prompts))
-            texts, ids, columns = self._prepare_prompts(prompts, start, stop)
-            rollout = self._rollout(texts, ids, columns, sampling, with_values=False)
-            kl_tokens = kl_per_token(rollout, self.experience)  # (B, T)
-            kl = kl_tokens.sum(axis=1)  # (B,)
-            room = cfg.rollout_records_per_step - len(records)
-            if record and room > 0:
-                arrays = rollout_arrays(
-                    rollout,
-                    rollout.as_batch(),
-                    {"kl": kl_tokens},
-                    self.global_step,
-                    cfg.algorithm,
-                    source="eval",
-                )
-                rows = select_rows(len(texts), 1, room)
-                records += rollout_records(arrays, self.tokenizer, rows)
-            rewards.extend(np.array(rollout.scores).tolist())
-            kls.extend(np.array(kl).tolist())
-            lengths.extend(np.array(rollout.generation.lengths).tolist())
-            samples += [
-                {"prompt": t, "completion": c, "reward": r}
-                for t, c, r in zip(texts, rollout.completions, rewards[start:stop])
-            ][: max(num_samples - len(samples), 0)]
-        if record:
-            write_rollout_records(self.run_dir, self.global_step, records, "eval")
-        return {
-            "eval/mean_reward": float(np.mean(rewards)),
-            "eval/kl": float(np.mean(kls)),
-            "eval/response_length": float(np.mean(lengths)),
-            "samples": samples,
-        }
+        return evaluate_rollouts(self, prompts, sampling, num_samples)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -595,17 +517,6 @@ class PPOTrainer:
                 :mod:`ppo_trainer.run_state`), another number of processes, or is incomplete.
         """
         load_trainer_state(self, path)
-
-    def _checkpointed(
-        self,
-    ) -> tuple[dict[str, nn.Module], dict[str, optim.Optimizer | None]]:
-        """The models and optimisers a checkpoint holds, by name."""
-        models: dict[str, nn.Module] = {"policy": self.policy}
-        optimizers = {"policy_optimizer": self.policy_optimizer}
-        if self.value_model is not None:
-            models["value"] = self.value_model
-            optimizers["value_optimizer"] = self.value_optimizer
-        return models, optimizers
 
     def save_model(self, path: str | Path) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for

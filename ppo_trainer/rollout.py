@@ -193,6 +193,24 @@ def collect_rollout(
     )
 
 
+def rollout_keys(seed: int, step: int, n: int) -> mx.array:
+    """One PRNG key per sequence of a global rollout batch of ``n`` sequences, (n, 2).
+
+    Sequence ``k`` (sample ``k % group_size`` of prompt ``k // group_size``) samples from key
+    ``k`` whichever rank generates it, so a data-parallel run draws the responses one process
+    would, and a resumed run those of an uninterrupted one.
+    """
+    key_seed = int(np.random.default_rng([seed, step, 2]).integers(2**63))
+    return mx.random.split(mx.random.key(key_seed), n)
+
+
+def decode_completions(gen: GenerationOutput, decode: Callable[[Sequence[int]], str]) -> list[str]:
+    """Texts of the generated responses, each decoded without its stop token."""
+    ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()
+    rows = np.array(gen.responses).tolist()
+    return [decode(row[:end]) for row, end in zip(rows, ends)]
+
+
 def check_scores(scores: Any, expected: int, source: str) -> mx.array:
     """``scores`` as a (B,) float32 array, or ``ValueError`` naming ``source`` and what is wrong:
     not numbers (strings, None), not one per completion, or not finite."""

@@ -21,6 +21,7 @@ from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
+from ppo_trainer.run_state import check_same_weights, ensure_optimizers
 from training.checkpoint import STATE_FILE
 from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
 
@@ -56,11 +57,11 @@ class TrainingRun:
         t._last_step = total
         t._callbacks = self.callbacks
         self._check_run_dir(resuming=resume_from is not None)
-        t._ensure_optimizers(total_steps=total)
+        ensure_optimizers(t, total_steps=total)
         resume_step = self._resume(resume_from) if resume_from is not None else None
         if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
             t.blas_threads = run_blas_threads()
-        t._check_same_weights("at the start of training")
+        check_same_weights(t, "at the start of training")
         for cb in self.callbacks:
             cb.on_train_begin(t)
         last_saved = t.global_step if resume_step is not None else -1
@@ -94,7 +95,7 @@ class TrainingRun:
                     t.save_checkpoint()
                 raise
         t.stop_reason = stop.reason
-        t._check_same_weights("at the end of training")
+        check_same_weights(t, "at the end of training")
         if self.eval_prompts and not stop.requested:
             final = self._evaluate()
             if t.is_main_process:

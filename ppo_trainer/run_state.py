@@ -7,15 +7,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 
+from base_setup import distributed as dist
+from base_setup.backend import run_blas_threads
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
-import numpy as np
-
-from base_setup.backend import run_blas_threads
 from training.checkpoint import (
     CheckpointManager,
     atomic_directory,
@@ -152,6 +153,49 @@ def load_models(policy: PolicyModel, value_model: ValueModel | None, path: str |
         value_model.load_pretrained_weights(path / "value_model")
 
 
+def ensure_optimizers(trainer: PPOTrainer, total_steps: int | None) -> None:
+    """Give ``trainer`` AdamW optimisers with a schedule over ``total_steps`` iterations.
+
+    :meth:`PPOTrainer.train` calls it with the run's length, :meth:`PPOTrainer.step` with None
+    (which keeps existing optimisers). Rebuilding keeps the moments and step counts.
+    """
+    if trainer.policy_optimizer is not None and total_steps is None:
+        return
+    trainer._schedule_plan = schedule_plan(trainer.config, total_steps)
+    rebuild_optimizers(trainer, trainer._schedule_plan.schedule())
+
+
+def rebuild_optimizers(trainer: PPOTrainer, schedule: Callable[[mx.array], mx.array]) -> None:
+    """Replace ``trainer``'s optimisers by ones following ``schedule``, with their states."""
+    previous = {
+        "policy": trainer.policy_optimizer.state if trainer.policy_optimizer else None,
+        "value": trainer.value_optimizer.state if trainer.value_optimizer else None,
+    }
+    trainer.policy_optimizer, trainer.value_optimizer = build_optimizers(
+        trainer.config, schedule, trainer.value_model is not None, previous
+    )
+
+
+def checkpointed(
+    trainer: PPOTrainer,
+) -> tuple[dict[str, nn.Module], dict[str, optim.Optimizer | None]]:
+    """The models and optimisers a checkpoint of ``trainer`` holds, by name."""
+    models: dict[str, nn.Module] = {"policy": trainer.policy}
+    optimizers = {"policy_optimizer": trainer.policy_optimizer}
+    if trainer.value_model is not None:
+        models["value"] = trainer.value_model
+        optimizers["value_optimizer"] = trainer.value_optimizer
+    return models, optimizers
+
+
+def check_same_weights(trainer: PPOTrainer, moment: str) -> None:
+    """Raise on every rank unless every rank holds the same models and optimiser states."""
+    models, optimizers = checkpointed(trainer)
+    tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
+    tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
+    dist.check_same_weights(tree, f"the trained state {moment}", trainer.group)
+
+
 def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
     states, and the JSON state (counters, KL controller, history, config, number of processes,
@@ -169,7 +213,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
         "blas_threads": trainer.blas_threads,
     }
     return save_training_state(
-        trainer.checkpoints, trainer.global_step, *trainer._checkpointed(), state
+        trainer.checkpoints, trainer.global_step, *checkpointed(trainer), state
     )
 
 
@@ -180,7 +224,7 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     schedule (continued, not restarted, when the run's length changed)."""
     state = CheckpointManager.read_state(path)
     check_checkpoint(path, state, trainer.config, trainer.world_size)
-    load_training_state(path, *trainer._checkpointed())
+    load_training_state(path, *checkpointed(trainer))
     trainer.blas_threads = run_blas_threads(state.get("blas_threads"))
     trainer.kl_ctl.load_state_dict(state["kl_controller"])
     trainer.global_step = int(state["global_step"])
@@ -190,4 +234,4 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))
         schedule = resumed_schedule(state.get("schedule"), trainer._schedule_plan, updates)
-        trainer._build_optimizers(schedule)
+        rebuild_optimizers(trainer, schedule)
