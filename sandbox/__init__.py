@@ -38,8 +38,6 @@ SysV / POSIX IPC objects     private IPC namespace                RLIMIT_MSGQUEU
 leftover processes           PID namespace dies with its pid 1;   process-group kill
                              /proc sweep of the uid
 trainer killed mid-run       PDEATHSIG chain kills everything     the direct child dies (Linux)
-forged test results          expected values never enter the sandbox; values return as plain
-                             data and are compared in the trainer (both columns)
 ===========================  ===================================  ==============================
 
 Root without ``CAP_SYS_ADMIN`` (a plain container) gets the fresh uid with the audit hook, if
@@ -53,7 +51,7 @@ The candidate gets the standard library only (``-S``), runs with ``__name__ == "
 (so an ``if __name__ == "__main__":`` block does not run), and its tests run in order in the
 namespace it defined, under one wall-clock limit for the whole run.
 
-Why a pass cannot be forged: the records the runner writes carry a random nonce, but the argument
+Why a pass cannot be forged (in every mode): the records the runner writes carry a random nonce, but the argument
 does not rest on it. A candidate that takes over the runner (finds the nonce through ``gc`` or
 its frames, replaces the encoder, writes records of its own) can only send plain data, and a test
 passes only if that data is the expected value, which it was never shown: forging a record is no
@@ -72,7 +70,8 @@ Residual risks, stated honestly:
   parser rejects comparisons inside the evaluated expression, not inside helpers; keep every
   comparison in the assert itself.
 * The candidate can read world-readable files: a task file that holds the tests or reference
-  solutions, readable by the sandbox's uid, gives the answers away to a program that finds it.
+  solutions, readable by the sandbox's uid, gives the answers away to a program that finds it (a
+  checkout's ``examples/data/code_tasks.jsonl`` is world-readable unless you change its mode).
   With a fresh uid (running as root) keep such files unreadable to other users; in the fallback
   modes the candidate runs as the trainer's user and can read whatever the trainer can, and, where
   the kernel lets a process trace its parent (Yama ``ptrace_scope`` 0), the trainer's memory.

@@ -239,18 +239,11 @@ def test_types_are_compared_strictly() -> None:
     assert run(code, passing).passed == 3
 
 
-def test_the_bundled_tasks_parse_and_their_solutions_pass() -> None:
+def test_every_bundled_test_parses() -> None:
+    # That their solutions pass is tests/test_examples.py::test_bundled_code_solutions_pass_every_test.
     records = [json.loads(line) for line in BUNDLED_DATA.read_text().splitlines() if line]
-    for record in records:
-        for test_checks in parse_tests(record["tests"]):
-            assert all(check.op in ("==", "!=") for check in test_checks)
-    scores = score_completions(
-        [r["prompt"] + r["solution"] for r in records],
-        [r["tests"] for r in records],
-        LIMITS,
-        max_workers=2,
-    )
-    assert scores == [1.0] * len(records)
+    parsed = [parse_tests(record["tests"]) for record in records]
+    assert sum(len(tests) for tests in parsed) == sum(len(r["tests"]) for r in records) > 0
 
 
 # --------------------------------------------------------------------------- parsing
