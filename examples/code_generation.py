@@ -36,7 +36,6 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.code_sandbox import SandboxLimits, extract_code, score_completions
 from examples.task_common import (
     DATA_DIR,
     require_object,
@@ -46,6 +45,7 @@ from examples.task_common import (
 )
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt, PromptInput
+from sandbox import SandboxLimits, extract_code, score_completions
 
 logger = logging.getLogger("ppo_mlx")
 

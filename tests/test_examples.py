@@ -23,7 +23,6 @@ from examples.code_generation import (
     code_record,
     score_programs,
 )
-from examples.code_sandbox import SandboxLimits
 from examples.dialogue import (
     DialogueTrainer,
     conversation_prompt,
@@ -41,6 +40,7 @@ from examples.summarization import (
 )
 from examples.task_common import load_task_records
 from models.reward_model import RewardModel
+from sandbox import SandboxLimits
 from token_attribution.sequences import build_query_responses
 
 REPO = Path(__file__).resolve().parents[1]

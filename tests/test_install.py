@@ -89,6 +89,7 @@ def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path)
     assert top == set(PACKAGES) | {"main.py"}
     for data in ("code_tasks", "dialogue", "summarization"):
         assert f"examples/data/{data}.jsonl" in names
+    assert "sandbox/launcher.py" in names and "sandbox/runner.py" in names  # run as scripts
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [
         line

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from examples import code_sandbox
-from examples.code_sandbox import (
+from sandbox import (
     WORKDIR_PREFIX,
     Isolation,
     SandboxLimits,
@@ -30,6 +29,7 @@ from examples.code_sandbox import (
     run_tests_many,
     score_completions,
 )
+from sandbox import isolation as sandbox_host
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs a POSIX system")
 
@@ -43,7 +43,6 @@ FALLBACK = Isolation(
 ISOLATION = detect_isolation() if os.name == "posix" else FALLBACK
 LINUX = sys.platform.startswith("linux")
 REPO = Path(__file__).resolve().parents[1]
-SANDBOX_FILE = REPO / "examples" / "code_sandbox.py"
 
 LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=3, memory_mb=256)
 GOOD = "def f(x):\n    return 2 * x\n"
@@ -78,14 +77,14 @@ _used_uids: list[int] = []  # every sandbox uid this test session picked
 def record_sandbox_uids(monkeypatch: pytest.MonkeyPatch) -> None:
     """Spy on the uid picker, so that leftover checks look at this session's sandboxes only
     (another test session may be running sandboxes at the same time)."""
-    pick = code_sandbox._pick_uid
+    pick = sandbox_host.pick_uid
 
     def recording_pick() -> int:
         uid = pick()
         _used_uids.append(uid)
         return uid
 
-    monkeypatch.setattr(code_sandbox, "_pick_uid", recording_pick)
+    monkeypatch.setattr(sandbox_host, "pick_uid", recording_pick)
 
 
 def _sandbox_processes() -> list[str]:
@@ -124,15 +123,21 @@ def test_honest_solution_passes_every_test() -> None:
 
 def test_partly_wrong_solution_gets_its_honest_fraction() -> None:
     code = "def f(x):\n    return 4 if x == 2 else x\n"
-    tests = ["assert f(2) == 4", "assert f(3) == 6", "raise ValueError('boom')", "assert f(0) == 0"]
+    tests = [
+        "assert f(2) == 4",
+        "assert f(3) == 6",
+        "raise ValueError('boom')\nassert f(0) == 0",  # statements before an assert
+        "assert f(0) == 0",
+    ]
     result = checked_run(code, tests)
     assert (result.status, result.passed, result.total) == ("ok", 2, 4)
     assert result.fraction == 0.5
-    assert "test 1: AssertionError" in result.detail and "test 2: ValueError: boom" in result.detail
+    assert "test 1: assert f(3) == 6: f(3) gave 3" in result.detail
+    assert "test 2: ValueError: boom" in result.detail
 
 
 def test_tests_share_the_namespace_and_exit_inside_a_test_only_fails_that_test() -> None:
-    tests = ["assert f(1) == 2", "import sys; sys.exit(0)", "assert f(3) == 6"]
+    tests = ["assert f(1) == 2", "import sys; sys.exit(0)\nassert f(2) == 4", "assert f(3) == 6"]
     result = checked_run(GOOD + "calls = []\n", tests)
     assert (result.status, result.passed) == ("ok", 2)
     assert "test 1: SystemExit" in result.detail
@@ -150,8 +155,8 @@ HOSTILE_ZERO = {
     "syntax error": ("def f(x) return x\n", "error"),
     "file past the size limit": ("open('big', 'wb').write(b'x' * 3 * 2**20)\n" + GOOD, "error"),
     "fake results on stdout and the result pipe": (
-        GOOD + "import os\nprint('0 pass 0 \\n0 pass 1 \\n0 done -1 ')\n"
-        "for fd in range(3, 10):\n    try:\n        os.write(fd, b'0 pass 0 \\n0 pass 1 \\n')\n"
+        GOOD + "import os\nprint('0 value 0 0 4\\n0 value 1 0 0\\n0 done -1 -1 ')\n"
+        "for fd in range(3, 10):\n    try:\n        os.write(fd, b'0 value 0 0 4\\n0 value 1 0 0\\n')\n"
         "    except OSError:\n        pass\nos._exit(0)\n",
         "crashed",
     ),
@@ -173,15 +178,17 @@ def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock() -> None:
 
 
 def test_passes_before_a_timeout_or_crash_still_count() -> None:
-    looping = checked_run(GOOD, ["assert f(1) == 2", "while True: pass", "assert f(2) == 4"])
+    loop = "while True: pass\nassert f(0) == 0"
+    looping = checked_run(GOOD, ["assert f(1) == 2", loop, "assert f(2) == 4"])
     assert (looping.status, looping.passed, looping.total) == ("timeout", 1, 3)
-    exiting = checked_run(GOOD, ["assert f(1) == 2", "import os; os._exit(3)", "assert f(2) == 4"])
+    exit_3 = "import os; os._exit(3)\nassert f(0) == 0"
+    exiting = checked_run(GOOD, ["assert f(1) == 2", exit_3, "assert f(2) == 4"])
     assert (exiting.status, exiting.passed) == ("crashed", 1)
     assert "exit code 3" in exiting.detail
 
 
 def test_memory_limit_fails_only_the_test_that_allocates() -> None:
-    result = checked_run(GOOD, ["block = bytearray(10 * 1024**3)", "assert f(2) == 4"])
+    result = checked_run(GOOD, ["assert len(bytearray(10 * 1024**3)) == 0", "assert f(2) == 4"])
     assert (result.status, result.passed) == ("ok", 1)
     assert "MemoryError" in result.detail
 
@@ -251,16 +258,15 @@ def test_killing_the_trainer_kills_its_sandboxes() -> None:
         "        time.sleep(300)\nwhile True:\n    time.sleep(1)\n"
     )
     trainer = (  # a stand-in trainer that prints the sandbox uid it picks
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('sb', {str(SANDBOX_FILE)!r})\n"
-        "sb = importlib.util.module_from_spec(spec)\nsys.modules['sb'] = sb\n"
-        "spec.loader.exec_module(sb)\npick = sb._pick_uid\n"
+        "import sandbox\nfrom sandbox import isolation as host\npick = host.pick_uid\n"
         "def spy():\n    uid = pick()\n    print(uid, flush=True)\n    return uid\n"
-        "sb._pick_uid = spy\n"
-        f"sb.run_tests({candidate!r}, ['assert True'], sb.SandboxLimits(timeout_s=60.0), "
-        "sb.Isolation(True, True, True, True, False))\n"
+        "host.pick_uid = spy\n"
+        f"sandbox.run_tests({candidate!r}, ['assert len([]) == 0'], "
+        "sandbox.SandboxLimits(timeout_s=60.0), sandbox.Isolation(True, True, True, True, False))\n"
     )
-    process = subprocess.Popen([sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
     try:
         assert process.stdout is not None
         uid = int(process.stdout.readline())
@@ -314,7 +320,10 @@ def test_files_outside_its_directory_are_untouched(
     code = "import os, shutil\ndone = []\n" + "".join(
         f"try:\n    {a}\n    done.append({a!r})\nexcept OSError:\n    pass\n" for a in attempts
     )
-    tests = ["assert open('inside.txt').read() == 'mine'", "assert 'os.remove' not in str(done)"]
+    tests = [
+        "assert open('inside.txt').read() == 'mine'",
+        "assert [d for d in done if d.startswith('os.remove')] == []",
+    ]
     result = checked_run(code + GOOD, tests, LIMITS, isolation)
     assert (result.status, result.passed) == ("ok", 2), result.detail
     assert sentinel.read_text() == "keep me"
@@ -400,7 +409,7 @@ def test_bad_inputs_raise_value_error() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         run_tests(GOOD, [])
     with pytest.raises(ValueError, match=r"tests\[1\] does not compile"):
-        run_tests(GOOD, ["assert True", "assert ("])
+        run_tests(GOOD, ["assert f(1) == 2", "assert ("])
     with pytest.raises(ValueError, match="same length"):
         score_completions([GOOD, GOOD], [TESTS])
     with pytest.raises(ValueError, match="memory_mb"):

@@ -1,0 +1,146 @@
+"""What a sandboxed run is allowed (:class:`SandboxLimits`), which isolation layers it uses
+(:class:`Isolation`), and what it returns (:class:`TestResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Status = Literal["ok", "error", "timeout", "crashed"]
+
+
+@dataclass
+class SandboxLimits:
+    """Resource limits of one sandboxed run (candidate code plus all of its tests).
+
+    Attributes:
+        timeout_s: wall-clock limit of the whole run; on expiry every process is SIGKILLed.
+        cpu_time_s: CPU seconds per process (RLIMIT_CPU; SIGKILL at the limit).
+        memory_mb: address space per process (RLIMIT_AS); allocations beyond it raise MemoryError.
+        max_processes: processes and threads the candidate may have (RLIMIT_NPROC on its fresh
+            uid; without one, the fallback blocks fork and exec altogether).
+        max_file_size_mb: largest file the code may write (RLIMIT_FSIZE).
+        max_disk_mb: size of the private tmpfs holding its directory and /tmp (Linux root mode).
+        max_output_bytes: stdout+stderr bytes kept; the rest is read and discarded.
+        niceness: added scheduling niceness, so that scoring yields the CPU to training.
+    """
+
+    timeout_s: float = 5.0
+    cpu_time_s: int = 5
+    memory_mb: int = 512
+    max_processes: int = 8
+    max_file_size_mb: int = 1
+    max_disk_mb: int = 16
+    max_output_bytes: int = 64_000
+    niceness: int = 10
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.timeout_s > 0, "timeout_s", "> 0"),
+            (self.cpu_time_s >= 1, "cpu_time_s", ">= 1"),
+            (self.memory_mb >= 64, "memory_mb", ">= 64 (the Python interpreter needs it)"),
+            (self.max_processes >= 1, "max_processes", ">= 1"),
+            (self.max_file_size_mb >= 1, "max_file_size_mb", ">= 1"),
+            (self.max_disk_mb >= self.max_file_size_mb, "max_disk_mb", ">= max_file_size_mb"),
+            (self.max_output_bytes >= 0, "max_output_bytes", ">= 0"),
+            (0 <= self.niceness <= 19, "niceness", "in [0, 19]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(
+                    f"SandboxLimits.{name} must be {rule}, got {getattr(self, name)!r}"
+                )
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Which isolation layers a run uses (see :mod:`sandbox` for what each one stops).
+
+    Attributes:
+        separate_uid: run as a fresh unprivileged uid/gid (needs root); NPROC then counts only
+            the run's own processes, the trainer cannot be signalled, root files are read-only,
+            and every leftover process is found by its uid.
+        network_namespace: an empty network namespace (Linux; as non-root via a user namespace).
+        private_mounts: a mount namespace in which every host mount is read-only and /tmp,
+            /var/tmp and /dev/shm are one private tmpfs of ``max_disk_mb`` (Linux root), plus
+            a private IPC namespace.
+        pid_namespace: a PID namespace whose pid 1 reaps orphans; the candidate sees none of
+            the host's processes, and when it ends the kernel kills everything it started, even
+            if the trainer itself was killed (Linux root, with ``private_mounts``).
+        audit_hook: in-interpreter blocks (PEP 578) on sockets, fork/exec, ctypes, signals to
+            other processes and writes outside the working directory; a best-effort layer.
+    """
+
+    separate_uid: bool
+    network_namespace: bool
+    private_mounts: bool
+    pid_namespace: bool
+    audit_hook: bool
+
+    def __post_init__(self) -> None:
+        if self.private_mounts and not self.separate_uid:
+            raise ValueError(
+                "Isolation.private_mounts needs separate_uid=True: a process that keeps root "
+                "could remount the file system writable"
+            )
+        if self.pid_namespace and not self.private_mounts:
+            raise ValueError(
+                "Isolation.pid_namespace needs private_mounts=True (to mount its own /proc)"
+            )
+
+    def describe(self) -> str:
+        """One line naming the active layers, for logs."""
+        names = [
+            ("separate_uid", self.separate_uid),
+            ("network_namespace", self.network_namespace),
+            ("private_mounts", self.private_mounts),
+            ("pid_namespace", self.pid_namespace),
+            ("audit_hook", self.audit_hook),
+        ]
+        return "rlimits, process group, " + ", ".join(n for n, on in names if on)
+
+
+def rlimits(limits: SandboxLimits, isolation: Isolation) -> dict[str, tuple[int, int]]:
+    """``resource`` limit name -> (soft, hard) for the runner."""
+    mb = 1 << 20
+    processes = limits.max_processes + (1 if isolation.pid_namespace else 0)  # + its pid 1
+    return {
+        # soft == hard: SIGKILL at the limit, not SIGXCPU (whose default action dumps core)
+        "RLIMIT_CPU": (limits.cpu_time_s, limits.cpu_time_s),
+        "RLIMIT_AS": (limits.memory_mb * mb, limits.memory_mb * mb),
+        "RLIMIT_FSIZE": (limits.max_file_size_mb * mb, limits.max_file_size_mb * mb),
+        "RLIMIT_NPROC": (processes, processes),
+        "RLIMIT_CORE": (0, 0),  # a core dump would be a file left behind
+        "RLIMIT_NOFILE": (64, 64),
+        "RLIMIT_MSGQUEUE": (0, 0),  # POSIX message queues outlive their process
+    }
+
+
+@dataclass
+class TestResult:
+    """Outcome of one sandboxed run.
+
+    Attributes:
+        passed: tests whose every check held, judged in the trusted process.
+        total: tests given.
+        status: ``"ok"`` every test ran; ``"error"`` the candidate's top-level code raised
+            (including SyntaxError and ``sys.exit``), so no test ran; ``"timeout"`` the wall-clock
+            limit expired; ``"crashed"`` the process ended before reporting every test (``os._exit``,
+            a signal, a resource limit). Tests that reported a passing value before a timeout or a
+            crash still count.
+        detail: a short human-readable explanation.
+        output: the first ``max_output_bytes`` of the run's stdout and stderr.
+    """
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    passed: int
+    total: int
+    status: Status
+    detail: str
+    output: str = ""
+
+    @property
+    def fraction(self) -> float:
+        """``passed / total``, in [0, 1]."""
+        return self.passed / self.total
