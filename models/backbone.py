@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import save_config
 
-from base_setup.fast_math import accelerate_model
+from base_setup.fast_layers import accelerate_model
 from models.backbone_loading import (
     ARCH_SUFFIX,
     BACKBONE_PREFIX,

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from base_setup.fast_math import accelerate_model
+from base_setup.fast_layers import accelerate_model
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_fused,

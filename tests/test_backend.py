@@ -162,7 +162,7 @@ def test_seed_rejects_negative() -> None:
 
 
 # ------------------------------------------------------------------ fast CPU math
-from base_setup import fast_math  # noqa: E402
+from base_setup import fast_layers, fast_math  # noqa: E402
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 
@@ -370,7 +370,7 @@ def test_accelerated_model_matches_mlx_functions(
     layers = [type(m) for _, m in policy.model.named_modules()]
     if fast_math.fast_math_enabled():  # every norm, RoPE, MLP and attention: the fast ones
         assert not {nn.RMSNorm, nn.RoPE, qwen3.MLP, qwen3.Attention} & set(layers)
-        assert fast_math._FastRMSNorm in layers and fast_math._FastRoPE in layers
+        assert fast_layers._FastRMSNorm in layers and fast_layers._FastRoPE in layers
         assert {"FastMLP", "FastAttention"} <= {t.__name__ for t in layers}
     tokens = mx.array(np.random.default_rng(4).integers(0, 500, (3, 11)))
 
@@ -566,7 +566,7 @@ def _layer_types(model: Any) -> set[type]:
 
 
 def _fast_layer_types(model: Any) -> set[type]:
-    return {t for t in _layer_types(model) if t.__module__ == fast_math.__name__}
+    return {t for t in _layer_types(model) if t.__module__ == fast_layers.__name__}
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
@@ -605,11 +605,11 @@ def test_accelerate_model_can_be_undone_and_is_idempotent(tiny_model_dir: Path) 
     plain = _layer_types(policy.model)
     assert not _fast_layer_types(policy.model)
     assert {qwen3.MLP, qwen3.Attention, nn.RMSNorm, nn.RoPE} <= plain
-    assert fast_math.accelerate_model(policy.model) is fast_math.fast_math_enabled()
+    assert fast_layers.accelerate_model(policy.model) is fast_math.fast_math_enabled()
     fast = _layer_types(policy.model)
-    assert fast_math.accelerate_model(policy.model) is fast_math.fast_math_enabled()
+    assert fast_layers.accelerate_model(policy.model) is fast_math.fast_math_enabled()
     assert _layer_types(policy.model) == fast  # a second call changes nothing
-    assert fast_math.accelerate_model(policy.model, enabled=False) is False
+    assert fast_layers.accelerate_model(policy.model, enabled=False) is False
     assert _layer_types(policy.model) == plain
 
 
@@ -685,7 +685,7 @@ def test_mlx_lm_attention_signature_is_the_one_the_fast_layers_take() -> None:
 
     from mlx_lm.models import base
 
-    original, ours = fast_math.mlx_lm_replacements()["scaled_dot_product_attention"]
+    original, ours = fast_layers.mlx_lm_replacements()["scaled_dot_product_attention"]
     assert original is base.scaled_dot_product_attention
 
     def parameters(fn: Any) -> list[tuple[str, Any, Any]]:
@@ -693,7 +693,7 @@ def test_mlx_lm_attention_signature_is_the_one_the_fast_layers_take() -> None:
 
     assert parameters(ours) == parameters(original), (
         "mlx-lm's scaled_dot_product_attention now takes "
-        f"{inspect.signature(original)}; base_setup.fast_math._mlx_lm_attention takes "
+        f"{inspect.signature(original)}; base_setup.fast_layers._mlx_lm_attention takes "
         f"{inspect.signature(ours)}: make them match"
     )
 
@@ -716,7 +716,7 @@ def test_fast_attention_matches_mlx_lm_attention(mask_kind: str) -> None:
         "additive": mx.array(rng.normal(size=(length, length)).astype(np.float32)),
         "none": None,
     }[mask_kind]
-    _, ours = fast_math.mlx_lm_replacements()["scaled_dot_product_attention"]
+    _, ours = fast_layers.mlx_lm_replacements()["scaled_dot_product_attention"]
     for cache in (None, KVCache()):
         want = base.scaled_dot_product_attention(
             q, k, v, cache=cache, scale=0.25, mask=cast(Any, mask)
@@ -792,7 +792,7 @@ def test_fast_layers_of_each_architecture_match_mlx_lm(
     plain = module.Model(args)
     fast = module.Model(args)
     fast.update(plain.parameters())
-    assert fast_math.accelerate_model(fast)
+    assert fast_layers.accelerate_model(fast)
     replaced = {
         t.__bases__[0].__name__: t.fast_math_replaces
         for t in _fast_layer_types(fast)
@@ -800,7 +800,7 @@ def test_fast_layers_of_each_architecture_match_mlx_lm(
     }
     assert replaced == _REPLACED[arch], (
         f"mlx-lm's {arch} layers now call other functions: the fast layers replace {replaced}, "
-        f"expected {_REPLACED[arch]}; see base_setup.fast_math.mlx_lm_replacements"
+        f"expected {_REPLACED[arch]}; see base_setup.fast_layers.mlx_lm_replacements"
     )
     assert not _fast_layer_types(plain)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten as _tree_flatten
 
-from base_setup.fast_math import accelerate_model
+from base_setup.fast_layers import accelerate_model
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_disabled,

@@ -1,0 +1,184 @@
+"""The fast layers of one model instance: :func:`accelerate_model` gives a model's layers
+subclasses whose ``__call__`` runs :mod:`base_setup.fast_math`'s functions (``nn.RMSNorm``,
+``nn.RoPE``, and the mlx-lm MLP / attention layers that call ``swiglu`` /
+``scaled_dot_product_attention``). No module of mlx-lm is changed: another model of the same
+architecture keeps mlx-lm's functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from base_setup.backend import blas_info, setup_cpu_buffer_cache
+from base_setup import fast_math
+from base_setup.fast_math import _MIN_FAST_ATTENTION, fast_math_enabled, rms_norm, rope, swiglu
+
+
+class _FastRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` through :func:`rms_norm` (same parameters, same results)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+class _FastRoPE(nn.RoPE):
+    """``nn.RoPE`` through :func:`rope` (same settings, same results)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+        )
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names ``code`` and the functions nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+#: See :func:`mlx_lm_replacements` (filled on first use: importing mlx-lm takes seconds).
+_REPLACEMENTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def mlx_lm_replacements() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+    """What the fast layers replace in mlx-lm's architecture modules: ``{global name: (mlx-lm's
+    function, ours)}``.
+
+    mlx-lm's llama / qwen2 / qwen3 / mistral / phi3 ... modules call ``swiglu(gate, x)`` (from
+    ``mlx_lm.models.activations``) and ``scaled_dot_product_attention(queries, keys, values,
+    cache=..., scale=..., mask=...)`` (from ``mlx_lm.models.base``) by these global names.
+    ``tests/test_backend.py`` checks that mlx-lm's functions still have the signature and the
+    results ours assume.
+    """
+    if not _REPLACEMENTS:
+        from mlx_lm.models import activations, base
+
+        _REPLACEMENTS["swiglu"] = (activations.swiglu, swiglu)
+        _REPLACEMENTS["scaled_dot_product_attention"] = (
+            base.scaled_dot_product_attention,
+            _mlx_lm_attention(base.scaled_dot_product_attention),
+        )
+    return _REPLACEMENTS
+
+
+def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """mlx-lm's ``scaled_dot_product_attention`` (``original``) with the fast attention on the
+    CPU; ``original`` for attention sinks, quantised KV caches, small inputs and GPUs."""
+
+    def attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        b, h, length, _ = queries.shape
+        small = b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION  # e.g. one decoding step
+        if small or sinks is not None or hasattr(cache, "bits") or not fast_math_enabled():
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return fast_math.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+#: Each layer class a model was seen with -> its fast subclass (None: nothing to replace).
+_FAST_CLASSES: dict[type, type | None] = {nn.RMSNorm: _FastRMSNorm, nn.RoPE: _FastRoPE}
+
+
+def _fast_class(cls: type) -> type | None:
+    """The fast subclass of layer class ``cls``, made once: :class:`_FastRMSNorm` /
+    :class:`_FastRoPE` for exactly ``nn.RMSNorm`` / ``nn.RoPE``; for an mlx-lm layer whose
+    ``__call__`` calls a function of :func:`mlx_lm_replacements` by its global name, a subclass
+    whose ``__call__`` is that same code run with the name bound to ours: the function is
+    re-made from its code object with a copy of its module's globals (taken now) in which the
+    name is ours, so mlx-lm's module itself is not changed. None for any other class."""
+    if cls in _FAST_CLASSES:
+        return _FAST_CLASSES[cls]
+    fast: type | None = None
+    call = getattr(cls, "__call__", None)
+    if isinstance(call, types.FunctionType) and call.__module__.startswith("mlx_lm.models."):
+        module_globals = call.__globals__
+        used = _code_names(call.__code__)
+        ours = {
+            name: replacement
+            for name, (original, replacement) in mlx_lm_replacements().items()
+            if name in used and module_globals.get(name) is original
+        }
+        if ours:
+            fast_call = types.FunctionType(
+                call.__code__,
+                {**module_globals, **ours},
+                call.__name__,
+                call.__defaults__,
+                call.__closure__,
+            )
+            fast_call.__kwdefaults__ = call.__kwdefaults__
+            functools.update_wrapper(fast_call, call)
+            fast = type(
+                f"Fast{cls.__name__}",
+                (cls,),
+                {
+                    "__call__": fast_call,
+                    "__module__": __name__,
+                    "fast_math_replaces": tuple(sorted(ours)),
+                },
+            )
+    _FAST_CLASSES[cls] = fast
+    return fast
+
+
+def _is_fast(cls: type) -> bool:
+    return cls in _FAST_CLASSES.values()
+
+
+def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
+    """Run ``model``'s layers through this module's fast CPU functions (``enabled``), or back
+    through mlx-lm's and MLX's own (``enabled=False``); in place, this model instance only.
+
+    Each layer that has a fast counterpart (see :func:`_fast_class`: ``nn.RMSNorm``,
+    ``nn.RoPE``, and the mlx-lm MLP / attention layers that call ``swiglu`` /
+    ``scaled_dot_product_attention``) gets the fast subclass of its class: its parameters,
+    settings and every other method stay, only ``__call__`` changes. Nothing else in the
+    process changes: another model of the same architecture (e.g. one a user loads with
+    ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
+    device and when ``PPO_MLX_FAST_MATH=0``, checked at each call, so a later change of either
+    is safe. Returns whether the model now uses any of them (False: ``enabled`` is False, fast
+    math is off, or the architecture uses none of the functions replaced).
+
+    Also the CPU set-up a model needs, either way: MLX's CPU buffer-cache limit
+    (:func:`base_setup.backend.setup_cpu_buffer_cache`), and one warning if MLX missed the fast
+    BLAS because mlx was imported before :func:`base_setup.backend.setup_blas` ran.
+    """
+    setup_cpu_buffer_cache()
+    blas_info()  # the first call after a missed set-up logs the warning
+    layers = [layer for _, layer in model.named_modules()]
+    if not enabled:
+        for layer in layers:
+            if _is_fast(type(layer)):
+                layer.__class__ = type(layer).__bases__[0]
+        return False
+    if not fast_math_enabled():
+        return False
+    changed = False
+    for layer in layers:
+        fast = type(layer) if _is_fast(type(layer)) else _fast_class(type(layer))
+        if fast is not None:
+            layer.__class__ = fast
+            changed = True
+    return changed
