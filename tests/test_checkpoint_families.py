@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import (
     chat_template_text,
     encode_text,
@@ -400,6 +401,24 @@ def test_quantized_reference_is_the_base_with_adapters_off(
     # The adapters moved the policy; the reference is still the quantized base.
     assert not np.allclose(np.array(trainer.policy.logits_at(ids, positions)), base, atol=1e-5)
     np.testing.assert_array_equal(np.array(trainer.ref_model.logits_at(ids, positions)), base)
+
+
+def test_adapters_over_a_base_mlx_lm_misreads_say_how_to_use_them(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2's config keeps rope_theta under rope_parameters: mlx-lm alone, given the base and
+    the adapters, builds another model. Saving the adapters says so and names the way out."""
+    lora = LoraSettings(r=2, alpha=4.0, dropout=0.0)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        qwen2 = PolicyModel.from_pretrained(family_dirs["qwen2_base"], lora=lora)
+        qwen2.save_pretrained(tmp_path / "qwen2")  # a top-level rope_theta: mlx-lm reads it
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        smol = PolicyModel.from_pretrained(family_dirs["smollm2"], lora=lora)
+        out = smol.save_pretrained(tmp_path / "smol")
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "rope_theta" in message and f"main.py export {out} --out DIR --fuse" in message
 
 
 def test_full_training_of_a_quantized_model_is_refused(quantized_dir: Path, tmp_path: Path) -> None:
