@@ -253,7 +253,8 @@ def ppo_prompts(family: str, n: int) -> list[Any]:
 
 class EndsAtTheTurn(TrainerCallback):
     """Checks every rollout: a response's last action token is its first end token, nothing
-    after it is an action, and the score is read at that token."""
+    after it is an action, and the score is read at that token (the reward model's score of
+    the sequence cut right after it, alone, unpadded)."""
 
     def __init__(self) -> None:
         self.ended = 0
@@ -262,12 +263,19 @@ class EndsAtTheTurn(TrainerCallback):
         stops = set(trainer.stop_token_ids)
         responses = np.array(batch.responses)
         mask = np.array(batch.mask)
-        for row, row_mask in zip(responses, mask):
+        query_responses = np.array(batch.query_responses)
+        prompt_lengths = np.array(batch.prompt_lengths)
+        scores = np.array(batch.scores)
+        for b, (row, row_mask) in enumerate(zip(responses, mask)):
             length = int(row_mask.sum())
             assert row_mask[:length].all() and not row_mask[length:].any()
             assert not stops & set(row[: length - 1].tolist())  # no end before the last
             if row[length - 1] in stops:
                 self.ended += 1
+            end = int(prompt_lengths[b]) + length
+            alone = mx.array(query_responses[b : b + 1, :end])
+            expected = float(np.array(trainer.reward_model.score(alone, [end]))[0])
+            np.testing.assert_allclose(scores[b], expected, atol=1e-4, rtol=1e-4)
 
 
 def run_pipeline(model_dir: Path, family: str, out: Path, *, sft_lora: bool = False) -> None:
