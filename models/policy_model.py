@@ -261,7 +261,7 @@ class PolicyModel(nn.Module):
         """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only (see :func:`lm_logits_at`)."""
         return lm_logits_at(self.model, input_ids, positions)
 
-    def _warn_if_mlx_lm_misreads_the_base(self, adapters: Path) -> None:
+    def _warn_if_mlx_lm_misreads_the_base(self) -> None:
         """Adapters are used over the base as it is on disk, where mlx-lm on its own misreads a
         config that keeps values where transformers >= 5 writes them (rope_parameters): say so,
         and which commands read it right."""
@@ -270,15 +270,12 @@ class PolicyModel(nn.Module):
         moved = sorted(config_updates(load_config(self.model_path)))
         if moved:
             logger.warning(
-                "the base model's config.json (%s) gives %s only where mlx-lm does not read it: "
-                "`mlx_lm.generate --model BASE --adapter-path %s` would misread it or fail. "
-                "`python main.py generate|chat --model %s` reads it right, and `python main.py "
-                "export %s --out DIR --fuse` writes a model that mlx-lm reads as it is",
+                "the base model's config.json (%s) gives %s only where mlx-lm does not read it, "
+                "so `mlx_lm.generate --model BASE --adapter-path ADAPTERS` would misread it or "
+                "fail: use `python main.py generate|chat --model ADAPTERS`, or `python main.py "
+                "export ADAPTERS --out DIR --fuse` for a model that mlx-lm reads as it is",
                 self.model_path,
                 ", ".join(moved),
-                adapters,
-                adapters,
-                adapters,
             )
 
     def save_pretrained(self, save_dir: str | Path, *, merged: bool = False) -> Path:
@@ -294,7 +291,7 @@ class PolicyModel(nn.Module):
         out = Path(save_dir)
         if self.lora is not None and not merged:
             save_adapters(self.model, self.lora, out, base_model=self.name_or_path)
-            self._warn_if_mlx_lm_misreads_the_base(out)
+            self._warn_if_mlx_lm_misreads_the_base()
             return out
         from mlx_lm.utils import save
 
