@@ -813,7 +813,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--real-floor",
         action="store_true",
-        help="also time the floor on the real shapes (about two more iterations' time each)",
+        help="also time the floor on the real shapes (each piece 1 + --floor-repeats times: "
+        "several iterations' time per configuration)",
     )
     parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
     parser.add_argument(

@@ -240,6 +240,9 @@ def build_benchmark_checkpoints(
     reward = RewardModel.from_causal_lm(policy_dir, head_init="normal", seed=seed + 2)
     reward_dir = reward.save_pretrained(out_dir / REWARD_DIR)
     del reward
+    import mlx.core as mx
+
+    mx.clear_cache()  # this process goes on while the workers run: keep no freed buffers
     return policy_dir, reward_dir
 
 

@@ -459,7 +459,11 @@ def test_compare_peers_runs_them_on_grpo_and_reports_each(
     assert "requirements-bench-textpolicy.txt" in skipped and "--textpolicy-python" in skipped
     table = out.split("== MLX / mlx-lm-lora")[1].splitlines()
     row = next(line for line in table if line.startswith("toy"))
-    ours = next(r for r in results if (r.spec.system, r.spec.algorithm) == ("mlx", "grpo"))
+    ours = next(
+        r
+        for r in results
+        if (r.spec.system, r.spec.algorithm, r.spec.label) == ("mlx", "grpo", "toy")
+    )
     assert f"{ours.median / 4.0:.2f}" in row.split("|")[0]
     assert "== MLX / TRL" not in out and "== MLX / textpolicy" not in out
 
