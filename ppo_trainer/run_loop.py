@@ -22,7 +22,7 @@ from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.run_state import check_same_weights, ensure_optimizers
-from training.checkpoint import STATE_FILE
+from training.checkpoint import STATE_FILE, named_write
 from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
 
 if TYPE_CHECKING:
@@ -99,7 +99,8 @@ class TrainingRun:
         if self.eval_prompts and not stop.requested:
             final = self._evaluate()
             if t.is_main_process:
-                (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
+                with named_write(t.run_dir / "eval_final.json"):
+                    (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
         for cb in self.callbacks:
             cb.on_train_end(t, t.history)
         return t.history

@@ -130,6 +130,62 @@ def test_overflowing_rewards_stop_the_run_before_any_update(
     assert ours.keys() == dict(trainer.policy.trainable_parameters()).keys()
 
 
+def test_a_full_disk_stops_with_one_message_and_the_run_resumes(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The disk fills up while step 2's checkpoint is written: one error naming the path and the
+    space, no plot attempted after it (that was the last of four chained tracebacks), step 1's
+    checkpoint intact; once space is freed the run resumes and finishes."""
+    import mlx.core as mx
+
+    from training.checkpoint import CheckpointWriteError
+
+    save = mx.save_safetensors
+
+    def full_at_step_2(path: str, arrays: Any, metadata: Any = None) -> None:
+        if "step_000002" in path:
+            raise RuntimeError("[write] Unable to write 8391 bytes to file.")  # what MLX raises
+        save(path, arrays, metadata)
+
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=3)
+    monkeypatch.setattr(mx, "save_safetensors", full_at_step_2)
+    with caplog.at_level("WARNING", logger="ppo_mlx"), pytest.raises(CheckpointWriteError) as info:
+        PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    message = str(info.value)
+    assert f"could not write {run / 'checkpoints' / 'step_000002'}" in message
+    assert "MB free, and it needs about" in message and "--resume latest" in message
+    assert info.value.__suppress_context__  # no chain of tracebacks behind it
+    assert "could not draw" not in caplog.text and not (run / "training_curves.png").exists()
+    checkpoints = PPOTrainer(config, reward_model=length_reward).checkpoints
+    assert [p.name for p in checkpoints.checkpoints()] == ["step_000001"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    monkeypatch.undo()  # space freed
+    resumed = PPOTrainer(config, reward_model=length_reward)
+    resumed.train(PROMPTS, resume_from="latest")
+    assert resumed.global_step == 3
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_full_disk_while_recording_rollouts_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from ppo_trainer.rollout_records import write_rollout_records
+    from training.checkpoint import CheckpointWriteError
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # names no file
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointWriteError, match="could not write .*step_000003.jsonl") as info:
+        write_rollout_records(tmp_path, 3, [{"prompt": "a"}])
+    assert "No space left" in str(info.value) and info.value.__suppress_context__
+    assert not list((tmp_path / "rollouts").iterdir())  # no temporary file left
+
+
 @pytest.mark.parametrize(
     "bad, shown", [(lambda n: ["0.5"] * n, "str '0.5'"), (lambda n: [None] * n, "NoneType None")]
 )

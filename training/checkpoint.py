@@ -89,6 +89,19 @@ def write_failure(
     )
 
 
+@contextmanager
+def named_write(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Within the block, an ``OSError`` (a full disk: ``[Errno 28] No space left on device``,
+    which names no file) becomes a :class:`CheckpointWriteError` naming ``path`` and the free
+    space (:func:`write_failure`), raised alone (no chained tracebacks)."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except OSError as err:
+        raise write_failure(Path(path), err, needed) from None
+
+
 def remove_leftovers(root: Path, name_pattern: str = "*") -> None:
     """Delete hidden ``.tmp-<name>-*`` / ``.trash-<name>-*`` directories under ``root`` that
     crashed or killed writes left (this process's own in-flight ones are never there when this

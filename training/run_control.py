@@ -220,9 +220,9 @@ class RunLog:
     """What a run writes as it goes, on the process that writes (rank 0): ``config.yaml`` when it
     starts, ``metrics.jsonl`` (cut back to ``resume_step`` on resume) and a tracker, a progress
     bar, and ``training_curves.png`` when it ends. A context manager: within it, prints and log
-    lines go above the bar; on exit the bar and trackers close and the curves are drawn (a
-    failing plot, e.g. on a full disk, is logged so that it never hides the error that ended the
-    run).
+    lines go above the bar; on exit the bar and trackers close and the curves are drawn (not
+    after a failed write such as a full disk; a failing plot is logged so that it never hides the
+    error that ended the run). A write that fails names its file (:func:`named_write`).
 
     Args:
         run_dir: the run folder.
@@ -248,19 +248,22 @@ class RunLog:
         from tqdm import tqdm
 
         from config.loading import config_to_dict, save_config
-        from training.metrics_logger import MetricsLogger
+        from training.checkpoint import named_write
+        from training.metrics_logger import METRICS_FILE, MetricsLogger
 
         self.run_dir = Path(run_dir)
         self.metrics: MetricsLogger | None = None
         if writes:
-            save_config(config, self.run_dir / CONFIG_FILE)
-            self.metrics = MetricsLogger(
-                self.run_dir,
-                config.log_with,
-                config_to_dict(config),
-                resume_step=resume_step,
-                project=config.wandb_project,
-            )
+            with named_write(self.run_dir / CONFIG_FILE):
+                save_config(config, self.run_dir / CONFIG_FILE)
+            with named_write(self.run_dir / METRICS_FILE):
+                self.metrics = MetricsLogger(
+                    self.run_dir,
+                    config.log_with,
+                    config_to_dict(config),
+                    resume_step=resume_step,
+                    project=config.wandb_project,
+                )
         self.bar = tqdm(
             total=total,
             initial=initial,
@@ -287,6 +290,7 @@ class RunLog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        from training.checkpoint import CheckpointWriteError
         from training.metrics_logger import PLOT_FILE, plot_metrics, read_metrics
 
         try:
@@ -294,7 +298,10 @@ class RunLog:
             if self.metrics is not None:
                 self.metrics.close()
                 records = read_metrics(self.metrics.path)
-                if records:
+                # Not after a failed write (a full disk): the plot would fail too, or take the
+                # space the user is about to free, and its message would follow the one that
+                # matters.
+                if records and not isinstance(exc[1], CheckpointWriteError):
                     try:
                         plot_metrics(records, self.run_dir / PLOT_FILE)
                     except OSError as err:
