@@ -20,7 +20,8 @@ in the task: :meth:`~SupervisedTrainer.prepare`, :meth:`~SupervisedTrainer.colla
 
 A resumed run continues exactly: the data order of an epoch is a function of ``(seed, epoch)``,
 dropout is seeded from ``(seed, step)``, and a checkpoint holds the trainable weights, the
-optimiser state (moments and step count, hence the learning-rate schedule), the step, the epoch
+optimiser state (moments and step count), the learning-rate schedule (a run made longer on resume
+continues from the rate it had reached instead of restarting its schedule), the step, the epoch
 and the position in the epoch.
 """
 
@@ -49,7 +50,7 @@ from training.checkpoint import (
 )
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
-from training.optimizer import AdamW, lr_schedule, optimizer_step
+from training.optimizer import AdamW, SchedulePlan, optimizer_step, resumed_plan
 from training.run_control import (
     RunLog,
     StopSignals,
@@ -153,6 +154,7 @@ class SupervisedTrainer(Generic[E, B]):
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
         self.optimizer: optim.Optimizer | None = None
+        self._schedule_plan: SchedulePlan | None = None  # the learning rate's, set by train()
         self._num_train_examples: int | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
@@ -211,12 +213,10 @@ class SupervisedTrainer(Generic[E, B]):
             total = min(total, cfg.total_steps)
 
         # 2. Optimiser over the run's length; resume.
-        self.optimizer = AdamW(
-            learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            bias_correction=cfg.adam_bias_correction,
+        self._schedule_plan = SchedulePlan(
+            cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total
         )
+        self.optimizer = self._make_optimizer(self._schedule_plan)
         resume_step = None
         if resume_from is not None:
             path = self.checkpoints.resolve(resume_from)
@@ -315,6 +315,16 @@ class SupervisedTrainer(Generic[E, B]):
         self.global_step += 1
         return out
 
+    def _make_optimizer(self, plan: SchedulePlan) -> optim.Optimizer:
+        """AdamW following ``plan``'s learning-rate schedule."""
+        cfg = self.config
+        return AdamW(
+            learning_rate=plan.schedule(),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
+        )
+
     def eval_chunks(self, examples: Sequence[E]) -> list[list[E]]:
         """Held-out examples in evaluation micro-batches, similar lengths together."""
         size = self.config.eval_micro_batch_size
@@ -338,6 +348,7 @@ class SupervisedTrainer(Generic[E, B]):
             "batch_in_epoch": self.batch_in_epoch,
             "num_train_examples": self._num_train_examples,
             "blas_threads": self.blas_threads,
+            "schedule": self._schedule_plan.to_dict() if self._schedule_plan else None,
             "history": self.history,
             "config": config_to_dict(self.config),
         }
@@ -371,6 +382,13 @@ class SupervisedTrainer(Generic[E, B]):
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.history = list(state["history"])
+        if self._schedule_plan is not None and self.optimizer is not None:
+            # The schedule the run followed, continued (not restarted) if total_steps changed.
+            updates = int(np.asarray(self.optimizer.step))
+            self._schedule_plan = resumed_plan(state.get("schedule"), self._schedule_plan, updates)
+            moments = self.optimizer.state
+            self.optimizer = self._make_optimizer(self._schedule_plan)
+            self.optimizer.state = moments
 
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""

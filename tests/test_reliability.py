@@ -230,13 +230,74 @@ def test_a_longer_run_on_resume_continues_the_learning_rate(
     lrs = [r["lr"] for r in read_metrics(run / "metrics.jsonl")]
     longer = make_config(tiny_model_dir, run, total_steps=8, lr_scheduler="linear")
     with caplog.at_level("WARNING", logger="ppo_mlx"):
-        PPOTrainer(longer, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+        PPOTrainer(longer, reward_model=length_reward).train(
+            PROMPTS, resume_from="latest", callbacks=[_StopAt(4)]
+        )
     assert "planned for 4 updates and now for 8" in caplog.text
+    caplog.clear()
+    # Stopped again under the longer plan: resuming continues the continued schedule (the
+    # checkpoint records it), not the 8-step plan from its start.
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        PPOTrainer(longer, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+    assert "planned for" not in caplog.text
     after = [r["lr"] for r in read_metrics(run / "metrics.jsonl")][2:]
     # The third update uses the rate the 4-step plan had reached (half the peak), not the 8-step
-    # plan's 3/4 of it, and then it decays to 0 at the new end: no jump back up.
-    assert after[0] == pytest.approx(first.learning_rate * 2 / 4, rel=1e-5)
-    assert after[0] <= lrs[-1] and all(a > b for a, b in zip(after, after[1:]))
+    # plan's 3/4 of it, and then it decays linearly to 0 at the new end: no jump back up.
+    peak = first.learning_rate
+    assert after == pytest.approx([peak / 2 * (1 - k / 6) for k in range(6)], rel=1e-5)
+    assert after[0] <= lrs[-1]
+
+
+def test_a_longer_sft_run_on_resume_continues_the_learning_rate(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """SFT and reward training share the loop: a run of 4 steps stopped after 2 and resumed for
+    8 continues from the rate it had reached (it restarted the 8-step schedule: the rate jumped
+    from 1/2 to 3/4 of the peak), and a second stop and resume keeps that schedule."""
+    import os
+
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import SFTTrainer, run_sft
+    from fixtures.demo_data import write_sft_data
+    from training.run_control import TrainingStopped
+
+    stops = {2, 4}
+    original = SFTTrainer.step
+
+    def step_then_sigterm(self: Any, examples: Any) -> Any:
+        out = original(self, examples)
+        if self.global_step in stops:
+            stops.discard(self.global_step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(SFTTrainer, "step", step_then_sigterm)
+    data = write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)
+
+    def config(total_steps: int) -> SFTConfig:
+        return SFTConfig(
+            model_name=str(tiny_model_dir),
+            dataset=str(data),
+            output_dir=str(tmp_path / "sft"),
+            batch_size=8,
+            num_epochs=2,
+            total_steps=total_steps,
+            learning_rate=1e-3,
+            lr_scheduler="linear",
+            warmup_steps=0,
+            eval_fraction=0.0,
+            progress_bar=False,
+        )
+
+    with pytest.raises(TrainingStopped, match="after step 2"):
+        run_sft(config(4))
+    with caplog.at_level("WARNING", logger="ppo_mlx"), pytest.raises(TrainingStopped):
+        run_sft(config(8), resume_from="latest")
+    assert "planned for 4 updates and now for 8" in caplog.text
+    run_sft(config(8), resume_from="latest")
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl")]
+    assert lrs[:2] == pytest.approx([1e-3, 1e-3 * 3 / 4], rel=1e-5)
+    assert lrs[2:] == pytest.approx([1e-3 / 2 * (1 - k / 6) for k in range(6)], rel=1e-5)
 
 
 # --------------------------------------------------------------------------- signals
