@@ -55,6 +55,8 @@ from training.run_control import (
     RunLog,
     StopSignals,
     TrainingStopped,
+    check_resume_source,
+    continue_timeline,
     prepare_run_dir,
     save_after_failure,
 )
@@ -220,7 +222,9 @@ class SupervisedTrainer(Generic[E, B]):
         resume_step = None
         if resume_from is not None:
             path = self.checkpoints.resolve(resume_from)
+            check_resume_source(self.run_dir, path)
             self.load_checkpoint(path)
+            continue_timeline(self.checkpoints, self.global_step)
             resume_step = self.global_step
             logger.info("resumed from %s at step %d", path, self.global_step)
         else:

@@ -23,7 +23,14 @@ from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.run_state import check_same_weights, ensure_optimizers
 from training.checkpoint import STATE_FILE, named_write
-from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
+from training.run_control import (
+    RunLog,
+    StopSignals,
+    check_resume_source,
+    continue_timeline,
+    prepare_run_dir,
+    save_after_failure,
+)
 
 if TYPE_CHECKING:
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -159,7 +166,10 @@ class TrainingRun:
             "machine shares, or copy it to the same path on each",
             t.group,
         )
+        check_resume_source(t.run_dir, path)
         t.load_checkpoint(path)
+        if t.is_main_process:
+            continue_timeline(t.checkpoints, t.global_step)
         logger.info("resumed from %s at step %d", path, t.global_step)
         return t.global_step
 

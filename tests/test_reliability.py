@@ -66,6 +66,45 @@ def test_a_fresh_run_refuses_a_folder_holding_another_run(
     ]
 
 
+def test_resuming_an_earlier_checkpoint_drops_the_later_timeline(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """Resumed from step 2 of a run whose checkpoints go to step 4, and stopped after step 3:
+    'latest' was the old step 4 (the abandoned timeline), so the next resume continued it."""
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=4, keep_last_checkpoints=3)
+    PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    trainer = PPOTrainer(config, reward_model=length_reward)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        trainer.train(
+            PROMPTS, resume_from=run / "checkpoints" / "step_000002", callbacks=[_StopAt(3)]
+        )
+    assert "step_000003, step_000004" in caplog.text
+    assert trainer.checkpoints.latest() == run / "checkpoints" / "step_000003"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resuming_another_folders_checkpoint_into_a_run_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint of run A resumed into run B's folder: B's checkpoints up to A's step would
+    stay listed beside A's continuation."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run in (a, b):
+        PPOTrainer(
+            make_config(tiny_model_dir, run, total_steps=2), reward_model=length_reward
+        ).train(PROMPTS)
+    into_b = PPOTrainer(make_config(tiny_model_dir, b, total_steps=4), reward_model=length_reward)
+    with pytest.raises(ValueError, match="another run folder.* holds a run"):
+        into_b.train(PROMPTS, resume_from=a / "checkpoints" / "step_000001")
+    # Into an empty folder it is a new branch of run A: fine.
+    c = make_config(tiny_model_dir, tmp_path / "c", total_steps=3)
+    PPOTrainer(c, reward_model=length_reward).train(
+        PROMPTS, resume_from=a / "checkpoints" / "step_000002"
+    )
+    assert [p.name for p in (tmp_path / "c" / "checkpoints").iterdir()] == ["step_000003"]
+
+
 def test_the_command_line_refuses_before_any_model_loads(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000003").mkdir(parents=True)
@@ -468,6 +507,48 @@ def test_sft_stops_on_sigterm_after_the_step_and_saves(
     assert (tmp_path / "sft" / "checkpoints" / "step_000001" / "manifest.json").is_file()
     assert not (tmp_path / "sft" / "model").exists()  # no final model from a stopped run
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_sft_resumes_only_complete_checkpoints_of_one_timeline(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """SFT (and reward training: the same loop) on a damaged run folder: a checkpoint missing its
+    optimiser file is neither listed nor resumed, leftovers of killed writes (a checkpoint's, the
+    model's) are removed, and resuming an earlier checkpoint drops the later ones."""
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import run_sft
+    from fixtures.demo_data import write_sft_data
+
+    out = tmp_path / "sft"
+    config = SFTConfig(
+        model_name=str(tiny_model_dir),
+        dataset=str(write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)),
+        output_dir=str(out),
+        batch_size=8,
+        eval_fraction=0.0,
+        progress_bar=False,
+        save_every=1,
+        keep_last_checkpoints=3,
+    )
+    run_sft(config)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_00000{k}" for k in (2, 3, 4)]
+    (checkpoints / "step_000004" / "optimizer.safetensors").unlink()  # a kill mid-deletion
+    for leftover in (checkpoints / ".tmp-step_000005-1", checkpoints / ".trash-step_000001-1"):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "sft" / ".tmp-model-1").mkdir()
+    with pytest.raises(FileNotFoundError, match="optimizer.safetensors is missing"):
+        run_sft(config, resume_from=checkpoints / "step_000004")
+    with caplog.at_level("INFO", logger="ppo_mlx"):
+        run_sft(config, resume_from="latest")
+    assert "resumed from " + str(checkpoints / "step_000003") in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_00000{k}" for k in (2, 3, 4)]
+    assert not list(out.glob(".tmp-*")) and (out / "model").is_dir()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        run_sft(config, resume_from=checkpoints / "step_000002")
+    assert "abandoned timeline (step_000003, step_000004)" in caplog.text
 
 
 def test_prints_and_log_lines_go_above_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:

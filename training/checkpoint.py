@@ -326,6 +326,15 @@ class CheckpointManager:
             arrays[file.stem] = loaded
         return arrays, state
 
+    def drop_after(self, step: int) -> list[Path]:
+        """Remove the checkpoints of steps after ``step`` (each renamed out of the listing before
+        it is deleted); returns the paths they had. What resuming from an earlier checkpoint
+        does: the later ones belong to the timeline it abandons."""
+        later = [p for p in self.checkpoints() if int(p.name.split("_")[1]) > step]
+        for path in later:
+            _prune_one(path)
+        return later
+
     def _prune(self) -> None:
         if not self.keep_last:
             return

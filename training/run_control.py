@@ -9,6 +9,9 @@
 * :func:`prepare_run_dir`: a fresh run refuses a folder that holds another run (its new
   checkpoints would be pruned against the old ones and ``--resume latest`` would continue the
   old run), unless told to overwrite it; the folder must be writable before any model loads.
+  Resuming keeps one timeline too: :func:`check_resume_source` refuses another folder's
+  checkpoint into a folder that holds a run, and :func:`continue_timeline` removes the
+  checkpoints after the one resumed from.
 """
 
 from __future__ import annotations
@@ -167,6 +170,36 @@ def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> 
             f"output_dir {run_dir} is not writable ({type(err).__name__}: {err.strerror or err}): "
             "choose a folder you can write to"
         ) from None
+
+
+def check_resume_source(run_dir: str | Path, checkpoint: str | Path) -> None:
+    """Raise ``ValueError`` if ``checkpoint`` belongs to another run folder while ``run_dir``
+    holds a run: the new timeline would continue beside that run's checkpoints and metrics
+    (``--resume latest`` could then pick either). Into an empty folder it starts a branch."""
+    run_dir, checkpoint = Path(run_dir), Path(checkpoint)
+    own = (run_dir / "checkpoints").resolve()
+    earlier = holds_a_run(run_dir)
+    if checkpoint.resolve().parent != own and earlier:
+        raise ValueError(
+            f"resuming from {checkpoint}, a checkpoint of another run folder, but output_dir "
+            f"{run_dir} holds a run ({', '.join(earlier)}): the two runs' checkpoints and metrics "
+            "would mix. Resume into an empty output_dir, or from one of "
+            f"{run_dir / 'checkpoints'}"
+        )
+
+
+def continue_timeline(checkpoints: Any, step: int) -> None:
+    """Before a run resumed at ``step`` goes on: remove its checkpoints after ``step`` (a resume
+    from an earlier checkpoint abandons them; left there, ``--resume latest`` would go back to
+    them, and pruning would keep them over the new ones). ``checkpoints``: the run's
+    :class:`~training.checkpoint.CheckpointManager`."""
+    dropped = checkpoints.drop_after(step)
+    if dropped:
+        logger.warning(
+            "resumed from step %d: removed the later checkpoints of the abandoned timeline (%s)",
+            step,
+            ", ".join(p.name for p in dropped),
+        )
 
 
 class _AboveTheBar(io.TextIOBase):
