@@ -417,6 +417,83 @@ def test_sigterm_finishes_the_step_saves_and_exits_non_zero(
     assert "interrupted" in err and "Traceback" not in err
 
 
+def _cli_train(run: Path, model: Path, prompts: Path, err: Path) -> subprocess.Popen[bytes]:
+    """``main.py train`` as a user starts it (a real process, real signals), stderr to ``err``."""
+    settings = dict(
+        model_name=model,
+        output_dir=run,
+        max_new_tokens=4,
+        batch_size=2,
+        num_epochs=20,
+        total_steps=100,
+        save_every=0,
+        progress_bar="false",
+    )
+    command = [sys.executable, "main.py", "train", "--prompts", str(prompts)]
+    command += ["--reward-fn", "tests.test_reliability:length_reward"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    with open(err, "w") as stderr:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _wait_for(condition: Any, process: subprocess.Popen[bytes], err: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert process.poll() is None, err.read_text()[-2000:]
+        assert time.monotonic() < deadline, err.read_text()[-2000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_the_command_line_on_sigterm_and_a_second_ctrl_c(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Real signals to ``python main.py train``: SIGTERM in the loop finishes the step, saves
+    and exits 143 with a message; SIGTERM while the model loads exits 143 with a message (it
+    died silently); Ctrl-C twice says "interrupted" and exits 130; never a traceback."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    err = tmp_path / "err.txt"
+
+    run = tmp_path / "term"
+    process = _cli_train(run, tiny_model_dir, prompts, err)
+    _wait_for(
+        lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text(),
+        process,
+        err,
+    )
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, err.read_text()[-2000:]
+    text = err.read_text()
+    assert "Traceback" not in text and "stopped (SIGTERM) after step " in text
+    step = int(text.split("stopped (SIGTERM) after step ")[1].split(";")[0])
+    assert (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, step + 1))
+
+    process = _cli_train(tmp_path / "loading", tiny_model_dir, prompts, err)
+    _wait_for(lambda: "BLAS" in err.read_text(), process, err)  # main() is running
+    time.sleep(0.3)  # the model loads for seconds after this line
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, err.read_text()[-2000:]
+    text = err.read_text()
+    assert "interrupted (SIGTERM)" in text and "Traceback" not in text, text[-2000:]
+
+    run = tmp_path / "int"
+    process = _cli_train(run, tiny_model_dir, prompts, err)
+    _wait_for(
+        lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text(),
+        process,
+        err,
+    )
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, err.read_text()[-2000:]
+    text = err.read_text()
+    assert text.rstrip().endswith("interrupted") and "Traceback" not in text, text[-2000:]
+
+
 def test_resume_is_bit_exact_when_the_load_changes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,11 +45,28 @@ RUN_ARTIFACTS: tuple[str, ...] = (
 )
 
 
+class Interrupted(KeyboardInterrupt):
+    """Stop at once: a second Ctrl-C or SIGTERM during a run, or SIGTERM before or after its
+    loop (where the command line turns it into this, as Python turns Ctrl-C into
+    ``KeyboardInterrupt``). ``reason``: the signal's name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    """A signal handler that raises :class:`Interrupted` (what ``main.py`` installs for SIGTERM:
+    outside the training loop it ends the command like Ctrl-C, with a message)."""
+    raise Interrupted(signal.Signals(signum).name)
+
+
 class StopSignals:
     """Within the block, SIGINT and SIGTERM request a stop instead of killing the process.
 
     ``requested`` turns true at the first signal (or :meth:`request`); the loop checks it between
-    steps, saves and returns. A second signal raises ``KeyboardInterrupt`` where the process is.
+    steps, saves and returns. A second signal raises :class:`Interrupted` (a
+    ``KeyboardInterrupt``) where the process is.
     Outside the main thread (where handlers cannot be installed) signals keep their default.
     """
 
@@ -67,7 +84,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            raise KeyboardInterrupt(f"{name} received twice")
+            raise Interrupted(name)
         self.request(name)
         logger.warning(
             "%s: finishing this step, then saving a checkpoint (send it again to stop at once)",
