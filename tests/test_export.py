@@ -513,9 +513,9 @@ def test_exports_of_every_checkpoint_family(family_dirs: dict[str, Path], tmp_pa
     export loads in mlx-lm as it is, with our loader's logits and every stop id (Qwen2.5 base:
     the template's <|im_end|>, which the checkpoint does not list), and in transformers where
     the card says so, with the same logits."""
-    torch: Any = None
-    if importlib.util.find_spec("torch") is not None:
-        import torch
+    torch: Any = (
+        importlib.import_module("torch") if importlib.util.find_spec("torch") is not None else None
+    )
     for name, source in family_dirs.items():
         policy = ours(source)
         out = export_model(source, tmp_path / name)
