@@ -68,8 +68,16 @@ B = TypeVar("B")  # one collated micro-batch
 
 #: Name of the trained model's directory under ``output_dir``.
 MODEL_DIR = "model"
-# Config fields a checkpoint must agree on to be resumed.
-_RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window", "adam_bias_correction")
+# Config fields a checkpoint must agree on to be resumed: the data order, the trained weights'
+# dtype, how they are optimised.
+_RESUME_KEYS = (
+    "model_name",
+    "batch_size",
+    "seed",
+    "bucket_window",
+    "dtype",
+    "adam_bias_correction",
+)
 
 
 def load_run_data(
@@ -369,7 +377,8 @@ class SupervisedTrainer(Generic[E, B]):
 
         Raises:
             ValueError: the checkpoint was written with another model, batch size, seed or
-                data size (the data order would differ).
+                data size (the data order would differ), dtype, or trained set (LoRA settings,
+                the reward head's initialisation).
         """
         state = CheckpointManager.read_state(path)
         check_resume_config(

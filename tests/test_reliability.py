@@ -148,6 +148,42 @@ def test_resume_refuses_settings_that_change_the_trained_parameters(
         PPOTrainer(other, reward_model=length_reward).train(PROMPTS, resume_from="latest")
 
 
+def test_sft_resume_refuses_settings_that_change_the_trained_parameters(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import run_sft
+    from fixtures.demo_data import write_sft_data
+
+    data = write_sft_data(tmp_path / "sft.jsonl", 16, seed=0)
+
+    def config(**change: Any) -> SFTConfig:
+        values: dict[str, Any] = dict(
+            model_name=str(tiny_model_dir),
+            dataset=str(data),
+            output_dir=str(tmp_path / "sft"),
+            batch_size=8,
+            total_steps=1,
+            eval_fraction=0.0,
+            progress_bar=False,
+            use_lora=True,
+        )
+        return SFTConfig(**{**values, **change})
+
+    run_sft(config())
+    for change in (
+        {"lora_r": 4},
+        {"lora_layers": 1},
+        {"lora_keys": ["self_attn.q_proj"]},
+        {"lora_alpha": 8.0},
+        {"dtype": "bfloat16"},
+        {"use_lora": False},
+    ):
+        (key,) = change
+        with pytest.raises(ValueError, match=f"written with {key}="):
+            run_sft(config(total_steps=2, **change), resume_from="latest")
+
+
 def test_overflowing_rewards_stop_the_run_before_any_update(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
