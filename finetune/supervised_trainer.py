@@ -58,6 +58,7 @@ from training.run_control import (
     check_resume_source,
     continue_timeline,
     prepare_run_dir,
+    remove_run_leftovers,
     save_after_failure,
 )
 
@@ -212,6 +213,7 @@ class SupervisedTrainer(Generic[E, B]):
         prepare_run_dir(
             self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
         )
+        remove_run_leftovers(self.run_dir)
         # 1. Tokenise (every record is checked before any training).
         examples = self.prepare(train_data)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []

@@ -29,6 +29,7 @@ from training.run_control import (
     check_resume_source,
     continue_timeline,
     prepare_run_dir,
+    remove_run_leftovers,
     save_after_failure,
 )
 
@@ -144,6 +145,7 @@ class TrainingRun:
                 prepare_run_dir(
                     t.run_dir, resuming=resuming, overwrite=t.config.overwrite_output_dir
                 )
+                remove_run_leftovers(t.run_dir)
             except ValueError as err:
                 error = err
         dist.raise_if_any_rank_failed(error, f"checking output_dir {t.run_dir}", t.group)

@@ -84,6 +84,32 @@ def test_resuming_an_earlier_checkpoint_drops_the_later_timeline(
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_run_resumed_at_its_end_removes_the_leftovers_of_killed_writes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Killed while its last step's pruning deleted an old checkpoint (or while the final model
+    or a rollout record was written), then resumed: nothing was left to save, so the leftovers
+    stayed for good."""
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=2, log_rollouts_every=1)
+    PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    leftovers = [
+        run / "checkpoints" / ".trash-step_000001-4242",
+        run / "checkpoints" / ".tmp-step_000003-4242",
+        run / ".tmp-final-4242",
+        run / ".trash-final-4242",
+    ]
+    for path in leftovers:
+        path.mkdir()
+        (path / "weights.safetensors").write_bytes(b"partial")
+    (run / "rollouts" / ".step_000002.jsonl.tmp-4242").write_text("{")
+    (run / ".metrics.jsonl.tmp").write_text("{")
+    trainer = PPOTrainer(config, reward_model=length_reward)
+    trainer.train(PROMPTS, resume_from="latest")
+    assert trainer.global_step == 2
+    assert not list(run.rglob(".*")), list(run.rglob(".*"))
+
+
 def test_resuming_another_folders_checkpoint_into_a_run_is_refused(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

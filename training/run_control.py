@@ -189,6 +189,24 @@ def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> 
         ) from None
 
 
+def remove_run_leftovers(run_dir: str | Path) -> None:
+    """Delete what killed writes left in ``run_dir``: hidden ``.tmp-*`` / ``.trash-*``
+    directories of checkpoints and of the final model, and temporary metrics and rollout files.
+    A run calls it as it starts (the next save would remove a checkpoint's, but a run resumed at
+    its end saves nothing); never while another process writes into the folder."""
+    from training.checkpoint import remove_leftovers
+    from training.metrics_logger import METRICS_FILE
+
+    run_dir = Path(run_dir)
+    remove_leftovers(run_dir / "checkpoints")
+    remove_leftovers(run_dir)
+    (run_dir / f".{METRICS_FILE}.tmp").unlink(missing_ok=True)
+    rollouts = run_dir / "rollouts"
+    if rollouts.is_dir():
+        for tmp in rollouts.glob(".*.tmp-*"):
+            tmp.unlink(missing_ok=True)
+
+
 def check_resume_source(run_dir: str | Path, checkpoint: str | Path) -> None:
     """Raise ``ValueError`` if ``checkpoint`` belongs to another run folder while ``run_dir``
     holds a run: the new timeline would continue beside that run's checkpoints and metrics
