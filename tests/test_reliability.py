@@ -104,9 +104,12 @@ def test_a_run_resumed_at_its_end_removes_the_leftovers_of_killed_writes(
         (path / "weights.safetensors").write_bytes(b"partial")
     (run / "rollouts" / ".step_000002.jsonl.tmp-4242").write_text("{")
     (run / ".metrics.jsonl.tmp").write_text("{")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss/po')  # a kill in the middle of a metrics line
     trainer = PPOTrainer(config, reward_model=length_reward)
     trainer.train(PROMPTS, resume_from="latest")
     assert trainer.global_step == 2
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert not list(run.rglob(".*")), list(run.rglob(".*"))
 
 

@@ -198,13 +198,16 @@ def remove_run_leftovers(run_dir: str | Path) -> None:
     from training.metrics_logger import METRICS_FILE
 
     run_dir = Path(run_dir)
-    remove_leftovers(run_dir / "checkpoints")
-    remove_leftovers(run_dir)
-    (run_dir / f".{METRICS_FILE}.tmp").unlink(missing_ok=True)
-    rollouts = run_dir / "rollouts"
-    if rollouts.is_dir():
-        for tmp in rollouts.glob(".*.tmp-*"):
-            tmp.unlink(missing_ok=True)
+    try:
+        remove_leftovers(run_dir / "checkpoints")
+        remove_leftovers(run_dir)
+        (run_dir / f".{METRICS_FILE}.tmp").unlink(missing_ok=True)
+        rollouts = run_dir / "rollouts"
+        if rollouts.is_dir():
+            for tmp in rollouts.glob(".*.tmp-*"):
+                tmp.unlink(missing_ok=True)
+    except OSError as err:  # they are never read: a leftover that stays costs only space
+        logger.warning("could not remove a leftover of a killed write in %s: %s", run_dir, err)
 
 
 def check_resume_source(run_dir: str | Path, checkpoint: str | Path) -> None:
