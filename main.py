@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from base_setup import setup_blas
-from training.run_control import TrainingStopped, stop_exit_code
+from training.run_control import TrainingStopped, raise_interrupted, stop_exit_code
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -415,6 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info(blas.describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler, docker stop) as Ctrl-C: within the training loop it finishes the
+    # step and saves (StopSignals); outside it the command ends with a message, not silently.
+    previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError) as err:
@@ -423,12 +427,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # a full disk, a folder that cannot be written: the message says
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        reason = getattr(err, "reason", "SIGINT")
+        print("interrupted" + ("" if reason == "SIGINT" else f" ({reason})"), file=sys.stderr)
+        return stop_exit_code(reason)
     except TrainingStopped as stopped:
         print(str(stopped), file=sys.stderr)
         return stop_exit_code(stopped.reason)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     return int(code or 0)
 
 

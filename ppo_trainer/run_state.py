@@ -24,7 +24,7 @@ from training.checkpoint import (
     load_training_state,
     save_training_state,
 )
-from training.optimizer import AdamW, SchedulePlan, resumed_schedule
+from training.optimizer import AdamW, SchedulePlan, resumed_plan
 
 if TYPE_CHECKING:
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -233,5 +233,6 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.history = list(state["history"])
     if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))
-        schedule = resumed_schedule(state.get("schedule"), trainer._schedule_plan, updates)
-        rebuild_optimizers(trainer, schedule)
+        plan = resumed_plan(state.get("schedule"), trainer._schedule_plan, updates)
+        trainer._schedule_plan = plan  # its checkpoints record the schedule it follows
+        rebuild_optimizers(trainer, plan.schedule())

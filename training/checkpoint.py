@@ -89,6 +89,19 @@ def write_failure(
     )
 
 
+@contextmanager
+def named_write(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Within the block, an ``OSError`` (a full disk: ``[Errno 28] No space left on device``,
+    which names no file) becomes a :class:`CheckpointWriteError` naming ``path`` and the free
+    space (:func:`write_failure`), raised alone (no chained tracebacks)."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except OSError as err:
+        raise write_failure(Path(path), err, needed) from None
+
+
 def remove_leftovers(root: Path, name_pattern: str = "*") -> None:
     """Delete hidden ``.tmp-<name>-*`` / ``.trash-<name>-*`` directories under ``root`` that
     crashed or killed writes left (this process's own in-flight ones are never there when this
@@ -312,6 +325,15 @@ class CheckpointManager:
             assert isinstance(loaded, dict)
             arrays[file.stem] = loaded
         return arrays, state
+
+    def drop_after(self, step: int) -> list[Path]:
+        """Remove the checkpoints of steps after ``step`` (each renamed out of the listing before
+        it is deleted); returns the paths they had. What resuming from an earlier checkpoint
+        does: the later ones belong to the timeline it abandons."""
+        later = [p for p in self.checkpoints() if int(p.name.split("_")[1]) > step]
+        for path in later:
+            _prune_one(path)
+        return later
 
     def _prune(self) -> None:
         if not self.keep_last:
