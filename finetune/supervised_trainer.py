@@ -47,6 +47,7 @@ from training.checkpoint import (
     check_resume_config,
     load_training_state,
     save_training_state,
+    warn_changed_settings,
 )
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
@@ -397,13 +398,17 @@ class SupervisedTrainer(Generic[E, B]):
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.history = list(state["history"])
+        schedule_note = None
         if self._schedule_plan is not None and self.optimizer is not None:
             # The schedule the run followed, continued (not restarted) if total_steps changed.
             updates = int(np.asarray(self.optimizer.step))
-            self._schedule_plan = resumed_plan(state.get("schedule"), self._schedule_plan, updates)
+            self._schedule_plan, schedule_note = resumed_plan(
+                state.get("schedule"), self._schedule_plan, updates
+            )
             moments = self.optimizer.state
             self.optimizer = self._make_optimizer(self._schedule_plan)
             self.optimizer.state = moments
+        warn_changed_settings(path, state["config"], config_to_dict(self.config), [schedule_note])
 
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""

@@ -259,6 +259,7 @@ def test_a_full_disk_stops_with_one_message_and_the_run_resumes(
     message = str(info.value)
     assert f"could not write {run / 'checkpoints' / 'step_000002'}" in message
     assert "MB free, and it needs about" in message and "--resume latest" in message
+    assert "the checkpoints up to step_000001 are intact" in message
     assert info.value.__suppress_context__  # no chain of tracebacks behind it
     assert "could not draw" not in caplog.text and not (run / "training_curves.png").exists()
     checkpoints = PPOTrainer(config, reward_model=length_reward).checkpoints
@@ -402,6 +403,120 @@ def test_a_longer_sft_run_on_resume_continues_the_learning_rate(
     lrs = [r["lr"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl")]
     assert lrs[:2] == pytest.approx([1e-3, 1e-3 * 3 / 4], rel=1e-5)
     assert lrs[2:] == pytest.approx([1e-3 / 2 * (1 - k / 6) for k in range(6)], rel=1e-5)
+
+
+def _stop_after_steps(monkeypatch: pytest.MonkeyPatch, trainer_class: Any, steps: set[int]) -> None:
+    """``trainer_class.step`` then, after each of ``steps``, SIGTERM: the run saves and stops."""
+    import os
+
+    original = trainer_class.step
+
+    def step_then_sigterm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if self.global_step in steps:
+            steps.discard(self.global_step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer_class, "step", step_then_sigterm)
+
+
+def test_the_command_line_resume_continues_the_run_as_configured(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The README's two lines: `train --config run.yaml --set kl_coef=0.1`, stopped, then
+    `--resume latest` without the --set went on with 0.1 (the checkpoint's KL controller) but
+    rewrote config.yaml with the default 0.05; and a kl_coef given again on resume (0.2) was
+    silently ignored. Now the run's own config is the base, a changed setting takes effect and
+    is named in one warning, and config.yaml says what the run uses."""
+    import yaml
+
+    import main
+    from config.loading import load_config
+
+    run = tmp_path / "run"
+    settings = {
+        "model_name": str(tiny_model_dir),
+        "max_new_tokens": 6,
+        "batch_size": 2,
+        "learning_rate": 1e-3,
+        "num_ppo_epochs": 1,
+        "output_dir": str(run),
+        "progress_bar": False,
+        "save_every": 1,
+        "total_steps": 3,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings))
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    train = ["train", "--config", str(tmp_path / "run.yaml"), "--prompts"]
+    train += [str(tmp_path / "prompts.txt"), "--reward-fn", "tests.test_reliability:length_reward"]
+    _stop_after_steps(monkeypatch, PPOTrainer, {1, 2})
+    assert main.main([*train, "--set", "kl_coef=0.1"]) == 143  # stopped by SIGTERM after step 1
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        assert main.main([*train, "--resume", "latest"]) == 143  # after step 2
+    assert "changed settings" not in caplog.text
+    assert load_config(run / "config.yaml").kl_coef == 0.1
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        assert main.main([*train, "--resume", "latest", "--set", "kl_coef=0.2"]) == 0
+    assert "resuming step_000002 with changed settings: kl_coef 0.1 -> 0.2" in caplog.text
+    assert load_config(run / "config.yaml").kl_coef == 0.2
+    coefs = [r["objective/kl_coef"] for r in read_metrics(run / "metrics.jsonl")]
+    assert coefs == pytest.approx([0.1, 0.1, 0.2])
+
+
+def test_an_adaptive_kl_controller_keeps_its_value_on_resume(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """kl_coef only starts an adaptive controller: its value is state and continues, while a
+    changed kl_target takes effect (it was taken from the checkpoint) and both are warned of."""
+    run = tmp_path / "run"
+    first = make_config(tiny_model_dir, run, total_steps=1, adaptive_kl=True, kl_coef=0.1)
+    trainer = PPOTrainer(first, reward_model=length_reward)
+    trainer.train(PROMPTS)
+    reached = trainer.kl_ctl.value
+    assert reached != 0.1
+    changed = make_config(
+        tiny_model_dir, run, total_steps=1, adaptive_kl=True, kl_coef=0.2, kl_target=3.0
+    )
+    resumed = PPOTrainer(changed, reward_model=length_reward)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        resumed.load_checkpoint(run / "checkpoints" / "step_000001")
+    assert resumed.kl_ctl.value == reached and getattr(resumed.kl_ctl, "target") == 3.0
+    assert "kl_coef 0.1 -> 0.2, kl_target 6.0 -> 3.0" in caplog.text
+    assert "kl_coef only starts the adaptive KL controller" in caplog.text
+
+
+def test_the_sft_command_line_resume_keeps_the_settings_of_its_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sft --set learning_rate=1e-3 ...` stopped, then resumed without the --set: the resumed
+    steps used the default 2e-5 (a schedule change) and config.yaml said so."""
+    import main
+    from config.loading import load_config
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import SFTTrainer
+    from fixtures.demo_data import write_sft_data
+
+    data = write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)
+    out = tmp_path / "sft"
+    sft = ["sft", "--data", str(data), "--set", f"model_name={tiny_model_dir}"]
+    sft += ["--set", f"output_dir={out}", "--set", "progress_bar=false"]
+    start = ["learning_rate=1e-3", "lr_scheduler=constant", "batch_size=8", "eval_fraction=0"]
+    _stop_after_steps(monkeypatch, SFTTrainer, {1})
+    assert main.main([*sft, "--set", "total_steps=2", *(f"--set={s}" for s in start)]) == 143
+    assert main.main([*sft, "--resume", "latest"]) == 0
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == pytest.approx([1e-3] * 2)
+    saved = load_config(out / "config.yaml", cls=SFTConfig)
+    assert (saved.learning_rate, saved.batch_size, saved.total_steps) == (1e-3, 8, 2)
+
+
+def test_a_full_disk_before_any_checkpoint_says_there_is_none_to_resume(tmp_path: Path) -> None:
+    from training.checkpoint import write_failure
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    message = str(write_failure(checkpoints / "step_000001", OSError(28, "No space left")))
+    assert "no checkpoint to resume from yet" in message and "intact" not in message
 
 
 # --------------------------------------------------------------------------- signals

@@ -12,7 +12,6 @@ parameter shape and dtype.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, cast
@@ -22,8 +21,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
-
-logger = logging.getLogger("ppo_mlx")
 
 
 @mx.compile
@@ -175,45 +172,39 @@ class SchedulePlan:
         return dataclasses.asdict(self)
 
 
-def resumed_plan(saved: Mapping[str, Any] | None, plan: SchedulePlan, step: int) -> SchedulePlan:
+def resumed_plan(
+    saved: Mapping[str, Any] | None, plan: SchedulePlan, step: int
+) -> tuple[SchedulePlan, str | None]:
     """The schedule of a run resumed at optimiser update ``step`` whose config gives ``plan``,
-    given the plan its checkpoint was written with (None: a checkpoint that recorded none).
+    given the plan its checkpoint was written with (None: a checkpoint that recorded none), and
+    what changed (None when nothing did), for the resume's warning
+    (:func:`training.checkpoint.warn_changed_settings`).
 
     The same configuration continues exactly (a continuation recorded in the checkpoint
     included). A run whose length changed (``total_steps``, e.g. extended) continues from the
     learning rate it had reached and decays, in the plan's shape, to 0 at the new end, instead of
     restarting its schedule (a jump of the learning rate); any other change (learning rate,
-    scheduler, warm-up) applies as configured. Either change is logged.
+    scheduler, warm-up) applies as configured.
     """
     if saved is None:
-        return plan
+        return plan, None
     before = SchedulePlan(**saved)
     if before.configured() == plan:
-        return before
+        return before, None
     lr_now = float(np.asarray(before.schedule()(mx.array(step))))
     if dataclasses.replace(before.configured(), total_steps=plan.total_steps) == plan:
-        logger.warning(
-            "the run was planned for %d updates and now for %d: the learning rate continues "
-            "from %.3g (update %d) and decays (%s) to 0 at update %d",
-            before.total_steps,
-            plan.total_steps,
-            lr_now,
-            step,
-            plan.scheduler,
-            plan.total_steps,
+        note = (
+            f"the run was planned for {before.total_steps} updates and now for "
+            f"{plan.total_steps}: the learning rate continues from {lr_now:.3g} (update {step}) "
+            f"and decays ({plan.scheduler}) to 0 at update {plan.total_steps}"
         )
-        return dataclasses.replace(plan, continued_from=step, continued_lr=lr_now)
+        return dataclasses.replace(plan, continued_from=step, continued_lr=lr_now), note
     lr_new = float(np.asarray(plan.schedule()(mx.array(step))))
-    logger.warning(
-        "the learning-rate schedule changed on resume (%s -> %s): at update %d the learning "
-        "rate goes from %.3g to %.3g",
-        before,
-        plan,
-        step,
-        lr_now,
-        lr_new,
+    note = (
+        f"the learning-rate schedule changed: at update {step} the learning rate goes from "
+        f"{lr_now:.3g} to {lr_new:.3g}"
     )
-    return plan
+    return plan, note
 
 
 def continued_schedule(

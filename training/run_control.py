@@ -226,6 +226,25 @@ def check_resume_source(run_dir: str | Path, checkpoint: str | Path) -> None:
         )
 
 
+def resumed_run_config(run_dir: str | Path, resume_from: str | Path) -> dict[str, Any] | None:
+    """The config of the run that ``resume_from`` continues, as its checkpoint recorded it: that
+    of the checkpoint directory ``resume_from``, or for ``"latest"`` of the newest complete one
+    under ``<run_dir>/checkpoints``. None when there is none (the resume itself then fails,
+    naming what is missing). ``overwrite_output_dir`` is left out: it acted when the run began."""
+    from training.checkpoint import STATE_FILE, CheckpointManager
+
+    if str(resume_from) == "latest":
+        found = CheckpointManager(Path(run_dir) / "checkpoints").latest()
+    else:
+        found = Path(resume_from) if (Path(resume_from) / STATE_FILE).is_file() else None
+    if found is None:
+        return None
+    config = CheckpointManager.read_state(found).get("config")
+    if not isinstance(config, dict):
+        return None
+    return {k: v for k, v in config.items() if k != "overwrite_output_dir"}
+
+
 def continue_timeline(checkpoints: Any, step: int) -> None:
     """Before a run resumed at ``step`` goes on: remove its checkpoints after ``step`` (a resume
     from an earlier checkpoint abandons them; left there, ``--resume latest`` would go back to
