@@ -76,6 +76,13 @@ class PPOConfig(ModelConfig, TrainingConfig):
             same logits, the same function of the same weights, saving one forward pass of the
             policy per iteration; "forward" recomputes them with a forward pass over the whole
             sequences. They agree to float rounding (about 1e-6; tests check 1e-4).
+        async_rollout: Overlap generation with the update, one step off-policy (asynchronous
+            RLHF, Noukhovitch et al. 2024): a second process generates batch k+1 with the
+            policy of before update k while the trainer scores and updates batch k; PPO's ratio
+            against those behaviour log-probs corrects for the lag. The first step (and the
+            first after a resume) generates synchronously. Needs rollout_logprobs "sampling"
+            and one process (no data parallelism); the worker holds a second copy of the
+            policy. See docs/performance.md.
         kl_coef: Weight of the KL penalty in the reward, reward - kl_coef * kl, per token for
             "ppo" and "reinforce_pp*", summed over the response for "rloo" (TRL's RLOO beta);
             the initial value when adaptive_kl is on. Unused by "grpo" (see beta).
@@ -141,6 +148,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     top_k: int = 0
     stop_token_ids: list[int] | None = None
     rollout_logprobs: RolloutLogprobs = "sampling"
+    async_rollout: bool = False
     kl_coef: float = 0.05
     kl_estimator: KLEstimator = "k1"
     adaptive_kl: bool = False
@@ -222,6 +230,16 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 self.eval_max_new_tokens,
                 ">= 1 or null",
                 "set a positive number of tokens, or null to use max_new_tokens",
+            )
+        if self.async_rollout:
+            require(
+                self.rollout_logprobs == "sampling",
+                "rollout_logprobs",
+                self.rollout_logprobs,
+                '"sampling" when async_rollout is on',
+                "a forward pass would take the old log-probs from the updated policy, not the "
+                "one that generated the batch, and PPO's ratio would no longer correct for the "
+                "lag: set rollout_logprobs: sampling, or async_rollout: false",
             )
 
     def _check_algorithm(self) -> None:

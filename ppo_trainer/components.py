@@ -13,6 +13,7 @@ from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import eos_token_ids
 from config._fields import divisors
 from config.loading import config_to_dict
+from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig, is_reward_function_spec
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -59,6 +60,16 @@ def load_function(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], fn)
 
 
+def load_policy(config: ModelConfig) -> PolicyModel:
+    """The policy as a run builds it from its config: ``config.model_name`` in ``config.dtype``,
+    with fresh LoRA adapters when ``use_lora`` (the trainer, and the asynchronous rollout worker
+    that then receives the trainer's trainable weights)."""
+    lora = LoraSettings.from_model_config(config) if config.use_lora else None
+    return PolicyModel.from_pretrained(
+        config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
+    )
+
+
 def build_models(
     config: PPOConfig,
     *,
@@ -84,11 +95,8 @@ def build_models(
         ValueError: no reward, a reward that is not callable, or a quantized policy without
             LoRA.
     """
-    lora = LoraSettings.from_model_config(config) if config.use_lora else None
     fast = config.fast_math
-    policy = policy or PolicyModel.from_pretrained(
-        config.model_name, dtype=config.dtype, lora=lora, fast_math=fast
-    )
+    policy = policy or load_policy(config)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
     if ref_model is None:
         if config.use_lora and config.ref_model_name == config.model_name:

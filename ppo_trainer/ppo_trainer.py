@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
@@ -77,6 +78,7 @@ from ppo_trainer.prompt_records import (
     split_records,
 )
 from ppo_trainer.evaluation import evaluate_rollouts
+from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import (
     Rollout,
     SamplingSettings,
@@ -98,6 +100,7 @@ from ppo_trainer.run_state import (
     save_models,
     save_trainer_state,
 )
+from ppo_trainer.rollout_worker import RolloutWorker
 from ppo_trainer.run_loop import TrainingRun
 from ppo_trainer.update import (
     Learner,
@@ -155,6 +158,18 @@ class PPOTrainer:
         self.rank = self.group.rank()
         self.is_main_process = self.rank == 0
         check_data_parallel_config(config, self.group)
+        if config.async_rollout and self.world_size > 1:
+            raise ValueError(
+                f"async_rollout runs one generation worker beside one trainer; this run has "
+                f"{self.world_size} data-parallel processes: set async_rollout: false, or "
+                "launch one process"
+            )
+        if config.async_rollout and policy is not None:
+            raise ValueError(
+                "async_rollout builds the generation worker's policy from the config "
+                "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
+                "trainer: pass no policy=, or set async_rollout: false"
+            )
         self.run_dir = Path(config.output_dir)
         if self.is_main_process:  # before any model loads: a folder we cannot write is named
             prepare_run_dir(self.run_dir, resuming=True, overwrite=False)
@@ -206,6 +221,8 @@ class PPOTrainer:
         self._last_step: int | None = None  # the run's last step, while train() runs
         self._record_eval = False  # evaluate() writes rollout records (periodic evaluations)
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
+        # The generation worker of async_rollout, while train() runs (see rollout_worker).
+        self._rollout_worker: RolloutWorker | None = None
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -252,13 +269,22 @@ class PPOTrainer:
         return scores
 
     # ------------------------------------------------------------------ one iteration
-    def step(self, prompts: Sequence[PromptInput]) -> dict[str, float]:
+    def step(
+        self,
+        prompts: Sequence[PromptInput],
+        next_prompts: Sequence[PromptInput] | None = None,
+    ) -> dict[str, float]:
         """One PPO/GRPO iteration on ``batch_size`` prompts (or prompt records); returns its
         metrics.
 
         ``prompts`` is the global batch, the same on every rank of a data-parallel run: each rank
         learns from its contiguous share of ``batch_size / world_size`` prompts (and their
         columns), and the metrics are those of the global batch.
+
+        ``next_prompts``: the next step's batch, which the asynchronous rollout worker (during
+        :meth:`train` with ``config.async_rollout``) generates with the current policy while this
+        step updates; ignored without a worker. This step takes its own responses from the
+        worker when it was asked for exactly these prompts, else generates them itself.
         """
         cfg = self.config
         if len(prompts) != cfg.batch_size:
@@ -278,12 +304,15 @@ class PPOTrainer:
         group = cfg.group_size
         keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
         keys = keys[first * group : (first + local) * group]
+        sequence_ids = [p for p in prompt_ids for _ in range(group)]
+        generation, waited = self._overlap_generation(sequence_ids, next_prompts)
         rollout = self._rollout(
             [t for t in texts for _ in range(group)],
-            [p for p in prompt_ids for _ in range(group)],
+            sequence_ids,
             repeat_columns(columns, group),
             self.sampling,
             keys,
+            generation=generation,
         )
         t_rollout = time.perf_counter()
 
@@ -336,12 +365,40 @@ class PPOTrainer:
                 "time/advantages": t_advantages - t_rollout,
                 "time/update": t_update - t_advantages,
                 "time/step": t_end - t0,
+                **({"time/generation_wait": waited} if waited is not None else {}),
                 "tokens_per_second": metrics.pop("num_generated") / max(t_end - t0, 1e-9),
             }
         )
         self.global_step = step
         self.last_rollout = (rollout, batch, stats)
         return metrics
+
+    def _overlap_generation(
+        self,
+        sequence_ids: list[list[int]],
+        next_prompts: Sequence[PromptInput] | None,
+    ) -> tuple[GenerationOutput | None, float | None]:
+        """With the asynchronous rollout worker: this step's responses if the worker generated
+        them (else None: :meth:`_rollout` generates), and the next step's batch asked of it with
+        the policy's weights as they are now, before this step's update (one step off-policy).
+        Returns the responses and the seconds spent waiting for them (None without a worker)."""
+        worker = self._rollout_worker
+        if worker is None:
+            return None, None
+        cfg = self.config
+        start = time.perf_counter()
+        generation = worker.take(self.global_step, sequence_ids)
+        waited = time.perf_counter() - start
+        if next_prompts is not None:
+            _, next_ids, _ = self._prepare_prompts(next_prompts, 0, cfg.batch_size)
+            step = self.global_step + 1
+            worker.request(
+                step,
+                [p for p in next_ids for _ in range(cfg.group_size)],
+                rollout_keys(cfg.seed, step, cfg.rollout_batch_size),
+                dict(tree_flatten(self.policy.trainable_parameters())),
+            )
+        return generation, waited
 
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
@@ -369,6 +426,7 @@ class PPOTrainer:
         sampling: SamplingSettings,
         keys: mx.array | None = None,
         with_values: bool = True,
+        generation: GenerationOutput | None = None,
     ) -> Rollout:
         """Phases 1-3 with this trainer's models and reward (training and evaluation)."""
 
@@ -392,6 +450,7 @@ class PPOTrainer:
             score=score,
             score_source=self._score_source(),
             keys=keys,
+            generation=generation,
         )
 
     def _learners(self) -> list[Learner]:

@@ -123,6 +123,7 @@ def collect_rollout(
     score: ScoreFn,
     score_source: str,
     keys: mx.array | None = None,
+    generation: GenerationOutput | None = None,
 ) -> Rollout:
     """Phases 1-3 (see the module doc) for prompts already formatted and encoded.
 
@@ -132,20 +133,31 @@ def collect_rollout(
         score_source: what computes the scores, named when they are malformed.
         keys: one PRNG key per sequence (so a row's sample does not depend on the others), or
             None for the global random state.
+        generation: responses already sampled, with their behaviour log-probs and entropy (the
+            asynchronous rollout worker's, from the policy of one update earlier): phase 1 is
+            skipped and their log-probs are the rollout's (``sampling.logprobs_from`` must be
+            "sampling").
     """
     # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
-    gen = generate(
-        policy,
-        prompt_ids,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
-        top_k=sampling.top_k if sampling.temperature > 0 else 0,
-        stop_token_ids=list(sampling.stop_token_ids),
-        pad_token_id=sampling.pad_token_id,
-        return_logprobs=True,
-        keys=keys,
-    )
+    if generation is not None:
+        if sampling.logprobs_from != "sampling":
+            raise ValueError(
+                'a generation made elsewhere brings its behaviour log-probs: use logprobs_from "sampling"'
+            )
+        gen = generation
+    else:
+        gen = generate(
+            policy,
+            prompt_ids,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+            top_k=sampling.top_k if sampling.temperature > 0 else 0,
+            stop_token_ids=list(sampling.stop_token_ids),
+            pad_token_id=sampling.pad_token_id,
+            return_logprobs=True,
+            keys=keys,
+        )
     num_tokens = gen.responses.shape[1]
     mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)  # (B, T)
     query_responses, prompt_lengths = build_query_responses(

@@ -9,6 +9,7 @@ and the history live on the trainer, which its checkpoints hold.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
+from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
 from ppo_trainer.run_state import check_same_weights, ensure_optimizers
 from training.checkpoint import STATE_FILE, named_write
 from training.run_control import (
@@ -55,6 +57,7 @@ class TrainingRun:
         self.num_epochs = num_epochs
         self.callbacks = as_callbacks(callbacks)
         self.eval_prompts = eval_prompts
+        self._steps_per_epoch = 1
 
     def run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
         """The whole run; returns the trainer's per-step history."""
@@ -62,6 +65,7 @@ class TrainingRun:
         cfg = t.config
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
+        self._steps_per_epoch = steps_per_epoch
         t._last_step = total
         t._callbacks = self.callbacks
         self._check_run_dir(resuming=resume_from is not None)
@@ -83,10 +87,16 @@ class TrainingRun:
             resume_step=resume_step,
         )
         t._stop = stop = StopSignals()
-        with stop, run_log:
+        worker = (
+            self._start_worker(resume_step is not None)
+            if cfg.async_rollout
+            else contextlib.nullcontext()
+        )
+        with stop, run_log, worker:
+            t._rollout_worker = worker if isinstance(worker, RolloutWorker) else None
             try:
                 while t.global_step < total and not stop.requested:
-                    metrics = t.step(self._next_batch())
+                    metrics = t.step(self._next_batch(), self._batch_after_next(total))
                     self._record(metrics, steps_per_epoch, total, run_log)
                     if cfg.save_every and t.global_step % cfg.save_every == 0:
                         t.save_checkpoint()
@@ -102,6 +112,8 @@ class TrainingRun:
                 if save_after_failure(err, t._updating, t.global_step, last_saved):
                     t.save_checkpoint()
                 raise
+            finally:
+                t._rollout_worker = None  # the with block ends the worker process
         t.stop_reason = stop.reason
         check_same_weights(t, "at the end of training")
         if self.eval_prompts and not stop.requested:
@@ -176,13 +188,44 @@ class TrainingRun:
         return t.global_step
 
     def _next_batch(self) -> list[PromptInput]:
-        """The prompts of the next step: the epoch's permutation (a function of seed and epoch),
-        wrapping around at the end of the prompt list."""
+        """The prompts of the next step (see :meth:`_batch_at`)."""
+        return self._batch_at(self.trainer.epoch, self.trainer.step_in_epoch)
+
+    def _batch_after_next(self, total: int) -> list[PromptInput] | None:
+        """With async_rollout, the prompts of the step after the next one (what the worker
+        generates while the next one updates); None without it or when the next step is the
+        run's last."""
+        t = self.trainer
+        if not t.config.async_rollout or t.global_step + 1 >= total:
+            return None
+        epoch, position = t.epoch, t.step_in_epoch + 1
+        if position == self._steps_per_epoch:
+            epoch, position = epoch + 1, 0
+        return self._batch_at(epoch, position)
+
+    def _batch_at(self, epoch: int, step_in_epoch: int) -> list[PromptInput]:
+        """The prompts of step ``step_in_epoch`` of ``epoch``: the epoch's permutation (a
+        function of seed and epoch), wrapping around at the end of the prompt list."""
         t = self.trainer
         n = len(self.prompts)
-        order = np.random.default_rng([t.config.seed, t.epoch]).permutation(n)
-        start = t.step_in_epoch * t.config.batch_size
+        order = np.random.default_rng([t.config.seed, epoch]).permutation(n)
+        start = step_in_epoch * t.config.batch_size
         return [self.prompts[int(order[(start + k) % n])] for k in range(t.config.batch_size)]
+
+    def _start_worker(self, resumed: bool) -> RolloutWorker:
+        """Start the async_rollout generation worker. A fresh run gives the trainer and the
+        worker half its OpenBLAS threads each (they compute at the same time); the trainer's
+        share is what checkpoints record, so a resumed run gives the worker that count too."""
+        t = self.trainer
+        cfg = t.config
+        if resumed:
+            mine, theirs = t.blas_threads, t.blas_threads
+        else:
+            mine, theirs = worker_blas_threads(t.blas_threads)
+        if mine is not None and mine != t.blas_threads:
+            t.blas_threads = run_blas_threads(mine)
+        spec = WorkerSpec(cfg.model_config(), t.sampling, theirs)
+        return RolloutWorker(spec, t.run_dir)
 
     def _record(
         self, metrics: dict[str, float], steps_per_epoch: int, total: int, run_log: RunLog
