@@ -35,7 +35,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -169,8 +169,16 @@ class RolloutWorker:
                 raise RolloutWorkerError(f"unexpected message from the rollout worker: {kind}")
             return dict(message[2])
 
-    def _raise_gone(self) -> None:
+    def _raise_gone(self) -> NoReturn:
+        """Raise the worker's own error if it sent one before it exited, else its exit."""
         self.process.join(timeout=1.0)
+        try:
+            while self._conn.poll(0):
+                message = self._conn.recv()
+                if message[0] == "error":
+                    raise RolloutWorkerError(f"the rollout worker failed:\n{message[1]}")
+        except (EOFError, OSError):
+            pass
         raise RolloutWorkerError(
             f"the rollout worker (pid {self.process.pid}) exited with code "
             f"{self.process.exitcode} before returning its batch (a signal is a negative code; "

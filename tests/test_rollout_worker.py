@@ -1,0 +1,208 @@
+"""async_rollout on the embedded tiny model: the worker process generates the next batch with the
+pre-update policy, its behaviour log-probs become the old log-probs, and it never outlives a run."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from config.ppo_config import PPOConfig
+from fixtures.tiny_corpus import review_prompts
+from models.policy_model import PolicyModel
+from ppo_trainer.callbacks import TrainerCallback
+from ppo_trainer.generator import generate
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.rollout import rollout_keys
+from ppo_trainer.rollout_worker import RolloutWorker, RolloutWorkerError, WorkerSpec
+
+PROMPTS = review_prompts(16, seed=0)
+
+
+def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
+    """A reward the tiny model can move: the share of the letter 'e' in the completion."""
+    return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def make_config(tiny_model_dir: Path, run_dir: Path, **overrides: Any) -> PPOConfig:
+    settings: dict[str, Any] = dict(
+        model_name=str(tiny_model_dir),
+        max_new_tokens=8,
+        batch_size=4,
+        learning_rate=1e-3,
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        output_dir=str(run_dir),
+        progress_bar=False,
+        seed=0,
+        async_rollout=True,
+        total_steps=3,
+    )
+    settings.update(overrides)
+    return PPOConfig(**settings)
+
+
+def trainable(model: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in dict(tree_flatten(model.trainable_parameters())).items()}
+
+
+class Watch(TrainerCallback):
+    """Keeps, per step, the rollout (after the step), the policy's trainable weights before the
+    step's update, and the worker process."""
+
+    def __init__(self) -> None:
+        self.weights_before: dict[int, dict[str, np.ndarray]] = {}
+        self.rollouts: dict[int, Any] = {}
+        self.processes: list[Any] = []
+
+    def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: Any) -> None:
+        self.weights_before[step] = trainable(trainer.policy)
+        worker = trainer._rollout_worker
+        if worker is not None and worker.process not in self.processes:
+            self.processes.append(worker.process)
+
+    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
+        self.rollouts[step] = trainer.last_rollout[0]
+
+
+def without_times(metrics: dict[str, float]) -> dict[str, float]:
+    return {
+        k: v for k, v in metrics.items() if not k.startswith("time/") and k != "tokens_per_second"
+    }
+
+
+def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Step 1 is the synchronous run's step 1 exactly; step 2's batch is what the policy of
+    before update 1 samples from step 2's keys, and its log-probs are PPO's old log-probs; every
+    trainable parameter moves; the worker is gone after train() returns."""
+    sync = PPOTrainer(
+        make_config(tiny_model_dir, tmp_path / "sync", async_rollout=False), reward_model=e_rate
+    )
+    sync_history = sync.train(PROMPTS, num_epochs=1)
+
+    config = make_config(tiny_model_dir, tmp_path / "async")
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    before = trainable(trainer.policy)
+    watch = Watch()
+    history = trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
+
+    assert len(history) == 3
+    assert without_times(history[0]) == without_times(sync_history[0])
+    assert "time/generation_wait" in history[1]
+    after = trainable(trainer.policy)
+    assert not [k for k in before if np.array_equal(before[k], after[k])]
+
+    # Step 2's responses: the weights of before update 1 (those of step 1's rollout), step 2's
+    # keys, step 2's prompts, generated here again.
+    rollout = watch.rollouts[2]
+    trainer.policy.load_weights(
+        [(k, mx.array(v)) for k, v in watch.weights_before[1].items()], strict=False
+    )
+    again = generate(
+        trainer.policy,
+        rollout.prompt_ids,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        stop_token_ids=trainer.stop_token_ids,
+        pad_token_id=trainer.pad_token_id,
+        return_logprobs=True,
+        keys=rollout_keys(config.seed, 1, config.rollout_batch_size),
+    )
+    assert np.array_equal(np.array(again.responses), np.array(rollout.generation.responses))
+    assert np.array_equal(np.array(again.lengths), np.array(rollout.generation.lengths))
+    assert again.logprobs is not None
+    np.testing.assert_allclose(np.array(again.logprobs), np.array(rollout.logprobs), atol=1e-5)
+    # ... while step 2 updated the policy of after update 1: the lag is one update.
+    assert any(
+        not np.array_equal(watch.weights_before[1][k], watch.weights_before[2][k])
+        for k in watch.weights_before[1]
+    )
+
+    assert len(watch.processes) == 1
+    assert not watch.processes[0].is_alive()
+    assert not list(Path(config.output_dir).glob(".tmp-rollout-worker-*"))
+
+
+def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    class KillWorker(Watch):
+        def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
+            os.kill(trainer._rollout_worker.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+
+    watch = KillWorker()
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=e_rate)
+    with pytest.raises(RolloutWorkerError, match="exited with code -9"):
+        trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
+    assert not watch.processes[0].is_alive()
+    assert trainer._rollout_worker is None
+
+
+def test_the_worker_ends_when_training_fails(tiny_model_dir: Path, tmp_path: Path) -> None:
+    calls = []
+
+    def failing_reward(prompts: list[str], completions: list[str]) -> list[float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("reward service down")
+        return e_rate(prompts, completions)
+
+    watch = Watch()
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=failing_reward)
+    with pytest.raises(RuntimeError, match="reward service down"):
+        trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
+    assert watch.processes and not watch.processes[0].is_alive()
+    assert not list((tmp_path / "run").glob(".tmp-rollout-worker-*"))
+
+
+def test_a_failing_worker_sends_its_traceback(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An error in the worker (here: its model cannot be loaded) is raised by the trainer's side
+    with the worker's traceback, not a hang."""
+    config = make_config(tiny_model_dir, tmp_path / "run")
+    sampling_trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "x"), reward_model=e_rate)
+    bad = make_config(tmp_path / "no_such_model", tmp_path / "run")
+    spec = WorkerSpec(bad.model_config(), sampling_trainer.sampling, 1)
+    with RolloutWorker(spec, tmp_path, timeout=120) as worker:
+        worker.request(
+            0,
+            [[5, 6, 7]],
+            rollout_keys(config.seed, 0, 1),
+            dict(tree_flatten(sampling_trainer.policy.trainable_parameters())),
+        )
+        with pytest.raises(RolloutWorkerError, match="no_such_model"):
+            worker.take(0, [[5, 6, 7]])
+    assert not worker.process.is_alive()
+
+
+def test_resume_starts_with_a_synchronous_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint holds no pending batch: the resumed run generates its first step with the
+    checkpoint's policy (as a synchronous run resumed there does), then goes on asynchronously."""
+    first = PPOTrainer(
+        make_config(tiny_model_dir, tmp_path / "first", total_steps=4, save_every=2),
+        reward_model=e_rate,
+    )
+    first.train(PROMPTS, num_epochs=1)
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_000002"
+    assert checkpoint.is_dir()
+    resumed = {}
+    for mode in (True, False):
+        config = make_config(
+            tiny_model_dir, tmp_path / f"resumed_{mode}", total_steps=4, async_rollout=mode
+        )
+        trainer = PPOTrainer(config, reward_model=e_rate)
+        resumed[mode] = trainer.train(PROMPTS, num_epochs=1, resume_from=checkpoint)
+        assert trainer.global_step == 4
+    assert len(resumed[True]) == 4
+    assert without_times(resumed[True][2]) == without_times(resumed[False][2])
+
+
+def test_async_rollout_refuses_what_it_cannot_correct(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        make_config(tiny_model_dir, tmp_path, rollout_logprobs="forward")
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="pass no policy="):
+        PPOTrainer(make_config(tiny_model_dir, tmp_path), policy=policy, reward_model=e_rate)
