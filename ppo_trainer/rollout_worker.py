@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import time
@@ -101,13 +102,17 @@ class RolloutWorker:
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=worker_main,
-            args=(child_conn, spec),
+            # Pickled here and unpickled after the child's BLAS set-up: unpickling the spec
+            # imports modules that import mlx.
+            args=(child_conn, pickle.dumps(spec)),
             name="ppo-mlx-rollout-worker",
             daemon=True,
         )
         self.process.start()
         child_conn.close()  # the child's end lives in the child only: its death closes the pipe
         self._pending: tuple[int, list[list[int]]] | None = None
+        #: The worker's BLAS (:class:`~base_setup.backend.BlasInfo` name), once it is ready.
+        self.worker_blas: str | None = None
 
     def request(
         self,
@@ -162,6 +167,7 @@ class RolloutWorker:
                 self._raise_gone()
             kind = message[0]
             if kind == "ready":
+                self.worker_blas = message[2]
                 continue
             if kind == "error":
                 raise RolloutWorkerError(f"the rollout worker failed:\n{message[1]}")
@@ -219,8 +225,8 @@ def _generation_output(arrays: dict[str, np.ndarray]) -> GenerationOutput:
     return GenerationOutput(**{name: mx.array(arrays[name]) for name in _FIELDS})
 
 
-def worker_main(conn: Connection, spec: WorkerSpec) -> None:
-    """The worker process: build the policy, then answer ``("generate", step, weights_path,
+def worker_main(conn: Connection, spec: bytes) -> None:
+    """The worker process (``spec``: a pickled :class:`WorkerSpec`): build the policy, then answer ``("generate", step, weights_path,
     prompt_ids, keys)`` messages with ``("result", step, arrays)`` until ``("stop",)`` or the
     trainer's end of the pipe closes. Any failure is sent back as ``("error", traceback)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer finishes, then ends us
@@ -230,7 +236,7 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     # Not an error handler: the child reports any failure, with its traceback, to the trainer,
     # which raises it; the child then exits.
     try:
-        _serve(conn, spec)
+        _serve(conn, pickle.loads(spec))
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -243,7 +249,7 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from base_setup.backend import run_blas_threads
+    from base_setup.backend import blas_info, run_blas_threads
     from ppo_trainer.components import load_policy
     from ppo_trainer.generator import generate
 
@@ -252,7 +258,7 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
     policy = load_policy(spec.model_config)
     flat: dict[str, Any] = dict(tree_flatten(policy.trainable_parameters()))
     trainable = {k: v.shape for k, v in flat.items()}
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), blas_info().name))
     sampling = spec.sampling
     while True:
         try:

@@ -546,3 +546,14 @@ def test_contention_measures_with_busy_processes_and_stops_them(tmp_path: Path) 
     if Path("/proc/stat").exists():
         assert result.other_load is not None and result.other_load > 0.5  # the busy ones ran
     assert multiprocessing.active_children() == []  # and was stopped
+
+
+def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
+    """benchmarks.async_rollout runs its sync/async pair end to end and reports the ratio."""
+    from benchmarks import async_rollout
+
+    lines = async_rollout.main(["--smoke", "--repeats", "1", "--out", str(tmp_path)])
+    assert any(line.startswith("median s/iteration") and "sync/async" in line for line in lines)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["async"] for r in results] == [False, True]
+    assert results[0]["scores"][0] == results[1]["scores"][0]  # step 1: the same, synchronous

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from base_setup.backend import blas_info
 from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
@@ -60,6 +61,7 @@ class Watch(TrainerCallback):
         self.weights_before: dict[int, dict[str, np.ndarray]] = {}
         self.rollouts: dict[int, Any] = {}
         self.processes: list[Any] = []
+        self.worker_blas: list[str | None] = []
 
     def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: Any) -> None:
         self.weights_before[step] = trainable(trainer.policy)
@@ -69,6 +71,9 @@ class Watch(TrainerCallback):
 
     def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
         self.rollouts[step] = trainer.last_rollout[0]
+        worker = trainer._rollout_worker
+        if step == 2 and worker is not None:  # it sent its "ready" before step 2's batch
+            self.worker_blas.append(worker.worker_blas)
 
 
 def without_times(metrics: dict[str, float]) -> dict[str, float]:
@@ -125,6 +130,7 @@ def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Pa
     )
 
     assert len(watch.processes) == 1
+    assert watch.worker_blas == [blas_info().name]  # its BLAS set up before mlx was imported
     assert not watch.processes[0].is_alive()
     assert not list(Path(config.output_dir).glob(".tmp-rollout-worker-*"))
 
@@ -132,7 +138,9 @@ def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Pa
 def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
     class KillWorker(Watch):
         def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
-            os.kill(trainer._rollout_worker.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            worker = trainer._rollout_worker
+            assert worker is not None and worker.process.pid is not None
+            os.kill(worker.process.pid, signal.SIGKILL)
 
     watch = KillWorker()
     trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=e_rate)
