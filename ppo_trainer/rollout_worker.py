@@ -12,8 +12,9 @@ of a run (and of a resumed run) generates in the trainer itself.
 Why a process and not a thread: MLX's CPU element-wise ops run on one thread per process, so a
 second process is what lets generation and the update use two cores at once.
 
-The child is started with the "spawn" context; it ignores SIGINT (Ctrl-C is the trainer's to act
-on: it finishes its step and ends the worker) and calls :func:`base_setup.setup_blas` before it
+The child is started with the "spawn" context; it ignores SIGINT and SIGTERM (a Ctrl-C or a
+scheduler's SIGTERM reaches the whole process group: the trainer finishes its step, saves, and ends
+the worker, with SIGKILL if it is busy) and calls :func:`base_setup.setup_blas` before it
 imports mlx. It builds the policy as the trainer does (:func:`ppo_trainer.components.load_policy`)
 and loads the trainer's trainable weights before every batch, from a safetensors file the trainer
 writes atomically into a hidden ``.tmp-rollout-worker-<pid>`` folder of the run folder (removed at
@@ -200,10 +201,7 @@ class RolloutWorker:
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 pass
             self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5.0)
-        if self.process.is_alive():
+        if self.process.is_alive():  # busy generating a batch no one will take, or stuck
             self.process.kill()
             self.process.join()
         self._conn.close()
@@ -229,7 +227,10 @@ def worker_main(conn: Connection, spec: bytes) -> None:
     """The worker process (``spec``: a pickled :class:`WorkerSpec`): build the policy, then answer ``("generate", step, weights_path,
     prompt_ids, keys)`` messages with ``("result", step, arrays)`` until ``("stop",)`` or the
     trainer's end of the pipe closes. Any failure is sent back as ``("error", traceback)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the trainer finishes, then ends us
+    # Ctrl-C, and SIGTERM sent to the whole process group (a scheduler's), are the trainer's to
+    # act on: it finishes its step, saves, and ends this process (SIGKILL when it is busy).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from base_setup import setup_blas
 
     setup_blas()  # before mlx is imported in this process

@@ -150,6 +150,27 @@ def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Pat
     assert trainer._rollout_worker is None
 
 
+def test_signals_to_the_process_group_leave_the_worker_to_the_trainer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C and a scheduler's SIGTERM reach the worker too; it ignores them (the trainer
+    finishes its step, saves and ends it), so the run goes on here and the worker ends with it."""
+
+    class SignalWorker(Watch):
+        def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
+            super().on_step_end(trainer, step, metrics)
+            worker = trainer._rollout_worker
+            if step == 2 and worker is not None and worker.process.pid is not None:
+                os.kill(worker.process.pid, signal.SIGINT)
+                os.kill(worker.process.pid, signal.SIGTERM)
+
+    watch = SignalWorker()
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=e_rate)
+    history = trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
+    assert len(history) == 3
+    assert watch.processes and not watch.processes[0].is_alive()
+
+
 def test_the_worker_ends_when_training_fails(tiny_model_dir: Path, tmp_path: Path) -> None:
     calls = []
 
