@@ -20,7 +20,8 @@ Setups:
 * ``--smoke``: the embedded test-size model and a letter-count reward, 3 iterations.
 
 Every run is a fresh process (``--repeats`` pairs, sync and async interleaved, the order
-alternating), training ``--steps`` iterations from the same seed. Per run: the median of
+alternating), training ``--steps`` iterations; pair ``i`` trains with seed ``--seed + i`` in both
+modes, so the spread over pairs is the seed noise the two curves are compared within. Per run: the median of
 ``time/step`` over the iterations after the first two (the first step of an async run is
 synchronous and its second waits for the worker to load), the whole of ``train()``'s wall time,
 the reward curve (``objective/scores`` per iteration: for an async run the reward of batches the
@@ -61,7 +62,9 @@ def _busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def run_once(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: Path) -> dict:
+def run_once(
+    setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: Path, seed: int
+) -> dict:
     """Train one run in this process; returns its per-step records, wall time and evaluation."""
     from config.ppo_config import PPOConfig
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -73,6 +76,7 @@ def run_once(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: 
         progress_bar=False,
         total_steps=steps,
         async_rollout=async_rollout,
+        seed=seed,
         log_rollouts_every=0,
         save_every=0,
     )
@@ -141,6 +145,7 @@ def run_once(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: 
     wall = time.perf_counter() - start
     result: dict[str, Any] = {
         "async": async_rollout,
+        "seed": seed,
         "wall": wall,
         "blas_threads": trainer.blas_threads,
         "step_times": [h["time/step"] for h in history],
@@ -154,7 +159,9 @@ def run_once(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: 
     return result
 
 
-def measure(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: Path) -> dict:
+def measure(
+    setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: Path, seed: int
+) -> dict:
     """:func:`run_once` in a fresh process, with the cores other processes kept busy."""
     out = work / f"result_{time.monotonic_ns()}.json"
     command = [
@@ -173,6 +180,8 @@ def measure(setup: str, async_rollout: bool, steps: int, work: Path, demo_dir: P
         str(demo_dir),
         "--result",
         str(out),
+        "--seed",
+        str(seed),
     ]
     busy0, own0, wall0 = _busy_seconds(), _children_seconds(), time.perf_counter()
     subprocess.run(command, check=True, cwd=Path(__file__).resolve().parent.parent)
@@ -196,7 +205,7 @@ def report(results: list[dict], setup: str) -> list[str]:
     """The table of runs, the medians and their ratio, and the reward curves."""
     lines = [f"setup {setup}: {len(results) // 2} sync/async pairs, interleaved"]
     head = (
-        f"{'run':>4} {'mode':>5} {'s/iter':>7} {'train s':>8} {'BLAS thr':>8} {'others':>6}"
+        f"{'run':>4} {'seed':>4} {'mode':>5} {'s/iter':>7} {'train s':>8} {'BLAS thr':>8} {'others':>6}"
         f" {'last5 reward':>12} {'eval reward':>11}"
     )
     lines += [head, "-" * len(head)]
@@ -204,7 +213,7 @@ def report(results: list[dict], setup: str) -> list[str]:
         last = statistics.mean(r["scores"][-5:])
         evaluation = f"{r['eval_reward']:+11.3f}" if "eval_reward" in r else f"{'-':>11}"
         lines.append(
-            f"{i:>4} {'async' if r['async'] else 'sync':>5} {_median_step(r):>7.3f} "
+            f"{i:>4} {r['seed']:>4} {'async' if r['async'] else 'sync':>5} {_median_step(r):>7.3f} "
             f"{r['wall']:>8.1f} {str(r['blas_threads']):>8} {r['other_cores']:>6.2f}"
             f" {last:>+12.3f} {evaluation}"
         )
@@ -245,6 +254,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="sync/async pairs")
     parser.add_argument("--demo-dir", type=Path, default=Path("runs/demo"))
     parser.add_argument("--out", type=Path, default=None, help="write report.txt and results.json")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the first pair; pair i trains with seed + i (both modes the same seed), so "
+        "the spread over pairs shows the seed noise of the reward curve",
+    )
     parser.add_argument("--one", choices=("sync", "async"), help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -262,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     """Run the pairs and print the report; returns its lines."""
     args = parse_args(argv)
     if args.one is not None:  # one run, in this fresh process
-        result = run_once(args.setup, args.one == "async", args.steps, args.work, args.demo_dir)
+        result = run_once(
+            args.setup, args.one == "async", args.steps, args.work, args.demo_dir, args.seed
+        )
         args.result.write_text(json.dumps(result))
         return []
     results = []
@@ -271,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         for repeat in range(args.repeats):
             order = (False, True) if repeat % 2 == 0 else (True, False)
             for mode in order:
-                results.append(measure(args.setup, mode, args.steps, work, args.demo_dir))
+                results.append(
+                    measure(args.setup, mode, args.steps, work, args.demo_dir, args.seed + repeat)
+                )
                 r = results[-1]
                 print(
                     f"[{len(results)}/{2 * args.repeats}] {'async' if mode else 'sync'}: "
