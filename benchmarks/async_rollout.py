@@ -227,22 +227,30 @@ def report(results: list[dict], setup: str) -> list[str]:
         f"sync/async {sync_step / async_step:.2f}; median train() s: sync {sync_wall:.1f}, "
         f"async {async_wall:.1f}, sync/async {sync_wall / async_wall:.2f}"
     )
+    pairs = [
+        _median_step(a) / _median_step(b) if not a["async"] else _median_step(b) / _median_step(a)
+        for a, b in zip(results[0::2], results[1::2])
+    ]
+    lines.append("sync/async s/iteration per pair: " + ", ".join(f"{p:.2f}" for p in pairs))
     if all("eval_reward" in r for r in results):
         for mode, name in ((False, "sync"), (True, "async")):
             values = [r["eval_reward"] for r in by_mode[mode]]
             lines.append(f"{name} final eval reward: " + ", ".join(f"{v:+.3f}" for v in values))
     steps = len(results[0]["scores"])
     width = 5 if steps >= 10 else 1
-    lines.append(f"reward curve (objective/scores, mean over runs, per {width} iteration(s)):")
-    lines.append(f"{'iterations':>12} {'sync':>8} {'async':>8}")
-    for start in range(0, steps, width):
-        row = []
+    lines.append(
+        f"reward curve (objective/scores per {width} iteration(s): mean over runs [range of the "
+        "runs' window means])"
+    )
+    lines.append(f"{'iterations':>12} {'sync':>24} {'async':>24}")
+    for first in range(0, steps, width):
+        cells = []
         for mode in (False, True):
-            window = [s for r in by_mode[mode] for s in r["scores"][start : start + width]]
-            row.append(statistics.mean(window))
-        lines.append(
-            f"{start + 1:>5}-{min(start + width, steps):<6} {row[0]:>+8.3f} {row[1]:>+8.3f}"
-        )
+            means = [statistics.mean(r["scores"][first : first + width]) for r in by_mode[mode]]
+            low, high = min(means), max(means)
+            cells.append(f"{statistics.mean(means):+7.3f} [{low:+7.3f}, {high:+7.3f}]")
+        label = f"{first + 1:>5}-{min(first + width, steps):<6}"
+        lines.append(f"{label} {cells[0]:>24} {cells[1]:>24}")
     return lines
 
 
@@ -260,6 +268,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="seed of the first pair; pair i trains with seed + i (both modes the same seed), so "
         "the spread over pairs shows the seed noise of the reward curve",
+    )
+    parser.add_argument(
+        "--report", type=Path, help="print the report of an earlier run's results.json, no run"
     )
     parser.add_argument("--one", choices=("sync", "async"), help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -283,6 +294,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         )
         args.result.write_text(json.dumps(result))
         return []
+    if args.report is not None:
+        earlier = json.loads(args.report.read_text())
+        lines = report(earlier, args.setup)
+        print("\n".join(lines))
+        return lines
     results = []
     with tempfile.TemporaryDirectory(prefix="async_rollout_") as tmp:
         work = Path(tmp)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -214,12 +215,15 @@ class TrainingRun:
 
     def _start_worker(self, resumed: bool) -> RolloutWorker:
         """Start the async_rollout generation worker. A fresh run gives the trainer and the
-        worker half its OpenBLAS threads each (they compute at the same time); the trainer's
-        share is what checkpoints record, so a resumed run gives the worker that count too."""
+        worker half its OpenBLAS threads each (they compute at the same time). The trainer's
+        share is what checkpoints record: a resumed run keeps it, and gives the worker as many,
+        at most half the cores."""
         t = self.trainer
         cfg = t.config
-        if resumed:
-            mine, theirs = t.blas_threads, t.blas_threads
+        if resumed:  # the checkpoint's count (perhaps of a synchronous run) stays the trainer's
+            mine = t.blas_threads
+            half = max(1, (os.cpu_count() or 1) // 2)
+            theirs = None if mine is None else min(mine, half)
         else:
             mine, theirs = worker_blas_threads(t.blas_threads)
         if mine is not None and mine != t.blas_threads:
