@@ -12,6 +12,10 @@ One iteration (:meth:`PPOTrainer.step`) reads as the phases of the data flow, ea
 6.   :mod:`ppo_trainer.metrics`: the KL controller and the metrics (checkpoints, logs and
      callbacks are :meth:`PPOTrainer.train`'s).
 
+With ``config.async_rollout``, phase 1 of step k+1 runs in a second process
+(:mod:`ppo_trainer.rollout_worker`) during step k's phases 2-6, from the weights of before update
+k; its sampling log-probs are phase 2's rollout log-probs (one step off-policy).
+
 :meth:`PPOTrainer.evaluate` runs the same rollout (phases 1-3) with the evaluation settings.
 Customise a task by overriding :meth:`format_prompt`, :meth:`compute_scores` and
 :meth:`evaluate` (see ``examples/``), or observe it with callbacks. A prompt may be a record
