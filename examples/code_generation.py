@@ -17,8 +17,9 @@ Data: JSONL records ``{"prompt": <stub>, "tests": ["assert f(1) == 2", ...]}`` (
 ``test``, ``entry_point``; one test: ``check``). :func:`code_record` turns a row into the prompt
 record ``{"prompt": stub, "tests": [...], "solution": body or None}``.
 
-Run: ``python -m examples.code_generation --steps 2`` (the embedded tiny model; it writes no
-working code, so its reward stays 0), or ``--model <dir or repo id>``.
+Run: ``python -m examples.code_generation`` (offline: the embedded tiny model, first fine-tuned
+on the training tasks' reference solutions, :func:`code_sft_record`; it learns those, not to
+solve unseen tasks), or ``--model <dir or repo id>``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ TASK_DEFAULTS: dict[str, Any] = dict(
     kl_coef=0.05,
     temperature=0.7,
     total_steps=20,
+)
+#: SFT of the embedded tiny model (no --model) on the reference solutions, before PPO: enough to
+#: do the task a little on the training prompts, not so much that sampling stops exploring.
+SFT_SETTINGS: dict[str, Any] = dict(
+    learning_rate=3e-3, batch_size=8, total_steps=50, warmup_steps=2, progress_bar=True
+)
+#: PPO settings of the embedded tiny model's run (over TASK_DEFAULTS). lam=1: the value head starts
+#: untrained, and GAE's lam < 1 would pass the first tokens little of the score's credit; the
+#: evaluations sample at the training temperature, as PPO's rollouts do.
+TINY_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=64,
+    batch_size=16,
+    learning_rate=1e-3,
+    total_steps=15,
+    lam=1.0,
+    eval_temperature=0.7,
 )
 
 
@@ -171,6 +188,22 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
     return {"prompt": stub, "tests": list(tests), "solution": solution}
 
 
+def code_sft_record(
+    record: Mapping[str, Any], prompt_style: PromptStyle = "completion"
+) -> dict[str, Any] | None:
+    """The SFT record of a prompt record with a reference ``solution`` (None without one): the
+    stub continued by the solution ("completion"), or the chat request answered by the whole
+    function in a code block ("chat")."""
+    if record.get("solution") is None:
+        return None
+    stub, solution = record["prompt"], record["solution"]
+    if prompt_style == "completion":
+        return {"prompt": stub, "completion": solution}
+    answer = f"```python\n{stub}{solution.rstrip()}\n```"
+    request = {"role": "user", "content": CHAT_REQUEST.format(stub=stub)}
+    return {"messages": [request, {"role": "assistant", "content": answer}]}
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -267,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         to_record=code_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/code_generation",
+        to_sft=lambda record: code_sft_record(record, args.prompt_style),
+        sft_settings=SFT_SETTINGS,
+        tiny_defaults=TINY_DEFAULTS,
         build=lambda config: CodeGenerationTrainer(
             config,
             prompt_style=args.prompt_style,
