@@ -416,6 +416,11 @@ def run_task_cli(
     ``tiny_defaults`` over ``task_defaults``. Returns the exit status: 0, or 2 after printing a
     bad input's error (the data is checked before any model is loaded)."""
     try:
+        if not uses_embedded_model(args) and (args.sft_steps is not None or args.fresh):
+            raise ValueError(
+                "--sft-steps and --fresh are about the SFT of the embedded tiny model, which a run "
+                "with a given model does not do: drop them, or drop the model"
+            )
         records = load_task_records(args.data, to_record, split=args.split)
         config = config_from_args(args, task_defaults, default_output_dir, tiny_defaults)
         # The split train_on_records makes (the same seed): SFT never sees the held-out records.

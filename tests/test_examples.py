@@ -659,3 +659,6 @@ def test_cli_reports_a_malformed_data_line_before_loading_a_model(
     args = cli_args("code_generation", tmp_path, "--model", str(tmp_path / "no_model"))
     assert code_generation.main([*args, "--data", str(bad)]) == 2
     assert f"error: {bad}:2:" in capsys.readouterr().err  # not the missing model
+    # a given model gets no SFT: asking for one is an error, not ignored
+    assert code_generation.main([*args, "--sft-steps", "3"]) == 2
+    assert "embedded tiny model" in capsys.readouterr().err
