@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from base_setup import setup_blas
-from training.run_control import TrainingStopped, stop_exit_code
+from training.run_control import TrainingStopped, raise_interrupted, stop_exit_code
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -109,13 +110,32 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return overrides
 
 
+def _run_config(args: argparse.Namespace, cls: type[Any]) -> Any:
+    """The command's ``cls`` config: ``--config`` and ``--set`` over the defaults; with
+    ``--resume``, over the resumed run's own config instead (as its checkpoint recorded it), so
+    that a setting not given again keeps the run's value rather than its default. ``output_dir``
+    (where ``latest`` is looked for) comes from ``--config`` / ``--set`` as for a fresh run."""
+    from config.loading import given_value, load_config
+    from training.run_control import resumed_run_config
+
+    overrides = _overrides(args)
+    resume = getattr(args, "resume", None)
+    if resume is None:
+        return load_config(args.config, overrides, cls=cls)
+    run_dir = given_value("output_dir", args.config, overrides, cls)
+    base = resumed_run_config(run_dir, resume)
+    if base is not None and resume == "latest":
+        base["output_dir"] = run_dir  # the folder it was found in, wherever the run began
+    return load_config(args.config, overrides, cls=cls, base=base)
+
+
 def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, list[Any]]:
     """The trainer and the prompts; the config, the prompt file and the run folder are checked
     before any model is loaded."""
-    from config.loading import load_config
+    from config.ppo_config import PPOConfig
     from training.run_control import check_run_dir
 
-    config = load_config(args.config, _overrides(args))
+    config = _run_config(args, PPOConfig)
     reward = load_function(args.reward_fn) if args.reward_fn else None
     prompts = read_prompts(args.prompts)
     check_run_dir(config.output_dir, resuming=resuming, overwrite=config.overwrite_output_dir)
@@ -167,24 +187,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
-    from config.loading import load_config
     from config.sft_config import SFTConfig
     from finetune.sft_trainer import run_sft
 
-    out = run_sft(
-        load_config(args.config, _overrides(args), cls=SFTConfig), resume_from=args.resume
-    )
+    out = run_sft(_run_config(args, SFTConfig), resume_from=args.resume)
     print(f"SFT model: {out}")
 
 
 def cmd_reward(args: argparse.Namespace) -> None:
-    from config.loading import load_config
     from config.reward_config import RewardConfig
     from finetune.reward_trainer import run_reward_training
 
-    out = run_reward_training(
-        load_config(args.config, _overrides(args), cls=RewardConfig), resume_from=args.resume
-    )
+    out = run_reward_training(_run_config(args, RewardConfig), resume_from=args.resume)
     print(f"reward model: {out}")
 
 
@@ -290,6 +304,12 @@ docs: README.md, docs/configuration.md, docs/models.md, docs/algorithms.md
 """
 
 
+RESUME_HELP = (
+    "a checkpoint directory, or 'latest' (the newest under output_dir); the run keeps its "
+    "settings except those --config and --set give again"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppo-mlx" if Path(sys.argv[0]).name == "ppo-mlx" else "main.py",
@@ -319,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reward_arg(train)
     train.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
     train.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
-    train.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+    train.add_argument("--resume", help=RESUME_HELP)
     _add_overwrite_arg(train)
     train.set_defaults(func=cmd_train)
 
@@ -340,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
         stage = sub.add_parser(name, help=help_text)
         _add_config_args(stage, name)
         stage.add_argument("--data", help="the training JSONL (or a dataset name)")
-        stage.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+        stage.add_argument("--resume", help=RESUME_HELP)
         _add_overwrite_arg(stage)
         stage.set_defaults(func=func)
 
@@ -415,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logger.info(blas.describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler, docker stop) as Ctrl-C: within the training loop it finishes the
+    # step and saves (StopSignals); outside it the command ends with a message, not silently.
+    previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError) as err:
@@ -423,12 +446,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # a full disk, a folder that cannot be written: the message says
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        reason = getattr(err, "reason", "SIGINT")
+        print("interrupted" + ("" if reason == "SIGINT" else f" ({reason})"), file=sys.stderr)
+        return stop_exit_code(reason)
     except TrainingStopped as stopped:
         print(str(stopped), file=sys.stderr)
         return stop_exit_code(stopped.reason)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     return int(code or 0)
 
 

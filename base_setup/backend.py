@@ -252,10 +252,44 @@ def _cpu_sample() -> tuple[float, float, float] | None:
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
     busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     times = os.times()
-    # This process's own time includes its finished children's (MLX's JIT compiler, cc1plus):
-    # they are this run's work, never "other load".
+    # This process's own time includes its children's, finished (os.times) or running
+    # (MLX's JIT compiler: g++ and its cc1plus while they compile): this run's work, never
+    # "other load".
     own = times.user + times.system + times.children_user + times.children_system
-    return busy, own, time.monotonic()
+    return busy, own + _running_descendants_seconds(os.getpid()), time.monotonic()
+
+
+def _running_descendants_seconds(pid: int) -> float:
+    """CPU seconds of the processes below ``pid`` that have not been waited for yet (each one's
+    own time plus that of its waited-for children); 0 where /proc lists no children."""
+    ticks = 0
+    pending, seen = [pid], {pid}
+    while pending:
+        parent = pending.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children", encoding="ascii") as f:
+                    children = [int(c) for c in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            for child in children:
+                if child in seen:
+                    continue
+                seen.add(child)
+                try:
+                    with open(f"/proc/{child}/stat", encoding="ascii", errors="replace") as f:
+                        stat = f.read()
+                except OSError:
+                    continue  # it ended meanwhile
+                # After the ")" closing the command name: state, ..., utime (the 12th),
+                # stime, cutime, cstime.
+                ticks += sum(int(x) for x in stat.rsplit(")", 1)[1].split()[11:15])
+                pending.append(child)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def blas_mode() -> str:

@@ -9,18 +9,31 @@ Usage::
     python -m benchmarks.ppo_throughput --compare peers   # and mlx-lm-lora's and textpolicy's GRPO
     python -m benchmarks.ppo_throughput --compare all     # TRL and the peers, in one run
     python -m benchmarks.ppo_throughput --smoke           # toy sizes, seconds (what the test runs)
+    python -m benchmarks.ppo_throughput --no-real         # without the real shapes (minutes each)
 
-The MLX peers run GRPO only (neither has PPO with a value model), on the main configurations:
+The MLX peers run GRPO only (neither has PPO with a value model), on the main configurations
+other than the real shapes:
 mlx-lm-lora (``benchmarks.throughput_mlx_lm_lora``) in this environment, textpolicy
 (``benchmarks.throughput_textpolicy``, Python >= 3.12) with the interpreter of its own virtual
 environment (``--textpolicy-python``; see ``requirements-bench-textpolicy.txt``).
 
 Configurations (every one: random weights, float32, temperature 1, no stop token, so every
-response has exactly the stated number of tokens; one PPO epoch over one minibatch; full-weight
-training, a separate frozen reference; reward model = value model's start = the same
-``Qwen3ForSequenceClassification`` checkpoint):
+response has exactly the stated number of tokens; one PPO epoch over one minibatch; reward model =
+value model's start = the same ``<Arch>ForSequenceClassification`` checkpoint, one label; the
+value model trains all its weights):
 
-* ``tiny``: qwen3, hidden 256, 4 layers, 4 heads (2 KV heads, head_dim 64), MLP 768, vocabulary
+* real shapes (``--real``, the default; ``--no-real`` leaves them out): the architectures of
+  published checkpoints, their config.json's sizes and vocabulary, random weights
+  (``benchmarks.throughput_models.build_real_checkpoint``), LoRA on the policy on both systems
+  (r 16, alpha 32, no dropout, on q/k/v/o/gate/up/down of every block: ``REAL_LORA_*``; TRL
+  through PEFT), the reference = the policy with its adapters off. ``smollm2-135m``: llama
+  (SmolLM2-135M), hidden 576, 30 layers, 9 heads (3 KV heads, head_dim 64), MLP 1536, vocabulary
+  49152, tied embeddings (134.5M parameters). ``qwen3-0.6b``: qwen3 (Qwen3-0.6B), hidden 1024, 28
+  layers, 16 heads (8 KV heads, head_dim 128), MLP 3072, vocabulary 151936, tied embeddings
+  (596M parameters). PPO: 16 prompts x 128 new tokens; GRPO: 4 prompts x 4 completions x 128.
+  ``--real-warmup`` (1) and ``--real-iterations`` (2), no floor unless ``--real-floor``.
+* ``tiny`` (full-weight training, a separate frozen reference, as ``medium`` and the sweep):
+  qwen3, hidden 256, 4 layers, 4 heads (2 KV heads, head_dim 64), MLP 768, vocabulary
   2048, tied embeddings (3.7M parameters). PPO: 16 prompts of about 14 tokens x 32 new tokens;
   GRPO: 4 prompts x 4 completions x 32 new tokens.
 * ``medium``: hidden 768, 12 layers, 12 heads (4 KV heads), MLP 3072, vocabulary 2048 (about
@@ -65,6 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence, cast
 
+from benchmarks.throughput_models import RealShape
 from benchmarks.throughput_spec import (
     FLOOR_KEYS,
     PEER_SYSTEMS,
@@ -76,8 +90,37 @@ from benchmarks.throughput_spec import (
 )
 from fixtures.tiny_model import TINY_SIZES, TinyModelSpec
 
-#: The benchmark's model sizes (``toy`` is the smoke test's).
-MODEL_SHAPES: dict[str, TinyModelSpec] = {
+#: The benchmark's model sizes: the real shapes (``RealShape``, LoRA), the tiny ones; ``toy`` and
+#: ``toy-llama`` (the real shapes' code path at toy sizes) are the smoke test's.
+MODEL_SHAPES: dict[str, TinyModelSpec | RealShape] = {
+    "smollm2-135m": RealShape(
+        source="HuggingFaceTB/SmolLM2-135M",
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen3-0.6b": RealShape(
+        source="Qwen/Qwen3-0.6B",
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
     "tiny": TinyModelSpec(
         vocab_size=2048,
         hidden_size=256,
@@ -97,10 +140,46 @@ MODEL_SHAPES: dict[str, TinyModelSpec] = {
         intermediate_size=3072,
     ),
     "toy": TINY_SIZES["test"],
+    "toy-llama": RealShape(
+        source="none: the smoke test's toy llama",
+        model_type="llama",
+        vocab_size=1024,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    ),
 }
 
+#: The real shapes of a full run, in report order.
+REAL_MODELS: tuple[str, ...] = ("smollm2-135m", "qwen3-0.6b")
+
+#: LoRA of the real shapes, the same on both systems: rank 16, alpha 32 (PEFT's and TRL's usual
+#: pair), on every linear layer of every block (PEFT's "all-linear", the QLoRA paper's choice).
+REAL_LORA_RANK = 16
+REAL_LORA_ALPHA = 32.0
+REAL_LORA_MODULES: tuple[str, ...] = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
 #: What ``--compare trl`` needs, and the versions it was written against.
-COMPARE_REQUIREMENTS: dict[str, str] = {"torch": "2.13.0", "trl": "1.12.0", "requests": ""}
+COMPARE_REQUIREMENTS: dict[str, str] = {
+    "torch": "2.13.0",
+    "trl": "1.12.0",
+    "peft": "0.21.2",
+    "requests": "",
+}
 
 #: Where ``--compare peers`` looks for textpolicy's interpreter unless told
 #: (``--textpolicy-python`` or this environment variable).
@@ -129,8 +208,8 @@ class Config:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a run measures: the main configurations (floor measured too), the scaling sweep
-    (tiny PPO), and how many iterations each gets."""
+    """What a run measures: the main configurations (floor measured too, on the real shapes only
+    with ``real_floor``), the scaling sweep (tiny PPO), and how many iterations each gets."""
 
     main: tuple[Config, ...]
     sweep: tuple[Config, ...]
@@ -140,21 +219,42 @@ class Plan:
     medium_iterations: int
     floor_repeats: int
     isolate: bool  # each configuration in its own subprocess
+    real_warmup: int = 1
+    real_iterations: int = 2
+    real_floor: bool = False
+
+
+def is_real(model: str) -> bool:
+    """``model`` is a real shape (LoRA, its own iteration counts), not a tiny qwen3 size."""
+    return isinstance(MODEL_SHAPES[model], RealShape)
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
     """The configurations of a full run, or the toy ones of ``--smoke``."""
     if args.smoke:
-        toy_main = (
+        toy_main: tuple[Config, ...] = (
             Config("toy", "toy", "ppo", 4, 1, 4),
             Config("toy", "toy", "grpo", 2, 2, 4),
         )
+        if args.real:  # the real shapes' path (llama, LoRA on both systems) at toy sizes
+            toy_main = (
+                Config("toy-llama", "toy-llama", "ppo", 4, 1, 4),
+                Config("toy-llama", "toy-llama", "grpo", 2, 2, 4),
+                *toy_main,
+            )
         toy_sweep = (
             Config("tokens=8", "toy", "ppo", 4, 1, 8, "tokens"),
             Config("batch=2", "toy", "ppo", 2, 1, 4, "batch"),
         )
-        return Plan(toy_main, toy_sweep, 1, 2, 1, 2, 1, isolate=False)
-    main_list = [
+        return Plan(toy_main, toy_sweep, 1, 2, 1, 2, 1, isolate=False, real_floor=True)
+    main_list: list[Config] = []
+    if args.real:
+        for model in args.real_models:
+            main_list += [
+                Config(model, model, "ppo", 16, 1, 128),
+                Config(model, model, "grpo", 4, 4, 128),
+            ]
+    main_list += [
         Config("tiny", "tiny", "ppo", 16, 1, 32),
         Config("tiny", "tiny", "grpo", 4, 4, 32),
     ]
@@ -177,6 +277,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         args.medium_iterations,
         args.floor_repeats,
         isolate=True,
+        real_warmup=args.real_warmup,
+        real_iterations=args.real_iterations,
+        real_floor=args.real_floor,
     )
 
 
@@ -348,7 +451,13 @@ def _spec(
     measure_floor: bool,
 ) -> RunSpec:
     policy_dir, reward_dir, prompts = dirs[config.model]
-    medium = config.model == "medium"
+    real = is_real(config.model)
+    if real:
+        warmup, iterations = plan.real_warmup, plan.real_iterations
+    elif config.model == "medium":
+        warmup, iterations = plan.medium_warmup, plan.medium_iterations
+    else:
+        warmup, iterations = plan.warmup, plan.iterations
     return RunSpec(
         system=system,
         algorithm=config.algorithm,
@@ -360,11 +469,14 @@ def _spec(
         batch_size=config.batch_size,
         group_size=config.group_size,
         max_new_tokens=config.max_new_tokens,
-        warmup=plan.medium_warmup if medium else plan.warmup,
-        iterations=plan.medium_iterations if medium else plan.iterations,
+        warmup=warmup,
+        iterations=iterations,
         threads=cpu_threads(),
-        measure_floor=measure_floor and system == "mlx",
+        measure_floor=measure_floor and system == "mlx" and (plan.real_floor or not real),
         floor_repeats=plan.floor_repeats,
+        lora_rank=REAL_LORA_RANK if real else 0,
+        lora_alpha=REAL_LORA_ALPHA if real else 0.0,
+        lora_modules=REAL_LORA_MODULES if real else (),
     )
 
 
@@ -397,22 +509,32 @@ def _fmt_load(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def memory_ratio(result: RunResult) -> float | None:
+    """Peak resident memory over MLX's peak array memory (None without the latter: TRL)."""
+    if not result.mlx_peak_mb:
+        return None
+    return result.peak_rss_mb / result.mlx_peak_mb
+
+
 def iteration_table(results: Sequence[RunResult]) -> list[str]:
     head = (
-        f"{'config':<10} {'algo':<5} {'system':<11} {'seqs x new':>10} {'median s':>9} "
+        f"{'config':<12} {'algo':<5} {'system':<11} {'seqs x new':>10} {'median s':>9} "
         f"{'min s':>7} {'max s':>7} {'tok/s':>7} | {'gen':>6} {'score':>6} {'update':>6} "
-        f"{'other':>6} | {'RSS MB':>7} {'MLX MB':>7} {'other':>5}"
+        f"{'other':>6} | {'RSS MB':>7} {'MLX MB':>7} {'RSS/MLX':>7} {'other':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         s = r.spec
         split = " ".join(f"{r.split_median(k):>6.3f}" for k in SPLIT_KEYS)
         mlx_mb = "-" if r.mlx_peak_mb is None else f"{r.mlx_peak_mb:.0f}"
+        ratio = memory_ratio(r)
+        rss_ratio = "-" if ratio is None else f"{ratio:.2f}"
         lines.append(
-            f"{s.label:<10} {s.algorithm:<5} {s.system:<11} "
+            f"{s.label:<12} {s.algorithm:<5} {s.system:<11} "
             f"{f'{s.rollout_size}x{s.max_new_tokens}':>10} {r.median:>9.3f} "
             f"{min(r.seconds):>7.3f} {max(r.seconds):>7.3f} {r.tokens_per_second:>7.0f} | "
-            f"{split} | {r.peak_rss_mb:>7.0f} {mlx_mb:>7} {_fmt_load(r.other_load):>5}"
+            f"{split} | {r.peak_rss_mb:>7.0f} {mlx_mb:>7} {rss_ratio:>7} "
+            f"{_fmt_load(r.other_load):>5}"
         )
     return lines
 
@@ -424,7 +546,7 @@ def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TR
     w_name, w_ratio = max(8, len(name)), max(8, len(ratio))
     parts_head = f"{'gen':>5} {'score':>6} {'update':>6} (per part)"
     head = (
-        f"{'config':<10} {'algo':<5} {'MLX s':>8} {name:>{w_name}} {ratio:>{w_ratio}} | "
+        f"{'config':<12} {'algo':<5} {'MLX s':>8} {name:>{w_name}} {ratio:>{w_ratio}} | "
         f"{parts_head} | RSS {ratio}"
     )
     lines = [head, "-" * len(head)]
@@ -436,7 +558,7 @@ def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TR
             parts.append(f"{mine / their_part:.2f}" if their_part > 0 else "-")
         split = f"{parts[0]:>5} {parts[1]:>6} {parts[2]:>6}"
         lines.append(
-            f"{ours.spec.label:<10} {ours.spec.algorithm:<5} {ours.median:>8.3f} "
+            f"{ours.spec.label:<12} {ours.spec.algorithm:<5} {ours.median:>8.3f} "
             f"{theirs.median:>{w_name}.3f} {ours.median / theirs.median:>{w_ratio}.2f} | "
             f"{split:<{len(parts_head)}} | "
             f"{ours.peak_rss_mb / theirs.peak_rss_mb:>{len(ratio) + 4}.2f}"
@@ -446,7 +568,7 @@ def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TR
 
 def floor_table(results: Sequence[RunResult]) -> list[str]:
     head = (
-        f"{'config':<10} {'algo':<5} "
+        f"{'config':<12} {'algo':<5} "
         + " ".join(f"{k:>15}" for k in FLOOR_KEYS)
         + f" | {'iter s':>7} {'iter/basic':>10} {'iter/design':>11}"
     )
@@ -456,7 +578,7 @@ def floor_table(results: Sequence[RunResult]) -> list[str]:
             continue
         basic, design = design_floor(r)
         lines.append(
-            f"{r.spec.label:<10} {r.spec.algorithm:<5} "
+            f"{r.spec.label:<12} {r.spec.algorithm:<5} "
             + " ".join(f"{r.floor[k]:>15.3f}" for k in FLOOR_KEYS)
             + f" | {r.median:>7.3f} {r.median / basic:>10.2f} {r.median / design:>11.2f}"
         )
@@ -627,9 +749,15 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
 
 
 def _config_order(key: tuple[str, str]) -> tuple[int, str, int]:
-    """Sort key of a (label, algorithm) pair: toy, tiny, medium, then the rest; PPO first."""
-    order = {"toy": 0, "tiny": 1, "medium": 2}
-    return order.get(key[0], 3), key[0], 0 if key[1] == "ppo" else 1
+    """Sort key of a (label, algorithm) pair: the real shapes, toy-llama, toy, tiny, medium, then
+    the rest; PPO first."""
+    names = (*REAL_MODELS, "toy-llama", "toy", "tiny", "medium")
+    order = {name: i for i, name in enumerate(names)}
+    return order.get(key[0], len(names)), key[0], 0 if key[1] == "ppo" else 1
+
+
+def _label_order(label: str) -> tuple[int, str, int]:
+    return _config_order((label, "ppo"))
 
 
 def _find(results: Sequence[RunResult], label: str, algo: str, system: str) -> RunResult | None:
@@ -666,6 +794,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--medium-iterations", type=int, default=3)
     parser.add_argument("--floor-repeats", type=int, default=5)
     parser.add_argument("--no-medium", action="store_true", help="skip the ~100M model")
+    parser.add_argument(
+        "--real",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the real shapes (SmolLM2-135M, Qwen3-0.6B architectures, random weights, LoRA; "
+        "minutes per iteration on a CPU); with --smoke, their code path at toy sizes",
+    )
+    parser.add_argument(
+        "--real-models",
+        nargs="+",
+        choices=REAL_MODELS,
+        default=list(REAL_MODELS),
+        help="which real shapes to run (default: all)",
+    )
+    parser.add_argument("--real-warmup", type=int, default=1, help="untimed iterations (real)")
+    parser.add_argument("--real-iterations", type=int, default=2, help="timed iterations (real)")
+    parser.add_argument(
+        "--real-floor",
+        action="store_true",
+        help="also time the floor on the real shapes (each piece 1 + --floor-repeats times: "
+        "several iterations' time per configuration)",
+    )
     parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
     parser.add_argument(
         "--quiet-wait",
@@ -680,9 +830,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="measure a configuration again when other processes were busy meanwhile",
     )
     args = parser.parse_args(argv)
-    if args.warmup < 0 or args.iterations < 1 or args.medium_iterations < 1 or args.retries < 0:
+    if (
+        min(args.warmup, args.medium_warmup, args.real_warmup, args.retries) < 0
+        or min(args.iterations, args.medium_iterations, args.real_iterations) < 1
+    ):
         parser.error(
-            "--warmup and --retries must be >= 0 and --iterations / --medium-iterations >= 1"
+            "--warmup, --medium-warmup, --real-warmup and --retries must be >= 0 and "
+            "--iterations, --medium-iterations, --real-iterations >= 1"
         )
     return args
 
@@ -698,7 +852,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         if missing is not None:
             notes.append(
                 f"--compare trl skipped: {missing}. Install the comparison's requirements with "
-                "`pip install -r requirements-bench.txt` (PyTorch 2.13.0 CPU, TRL 1.12.0)."
+                "`pip install -r requirements-bench.txt` (PyTorch 2.13.0 CPU, TRL 1.12.0, PEFT "
+                "0.21.2)."
             )
             compare = False
     peers: dict[str, str] = {}
@@ -728,7 +883,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         dirs = _prepare_models(plan, work)
         for config in (*plan.main, *plan.sweep):
             systems: list[System] = ["mlx", "trl"] if compare else ["mlx"]
-            if config.algorithm == "grpo" and config in plan.main:
+            # The peers train full weights: they run the tiny sizes, not the real shapes (LoRA).
+            if config.algorithm == "grpo" and config in plan.main and not is_real(config.model):
                 systems += [cast(System, name) for name in PEER_SYSTEMS if name in peers]
             for system in systems:
                 spec = _spec(config, system, plan, dirs, measure_floor=config in plan.main)
@@ -755,7 +911,8 @@ def _measure(
     times) when other processes kept more than ``QUIET_CORES`` busy meanwhile, and keep the
     quietest measurement."""
     best: RunResult | None = None
-    for attempt in range(1 + (0 if args.smoke else args.retries)):
+    retries = 0 if args.smoke else args.retries
+    for attempt in range(1 + retries):
         busy = None if args.smoke else wait_for_quiet(args.quiet_wait)
         start = time.perf_counter()
         result = run_spec(spec, plan.isolate or spec.system != "mlx", work, python)
@@ -769,7 +926,7 @@ def _measure(
             best = result
         if result.other_load is None or result.other_load < QUIET_CORES:
             break
-        if attempt < args.retries:
+        if attempt < retries:
             print("    the machine was busy: measuring again", flush=True)
     assert best is not None
     return best
@@ -811,9 +968,31 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
         "seconds per iteration over the timed iterations; tok/s = generated tokens / median "
         "iteration; gen/score/update/other = median seconds of each part (TRL's update includes "
         "its advantage code); RSS = the worker's peak resident memory (loading included); "
-        "MLX MB = MLX's peak array memory; other = cores busy with other processes meanwhile"
+        "MLX MB = MLX's peak array memory; RSS/MLX = their ratio; other = cores busy with "
+        "other processes meanwhile"
     )
-    out.append("models: " + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items()))
+    out.append(
+        "models: "
+        + ", ".join(f"{m} {p:.1f}M parameters" for m, p in params.items())
+        + (" (without LoRA adapters)" if any(r.spec.uses_lora for r in results) else "")
+    )
+    lora = next((r.spec for r in results if r.spec.uses_lora), None)
+    if lora is not None:
+        real = sorted({r.spec.label for r in results if r.spec.uses_lora}, key=_label_order)
+        modules = "/".join(m.split(".")[-1] for m in lora.lora_modules)
+        adapters = {
+            r.spec.label: r.trainable_millions
+            for r in results
+            if r.spec.uses_lora and r.spec.system == "mlx" and r.trainable_millions is not None
+        }
+        if adapters:
+            real = [f"{m} {adapters[m]:.2f}M" if m in adapters else m for m in real]
+        out.append(
+            f"LoRA ({', '.join(real)}): the policy trains adapters of rank {lora.lora_rank}, alpha "
+            f"{lora.lora_alpha:g}, no dropout, on {modules} of every block, on both systems (TRL: "
+            "PEFT); reference = the policy with its adapters off; the value model trains all "
+            "its weights"
+        )
     out.extend(iteration_table(results))
     others = [name for name in ("trl", *PEER_SYSTEMS) if any(r.spec.system == name for r in main)]
     for other in others:

@@ -1,8 +1,11 @@
 """The MLX side of ``benchmarks.ppo_throughput``: time ``PPOTrainer.step`` and the irreducible
 pieces of an iteration, in one process.
 
-Iterations: a :class:`~ppo_trainer.ppo_trainer.PPOTrainer` with full-weight training (no LoRA),
-a separate frozen reference, the reward checkpoint as reward model and as the value model's start,
+Iterations: a :class:`~ppo_trainer.ppo_trainer.PPOTrainer` with full-weight training and a
+separate frozen reference, or, when the spec asks for LoRA (the real shapes), LoRA adapters on the
+policy (``use_lora``, ``lora_r``, ``lora_alpha``, ``lora_keys`` from the spec, no dropout) with the
+policy's base weights, adapters off, as the reference; the value model trains all its weights
+either way. The reward checkpoint is the reward model and the value model's start;
 float32, temperature 1, no stop tokens (every response has exactly ``max_new_tokens`` tokens,
 which is checked), one PPO epoch over one minibatch. The time split comes from the step's own
 ``time/*`` metrics plus a timer around the trainer's ``generate`` call.
@@ -55,12 +58,21 @@ FLOOR_PROMPT_TOKENS = 14
 
 
 def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
-    """The ``PPOTrainer`` of ``spec``: full weights, float32, no stop tokens."""
+    """The ``PPOTrainer`` of ``spec``: full weights or the spec's LoRA, float32, no stop tokens."""
+    lora: dict[str, Any] = {}
+    if spec.uses_lora:
+        lora = {
+            "lora_r": spec.lora_rank,
+            "lora_alpha": spec.lora_alpha,
+            "lora_dropout": 0.0,
+            "lora_keys": list(spec.lora_modules),
+        }
     config = PPOConfig(
         model_name=spec.policy_dir,
         reward_model_name=spec.reward_dir,
         algorithm=spec.algorithm,
-        use_lora=False,
+        use_lora=spec.uses_lora,
+        **lora,
         dtype="float32",
         batch_size=spec.batch_size,
         group_size=spec.group_size,
@@ -209,7 +221,11 @@ def run_mlx(spec: RunSpec) -> RunResult:
             mlx_peak = mx.get_peak_memory() / 2**20
             rss = peak_rss_mb()
             flat = cast(list[tuple[str, mx.array]], tree_flatten(trainer.policy.parameters()))
-            params = sum(v.size for _, v in flat) / 1e6
+            base = [v for name, v in flat if not name.endswith((".lora_a", ".lora_b"))]
+            params = sum(v.size for v in base) / 1e6  # the base model's, without adapters
+            trainable = cast(
+                list[tuple[str, mx.array]], tree_flatten(trainer.policy.trainable_parameters())
+            )
             floor = measure_floor(trainer, spec) if spec.measure_floor else None
             other_load = monitor.other_cores()  # over the timed iterations and the floor
     finally:
@@ -221,6 +237,7 @@ def run_mlx(spec: RunSpec) -> RunResult:
         peak_rss_mb=rss,
         mlx_peak_mb=mlx_peak,
         params_millions=params,
+        trainable_millions=sum(v.size for _, v in trainable) / 1e6,
         floor=floor,
         other_load=other_load,
         versions=package_versions("mlx", "mlx-lm"),

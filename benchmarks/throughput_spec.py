@@ -41,10 +41,11 @@ class RunSpec:
         system: "mlx" (this library's ``PPOTrainer``), "trl" (TRL's PPOTrainer / GRPOTrainer), or
             an MLX peer's GRPO trainer: "mlx-lm-lora" or "textpolicy".
         algorithm: "ppo" (policy, reference, value and reward models) or "grpo" (no value model).
-        label: the configuration's name in the tables ("tiny", "medium", "tokens=64", ...).
+        label: the configuration's name in the tables ("tiny", "medium", "tokens=64",
+            "qwen3-0.6b", ...).
         model: the model size's name (a key of ``ppo_throughput.MODEL_SHAPES``).
         policy_dir: the policy checkpoint (Hugging Face layout, also the reference's weights).
-        reward_dir: the reward checkpoint (``Qwen3ForSequenceClassification``, one label), also
+        reward_dir: the reward checkpoint (``<Arch>ForSequenceClassification``, one label), also
             the value model's initial weights.
         prompts: the prompt texts; the first ``batch_size`` are used.
         batch_size: prompts per iteration.
@@ -57,6 +58,13 @@ class RunSpec:
             same number of cores).
         measure_floor: also time the irreducible pieces (MLX worker only).
         floor_repeats: timed repeats of each irreducible piece (their median is reported).
+        lora_rank: rank of the policy's LoRA adapters, 0 for full-weight training. With LoRA
+            the reference is the policy with its adapters off on both systems (no second copy),
+            and the value model still trains all its weights on both.
+        lora_alpha: LoRA alpha (the update is scaled by ``lora_alpha / lora_rank``).
+        lora_modules: module paths inside a transformer block that get adapters, the same
+            strings on both systems (our ``lora_keys``, PEFT's ``target_modules``, which matches
+            them as name suffixes), e.g. ``("self_attn.q_proj", "mlp.down_proj")``.
     """
 
     system: System
@@ -75,6 +83,9 @@ class RunSpec:
     threads: int = 2
     measure_floor: bool = False
     floor_repeats: int = 5
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.batch_size > len(self.prompts):
@@ -90,6 +101,20 @@ class RunSpec:
             raise ValueError(f"{self.system} has no PPO with a value model; it runs only 'grpo'")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")
+        if self.system in PEER_SYSTEMS and self.lora_rank > 0:
+            raise ValueError(f"the {self.system} worker trains full weights; use lora_rank=0")
+        if self.lora_rank > 0 and (self.lora_alpha <= 0 or not self.lora_modules):
+            raise ValueError(
+                f"LoRA (lora_rank={self.lora_rank}) needs lora_alpha > 0 and lora_modules, got "
+                f"{self.lora_alpha} and {self.lora_modules}"
+            )
+
+    @property
+    def uses_lora(self) -> bool:
+        """The policy trains LoRA adapters (else all its weights)."""
+        return self.lora_rank > 0
 
     @property
     def rollout_size(self) -> int:
@@ -108,6 +133,7 @@ class RunSpec:
     def from_json(cls, text: str) -> RunSpec:
         data = json.loads(text)
         data["prompts"] = tuple(data["prompts"])
+        data["lora_modules"] = tuple(data.get("lora_modules", ()))
         return cls(**data)
 
 
@@ -125,7 +151,9 @@ class RunResult:
         peak_rss_mb: the worker process's peak resident memory (:func:`peak_rss_mb`), loading
             included.
         mlx_peak_mb: MLX's peak memory of arrays over the timed iterations (MLX worker only).
-        params_millions: parameters of the policy.
+        params_millions: parameters of the policy (its base weights, LoRA adapters not counted).
+        trainable_millions: parameters the policy's optimiser updates (all of them, or the LoRA
+            adapters'); None where the worker does not count them.
         floor: median seconds of each irreducible piece (``FLOOR_KEYS``), when measured.
         other_load: CPU cores busy with other work (other processes, hypervisor steal) on
             average during the timed iterations (and the floor); None where /proc/stat is
@@ -140,6 +168,7 @@ class RunResult:
     mlx_peak_mb: float | None
     params_millions: float
     floor: dict[str, float] | None = None
+    trainable_millions: float | None = None
     other_load: float | None = None
     versions: dict[str, str] = field(default_factory=dict)
 

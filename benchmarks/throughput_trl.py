@@ -13,6 +13,12 @@ PyTorch gets ``spec.threads`` threads, the cores MLX's BLAS uses.
   loads a reference model, as the MLX side does), ``generation_kwargs={"min_new_tokens": T}``
   with ``max_completion_length=T`` (EOS cannot end a completion early).
 
+LoRA (when the spec asks for it, as the real shapes do): the policy is wrapped by TRL with PEFT's
+``LoraConfig`` (``peft_config=``; the spec's rank, alpha and ``target_modules``, no dropout, no
+bias), and no reference model is loaded: TRL then computes the reference log-probs with the
+adapters disabled, as the MLX side does. The value model (PPO) trains all its weights, as on the
+MLX side.
+
 Both in float32 (``bf16=False``), without gradient checkpointing, on the CPU. One iteration is
 the time between two ``on_step_end`` callbacks (the first from ``on_train_begin``). The split
 comes from timers wrapped around TRL's own functions: PPO's ``batch_generation`` (generation) and
@@ -96,6 +102,22 @@ def _common_args(spec: RunSpec, output_dir: str) -> dict[str, Any]:
     }
 
 
+def _peft_config(spec: RunSpec) -> Any:
+    """PEFT's ``LoraConfig`` of the spec's LoRA, or None for full-weight training."""
+    if not spec.uses_lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.lora_rank,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=list(spec.lora_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
 def _run_ppo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
     import torch
     from datasets import Dataset
@@ -107,7 +129,10 @@ def _run_ppo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(spec.policy_dir, padding_side="left")
     load = {"dtype": torch.float32}
     policy = AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
-    ref_policy = AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
+    # With LoRA no reference is loaded: TRL disables the adapters for the reference log-probs.
+    ref_policy = (
+        None if spec.uses_lora else AutoModelForCausalLM.from_pretrained(spec.policy_dir, **load)
+    )
     value_model = AutoModelForSequenceClassification.from_pretrained(
         spec.reward_dir, num_labels=1, **load
     )
@@ -143,6 +168,7 @@ def _run_ppo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
         train_dataset=dataset,
         eval_dataset=dataset,
         callbacks=[_timer_callback(timers)],
+        peft_config=_peft_config(spec),
     )
 
     original_generation = ppo_module.batch_generation
@@ -195,6 +221,7 @@ def _run_grpo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
         processing_class=tokenizer,
         reward_processing_classes=reward_tokenizer,
         callbacks=[_timer_callback(timers)],
+        peft_config=_peft_config(spec),
     )
     original_generate = trainer._generate
 
@@ -233,12 +260,15 @@ def run_trl(spec: RunSpec) -> RunResult:
     with tempfile.TemporaryDirectory() as output_dir:
         build = _run_ppo if spec.algorithm == "ppo" else _run_grpo
         trainer = build(spec, output_dir, timers)
-        policy_params = sum(
-            p.numel()
-            for p in (
-                trainer.policy_model if spec.algorithm == "ppo" else trainer.model
-            ).parameters()
+        policy = trainer.policy_model if spec.algorithm == "ppo" else trainer.model
+        policy_params = sum(  # the base model's, without PEFT's adapters
+            p.numel() for name, p in policy.named_parameters() if ".lora_" not in name
         )
+        trainable = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+        if spec.uses_lora and any(".lora_" not in name for name, _ in trainable):
+            raise ValueError("with LoRA, only the policy's adapters may train")
+        if spec.uses_lora and (trainer.ref_model is not None or not trainable):
+            raise ValueError("with LoRA, TRL must train adapters and load no reference model")
         trainer.train()
         other_load = timers.monitor.other_cores()
     total = spec.warmup + spec.iterations
@@ -273,6 +303,7 @@ def run_trl(spec: RunSpec) -> RunResult:
         peak_rss_mb=peak_rss_mb(),
         mlx_peak_mb=None,
         params_millions=policy_params / 1e6,
+        trainable_millions=sum(p.numel() for _, p in trainable) / 1e6,
         other_load=other_load,
         versions={
             "torch": torch.__version__,

@@ -22,7 +22,7 @@ import dataclasses
 import difflib
 import inspect
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -46,21 +46,40 @@ _SECTION_OWNERS: tuple[tuple[type, str], ...] = (
 
 
 @overload
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> PPOConfig: ...
-
-
-@overload
-def load_config(path: str | Path | None, overrides: Sequence[str], cls: type[C]) -> C: ...
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> PPOConfig: ...
 
 
 @overload
 def load_config(
-    path: str | Path | None = None, overrides: Sequence[str] = (), *, cls: type[C]
+    path: str | Path | None,
+    overrides: Sequence[str],
+    cls: type[C],
+    *,
+    base: Mapping[str, Any] | None = None,
+) -> C: ...
+
+
+@overload
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    cls: type[C],
+    base: Mapping[str, Any] | None = None,
 ) -> C: ...
 
 
 def load_config(
-    path: str | Path | None = None, overrides: Sequence[str] = (), cls: type[Any] = PPOConfig
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    cls: type[Any] = PPOConfig,
+    *,
+    base: Mapping[str, Any] | None = None,
 ) -> Any:
     """Build a config from a YAML file, then apply ``key=value`` overrides.
 
@@ -71,6 +90,9 @@ def load_config(
             is parsed as YAML (``1e-5``, ``true``, ``[1, 2]``, ``null``); the key may use dashes
             (``max-new-tokens``) and a section prefix (``ppo.kl_coef``).
         cls: the config dataclass to build (:class:`PPOConfig`, or a subclass or part of it).
+        base: a flat ``{field: value}`` mapping to start from instead of the defaults (a resumed
+            run's own config, as its checkpoint recorded it); the file's keys and the overrides
+            apply on top. Its keys that ``cls`` no longer has are left out.
 
     Returns:
         The validated ``cls`` instance.
@@ -88,9 +110,12 @@ def load_config(
     entries: list[tuple[str, Any, str]] = []
     problems: list[str] = []
     source = "defaults"
+    if base is not None:
+        source = "saved config"
+        entries += [(k, v, "the saved config") for k, v in base.items() if k in types]
     if path is not None:
         path = Path(path)
-        source = str(path)
+        source = str(path) if base is None else f"{source} + {path}"
         entries += [(k, v, f"config file {path}") for k, v in _read_yaml(path).items()]
     for override in overrides:
         try:
@@ -133,6 +158,26 @@ def load_config(
         return cls(**values)
     except ValueError as err:
         raise ValueError(f"invalid config ({source}): {err}") from err
+
+
+def given_value(
+    key: str, path: str | Path | None, overrides: Sequence[str], cls: type[Any] = PPOConfig
+) -> Any:
+    """What the file at ``path`` and the overrides give ``key`` (the last one wins), else its
+    default; not validated (:func:`load_config` reports a bad value). For a setting needed before
+    the config can be built: ``output_dir``, where a resumed run is found."""
+    types = _field_types(cls)
+    value = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+    if path is not None:
+        value = _read_yaml(Path(path)).get(key, value)
+    for override in overrides:
+        try:
+            name, raw = _split_override(override)
+        except ValueError:
+            continue
+        if name == key:
+            value = _parse_override_value(raw, types[key])
+    return value
 
 
 def config_to_dict(config: Any, *, sectioned: bool = False) -> dict[str, Any]:

@@ -151,7 +151,7 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
         return Path(path)
 
     def _resume_keys(self) -> tuple[str, ...]:
-        return ("use_lora", "lora_r", "lora_layers", "lora_keys")
+        return ("use_lora", "lora_r", "lora_alpha", "lora_layers", "lora_keys")
 
 
 def run_sft(config: SFTConfig, *, resume_from: str | Path | None = None) -> Path:

@@ -20,7 +20,8 @@ in the task: :meth:`~SupervisedTrainer.prepare`, :meth:`~SupervisedTrainer.colla
 
 A resumed run continues exactly: the data order of an epoch is a function of ``(seed, epoch)``,
 dropout is seeded from ``(seed, step)``, and a checkpoint holds the trainable weights, the
-optimiser state (moments and step count, hence the learning-rate schedule), the step, the epoch
+optimiser state (moments and step count), the learning-rate schedule (a run made longer on resume
+continues from the rate it had reached instead of restarting its schedule), the step, the epoch
 and the position in the epoch.
 """
 
@@ -46,15 +47,19 @@ from training.checkpoint import (
     check_resume_config,
     load_training_state,
     save_training_state,
+    warn_changed_settings,
 )
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
-from training.optimizer import AdamW, lr_schedule, optimizer_step
+from training.optimizer import AdamW, SchedulePlan, optimizer_step, resumed_plan
 from training.run_control import (
     RunLog,
     StopSignals,
     TrainingStopped,
+    check_resume_source,
+    continue_timeline,
     prepare_run_dir,
+    remove_run_leftovers,
     save_after_failure,
 )
 
@@ -65,8 +70,16 @@ B = TypeVar("B")  # one collated micro-batch
 
 #: Name of the trained model's directory under ``output_dir``.
 MODEL_DIR = "model"
-# Config fields a checkpoint must agree on to be resumed.
-_RESUME_KEYS = ("model_name", "batch_size", "seed", "bucket_window", "adam_bias_correction")
+# Config fields a checkpoint must agree on to be resumed: the data order, the trained weights'
+# dtype, how they are optimised.
+_RESUME_KEYS = (
+    "model_name",
+    "batch_size",
+    "seed",
+    "bucket_window",
+    "dtype",
+    "adam_bias_correction",
+)
 
 
 def load_run_data(
@@ -153,6 +166,7 @@ class SupervisedTrainer(Generic[E, B]):
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
         self.optimizer: optim.Optimizer | None = None
+        self._schedule_plan: SchedulePlan | None = None  # the learning rate's, set by train()
         self._num_train_examples: int | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
@@ -200,6 +214,7 @@ class SupervisedTrainer(Generic[E, B]):
         prepare_run_dir(
             self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
         )
+        remove_run_leftovers(self.run_dir)
         # 1. Tokenise (every record is checked before any training).
         examples = self.prepare(train_data)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []
@@ -211,16 +226,16 @@ class SupervisedTrainer(Generic[E, B]):
             total = min(total, cfg.total_steps)
 
         # 2. Optimiser over the run's length; resume.
-        self.optimizer = AdamW(
-            learning_rate=lr_schedule(cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            bias_correction=cfg.adam_bias_correction,
+        self._schedule_plan = SchedulePlan(
+            cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total
         )
+        self.optimizer = self._make_optimizer(self._schedule_plan)
         resume_step = None
         if resume_from is not None:
             path = self.checkpoints.resolve(resume_from)
+            check_resume_source(self.run_dir, path)
             self.load_checkpoint(path)
+            continue_timeline(self.checkpoints, self.global_step)
             resume_step = self.global_step
             logger.info("resumed from %s at step %d", path, self.global_step)
         else:
@@ -315,6 +330,16 @@ class SupervisedTrainer(Generic[E, B]):
         self.global_step += 1
         return out
 
+    def _make_optimizer(self, plan: SchedulePlan) -> optim.Optimizer:
+        """AdamW following ``plan``'s learning-rate schedule."""
+        cfg = self.config
+        return AdamW(
+            learning_rate=plan.schedule(),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            bias_correction=cfg.adam_bias_correction,
+        )
+
     def eval_chunks(self, examples: Sequence[E]) -> list[list[E]]:
         """Held-out examples in evaluation micro-batches, similar lengths together."""
         size = self.config.eval_micro_batch_size
@@ -338,6 +363,7 @@ class SupervisedTrainer(Generic[E, B]):
             "batch_in_epoch": self.batch_in_epoch,
             "num_train_examples": self._num_train_examples,
             "blas_threads": self.blas_threads,
+            "schedule": self._schedule_plan.to_dict() if self._schedule_plan else None,
             "history": self.history,
             "config": config_to_dict(self.config),
         }
@@ -354,7 +380,8 @@ class SupervisedTrainer(Generic[E, B]):
 
         Raises:
             ValueError: the checkpoint was written with another model, batch size, seed or
-                data size (the data order would differ).
+                data size (the data order would differ), dtype, or trained set (LoRA settings,
+                the reward head's initialisation).
         """
         state = CheckpointManager.read_state(path)
         check_resume_config(
@@ -371,6 +398,17 @@ class SupervisedTrainer(Generic[E, B]):
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.history = list(state["history"])
+        schedule_note = None
+        if self._schedule_plan is not None and self.optimizer is not None:
+            # The schedule the run followed, continued (not restarted) if total_steps changed.
+            updates = int(np.asarray(self.optimizer.step))
+            self._schedule_plan, schedule_note = resumed_plan(
+                state.get("schedule"), self._schedule_plan, updates
+            )
+            moments = self.optimizer.state
+            self.optimizer = self._make_optimizer(self._schedule_plan)
+            self.optimizer.state = moments
+        warn_changed_settings(path, state["config"], config_to_dict(self.config), [schedule_note])
 
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""

@@ -13,6 +13,7 @@ loss all call the same forward pass, and saves in formats the mlx-lm tools read 
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from types import MappingProxyType
@@ -31,6 +32,8 @@ from base_setup.lora_setup import (
 )
 from base_setup.tokenizer_setup import load_tokenizer
 from models.checkpoint_config import check_config_is_read, config_updates
+
+logger = logging.getLogger("ppo_mlx")
 
 _DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -258,6 +261,23 @@ class PolicyModel(nn.Module):
         """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only (see :func:`lm_logits_at`)."""
         return lm_logits_at(self.model, input_ids, positions)
 
+    def _warn_if_mlx_lm_misreads_the_base(self) -> None:
+        """Adapters are used over the base as it is on disk, where mlx-lm on its own misreads a
+        config that keeps values where transformers >= 5 writes them (rope_parameters): say so,
+        and which commands read it right."""
+        from mlx_lm.utils import load_config
+
+        moved = sorted(config_updates(load_config(self.model_path)))
+        if moved:
+            logger.warning(
+                "the base model's config.json (%s) gives %s only where mlx-lm does not read it, "
+                "so `mlx_lm.generate --model BASE --adapter-path ADAPTERS` would misread it or "
+                "fail: use `python main.py generate|chat --model ADAPTERS`, or `python main.py "
+                "export ADAPTERS --out DIR --fuse` for a model that mlx-lm reads as it is",
+                self.model_path,
+                ", ".join(moved),
+            )
+
     def save_pretrained(self, save_dir: str | Path, *, merged: bool = False) -> Path:
         """Save what ``mlx_lm.load`` / the mlx-lm command line can load back.
 
@@ -270,7 +290,9 @@ class PolicyModel(nn.Module):
         """
         out = Path(save_dir)
         if self.lora is not None and not merged:
-            return save_adapters(self.model, self.lora, out, base_model=self.name_or_path)
+            save_adapters(self.model, self.lora, out, base_model=self.name_or_path)
+            self._warn_if_mlx_lm_misreads_the_base()
+            return out
         from mlx_lm.utils import save
 
         with adapters_fused(self.model):

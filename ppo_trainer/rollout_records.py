@@ -53,6 +53,8 @@ from typing import Any, Literal, Mapping, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from training.checkpoint import named_write
+
 RECORD_FORMAT = 1
 ROLLOUTS_DIR = "rollouts"
 Source = Literal["train", "eval"]
@@ -363,12 +365,13 @@ def write_rollout_records(
     path = folder / rollout_file_name(step, source)
     tmp = folder / f".{path.name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with named_write(path):  # a full disk names the file and the free space
+            with open(tmp, "w", encoding="utf-8") as f:
+                for record in records:
+                    f.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # no stray temporary file; the error propagates
         raise

@@ -22,8 +22,16 @@ from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.run_state import check_same_weights, ensure_optimizers
-from training.checkpoint import STATE_FILE
-from training.run_control import RunLog, StopSignals, prepare_run_dir, save_after_failure
+from training.checkpoint import STATE_FILE, named_write
+from training.run_control import (
+    RunLog,
+    StopSignals,
+    check_resume_source,
+    continue_timeline,
+    prepare_run_dir,
+    remove_run_leftovers,
+    save_after_failure,
+)
 
 if TYPE_CHECKING:
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -99,7 +107,8 @@ class TrainingRun:
         if self.eval_prompts and not stop.requested:
             final = self._evaluate()
             if t.is_main_process:
-                (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
+                with named_write(t.run_dir / "eval_final.json"):
+                    (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
         for cb in self.callbacks:
             cb.on_train_end(t, t.history)
         return t.history
@@ -136,6 +145,7 @@ class TrainingRun:
                 prepare_run_dir(
                     t.run_dir, resuming=resuming, overwrite=t.config.overwrite_output_dir
                 )
+                remove_run_leftovers(t.run_dir)
             except ValueError as err:
                 error = err
         dist.raise_if_any_rank_failed(error, f"checking output_dir {t.run_dir}", t.group)
@@ -158,7 +168,10 @@ class TrainingRun:
             "machine shares, or copy it to the same path on each",
             t.group,
         )
+        check_resume_source(t.run_dir, path)
         t.load_checkpoint(path)
+        if t.is_main_process:
+            continue_timeline(t.checkpoints, t.global_step)
         logger.info("resumed from %s at step %d", path, t.global_step)
         return t.global_step
 

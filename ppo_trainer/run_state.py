@@ -17,14 +17,16 @@ from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
+from reward_kl.kl_divergence import AdaptiveKLController
 from training.checkpoint import (
     CheckpointManager,
     atomic_directory,
     check_resume_config,
     load_training_state,
     save_training_state,
+    warn_changed_settings,
 )
-from training.optimizer import AdamW, SchedulePlan, resumed_schedule
+from training.optimizer import AdamW, SchedulePlan, resumed_plan
 
 if TYPE_CHECKING:
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -226,12 +228,35 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     check_checkpoint(path, state, trainer.config, trainer.world_size)
     load_training_state(path, *checkpointed(trainer))
     trainer.blas_threads = run_blas_threads(state.get("blas_threads"))
-    trainer.kl_ctl.load_state_dict(state["kl_controller"])
+    kl_note = restore_kl_controller(trainer, state)
     trainer.global_step = int(state["global_step"])
     trainer.epoch = int(state["epoch"])
     trainer.step_in_epoch = int(state["step_in_epoch"])
     trainer.history = list(state["history"])
+    schedule_note = None
     if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))
-        schedule = resumed_schedule(state.get("schedule"), trainer._schedule_plan, updates)
-        rebuild_optimizers(trainer, schedule)
+        plan, schedule_note = resumed_plan(state.get("schedule"), trainer._schedule_plan, updates)
+        trainer._schedule_plan = plan  # its checkpoints record the schedule it follows
+        rebuild_optimizers(trainer, plan.schedule())
+    if trainer.is_main_process:
+        warn_changed_settings(
+            path, state["config"], config_to_dict(trainer.config), [schedule_note, kl_note]
+        )
+
+
+def restore_kl_controller(trainer: PPOTrainer, state: Mapping[str, Any]) -> str | None:
+    """Restore ``trainer``'s KL controller from a checkpoint's JSON ``state``. An adaptive one
+    continues from the coefficient it had reached (its state; ``kl_coef`` is only where it
+    started), with the configured ``kl_target`` and ``kl_horizon``; a fixed one is the
+    configured ``kl_coef`` (a value changed on resume takes effect), as is an adaptive one
+    resumed from a fixed run. Returns a note for the resume's warning when ``kl_coef`` changed
+    but the controller keeps its value, else None."""
+    ctl, saved = trainer.kl_ctl, state["kl_controller"]
+    if not (isinstance(ctl, AdaptiveKLController) and saved.get("type") == "adaptive"):
+        return None
+    ctl.load_state_dict(dict(saved))
+    ctl.target, ctl.horizon = trainer.config.kl_target, trainer.config.kl_horizon
+    if state["config"].get("kl_coef") == trainer.config.kl_coef:
+        return None
+    return f"kl_coef only starts the adaptive KL controller: it continues from {ctl.value:.4g}"

@@ -1,6 +1,6 @@
 """Kill a PPO run with SIGKILL again and again, resume it each time, and check that nothing is lost.
 
-    python -m tests.kill_loop --kills 30 --out /tmp/kill_loop
+    python tests/kill_loop.py --kills 30 --out /tmp/kill_loop   (or python -m tests.kill_loop)
 
 1. An uninterrupted reference run (``python main.py train``, a LoRA policy and a value model on
    the tiny model, a checkpoint every step, the last two kept, so every save also prunes).
@@ -10,8 +10,8 @@
    the n-th call of that function. After every kill every listed checkpoint must be complete
    (each file's size and checksum against its manifest); the run then resumes from ``latest``
    (or starts afresh with ``--overwrite`` when no checkpoint exists yet).
-3. Once a run finishes, its final weights must equal the reference's, bit for bit, and its
-   metrics must hold each step once.
+3. Every time a run finishes (the last one, and any that ends before its kill came), its final
+   weights must equal the reference's, bit for bit, and its metrics must hold each step once.
 
 The test suite runs a short version (tests/test_reliability.py); this script is the long one.
 """
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script (python tests/kill_loop.py): the packages' root
+    sys.path.insert(0, str(ROOT))
 STEPS = 8
 #: Where a child kills itself: (module, function) patched to SIGKILL the process at its n-th call.
 CRASH_POINTS: dict[str, tuple[str, str]] = {
@@ -161,7 +163,7 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)
-    done = 0
+    done = finished = 0
     log: list[str] = []
     while True:
         has_checkpoint = check_complete(run) > 0 if run.exists() else False
@@ -183,24 +185,33 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
         code = _run(_train_args(run, model, prompts, *extra), child_env, kill_after)
         listed = check_complete(run)
         log.append(f"{'resume' if has_checkpoint else 'fresh'} {how}: exit {code}, {listed} listed")
-        if code == 0 and (run / "final").is_dir() and done >= kills:
-            break
-        if code == -signal.SIGKILL:
-            done += 1
-        elif done < kills:
+        if code == 0:
+            # Every finished run, not only the last: the same weights and metrics as the
+            # uninterrupted one.
+            check_finished(run, reference)
+            finished += 1
+            if done >= kills:
+                break
             # The run ended before the kill came: begin the next round afresh (a finished run
             # has nothing left to resume); the kills still to do come in the new round.
             shutil.rmtree(run)
+        else:
+            done += 1
+    return {"kills": done, "finished": finished, "log": log}
 
-    ours, theirs = final_weights(run), final_weights(reference)
+
+def check_finished(run: Path, reference: Path) -> None:
+    """A finished run's final weights are the uninterrupted run's, bit for bit, and its metrics
+    hold each step once."""
     import numpy as np
 
+    assert (run / "final").is_dir(), f"{run} exited 0 without a final model"
+    ours, theirs = final_weights(run), final_weights(reference)
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     different = [k for k in ours if not np.array_equal(ours[k], theirs[k])]
     assert not different, f"final weights differ from the uninterrupted run: {different[:5]}"
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1)), steps
-    return {"kills": done, "log": log}
 
 
 def main() -> None:
@@ -211,7 +222,10 @@ def main() -> None:
     args = parser.parse_args()
     result = kill_loop(Path(args.out), args.kills, args.seed)
     print("\n".join(result["log"]))
-    print(f"{result['kills']} kills; every listed checkpoint complete; final weights identical")
+    print(
+        f"{result['kills']} kills, {result['finished']} finished runs; every listed checkpoint "
+        "complete; every finished run's final weights identical to the uninterrupted run's"
+    )
 
 
 if __name__ == "__main__":

@@ -529,6 +529,44 @@ def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.Mon
         backend._OPENBLAS.pop("sample", None)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_a_running_child_or_grandchild_counts_as_this_process(tmp_path: Path) -> None:
+    """MLX's JIT compiler runs as a grandchild (g++ -> cc1plus) while it compiles: its CPU time
+    was counted as other load until it finished, so a compile during the load sample took BLAS
+    threads away from the run."""
+    import os
+    import signal
+    import time
+
+    from base_setup import backend
+
+    started = tmp_path / "started"
+    busy = (
+        f"import os, pathlib; pathlib.Path({str(started)!r}).write_text(str(os.getpid()))\n"
+        "while True: pass"
+    )
+    # sh waits for python: python is a grandchild of this process, as cc1plus is.
+    child = subprocess.Popen(["sh", "-c", '"$0" -c "$1"; true', sys.executable, busy])
+    grandchild = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (started.exists() and started.read_text()):
+            assert child.poll() is None and time.monotonic() < deadline, "the child did not start"
+            time.sleep(0.02)
+        grandchild = int(started.read_text())
+        first = backend._cpu_sample()
+        time.sleep(1.0)
+        now = backend._cpu_sample()
+        assert first is not None and now is not None
+        # This process only sleeps: its CPU time in the window is the grandchild's.
+        assert now[1] - first[1] > 0.2, (first, now)
+    finally:
+        if grandchild:
+            os.kill(grandchild, signal.SIGKILL)
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
 def test_a_run_fixes_its_blas_threads_and_a_resumed_run_takes_them_back(
     monkeypatch: pytest.MonkeyPatch,

@@ -5,14 +5,37 @@ from __future__ import annotations
 import importlib.metadata
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from benchmarks import ppo_throughput
-from benchmarks.ppo_throughput import design_floor, main, scaling_points
-from benchmarks.throughput_models import benchmark_prompts, pad_vocabulary
-from benchmarks.throughput_spec import FLOOR_KEYS, SPLIT_KEYS, CpuMonitor, RunResult, RunSpec
+from benchmarks.ppo_throughput import (
+    MODEL_SHAPES,
+    REAL_LORA_MODULES,
+    REAL_MODELS,
+    build_plan,
+    design_floor,
+    main,
+    parse_args,
+    scaling_points,
+)
+from benchmarks.throughput_models import (
+    RealShape,
+    benchmark_prompts,
+    build_benchmark_checkpoints,
+    pad_vocabulary,
+    real_config,
+)
+from benchmarks.throughput_spec import (
+    FLOOR_KEYS,
+    SPLIT_KEYS,
+    CpuMonitor,
+    RunResult,
+    RunSpec,
+    System,
+)
 from fixtures.tiny_model import TINY_SIZES, build_checkpoint
 
 
@@ -68,8 +91,11 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     ):
         assert section in out
     assert "== MLX / TRL" not in out
-    # Two main configurations (PPO, GRPO) and the two sweep points, MLX only, 2 timed iterations.
+    # The real shapes' path at toy sizes (toy-llama, LoRA), the two main configurations (PPO,
+    # GRPO) and the two sweep points, MLX only, 2 timed iterations.
     assert [(r.spec.algorithm, r.spec.label) for r in results] == [
+        ("ppo", "toy-llama"),
+        ("grpo", "toy-llama"),
         ("ppo", "toy"),
         ("grpo", "toy"),
         ("ppo", "tokens=8"),
@@ -82,18 +108,143 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         for i, wall in enumerate(r.seconds):
             assert sum(r.split[k][i] for k in SPLIT_KEYS) == pytest.approx(wall, rel=1e-6)
         assert r.mlx_peak_mb is not None and r.mlx_peak_mb > 0
+        assert r.trainable_millions is not None and r.trainable_millions > 0
+        lora = r.spec.label == "toy-llama"
+        assert r.spec.uses_lora == lora
+        assert r.spec.lora_modules == (REAL_LORA_MODULES if lora else ())
+        # LoRA trains a fraction of the policy (its adapters), full-weight training all of it
+        if lora:
+            assert r.trainable_millions < 0.5 * r.params_millions
+        else:
+            assert r.trainable_millions == pytest.approx(r.params_millions)
     floors = [r.floor for r in results]
-    assert floors[2] is None and floors[3] is None  # the floor is measured for main configs only
-    for floor in floors[:2]:
+    assert floors[4] is None and floors[5] is None  # the floor is measured for main configs only
+    for floor in floors[:4]:
         assert floor is not None and set(floor) == set(FLOOR_KEYS)
         assert all(v > 0 for v in floor.values())
     png = tmp_path / "ppo_throughput.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert [item["spec"]["label"] for item in saved] == ["toy", "toy", "tokens=8", "batch=2"]
+    assert [item["spec"]["label"] for item in saved] == [
+        "toy-llama",
+        "toy-llama",
+        "toy",
+        "toy",
+        "tokens=8",
+        "batch=2",
+    ]
     report = (tmp_path / "report.txt").read_text()
     assert report.startswith("== Machine ==") and "== Iterations ==" in report
     assert "== Scaling with batch size (PPO) ==" in report
+    lora_line = next(line for line in report.splitlines() if line.startswith("LoRA (toy-llama"))
+    assert "rank 16, alpha 32" in lora_line and "q_proj/k_proj/v_proj/o_proj" in lora_line
+    # every row prints peak RSS, MLX's peak array memory and their ratio
+    table = report.split("== Iterations ==")[1].split("\n\n")[0].splitlines()
+    assert "RSS/MLX" in next(line for line in table if line.startswith("config"))
+    for r in results:
+        row = next(
+            line for line in table if line.startswith(f"{r.spec.label:<12} {r.spec.algorithm}")
+        )
+        assert r.mlx_peak_mb is not None
+        assert f"{r.peak_rss_mb / r.mlx_peak_mb:.2f}" in row.split("|")[-1]
+
+
+def test_full_plan_leads_with_the_real_shapes_with_lora_and_fewer_iterations(
+    tmp_path: Path,
+) -> None:
+    plan = build_plan(parse_args([]))
+    real = [
+        (c.label, c.algorithm, c.batch_size, c.group_size, c.max_new_tokens) for c in plan.main[:4]
+    ]
+    assert real == [
+        ("smollm2-135m", "ppo", 16, 1, 128),
+        ("smollm2-135m", "grpo", 4, 4, 128),
+        ("qwen3-0.6b", "ppo", 16, 1, 128),
+        ("qwen3-0.6b", "grpo", 4, 4, 128),
+    ]
+    assert [c.label for c in plan.main[4:]] == ["tiny", "tiny", "medium", "medium"]
+    dirs = {m: (tmp_path / "p", tmp_path / "r", ["x"] * 16) for m in (*REAL_MODELS, "tiny")}
+    systems: tuple[System, ...] = ("mlx", "trl")
+    for system in systems:
+        spec = ppo_throughput._spec(plan.main[0], system, plan, dirs, measure_floor=True)
+        assert (spec.warmup, spec.iterations) == (1, 2)
+        assert (spec.lora_rank, spec.lora_alpha, spec.lora_modules) == (16, 32.0, REAL_LORA_MODULES)
+        assert not spec.measure_floor  # the real shapes' floor only with --real-floor
+    tiny = ppo_throughput._spec(plan.main[4], "mlx", plan, dirs, measure_floor=True)
+    assert not tiny.uses_lora and tiny.measure_floor and (tiny.warmup, tiny.iterations) == (2, 5)
+
+    floor_plan = build_plan(parse_args(["--real-floor", "--real-models", "qwen3-0.6b"]))
+    assert {c.label for c in floor_plan.main} == {"qwen3-0.6b", "tiny", "medium"}
+    spec = ppo_throughput._spec(floor_plan.main[0], "mlx", floor_plan, dirs, measure_floor=True)
+    assert spec.measure_floor
+    no_real = build_plan(parse_args(["--no-real"]))
+    assert {c.label for c in no_real.main} == {"tiny", "medium"}
+    assert [c.label for c in build_plan(parse_args(["--smoke", "--no-real"])).main] == [
+        "toy",
+        "toy",
+    ]
+
+
+def _parameter_count(shape: RealShape) -> int:
+    """Parameters of the mlx-lm model of ``shape`` (built lazily: nothing is allocated)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from models.checkpoint_config import config_updates
+
+    config = real_config(shape).to_dict()
+    config.update(config_updates(config))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    flat = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(v.size for _, v in flat)
+
+
+def test_real_shapes_are_the_published_architectures() -> None:
+    smol, qwen = MODEL_SHAPES["smollm2-135m"], MODEL_SHAPES["qwen3-0.6b"]
+    assert isinstance(smol, RealShape) and isinstance(qwen, RealShape)
+    assert (smol.model_type, smol.vocab_size, smol.num_hidden_layers) == ("llama", 49152, 30)
+    assert (qwen.model_type, qwen.vocab_size, qwen.num_hidden_layers) == ("qwen3", 151936, 28)
+    assert smol.tie_word_embeddings and qwen.tie_word_embeddings
+    # The published parameter counts: SmolLM2-135M 134,515,008; Qwen3-0.6B 596,049,920.
+    assert _parameter_count(smol) == 134_515_008
+    assert _parameter_count(qwen) == 596_049_920
+
+
+def test_real_checkpoint_loads_in_our_loader_with_its_config_and_vocabulary(
+    tmp_path: Path,
+) -> None:
+    from mlx.utils import tree_flatten
+    from tokenizers import Tokenizer
+
+    from models.policy_model import PolicyModel
+    from models.reward_model import RewardModel
+
+    shape = MODEL_SHAPES["toy-llama"]
+    assert isinstance(shape, RealShape)
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", shape)
+    config = json.loads((policy_dir / "config.json").read_text())
+    # what current transformers writes: rope_parameters, no top-level rope_theta
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["rope_parameters"]["rope_theta"] == shape.rope_theta
+    assert "rope_theta" not in config and config["dtype"] == "float32"
+    assert config["vocab_size"] == shape.vocab_size and config["tie_word_embeddings"]
+    tokenizer = Tokenizer.from_file(str(policy_dir / "tokenizer.json"))
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == shape.vocab_size
+    reward_config = json.loads((reward_dir / "config.json").read_text())
+    assert reward_config["architectures"] == ["LlamaForSequenceClassification"]
+
+    policy = PolicyModel.from_pretrained(str(policy_dir), dtype="float32")
+    assert policy.config["vocab_size"] == shape.vocab_size
+    flat = cast(list[tuple[str, Any]], tree_flatten(policy.parameters()))
+    assert _parameter_count(shape) == sum(v.size for _, v in flat)
+    reward = RewardModel.from_pretrained(str(reward_dir), dtype="float32")
+    assert reward.head.weight.shape == (1, shape.hidden_size)
+    # prompt building works on the padded tokenizer: 12 to 16 tokens, no padding token in them
+    prompts = benchmark_prompts(policy_dir, 8)
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        assert 11 <= len(ids) <= 17 and max(ids) < 1000
 
 
 def test_missing_compare_requirements_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,6 +342,8 @@ def test_scaling_points_join_the_main_config_and_the_sweep() -> None:
 def test_run_spec_and_result_round_trip_through_json() -> None:
     spec = _spec(measure_floor=True)
     assert RunSpec.from_json(spec.to_json()) == spec
+    lora = _spec(lora_rank=16, lora_alpha=32.0, lora_modules=("self_attn.q_proj",))
+    assert RunSpec.from_json(lora.to_json()) == lora and lora.uses_lora
     assert spec.rollout_size == 4 and spec.tokens_per_iteration == 32
     result = _result(spec, [1.0, 3.0, 2.0], {k: 0.5 for k in FLOOR_KEYS})
     back = RunResult.from_json(result.to_json())
@@ -207,6 +360,12 @@ def test_run_spec_rejects_bad_input() -> None:
         _spec(algorithm="grpo", group_size=1)
     with pytest.raises(ValueError, match="runs only 'grpo'"):
         _spec(system="mlx-lm-lora")
+    with pytest.raises(ValueError, match="lora_rank must be >= 0"):
+        _spec(lora_rank=-1)
+    with pytest.raises(ValueError, match="needs lora_alpha > 0 and lora_modules"):
+        _spec(lora_rank=8, lora_alpha=16.0)
+    with pytest.raises(ValueError, match="trains full weights"):
+        _spec(system="mlx-lm-lora", algorithm="grpo", group_size=2, lora_rank=8)
 
 
 def test_cpu_monitor_reports_other_cores() -> None:
@@ -223,18 +382,28 @@ def test_cpu_monitor_reports_other_cores() -> None:
 
 
 @pytest.mark.slow
-def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["toy", "toy-llama"])
+def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path, model: str) -> None:
+    """TRL's PPO and GRPO on our checkpoints: full weights on the tiny qwen3, LoRA through PEFT
+    on the real shapes' path (toy-llama), with as many adapter parameters as our side trains."""
     pytest.importorskip("trl", reason="needs pip install -r requirements-bench.txt")
-    from benchmarks.throughput_models import build_benchmark_checkpoints
-
-    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", TINY_SIZES["test"])
+    pytest.importorskip("peft", reason="needs pip install -r requirements-bench.txt")
+    real = model == "toy-llama"
+    policy_dir, reward_dir = build_benchmark_checkpoints(tmp_path / "m", MODEL_SHAPES[model])
     prompts = tuple(benchmark_prompts(policy_dir, 4))
+    lora = {}
+    if real:
+        lora = dict(
+            lora_rank=ppo_throughput.REAL_LORA_RANK,
+            lora_alpha=ppo_throughput.REAL_LORA_ALPHA,
+            lora_modules=REAL_LORA_MODULES,
+        )
     for algorithm, batch, group in (("ppo", 4, 1), ("grpo", 2, 2)):
         spec = RunSpec(
             system="trl",
             algorithm=algorithm,  # type: ignore[arg-type]
-            label="toy",
-            model="toy",
+            label=model,
+            model=model,
             policy_dir=str(policy_dir),
             reward_dir=str(reward_dir),
             prompts=prompts,
@@ -243,12 +412,19 @@ def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path) ->
             max_new_tokens=4,
             warmup=0,
             iterations=1,
+            **lora,  # type: ignore[arg-type]
         )
         result = ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
         assert len(result.seconds) == 1 and result.seconds[0] > 0
         assert result.split["generation"][0] > 0 and result.split["scoring"][0] > 0
         assert result.mlx_peak_mb is None and result.peak_rss_mb > 0
         assert "trl" in result.versions
+        assert result.trainable_millions is not None
+        if real:  # toy-llama: 2 blocks x r 16 x (in + out) of q, k, v, o, gate, up, down
+            per_block = 16 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128))
+            assert result.trainable_millions == pytest.approx(2 * per_block / 1e6)
+        else:
+            assert result.trainable_millions == pytest.approx(result.params_millions)
 
 
 def test_compare_peers_runs_them_on_grpo_and_reports_each(
@@ -283,7 +459,11 @@ def test_compare_peers_runs_them_on_grpo_and_reports_each(
     assert "requirements-bench-textpolicy.txt" in skipped and "--textpolicy-python" in skipped
     table = out.split("== MLX / mlx-lm-lora")[1].splitlines()
     row = next(line for line in table if line.startswith("toy"))
-    ours = next(r for r in results if (r.spec.system, r.spec.algorithm) == ("mlx", "grpo"))
+    ours = next(
+        r
+        for r in results
+        if (r.spec.system, r.spec.algorithm, r.spec.label) == ("mlx", "grpo", "toy")
+    )
     assert f"{ours.median / 4.0:.2f}" in row.split("|")[0]
     assert "== MLX / TRL" not in out and "== MLX / textpolicy" not in out
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import (
     chat_template_text,
     encode_text,
@@ -252,7 +253,8 @@ def ppo_prompts(family: str, n: int) -> list[Any]:
 
 class EndsAtTheTurn(TrainerCallback):
     """Checks every rollout: a response's last action token is its first end token, nothing
-    after it is an action, and the score is read at that token."""
+    after it is an action, and the score is read at that token (the reward model's score of
+    the sequence cut right after it, alone, unpadded)."""
 
     def __init__(self) -> None:
         self.ended = 0
@@ -261,12 +263,19 @@ class EndsAtTheTurn(TrainerCallback):
         stops = set(trainer.stop_token_ids)
         responses = np.array(batch.responses)
         mask = np.array(batch.mask)
-        for row, row_mask in zip(responses, mask):
+        query_responses = np.array(batch.query_responses)
+        prompt_lengths = np.array(batch.prompt_lengths)
+        scores = np.array(batch.scores)
+        for b, (row, row_mask) in enumerate(zip(responses, mask)):
             length = int(row_mask.sum())
             assert row_mask[:length].all() and not row_mask[length:].any()
             assert not stops & set(row[: length - 1].tolist())  # no end before the last
             if row[length - 1] in stops:
                 self.ended += 1
+            end = int(prompt_lengths[b]) + length
+            alone = mx.array(query_responses[b : b + 1, :end])
+            expected = float(np.array(trainer.reward_model.score(alone, [end]))[0])
+            np.testing.assert_allclose(scores[b], expected, atol=1e-4, rtol=1e-4)
 
 
 def run_pipeline(model_dir: Path, family: str, out: Path, *, sft_lora: bool = False) -> None:
@@ -400,6 +409,24 @@ def test_quantized_reference_is_the_base_with_adapters_off(
     # The adapters moved the policy; the reference is still the quantized base.
     assert not np.allclose(np.array(trainer.policy.logits_at(ids, positions)), base, atol=1e-5)
     np.testing.assert_array_equal(np.array(trainer.ref_model.logits_at(ids, positions)), base)
+
+
+def test_adapters_over_a_base_mlx_lm_misreads_say_how_to_use_them(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2's config keeps rope_theta under rope_parameters: mlx-lm alone, given the base and
+    the adapters, builds another model. Saving the adapters says so and names the way out."""
+    lora = LoraSettings(r=2, alpha=4.0, dropout=0.0)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        qwen2 = PolicyModel.from_pretrained(family_dirs["qwen2_base"], lora=lora)
+        qwen2.save_pretrained(tmp_path / "qwen2")  # a top-level rope_theta: mlx-lm reads it
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        smol = PolicyModel.from_pretrained(family_dirs["smollm2"], lora=lora)
+        smol.save_pretrained(tmp_path / "smol")
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "rope_theta" in message and "main.py export ADAPTERS --out DIR --fuse" in message
 
 
 def test_full_training_of_a_quantized_model_is_refused(quantized_dir: Path, tmp_path: Path) -> None:

@@ -736,3 +736,19 @@ def test_the_configuration_page_is_generated_from_the_dataclasses() -> None:
     for kind, cls in (("ppo", PPOConfig), ("sft", SFTConfig), ("reward", RewardConfig)):
         listed = [key.name for _, keys in config_keys(kind) for key in keys]
         assert sorted(listed) == sorted(names(cls)) and len(listed) == len(set(listed))
+
+
+def test_a_saved_config_is_the_base_that_a_file_and_overrides_change(tmp_path: Path) -> None:
+    """What a resumed run's command line builds: the run's own config (as its checkpoint recorded
+    it, lists from JSON), then only the keys the file gives and the overrides."""
+    from config.loading import given_value, load_config
+
+    saved = config_to_dict(PPOConfig(model_name="m", kl_coef=0.1, lora_keys=["a"], seed=3))
+    saved["a_setting_since_removed"] = 1
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name: m\nseed: 4\noutput_dir: runs/x\n")
+    config = load_config(path, ["learning_rate=2e-5"], base=saved)
+    assert (config.kl_coef, config.lora_keys, config.seed) == (0.1, ["a"], 4)
+    assert config.learning_rate == 2e-5 and config.output_dir == "runs/x"
+    assert given_value("output_dir", path, ["output_dir=runs/y"]) == "runs/y"
+    assert given_value("output_dir", None, []) == PPOConfig.output_dir

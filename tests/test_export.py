@@ -515,7 +515,7 @@ def test_exports_of_every_checkpoint_family(family_dirs: dict[str, Path], tmp_pa
     the card says so, with the same logits."""
     torch: Any = None
     if importlib.util.find_spec("torch") is not None:
-        import torch
+        torch = importlib.import_module("torch")
     for name, source in family_dirs.items():
         policy = ours(source)
         out = export_model(source, tmp_path / name)

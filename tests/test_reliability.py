@@ -66,6 +66,74 @@ def test_a_fresh_run_refuses_a_folder_holding_another_run(
     ]
 
 
+def test_resuming_an_earlier_checkpoint_drops_the_later_timeline(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """Resumed from step 2 of a run whose checkpoints go to step 4, and stopped after step 3:
+    'latest' was the old step 4 (the abandoned timeline), so the next resume continued it."""
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=4, keep_last_checkpoints=3)
+    PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    trainer = PPOTrainer(config, reward_model=length_reward)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        trainer.train(
+            PROMPTS, resume_from=run / "checkpoints" / "step_000002", callbacks=[_StopAt(3)]
+        )
+    assert "step_000003, step_000004" in caplog.text
+    assert trainer.checkpoints.latest() == run / "checkpoints" / "step_000003"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_run_resumed_at_its_end_removes_the_leftovers_of_killed_writes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Killed while its last step's pruning deleted an old checkpoint (or while the final model
+    or a rollout record was written), then resumed: nothing was left to save, so the leftovers
+    stayed for good."""
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=2, log_rollouts_every=1)
+    PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    leftovers = [
+        run / "checkpoints" / ".trash-step_000001-4242",
+        run / "checkpoints" / ".tmp-step_000003-4242",
+        run / ".tmp-final-4242",
+        run / ".trash-final-4242",
+    ]
+    for path in leftovers:
+        path.mkdir()
+        (path / "weights.safetensors").write_bytes(b"partial")
+    (run / "rollouts" / ".step_000002.jsonl.tmp-4242").write_text("{")
+    (run / ".metrics.jsonl.tmp").write_text("{")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss/po')  # a kill in the middle of a metrics line
+    trainer = PPOTrainer(config, reward_model=length_reward)
+    trainer.train(PROMPTS, resume_from="latest")
+    assert trainer.global_step == 2
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert not list(run.rglob(".*")), list(run.rglob(".*"))
+
+
+def test_resuming_another_folders_checkpoint_into_a_run_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint of run A resumed into run B's folder: B's checkpoints up to A's step would
+    stay listed beside A's continuation."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run in (a, b):
+        PPOTrainer(
+            make_config(tiny_model_dir, run, total_steps=2), reward_model=length_reward
+        ).train(PROMPTS)
+    into_b = PPOTrainer(make_config(tiny_model_dir, b, total_steps=4), reward_model=length_reward)
+    with pytest.raises(ValueError, match="another run folder.* holds a run"):
+        into_b.train(PROMPTS, resume_from=a / "checkpoints" / "step_000001")
+    # Into an empty folder it is a new branch of run A: fine.
+    c = make_config(tiny_model_dir, tmp_path / "c", total_steps=3)
+    PPOTrainer(c, reward_model=length_reward).train(
+        PROMPTS, resume_from=a / "checkpoints" / "step_000002"
+    )
+    assert [p.name for p in (tmp_path / "c" / "checkpoints").iterdir()] == ["step_000003"]
+
+
 def test_the_command_line_refuses_before_any_model_loads(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000003").mkdir(parents=True)
@@ -109,6 +177,42 @@ def test_resume_refuses_settings_that_change_the_trained_parameters(
         PPOTrainer(other, reward_model=length_reward).train(PROMPTS, resume_from="latest")
 
 
+def test_sft_resume_refuses_settings_that_change_the_trained_parameters(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import run_sft
+    from fixtures.demo_data import write_sft_data
+
+    data = write_sft_data(tmp_path / "sft.jsonl", 16, seed=0)
+
+    def config(**change: Any) -> SFTConfig:
+        values: dict[str, Any] = dict(
+            model_name=str(tiny_model_dir),
+            dataset=str(data),
+            output_dir=str(tmp_path / "sft"),
+            batch_size=8,
+            total_steps=1,
+            eval_fraction=0.0,
+            progress_bar=False,
+            use_lora=True,
+        )
+        return SFTConfig(**{**values, **change})
+
+    run_sft(config())
+    for change in (
+        {"lora_r": 4},
+        {"lora_layers": 1},
+        {"lora_keys": ["self_attn.q_proj"]},
+        {"lora_alpha": 8.0},
+        {"dtype": "bfloat16"},
+        {"use_lora": False},
+    ):
+        (key,) = change
+        with pytest.raises(ValueError, match=f"written with {key}="):
+            run_sft(config(total_steps=2, **change), resume_from="latest")
+
+
 def test_overflowing_rewards_stop_the_run_before_any_update(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -128,6 +232,63 @@ def test_overflowing_rewards_stop_the_run_before_any_update(
     restored.load_checkpoint(run / "checkpoints" / "step_000001")
     ours = dict(restored.policy.trainable_parameters())
     assert ours.keys() == dict(trainer.policy.trainable_parameters()).keys()
+
+
+def test_a_full_disk_stops_with_one_message_and_the_run_resumes(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The disk fills up while step 2's checkpoint is written: one error naming the path and the
+    space, no plot attempted after it (that was the last of four chained tracebacks), step 1's
+    checkpoint intact; once space is freed the run resumes and finishes."""
+    import mlx.core as mx
+
+    from training.checkpoint import CheckpointWriteError
+
+    save = mx.save_safetensors
+
+    def full_at_step_2(path: str, arrays: Any, metadata: Any = None) -> None:
+        if "step_000002" in path:
+            raise RuntimeError("[write] Unable to write 8391 bytes to file.")  # what MLX raises
+        save(path, arrays, metadata)
+
+    run = tmp_path / "run"
+    config = make_config(tiny_model_dir, run, total_steps=3)
+    monkeypatch.setattr(mx, "save_safetensors", full_at_step_2)
+    with caplog.at_level("WARNING", logger="ppo_mlx"), pytest.raises(CheckpointWriteError) as info:
+        PPOTrainer(config, reward_model=length_reward).train(PROMPTS)
+    message = str(info.value)
+    assert f"could not write {run / 'checkpoints' / 'step_000002'}" in message
+    assert "MB free, and it needs about" in message and "--resume latest" in message
+    assert "the checkpoints up to step_000001 are intact" in message
+    assert info.value.__suppress_context__  # no chain of tracebacks behind it
+    assert "could not draw" not in caplog.text and not (run / "training_curves.png").exists()
+    checkpoints = PPOTrainer(config, reward_model=length_reward).checkpoints
+    assert [p.name for p in checkpoints.checkpoints()] == ["step_000001"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    monkeypatch.undo()  # space freed
+    resumed = PPOTrainer(config, reward_model=length_reward)
+    resumed.train(PROMPTS, resume_from="latest")
+    assert resumed.global_step == 3
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_full_disk_while_recording_rollouts_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    from ppo_trainer.rollout_records import write_rollout_records
+    from training.checkpoint import CheckpointWriteError
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")  # names no file
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(CheckpointWriteError, match="could not write .*step_000003.jsonl") as info:
+        write_rollout_records(tmp_path, 3, [{"prompt": "a"}])
+    assert "No space left" in str(info.value) and info.value.__suppress_context__
+    assert not list((tmp_path / "rollouts").iterdir())  # no temporary file left
 
 
 @pytest.mark.parametrize(
@@ -174,13 +335,188 @@ def test_a_longer_run_on_resume_continues_the_learning_rate(
     lrs = [r["lr"] for r in read_metrics(run / "metrics.jsonl")]
     longer = make_config(tiny_model_dir, run, total_steps=8, lr_scheduler="linear")
     with caplog.at_level("WARNING", logger="ppo_mlx"):
-        PPOTrainer(longer, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+        PPOTrainer(longer, reward_model=length_reward).train(
+            PROMPTS, resume_from="latest", callbacks=[_StopAt(4)]
+        )
     assert "planned for 4 updates and now for 8" in caplog.text
+    caplog.clear()
+    # Stopped again under the longer plan: resuming continues the continued schedule (the
+    # checkpoint records it), not the 8-step plan from its start.
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        PPOTrainer(longer, reward_model=length_reward).train(PROMPTS, resume_from="latest")
+    assert "planned for" not in caplog.text
     after = [r["lr"] for r in read_metrics(run / "metrics.jsonl")][2:]
     # The third update uses the rate the 4-step plan had reached (half the peak), not the 8-step
-    # plan's 3/4 of it, and then it decays to 0 at the new end: no jump back up.
-    assert after[0] == pytest.approx(first.learning_rate * 2 / 4, rel=1e-5)
-    assert after[0] <= lrs[-1] and all(a > b for a, b in zip(after, after[1:]))
+    # plan's 3/4 of it, and then it decays linearly to 0 at the new end: no jump back up.
+    peak = first.learning_rate
+    assert after == pytest.approx([peak / 2 * (1 - k / 6) for k in range(6)], rel=1e-5)
+    assert after[0] <= lrs[-1]
+
+
+def test_a_longer_sft_run_on_resume_continues_the_learning_rate(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """SFT and reward training share the loop: a run of 4 steps stopped after 2 and resumed for
+    8 continues from the rate it had reached (it restarted the 8-step schedule: the rate jumped
+    from 1/2 to 3/4 of the peak), and a second stop and resume keeps that schedule."""
+    import os
+
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import SFTTrainer, run_sft
+    from fixtures.demo_data import write_sft_data
+    from training.run_control import TrainingStopped
+
+    stops = {2, 4}
+    original = SFTTrainer.step
+
+    def step_then_sigterm(self: Any, examples: Any) -> Any:
+        out = original(self, examples)
+        if self.global_step in stops:
+            stops.discard(self.global_step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(SFTTrainer, "step", step_then_sigterm)
+    data = write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)
+
+    def config(total_steps: int) -> SFTConfig:
+        return SFTConfig(
+            model_name=str(tiny_model_dir),
+            dataset=str(data),
+            output_dir=str(tmp_path / "sft"),
+            batch_size=8,
+            num_epochs=2,
+            total_steps=total_steps,
+            learning_rate=1e-3,
+            lr_scheduler="linear",
+            warmup_steps=0,
+            eval_fraction=0.0,
+            progress_bar=False,
+        )
+
+    with pytest.raises(TrainingStopped, match="after step 2"):
+        run_sft(config(4))
+    with caplog.at_level("WARNING", logger="ppo_mlx"), pytest.raises(TrainingStopped):
+        run_sft(config(8), resume_from="latest")
+    assert "planned for 4 updates and now for 8" in caplog.text
+    run_sft(config(8), resume_from="latest")
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "sft" / "metrics.jsonl")]
+    assert lrs[:2] == pytest.approx([1e-3, 1e-3 * 3 / 4], rel=1e-5)
+    assert lrs[2:] == pytest.approx([1e-3 / 2 * (1 - k / 6) for k in range(6)], rel=1e-5)
+
+
+def _stop_after_steps(monkeypatch: pytest.MonkeyPatch, trainer_class: Any, steps: set[int]) -> None:
+    """``trainer_class.step`` then, after each of ``steps``, SIGTERM: the run saves and stops."""
+    import os
+
+    original = trainer_class.step
+
+    def step_then_sigterm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if self.global_step in steps:
+            steps.discard(self.global_step)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(trainer_class, "step", step_then_sigterm)
+
+
+def test_the_command_line_resume_continues_the_run_as_configured(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """The README's two lines: `train --config run.yaml --set kl_coef=0.1`, stopped, then
+    `--resume latest` without the --set went on with 0.1 (the checkpoint's KL controller) but
+    rewrote config.yaml with the default 0.05; and a kl_coef given again on resume (0.2) was
+    silently ignored. Now the run's own config is the base, a changed setting takes effect and
+    is named in one warning, and config.yaml says what the run uses."""
+    import yaml
+
+    import main
+    from config.loading import load_config
+
+    run = tmp_path / "run"
+    settings = {
+        "model_name": str(tiny_model_dir),
+        "max_new_tokens": 6,
+        "batch_size": 2,
+        "learning_rate": 1e-3,
+        "num_ppo_epochs": 1,
+        "output_dir": str(run),
+        "progress_bar": False,
+        "save_every": 1,
+        "total_steps": 3,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(settings))
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    train = ["train", "--config", str(tmp_path / "run.yaml"), "--prompts"]
+    train += [str(tmp_path / "prompts.txt"), "--reward-fn", "tests.test_reliability:length_reward"]
+    _stop_after_steps(monkeypatch, PPOTrainer, {1, 2})
+    assert main.main([*train, "--set", "kl_coef=0.1"]) == 143  # stopped by SIGTERM after step 1
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        assert main.main([*train, "--resume", "latest"]) == 143  # after step 2
+    assert "changed settings" not in caplog.text
+    assert load_config(run / "config.yaml").kl_coef == 0.1
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        assert main.main([*train, "--resume", "latest", "--set", "kl_coef=0.2"]) == 0
+    assert "resuming step_000002 with changed settings: kl_coef 0.1 -> 0.2" in caplog.text
+    assert load_config(run / "config.yaml").kl_coef == 0.2
+    coefs = [r["objective/kl_coef"] for r in read_metrics(run / "metrics.jsonl")]
+    assert coefs == pytest.approx([0.1, 0.1, 0.2])
+
+
+def test_an_adaptive_kl_controller_keeps_its_value_on_resume(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """kl_coef only starts an adaptive controller: its value is state and continues, while a
+    changed kl_target takes effect (it was taken from the checkpoint) and both are warned of."""
+    run = tmp_path / "run"
+    first = make_config(tiny_model_dir, run, total_steps=1, adaptive_kl=True, kl_coef=0.1)
+    trainer = PPOTrainer(first, reward_model=length_reward)
+    trainer.train(PROMPTS)
+    reached = trainer.kl_ctl.value
+    assert reached != 0.1
+    changed = make_config(
+        tiny_model_dir, run, total_steps=1, adaptive_kl=True, kl_coef=0.2, kl_target=3.0
+    )
+    resumed = PPOTrainer(changed, reward_model=length_reward)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        resumed.load_checkpoint(run / "checkpoints" / "step_000001")
+    assert resumed.kl_ctl.value == reached and getattr(resumed.kl_ctl, "target") == 3.0
+    assert "kl_coef 0.1 -> 0.2, kl_target 6.0 -> 3.0" in caplog.text
+    assert "kl_coef only starts the adaptive KL controller" in caplog.text
+
+
+def test_the_sft_command_line_resume_keeps_the_settings_of_its_start(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sft --set learning_rate=1e-3 ...` stopped, then resumed without the --set: the resumed
+    steps used the default 2e-5 (a schedule change) and config.yaml said so."""
+    import main
+    from config.loading import load_config
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import SFTTrainer
+    from fixtures.demo_data import write_sft_data
+
+    data = write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)
+    out = tmp_path / "sft"
+    sft = ["sft", "--data", str(data), "--set", f"model_name={tiny_model_dir}"]
+    sft += ["--set", f"output_dir={out}", "--set", "progress_bar=false"]
+    start = ["learning_rate=1e-3", "lr_scheduler=constant", "batch_size=8", "eval_fraction=0"]
+    _stop_after_steps(monkeypatch, SFTTrainer, {1})
+    assert main.main([*sft, "--set", "total_steps=2", *(f"--set={s}" for s in start)]) == 143
+    assert main.main([*sft, "--resume", "latest"]) == 0
+    assert [r["lr"] for r in read_metrics(out / "metrics.jsonl")] == pytest.approx([1e-3] * 2)
+    saved = load_config(out / "config.yaml", cls=SFTConfig)
+    assert (saved.learning_rate, saved.batch_size, saved.total_steps) == (1e-3, 8, 2)
+
+
+def test_a_full_disk_before_any_checkpoint_says_there_is_none_to_resume(tmp_path: Path) -> None:
+    from training.checkpoint import write_failure
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    message = str(write_failure(checkpoints / "step_000001", OSError(28, "No space left")))
+    assert "no checkpoint to resume from yet" in message and "intact" not in message
 
 
 # --------------------------------------------------------------------------- signals
@@ -259,6 +595,83 @@ def test_sigterm_finishes_the_step_saves_and_exits_non_zero(
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-2000:]
     assert "interrupted" in err and "Traceback" not in err
+
+
+def _cli_train(run: Path, model: Path, prompts: Path, err: Path) -> subprocess.Popen[bytes]:
+    """``main.py train`` as a user starts it (a real process, real signals), stderr to ``err``."""
+    settings = dict(
+        model_name=model,
+        output_dir=run,
+        max_new_tokens=4,
+        batch_size=2,
+        num_epochs=20,
+        total_steps=100,
+        save_every=0,
+        progress_bar="false",
+    )
+    command = [sys.executable, "main.py", "train", "--prompts", str(prompts)]
+    command += ["--reward-fn", "tests.test_reliability:length_reward"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={value}"]
+    with open(err, "w") as stderr:
+        return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+
+
+def _wait_for(condition: Any, process: subprocess.Popen[bytes], err: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert process.poll() is None, err.read_text()[-2000:]
+        assert time.monotonic() < deadline, err.read_text()[-2000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_the_command_line_on_sigterm_and_a_second_ctrl_c(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Real signals to ``python main.py train``: SIGTERM in the loop finishes the step, saves
+    and exits 143 with a message; SIGTERM while the model loads exits 143 with a message (it
+    died silently); Ctrl-C twice says "interrupted" and exits 130; never a traceback."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    err = tmp_path / "err.txt"
+
+    run = tmp_path / "term"
+    process = _cli_train(run, tiny_model_dir, prompts, err)
+    _wait_for(
+        lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text(),
+        process,
+        err,
+    )
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, err.read_text()[-2000:]
+    text = err.read_text()
+    assert "Traceback" not in text and "stopped (SIGTERM) after step " in text
+    step = int(text.split("stopped (SIGTERM) after step ")[1].split(";")[0])
+    assert (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, step + 1))
+
+    process = _cli_train(tmp_path / "loading", tiny_model_dir, prompts, err)
+    _wait_for(lambda: "BLAS" in err.read_text(), process, err)  # main() is running
+    time.sleep(0.3)  # the model loads for seconds after this line
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, err.read_text()[-2000:]
+    text = err.read_text()
+    assert "interrupted (SIGTERM)" in text and "Traceback" not in text, text[-2000:]
+
+    run = tmp_path / "int"
+    process = _cli_train(run, tiny_model_dir, prompts, err)
+    _wait_for(
+        lambda: (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text(),
+        process,
+        err,
+    )
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 130, err.read_text()[-2000:]
+    text = err.read_text()
+    assert text.rstrip().endswith("interrupted") and "Traceback" not in text, text[-2000:]
 
 
 def test_resume_is_bit_exact_when_the_load_changes(
@@ -351,6 +764,48 @@ def test_sft_stops_on_sigterm_after_the_step_and_saves(
     assert (tmp_path / "sft" / "checkpoints" / "step_000001" / "manifest.json").is_file()
     assert not (tmp_path / "sft" / "model").exists()  # no final model from a stopped run
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_sft_resumes_only_complete_checkpoints_of_one_timeline(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """SFT (and reward training: the same loop) on a damaged run folder: a checkpoint missing its
+    optimiser file is neither listed nor resumed, leftovers of killed writes (a checkpoint's, the
+    model's) are removed, and resuming an earlier checkpoint drops the later ones."""
+    from config.sft_config import SFTConfig
+    from finetune.sft_trainer import run_sft
+    from fixtures.demo_data import write_sft_data
+
+    out = tmp_path / "sft"
+    config = SFTConfig(
+        model_name=str(tiny_model_dir),
+        dataset=str(write_sft_data(tmp_path / "sft.jsonl", 32, seed=0)),
+        output_dir=str(out),
+        batch_size=8,
+        eval_fraction=0.0,
+        progress_bar=False,
+        save_every=1,
+        keep_last_checkpoints=3,
+    )
+    run_sft(config)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_00000{k}" for k in (2, 3, 4)]
+    (checkpoints / "step_000004" / "optimizer.safetensors").unlink()  # a kill mid-deletion
+    for leftover in (checkpoints / ".tmp-step_000005-1", checkpoints / ".trash-step_000001-1"):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "sft" / ".tmp-model-1").mkdir()
+    with pytest.raises(FileNotFoundError, match="optimizer.safetensors is missing"):
+        run_sft(config, resume_from=checkpoints / "step_000004")
+    with caplog.at_level("INFO", logger="ppo_mlx"):
+        run_sft(config, resume_from="latest")
+    assert "resumed from " + str(checkpoints / "step_000003") in caplog.text
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_00000{k}" for k in (2, 3, 4)]
+    assert not list(out.glob(".tmp-*")) and (out / "model").is_dir()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        run_sft(config, resume_from=checkpoints / "step_000002")
+    assert "abandoned timeline (step_000003, step_000004)" in caplog.text
 
 
 def test_prints_and_log_lines_go_above_the_progress_bar(monkeypatch: pytest.MonkeyPatch) -> None:

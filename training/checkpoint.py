@@ -82,11 +82,38 @@ def write_failure(
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     need = f", and it needs about {needed / 2**20:.1f} MB" if needed is not None else ""
+    saved = _run_checkpoints(path)
+    if saved:
+        then = f"resume with --resume latest (the checkpoints up to {saved[-1].name} are intact)"
+    else:
+        then = "start the run again: it has no checkpoint to resume from yet"
     return CheckpointWriteError(
         f"could not write {path} ({type(err).__name__}: {err}). The file system has "
         f"{free / 2**20:.1f} MB free{need}: free some space (or point output_dir elsewhere) and "
-        "resume with --resume latest; earlier checkpoints are intact"
+        f"{then}"
     )
+
+
+def _run_checkpoints(path: Path) -> list[Path]:
+    """The complete checkpoints of the run that ``path`` is written for: a checkpoint directory
+    under ``checkpoints/``, or a file or model beside that folder (or one level below)."""
+    for folder in (path.parent, path.parent / "checkpoints", path.parent.parent / "checkpoints"):
+        if folder.name == "checkpoints" and folder.is_dir():
+            return CheckpointManager(folder).checkpoints()
+    return []
+
+
+@contextmanager
+def named_write(path: str | Path, needed: int | None = None) -> Iterator[None]:
+    """Within the block, an ``OSError`` (a full disk: ``[Errno 28] No space left on device``,
+    which names no file) becomes a :class:`CheckpointWriteError` naming ``path`` and the free
+    space (:func:`write_failure`), raised alone (no chained tracebacks)."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except OSError as err:
+        raise write_failure(Path(path), err, needed) from None
 
 
 def remove_leftovers(root: Path, name_pattern: str = "*") -> None:
@@ -313,6 +340,15 @@ class CheckpointManager:
             arrays[file.stem] = loaded
         return arrays, state
 
+    def drop_after(self, step: int) -> list[Path]:
+        """Remove the checkpoints of steps after ``step`` (each renamed out of the listing before
+        it is deleted); returns the paths they had. What resuming from an earlier checkpoint
+        does: the later ones belong to the timeline it abandons."""
+        later = [p for p in self.checkpoints() if int(p.name.split("_")[1]) > step]
+        for path in later:
+            _prune_one(path)
+        return later
+
     def _prune(self) -> None:
         if not self.keep_last:
             return
@@ -416,3 +452,43 @@ def check_resume_config(
                 f"{saved.get(key, LEGACY_DEFAULTS.get(key))!r} but this run has "
                 f"{key}={current.get(key)!r}: resume with the same configuration"
             )
+
+
+#: Settings that may differ on resume without a word: it acted once, when the run began.
+_UNLISTED_ON_RESUME: tuple[str, ...] = ("overwrite_output_dir",)
+
+
+def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"key old -> new"`` for each setting of ``current`` (a config as ``config_to_dict``
+    gives it) that differs from the checkpoint's ``saved`` config, values written as ``--set``
+    takes them. A setting the checkpoint did not record (an older version) is not listed."""
+    now = json.loads(json.dumps(dict(current)))  # tuples as lists, as the checkpoint holds them
+
+    def shown(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
+    return [
+        f"{key} {shown(saved[key])} -> {shown(value)}"
+        for key, value in now.items()
+        if key in saved and saved[key] != value and key not in _UNLISTED_ON_RESUME
+    ]
+
+
+def warn_changed_settings(
+    path: str | Path,
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    notes: Iterable[str | None] = (),
+) -> None:
+    """Log one warning on resume: every setting that differs from the checkpoint's config
+    (:func:`changed_settings`; they take effect), then ``notes`` on what follows from them
+    (the learning-rate schedule continued, a KL coefficient that is state). Nothing when
+    nothing changed."""
+    changes = changed_settings(saved, current)
+    said = [note for note in notes if note]
+    if not changes and not said:
+        return
+    head = f"resuming {Path(path).name}"
+    if changes:
+        head += " with changed settings: " + ", ".join(changes)
+    logger.warning("; ".join([head, *said]))

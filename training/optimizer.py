@@ -12,7 +12,6 @@ parameter shape and dtype.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, cast
@@ -22,8 +21,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
-
-logger = logging.getLogger("ppo_mlx")
 
 
 @mx.compile
@@ -145,61 +142,69 @@ def lr_schedule(
 @dataclass(frozen=True)
 class SchedulePlan:
     """A run's learning-rate schedule, in optimiser updates; kept in its checkpoints so that a
-    resumed run can tell whether (and how) the schedule changed."""
+    resumed run can tell whether (and how) the schedule changed, and follow the same one.
+
+    ``continued_from`` and ``continued_lr`` mark a run made longer on resume: from update
+    ``continued_from`` on, ``continued_lr`` decays to 0 at ``total_steps``
+    (:func:`continued_schedule`). Its checkpoints keep them, so a later resume continues that
+    schedule rather than the configured one from its start."""
 
     learning_rate: float
     scheduler: str
     warmup_steps: int
     total_steps: int
+    continued_from: int | None = None
+    continued_lr: float | None = None
 
     def schedule(self) -> Callable[[mx.array], mx.array]:
-        """The schedule (:func:`lr_schedule`)."""
+        """The schedule (:func:`lr_schedule`, or :func:`continued_schedule` once continued)."""
+        if self.continued_from is not None and self.continued_lr is not None:
+            return continued_schedule(
+                self.continued_lr, self.scheduler, self.continued_from, self.total_steps
+            )
         return lr_schedule(self.learning_rate, self.scheduler, self.warmup_steps, self.total_steps)
+
+    def configured(self) -> SchedulePlan:
+        """The plan as the config gives it, without a continuation."""
+        return dataclasses.replace(self, continued_from=None, continued_lr=None)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def resumed_schedule(
+def resumed_plan(
     saved: Mapping[str, Any] | None, plan: SchedulePlan, step: int
-) -> Callable[[mx.array], mx.array]:
-    """The schedule of a run resumed at optimiser update ``step`` under ``plan``, given the plan
-    its checkpoint was written with (None: a checkpoint that recorded none).
+) -> tuple[SchedulePlan, str | None]:
+    """The schedule of a run resumed at optimiser update ``step`` whose config gives ``plan``,
+    given the plan its checkpoint was written with (None: a checkpoint that recorded none), and
+    what changed (None when nothing did), for the resume's warning
+    (:func:`training.checkpoint.warn_changed_settings`).
 
-    The same plan continues exactly. A run whose length changed (``total_steps``, e.g. extended)
-    continues from the learning rate it had reached and decays, in the plan's shape, to 0 at the
-    new end, instead of restarting its schedule (a jump of the learning rate); any other change
-    (learning rate, scheduler, warm-up) applies as configured. Either change is logged.
+    The same configuration continues exactly (a continuation recorded in the checkpoint
+    included). A run whose length changed (``total_steps``, e.g. extended) continues from the
+    learning rate it had reached and decays, in the plan's shape, to 0 at the new end, instead of
+    restarting its schedule (a jump of the learning rate); any other change (learning rate,
+    scheduler, warm-up) applies as configured.
     """
     if saved is None:
-        return plan.schedule()
+        return plan, None
     before = SchedulePlan(**saved)
-    if before == plan:
-        return plan.schedule()
+    if before.configured() == plan:
+        return before, None
     lr_now = float(np.asarray(before.schedule()(mx.array(step))))
-    if dataclasses.replace(before, total_steps=plan.total_steps) == plan:
-        logger.warning(
-            "the run was planned for %d updates and now for %d: the learning rate continues "
-            "from %.3g (update %d) and decays (%s) to 0 at update %d",
-            before.total_steps,
-            plan.total_steps,
-            lr_now,
-            step,
-            plan.scheduler,
-            plan.total_steps,
+    if dataclasses.replace(before.configured(), total_steps=plan.total_steps) == plan:
+        note = (
+            f"the run was planned for {before.total_steps} updates and now for "
+            f"{plan.total_steps}: the learning rate continues from {lr_now:.3g} (update {step}) "
+            f"and decays ({plan.scheduler}) to 0 at update {plan.total_steps}"
         )
-        return continued_schedule(lr_now, plan.scheduler, step, plan.total_steps)
+        return dataclasses.replace(plan, continued_from=step, continued_lr=lr_now), note
     lr_new = float(np.asarray(plan.schedule()(mx.array(step))))
-    logger.warning(
-        "the learning-rate schedule changed on resume (%s -> %s): at update %d the learning "
-        "rate goes from %.3g to %.3g",
-        before,
-        plan,
-        step,
-        lr_now,
-        lr_new,
+    note = (
+        f"the learning-rate schedule changed: at update {step} the learning rate goes from "
+        f"{lr_now:.3g} to {lr_new:.3g}"
     )
-    return plan.schedule()
+    return plan, note
 
 
 def continued_schedule(

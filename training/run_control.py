@@ -9,6 +9,9 @@
 * :func:`prepare_run_dir`: a fresh run refuses a folder that holds another run (its new
   checkpoints would be pruned against the old ones and ``--resume latest`` would continue the
   old run), unless told to overwrite it; the folder must be writable before any model loads.
+  Resuming keeps one timeline too: :func:`check_resume_source` refuses another folder's
+  checkpoint into a folder that holds a run, and :func:`continue_timeline` removes the
+  checkpoints after the one resumed from.
 """
 
 from __future__ import annotations
@@ -42,11 +45,28 @@ RUN_ARTIFACTS: tuple[str, ...] = (
 )
 
 
+class Interrupted(KeyboardInterrupt):
+    """Stop at once: a second Ctrl-C or SIGTERM during a run, or SIGTERM before or after its
+    loop (where the command line turns it into this, as Python turns Ctrl-C into
+    ``KeyboardInterrupt``). ``reason``: the signal's name."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    """A signal handler that raises :class:`Interrupted` (what ``main.py`` installs for SIGTERM:
+    outside the training loop it ends the command like Ctrl-C, with a message)."""
+    raise Interrupted(signal.Signals(signum).name)
+
+
 class StopSignals:
     """Within the block, SIGINT and SIGTERM request a stop instead of killing the process.
 
     ``requested`` turns true at the first signal (or :meth:`request`); the loop checks it between
-    steps, saves and returns. A second signal raises ``KeyboardInterrupt`` where the process is.
+    steps, saves and returns. A second signal raises :class:`Interrupted` (a
+    ``KeyboardInterrupt``) where the process is.
     Outside the main thread (where handlers cannot be installed) signals keep their default.
     """
 
@@ -64,7 +84,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            raise KeyboardInterrupt(f"{name} received twice")
+            raise Interrupted(name)
         self.request(name)
         logger.warning(
             "%s: finishing this step, then saving a checkpoint (send it again to stop at once)",
@@ -169,6 +189,76 @@ def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> 
         ) from None
 
 
+def remove_run_leftovers(run_dir: str | Path) -> None:
+    """Delete what killed writes left in ``run_dir``: hidden ``.tmp-*`` / ``.trash-*``
+    directories of checkpoints and of the final model, and temporary metrics and rollout files.
+    A run calls it as it starts (the next save would remove a checkpoint's, but a run resumed at
+    its end saves nothing); never while another process writes into the folder."""
+    from training.checkpoint import remove_leftovers
+    from training.metrics_logger import METRICS_FILE
+
+    run_dir = Path(run_dir)
+    try:
+        remove_leftovers(run_dir / "checkpoints")
+        remove_leftovers(run_dir)
+        (run_dir / f".{METRICS_FILE}.tmp").unlink(missing_ok=True)
+        rollouts = run_dir / "rollouts"
+        if rollouts.is_dir():
+            for tmp in rollouts.glob(".*.tmp-*"):
+                tmp.unlink(missing_ok=True)
+    except OSError as err:  # they are never read: a leftover that stays costs only space
+        logger.warning("could not remove a leftover of a killed write in %s: %s", run_dir, err)
+
+
+def check_resume_source(run_dir: str | Path, checkpoint: str | Path) -> None:
+    """Raise ``ValueError`` if ``checkpoint`` belongs to another run folder while ``run_dir``
+    holds a run: the new timeline would continue beside that run's checkpoints and metrics
+    (``--resume latest`` could then pick either). Into an empty folder it starts a branch."""
+    run_dir, checkpoint = Path(run_dir), Path(checkpoint)
+    own = (run_dir / "checkpoints").resolve()
+    earlier = holds_a_run(run_dir)
+    if checkpoint.resolve().parent != own and earlier:
+        raise ValueError(
+            f"resuming from {checkpoint}, a checkpoint of another run folder, but output_dir "
+            f"{run_dir} holds a run ({', '.join(earlier)}): the two runs' checkpoints and metrics "
+            "would mix. Resume into an empty output_dir, or from one of "
+            f"{run_dir / 'checkpoints'}"
+        )
+
+
+def resumed_run_config(run_dir: str | Path, resume_from: str | Path) -> dict[str, Any] | None:
+    """The config of the run that ``resume_from`` continues, as its checkpoint recorded it: that
+    of the checkpoint directory ``resume_from``, or for ``"latest"`` of the newest complete one
+    under ``<run_dir>/checkpoints``. None when there is none (the resume itself then fails,
+    naming what is missing). ``overwrite_output_dir`` is left out: it acted when the run began."""
+    from training.checkpoint import STATE_FILE, CheckpointManager
+
+    if str(resume_from) == "latest":
+        found = CheckpointManager(Path(run_dir) / "checkpoints").latest()
+    else:
+        found = Path(resume_from) if (Path(resume_from) / STATE_FILE).is_file() else None
+    if found is None:
+        return None
+    config = CheckpointManager.read_state(found).get("config")
+    if not isinstance(config, dict):
+        return None
+    return {k: v for k, v in config.items() if k != "overwrite_output_dir"}
+
+
+def continue_timeline(checkpoints: Any, step: int) -> None:
+    """Before a run resumed at ``step`` goes on: remove its checkpoints after ``step`` (a resume
+    from an earlier checkpoint abandons them; left there, ``--resume latest`` would go back to
+    them, and pruning would keep them over the new ones). ``checkpoints``: the run's
+    :class:`~training.checkpoint.CheckpointManager`."""
+    dropped = checkpoints.drop_after(step)
+    if dropped:
+        logger.warning(
+            "resumed from step %d: removed the later checkpoints of the abandoned timeline (%s)",
+            step,
+            ", ".join(p.name for p in dropped),
+        )
+
+
 class _AboveTheBar(io.TextIOBase):
     """A text stream that hands whole lines to ``tqdm.write`` (which clears the bar, writes the
     line to ``target``, and draws the bar again)."""
@@ -220,9 +310,9 @@ class RunLog:
     """What a run writes as it goes, on the process that writes (rank 0): ``config.yaml`` when it
     starts, ``metrics.jsonl`` (cut back to ``resume_step`` on resume) and a tracker, a progress
     bar, and ``training_curves.png`` when it ends. A context manager: within it, prints and log
-    lines go above the bar; on exit the bar and trackers close and the curves are drawn (a
-    failing plot, e.g. on a full disk, is logged so that it never hides the error that ended the
-    run).
+    lines go above the bar; on exit the bar and trackers close and the curves are drawn (not
+    after a failed write such as a full disk; a failing plot is logged so that it never hides the
+    error that ended the run). A write that fails names its file (:func:`named_write`).
 
     Args:
         run_dir: the run folder.
@@ -248,19 +338,22 @@ class RunLog:
         from tqdm import tqdm
 
         from config.loading import config_to_dict, save_config
-        from training.metrics_logger import MetricsLogger
+        from training.checkpoint import named_write
+        from training.metrics_logger import METRICS_FILE, MetricsLogger
 
         self.run_dir = Path(run_dir)
         self.metrics: MetricsLogger | None = None
         if writes:
-            save_config(config, self.run_dir / CONFIG_FILE)
-            self.metrics = MetricsLogger(
-                self.run_dir,
-                config.log_with,
-                config_to_dict(config),
-                resume_step=resume_step,
-                project=config.wandb_project,
-            )
+            with named_write(self.run_dir / CONFIG_FILE):
+                save_config(config, self.run_dir / CONFIG_FILE)
+            with named_write(self.run_dir / METRICS_FILE):
+                self.metrics = MetricsLogger(
+                    self.run_dir,
+                    config.log_with,
+                    config_to_dict(config),
+                    resume_step=resume_step,
+                    project=config.wandb_project,
+                )
         self.bar = tqdm(
             total=total,
             initial=initial,
@@ -287,6 +380,7 @@ class RunLog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        from training.checkpoint import CheckpointWriteError
         from training.metrics_logger import PLOT_FILE, plot_metrics, read_metrics
 
         try:
@@ -294,7 +388,10 @@ class RunLog:
             if self.metrics is not None:
                 self.metrics.close()
                 records = read_metrics(self.metrics.path)
-                if records:
+                # Not after a failed write (a full disk): the plot would fail too, or take the
+                # space the user is about to free, and its message would follow the one that
+                # matters.
+                if records and not isinstance(exc[1], CheckpointWriteError):
                     try:
                         plot_metrics(records, self.run_dir / PLOT_FILE)
                     except OSError as err:
