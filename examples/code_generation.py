@@ -37,13 +37,8 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.task_common import (
-    DATA_DIR,
-    require_object,
-    require_text,
-    run_task_cli,
-    task_argument_parser,
-)
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object, require_text
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt, PromptInput
 from sandbox import SandboxLimits, extract_code, score_completions
@@ -130,11 +125,16 @@ def score_programs(
 # --------------------------------------------------------------------------- the data
 
 
+_FIELDS = "a task has 'prompt' and 'tests', or MBPP/HumanEval columns"
+_MBPP_FIELDS = "an MBPP row has 'text', 'code' and 'test_list'"
+_HUMANEVAL_FIELDS = "a HumanEval row has 'prompt', 'test' and 'entry_point'"
+
+
 def _mbpp_stub(record: Mapping[str, Any], where: str) -> str:
     """MBPP: the reference solution's ``def`` line of the function the first test calls, with the
     task text as its docstring."""
-    text = require_text(record, "text", where)
-    code = require_text(record, "code", where)
+    text = require_text(record, "text", where, _MBPP_FIELDS)
+    code = require_text(record, "code", where, _MBPP_FIELDS)
     called = re.findall(r"\b([A-Za-z_]\w*)\s*\(", record["test_list"][0])
     for match in re.finditer(r"^def\s+(\w+)\s*\(.*?\)\s*(->[^:]*)?:", code, re.M | re.S):
         if match.group(1) in called:
@@ -155,13 +155,12 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed record or a test that does not compile.
     """
-    fields = "'prompt' and 'tests' (or MBPP/HumanEval columns)"
-    record = require_object(record, where, fields)
+    record = require_object(record, where, _FIELDS)
     solution = None
     if "tests" in record:
-        stub, tests = require_text(record, "prompt", where), record["tests"]
+        stub, tests = require_text(record, "prompt", where, _FIELDS), record["tests"]
         if record.get("solution") is not None:
-            solution = require_text(record, "solution", where)
+            solution = require_text(record, "solution", where, "a reference body for the stub")
     elif "test_list" in record:  # MBPP
         tests = record["test_list"]
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
@@ -170,13 +169,14 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
         setup = record.get("test_setup_code") or ""
         tests = [f"{setup}\n{t}" if setup else t for t in tests]
     elif "entry_point" in record:  # HumanEval: one test, its check() function
-        stub = require_text(record, "prompt", where)
-        test = require_text(record, "test", where)
-        tests = [f"{test}\ncheck({require_text(record, 'entry_point', where)})"]
+        stub = require_text(record, "prompt", where, _HUMANEVAL_FIELDS)
+        test = require_text(record, "test", where, _HUMANEVAL_FIELDS)
+        entry_point = require_text(record, "entry_point", where, _HUMANEVAL_FIELDS)
+        tests = [f"{test}\ncheck({entry_point})"]
         if record.get("canonical_solution") is not None:
-            solution = require_text(record, "canonical_solution", where)
+            solution = require_text(record, "canonical_solution", where, _HUMANEVAL_FIELDS)
     else:
-        raise ValueError(f"{where}: expected {fields}; found fields {sorted(record)}")
+        raise ValueError(f"{where}: {_FIELDS}; found fields {sorted(record)}")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: 'tests' must be a non-empty list of test snippets (strings)")
     for i, test in enumerate(tests):

@@ -36,7 +36,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from config.ppo_config import PPOConfig
-from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt
 
@@ -199,7 +200,7 @@ def conversation_prompt(messages: Sequence[Mapping[str, Any]], where: str) -> Me
 
 
 def _record_messages(record: Any, where: str) -> Sequence[Any]:
-    record = require_object(record, where, "'messages' (or Anthropic HH 'chosen')")
+    record = require_object(record, where, "'messages', or Anthropic HH's 'chosen'")
     if "messages" in record:
         messages: Sequence[Any] = record["messages"]
         return messages

@@ -42,7 +42,8 @@ import mlx.core as mx
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt, PromptInput, split_records
 
@@ -161,7 +162,7 @@ def summary_record(record: Any, where: str) -> dict[str, Any]:
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed row.
     """
-    record = require_object(record, where, "'article' and 'summary'")
+    record = require_object(record, where, "an article and its summary")
     article_key, summary_key = _fields(record, where)
     article, summary = record[article_key], record[summary_key]
     if not isinstance(article, str) or not article.strip():

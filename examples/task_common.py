@@ -75,22 +75,6 @@ def load_task_records(
     return [to_record(row, f"record {i}") for i, row in enumerate(rows)]
 
 
-def require_text(record: Mapping[str, Any], key: str, where: str) -> str:
-    """``record[key]`` as a non-empty string, else ValueError naming ``where``."""
-    value = record.get(key)
-    if not isinstance(value, str) or not value.strip():
-        found = "missing" if value is None else f"a {type(value).__name__}"
-        raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {found}")
-    return value
-
-
-def require_object(record: Any, where: str, fields: str) -> Mapping[str, Any]:
-    """``record`` if it is a JSON object, else ValueError naming ``where`` and the fields."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object with {fields}, got {record!r:.60}")
-    return record
-
-
 def epochs_for_steps(config: PPOConfig, num_prompts: int) -> int:
     """Passes over ``num_prompts`` needed to run ``config.total_steps`` iterations (at least
     ``config.num_epochs``), so that a step budget is never cut short by a small dataset."""
