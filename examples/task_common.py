@@ -14,7 +14,8 @@ plus the fields its reward reads (reference summaries, unit tests, ...), which
   the task from the data's demonstrations (reference summaries, replies, solutions), a stage
   cached in ``<output_dir>/sft`` like the demo's.
 * The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`):
-  samples and mean rewards before and after PPO.
+  samples and mean rewards before and after PPO; ``--resume`` continues a run with the config
+  it recorded, as ``main.py train --resume`` does.
 """
 
 from __future__ import annotations
@@ -288,7 +289,11 @@ def task_argument_parser(description: str, default_data: Path) -> argparse.Argum
         default=0.1,
         help="share of the records held out and evaluated before and after PPO (0 = none)",
     )
-    parser.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+    parser.add_argument(
+        "--resume",
+        help="a checkpoint directory, or 'latest' (of the output folder): continue that run with "
+        "its own settings, changing only the options given again",
+    )
     parser.add_argument("--config", help="YAML run configuration (replaces the task defaults)")
     parser.add_argument(
         "--set",
@@ -316,7 +321,23 @@ def config_from_args(
     """The run's config: the task defaults (or the ``--config`` file instead), then ``--set``
     overrides, then the explicit flags. Without ``--model`` the embedded tiny model is built,
     ``tiny_defaults`` go over the task defaults, and a rerun replaces the PPO run in the output
-    folder (as the demo's does)."""
+    folder (as the demo's does).
+
+    With ``--resume`` the base is the resumed run's own config, as its checkpoint recorded it
+    (:func:`_resumed_config`): the task defaults were for its start.
+    """
+    given = list(args.overrides)
+    flags = {
+        "total_steps": args.steps,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "output_dir": args.output_dir,
+    }
+    given += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    if args.model is not None:
+        given.append(f"model_name={json.dumps(args.model)}")
+    if args.resume is not None:
+        return _resumed_config(args, given, default_output_dir)
     embedded = uses_embedded_model(args)
     overrides: list[str] = []
     if args.config is None:
@@ -325,24 +346,43 @@ def config_from_args(
         overrides += [f"{k}={json.dumps(v)}" for k, v in defaults.items()]
         if embedded:
             overrides += ["overwrite_output_dir=true"]
-    overrides += list(args.overrides)
-    flags = {
-        "total_steps": args.steps,
-        "batch_size": args.batch_size,
-        "max_new_tokens": args.max_new_tokens,
-        "output_dir": args.output_dir,
-    }
-    overrides += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
-    model = args.model
+    overrides += given
     if embedded:
         from fixtures.tiny_model import build_tiny_checkpoint
 
         output_dir = load_config(args.config, overrides + ["model_name=tiny"]).output_dir
-        model = str(build_tiny_checkpoint(Path(output_dir) / "tiny_model", size=args.tiny_size))
+        model = build_tiny_checkpoint(Path(output_dir) / "tiny_model", size=args.tiny_size)
         logger.info("no --model given: using the embedded tiny model at %s", model)
-    if model is not None:
-        overrides.append(f"model_name={json.dumps(model)}")
+        overrides.append(f"model_name={json.dumps(str(model))}")
     return load_config(args.config, overrides)
+
+
+def _resumed_config(
+    args: argparse.Namespace, given: Sequence[str], default_output_dir: str
+) -> PPOConfig:
+    """The config of a ``--resume``: the resumed run's recorded config (its model, the SFT model
+    of an offline run, included), with only what ``--config``, ``--set`` and the flags give
+    (``given``) on top, as ``main.py train --resume`` builds it. The run is looked for in the
+    output folder a fresh run would use.
+
+    Raises:
+        ValueError: no checkpoint with a recorded config where ``--resume`` points.
+    """
+    from config.loading import given_value
+    from training.run_control import resumed_run_config
+
+    where = [] if args.config is not None else [f"output_dir={default_output_dir}"]
+    run_dir = given_value("output_dir", args.config, [*where, *given])
+    base = resumed_run_config(run_dir, args.resume)
+    if base is None:
+        place = Path(run_dir) / "checkpoints" if args.resume == "latest" else args.resume
+        raise ValueError(
+            f"--resume {args.resume}: no checkpoint with a recorded config at {place}; start "
+            "without --resume, or give --output-dir of the run to continue"
+        )
+    if args.resume == "latest":
+        base["output_dir"] = run_dir  # the folder it was found in, wherever the run began
+    return load_config(args.config, given, base=base)
 
 
 def _sets_model(args: argparse.Namespace) -> bool:
@@ -397,10 +437,18 @@ def run_task_cli(
 
     Without ``--model`` the embedded tiny model is first fine-tuned on the training records'
     demonstrations (``to_sft``, ``sft_settings``: :func:`sft_stage`), and PPO runs with
-    ``tiny_defaults`` over ``task_defaults``. Returns the exit status: 0, or 2 after printing a
-    bad input's error (the data is checked before any model is loaded)."""
+    ``tiny_defaults`` over ``task_defaults``. With ``--resume`` the run continues with its
+    recorded config and model (:func:`config_from_args`), without an SFT stage. Returns the exit
+    status: 0, or 2 after printing a bad input's error (the data is checked before any model is
+    loaded)."""
     try:
-        if not uses_embedded_model(args) and (args.sft_steps is not None or args.fresh):
+        sft_flags = args.sft_steps is not None or args.fresh
+        if sft_flags and args.resume is not None:
+            raise ValueError(
+                "--sft-steps and --fresh are about the SFT before PPO, which a resumed run did "
+                "when it began (it continues from its checkpoint): drop them, or --resume"
+            )
+        if sft_flags and not uses_embedded_model(args):
             raise ValueError(
                 "--sft-steps and --fresh are about the SFT of the embedded tiny model, which a run "
                 "with a given model does not do: drop them, or drop the model"
@@ -409,7 +457,7 @@ def run_task_cli(
         config = config_from_args(args, task_defaults, default_output_dir, tiny_defaults)
         # The split train_on_records makes (the same seed): SFT never sees the held-out records.
         train, held_out = train_eval_split(records, args.eval_fraction, config.seed)
-        if uses_embedded_model(args) and args.sft_steps != 0:
+        if args.resume is None and uses_embedded_model(args) and args.sft_steps != 0:
             settings = dict(sft_settings)
             if args.sft_steps is not None:
                 settings["total_steps"] = args.sft_steps

@@ -46,6 +46,7 @@ from examples.task_common import SHOWN_SAMPLES, load_task_records, reward_change
 from finetune.stage_cache import cached_stage
 from finetune.tokenize import tokenize_sft
 from models.reward_model import RewardModel
+from ppo_trainer.trained_model import read_run_config
 from sandbox import SandboxLimits
 from token_attribution.sequences import build_query_responses
 
@@ -650,6 +651,37 @@ def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
     assert "[SFT] done" not in second
     check_before_and_after(second, held_out=True)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cli_resume_continues_the_run_with_its_recorded_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["--data", str(short_articles(tmp_path)), "--eval-fraction", "0.2"]
+    first = ["--tiny-size", "test", "--sft-steps", "2", "--set", "kl_coef=0.2", *data]
+    assert summarization.main(cli_args("summarization", tmp_path, *first)) == 0
+    out = tmp_path / "summarization"
+    sft_model = str(out / "sft" / "model")
+    capsys.readouterr()
+    # Only the flags given again change the run: not the task's or the tiny model's defaults
+    # (batch_size 8, max_new_tokens 32, kl_coef 0.05), and no new tiny model or SFT stage.
+    resumed = ["--resume", "latest", "--output-dir", str(out), "--steps", "2", *data]
+    assert summarization.main(resumed) == 0
+    printed = capsys.readouterr()
+    assert "[SFT]" not in printed.out
+    check_before_and_after(printed.out, held_out=True)
+    config = read_run_config(out)
+    assert config is not None
+    assert config["total_steps"] == 2 and config["model_name"] == sft_model
+    assert (config["batch_size"], config["max_new_tokens"], config["kl_coef"]) == (2, 6, 0.2)
+    assert config["num_ppo_epochs"] == 1 and config["progress_bar"] is False
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # SFT flags on a resume, and a resume with nothing to resume, fail before any work.
+    assert summarization.main([*resumed, "--fresh"]) == 2
+    assert "resumed run" in capsys.readouterr().err
+    empty = ["--resume", "latest", "--output-dir", str(tmp_path / "none"), *data]
+    assert summarization.main(empty) == 2
+    assert "no checkpoint with a recorded config" in capsys.readouterr().err
 
 
 def test_cli_reports_a_malformed_data_line_before_loading_a_model(
