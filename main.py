@@ -171,6 +171,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    if args.checkpoint:
+        # The checkpoint's own config is the base (as for --resume): its model, reward and
+        # sampling settings, so that nothing need be given again and nothing reads as changed.
+        args.resume = args.checkpoint
     trainer, prompts = _build_trainer(args, resuming=True)
     if args.checkpoint:
         trainer.load_checkpoint(args.checkpoint)
