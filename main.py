@@ -253,8 +253,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
             system=args.system,
             show_prompt=args.show_prompt,
         )
-    except KeyboardInterrupt:  # Ctrl-C ends the session like /exit
-        print()
+    except KeyboardInterrupt as err:
+        if getattr(err, "reason", "SIGINT") != "SIGINT":
+            raise  # SIGTERM ends the command as it does any other: a message, exit 143
+        print()  # Ctrl-C ends the session like /exit
 
 
 def cmd_export(args: argparse.Namespace) -> None:
