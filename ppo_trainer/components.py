@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
@@ -22,6 +23,8 @@ from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 
 #: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
 NamedReward = tuple[str, "RewardModel | RewardFunction"]
+
+logger = logging.getLogger("ppo_mlx")
 
 
 @dataclass
@@ -85,6 +88,14 @@ def build_models(
             LoRA.
     """
     lora = LoraSettings.from_model_config(config) if config.use_lora else None
+    if lora is not None and lora.dropout > 0:
+        # As TRL's PPO / GRPO trainers (which disable dropout): with dropout the policy's
+        # log-probs in the loss would differ from the rollout's on the same weights.
+        logger.warning(
+            "lora_dropout %g is not used by PPO / GRPO (no dropout in the policy: its ratio "
+            "to the rollout's log-probs must start at 1); it acts in SFT and reward training",
+            lora.dropout,
+        )
     fast = config.fast_math
     policy = policy or PolicyModel.from_pretrained(
         config.model_name, dtype=config.dtype, lora=lora, fast_math=fast
