@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from base_setup.fast_layers import accelerate_model, mlx_lm_replacements
 from benchmarks.ppo_throughput import MODEL_SHAPES
@@ -230,7 +231,10 @@ def generator_step(
     """Median (CPU ms, wall ms) of one generator step: ``generate`` at ``n2`` minus ``n1`` new
     tokens, over ``n2 - n1``."""
     prompts = [
-        mx.random.randint(2, model.args.vocab_size, (prompt_len - i % 5,)).tolist()
+        [
+            int(t)
+            for t in np.random.default_rng(i).integers(2, model.args.vocab_size, prompt_len - i % 5)
+        ]
         for i in range(batch)
     ]
 
