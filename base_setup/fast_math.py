@@ -347,8 +347,8 @@ def one_query_attention(
             mask = mask.reshape(mask.shape[0], hkv, h // hkv, mask.shape[-1])  # (B|1, Hkv, R, S)
     # Traced once per cache length (a step's layers share it): measured cheaper than a
     # shapeless trace around separately compiled exp pieces.
-    out = _one_query(q, keys, values, mask, mx.array(scale, dtype=queries.dtype))
-    return out.reshape(b, h, 1, values.shape[-1])
+    out = cast(mx.array, _one_query(q, keys, values, mask, mx.array(scale, dtype=queries.dtype)))
+    return out.reshape(b, h, 1, values.shape[-1])  # (B, H, 1, Dv)
 
 
 # ------------------------------------------------------------------ RMSNorm and RoPE
