@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from base_setup import fast_math
 from base_setup.fast_layers import accelerate_model, mlx_lm_replacements
 from benchmarks.ppo_throughput import MODEL_SHAPES
 from benchmarks.throughput_models import RealShape
@@ -145,6 +146,25 @@ def decode_pieces(model: nn.Module, batch: int, prompt_len: int, context: int) -
             out.append(attention(q, keys, values, cache=c, scale=l.self_attn.scale, mask=mask))
         return out
 
+    def attention_composed() -> Any:
+        """The attention core as it ran before :func:`fast_math.one_query_attention`: MLX's
+        composed fallback below the fast attention's size threshold, the composed fast one above."""
+        out = []
+        for l, (keys, values) in zip(layers, cached):
+            if batch * heads * keys.shape[2] < fast_math._MIN_FAST_ATTENTION:
+                out.append(
+                    mx.fast.scaled_dot_product_attention(
+                        q, keys, values, scale=l.self_attn.scale, mask=mask
+                    )
+                )
+            else:
+                out.append(
+                    fast_math.scaled_dot_product_attention(
+                        q, keys, values, scale=l.self_attn.scale, mask=mask
+                    )
+                )
+        return out
+
     def norms() -> Any:
         return [(l.input_layernorm(x), l.post_attention_layernorm(x)) for l in layers] + [
             model.model.norm(x)
@@ -197,6 +217,7 @@ def decode_pieces(model: nn.Module, batch: int, prompt_len: int, context: int) -
         "  RoPE (q and k)": rope,
         "  KV cache update": cache_update,
         "  attention core": attention_core,
+        "  (attention core, composed: before)": attention_composed,
         "  RMSNorms": norms,
         "  MLP (gate, up, SwiGLU, down)": mlp,
         "  LM head": lm_head,
