@@ -55,7 +55,7 @@ def build_model(name: str) -> nn.Module:
     """mlx-lm's model of the real shape ``name``, random float32 weights, fast layers on."""
     shape = MODEL_SHAPES[name]
     if not isinstance(shape, RealShape):
-        raise ValueError(f"{name} is not a real shape; pick one of smollm2-135m, qwen3-0.6b")
+        raise ValueError(f"{name} is not a real shape; pick smollm2-135m, qwen3-0.6b or toy-llama")
     from mlx_lm.utils import _get_classes
 
     config = {
@@ -284,7 +284,12 @@ def generator_step(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen3-0.6b"])
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m",
+        choices=["smollm2-135m", "qwen3-0.6b", "toy-llama"],
+        help="a real shape (toy-llama: the smoke test's)",
+    )
     parser.add_argument("--batch", type=int, default=16, help="sequences decoded together")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--context", type=int, default=40, help="cache length at the step timed")
