@@ -98,7 +98,8 @@ def decode_pieces(model: nn.Module, batch: int, prompt_len: int, context: int) -
     x = mx.random.normal((batch, 1, hidden))  # (B, 1, D)
     mx.eval(x)
     attn0 = layers[0].self_attn
-    heads, kv_heads, head_dim = attn0.n_heads, attn0.n_kv_heads, attn0.head_dim
+    heads, kv_heads = attn0.n_heads, attn0.n_kv_heads
+    head_dim = attn0["q_proj"]["weight"].shape[0] // heads
     q = mx.random.normal((batch, heads, 1, head_dim))  # (B, H, 1, D)
     k = mx.random.normal((batch, kv_heads, 1, head_dim))  # (B, Hkv, 1, D)
     attn_out = mx.random.normal((batch, 1, heads * head_dim))  # (B, 1, H * Dh)
