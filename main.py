@@ -171,6 +171,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    if args.checkpoint:
+        # The checkpoint's own config is the base (as for --resume): its model, reward and
+        # sampling settings, so that nothing need be given again and nothing reads as changed.
+        args.resume = args.checkpoint
     trainer, prompts = _build_trainer(args, resuming=True)
     if args.checkpoint:
         trainer.load_checkpoint(args.checkpoint)
@@ -249,8 +253,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
             system=args.system,
             show_prompt=args.show_prompt,
         )
-    except KeyboardInterrupt:  # Ctrl-C ends the session like /exit
-        print()
+    except KeyboardInterrupt as err:
+        if getattr(err, "reason", "SIGINT") != "SIGINT":
+            raise  # SIGTERM ends the command as it does any other: a message, exit 143
+        print()  # Ctrl-C ends the session like /exit
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -76,7 +76,8 @@ def mlx_lm_replacements() -> dict[str, tuple[Callable[..., Any], Callable[..., A
 
 def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """mlx-lm's ``scaled_dot_product_attention`` (``original``) with the fast attention on the
-    CPU; ``original`` for attention sinks, quantised KV caches, small inputs and GPUs."""
+    CPU (:func:`fast_math.one_query_attention` at one query position, a decoding step);
+    ``original`` for attention sinks, quantised KV caches, other small inputs and GPUs."""
 
     def attention(
         queries: mx.array,
@@ -88,8 +89,12 @@ def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.arr
         sinks: mx.array | None = None,
     ) -> mx.array:
         b, h, length, _ = queries.shape
-        small = b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION  # e.g. one decoding step
-        if small or sinks is not None or hasattr(cache, "bits") or not fast_math_enabled():
+        if sinks is not None or hasattr(cache, "bits") or not fast_math_enabled():
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if length == 1:  # a decoding step; "causal" hides nothing from the last position
+            one_mask = None if isinstance(mask, str) else mask
+            return fast_math.one_query_attention(queries, keys, values, scale=scale, mask=one_mask)
+        if b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         return fast_math.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 

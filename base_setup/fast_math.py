@@ -26,7 +26,8 @@ decoding step of a small model.
 
 Where: :func:`base_setup.fast_layers.accelerate_model` gives the layers of one model instance (the models this project
 loads: ``PolicyModel``, ``ScalarHeadModel``) fast subclasses of their classes: mlx-lm's MLP and
-attention layers call :func:`swiglu` and :func:`scaled_dot_product_attention`, ``nn.RMSNorm`` /
+attention layers call :func:`swiglu` and :func:`scaled_dot_product_attention` (at one query
+position, a decoding step, :func:`one_query_attention`: one compiled function), ``nn.RMSNorm`` /
 ``nn.RoPE`` :func:`rms_norm` / :func:`rope` (all fall back to MLX's own functions on a GPU
 device). No module of mlx-lm is changed, so a model loaded with ``mlx_lm.load`` runs mlx-lm's own
 code. The log-prob code calls :func:`logsumexp` / :func:`softmax`. Only on the CPU backend of a
@@ -272,6 +273,83 @@ def scaled_dot_product_attention(
     weights = softmax(scores, axis=-1).astype(values.dtype)  # (B, Hkv, R, L, S)
     out = weights @ values[:, :, None]  # (B, Hkv, R, L, Dv)
     return out.reshape(b, h, length, values.shape[-1])
+
+
+def _one_query_scores(q: mx.array, keys: mx.array, mask: mx.array, scale: mx.array) -> mx.array:
+    """``q k^T * scale + mask``, float32 (B, Hkv, R, S), for grouped queries ``q`` (B, Hkv, R, D)
+    and ``keys`` (B, Hkv, S, D); ``mask`` boolean (True: attend) or additive, broadcastable."""
+    scores = ((q * scale) @ keys.swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, R, S)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, float(np.finfo(np.float32).min))
+    return scores + mask.astype(mx.float32)
+
+
+@mx.compile
+def _one_query_core(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: mx.array
+) -> mx.array:
+    """``softmax(scores) v`` (B, Hkv, R, Dv) with :func:`softmax`'s arithmetic, fused; values
+    (B, Hkv, S, Dv)."""
+    scores = _one_query_scores(q, keys, mask, scale)  # (B, Hkv, R, S)
+    e = _exp_c(*_exp2_parts_c(scores - mx.max(scores, axis=-1, keepdims=True)))
+    weights = (e / e.sum(axis=-1, keepdims=True)).astype(values.dtype)  # (B, Hkv, R, S)
+    return weights @ values  # (B, Hkv, R, Dv)
+
+
+@mx.custom_function
+def _one_query(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: mx.array
+) -> mx.array:
+    return _one_query_core(q, keys, values, mask, scale)
+
+
+@_one_query.vjp
+def _one_query_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+    """The gradient of the same formula through the differentiable :func:`softmax` (the fused
+    exp's bit view has none)."""
+    q, keys, values, mask, scale = primals
+
+    def attend(q: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        weights = softmax(_one_query_scores(q, keys, mask, scale), axis=-1)
+        return weights.astype(values.dtype) @ values
+
+    _, grads = mx.vjp(attend, [q, keys, values], [cotangent])
+    return (*grads, mx.zeros_like(mask), mx.zeros_like(scale))
+
+
+def one_query_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | None = None,
+) -> mx.array:
+    """:func:`scaled_dot_product_attention` for one query position (``L == 1``: a decoding
+    step), as one compiled function of a few kernels instead of a dozen small ops.
+
+    ``queries`` (B, H, 1, D), ``keys`` (B, Hkv, S, D), ``values`` (B, Hkv, S, Dv); ``mask`` None,
+    a boolean array (True: attend) or an additive float array, broadcastable to (B, H, 1, S)
+    (a causal mask is all True at one query: pass None). Grouped heads by reshaping the queries
+    to (B, Hkv, R, D), so keys and values are not repeated. Returns (B, H, 1, Dv).
+    """
+    b, h, length, d = queries.shape
+    hkv = keys.shape[1]
+    if length != 1:
+        raise ValueError(f"one_query_attention takes one query position, got {length}")
+    if h % hkv:
+        raise ValueError(f"{h} query heads is not a multiple of {hkv} key/value heads")
+    q = queries.reshape(b, hkv, h // hkv, d)  # (B, Hkv, R, D)
+    if mask is None:
+        mask = mx.array(True)  # where(True, ...) keeps every score
+    else:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B|1, H|1, 1, S)
+        if mask.shape[1] != 1:
+            mask = mask.reshape(mask.shape[0], hkv, h // hkv, mask.shape[-1])  # (B|1, Hkv, R, S)
+    # Traced once per cache length (a step's layers share it): measured cheaper than a
+    # shapeless trace around separately compiled exp pieces.
+    out = cast(mx.array, _one_query(q, keys, values, mask, mx.array(scale, dtype=queries.dtype)))
+    return out.reshape(b, h, 1, values.shape[-1])  # (B, H, 1, Dv)
 
 
 # ------------------------------------------------------------------ RMSNorm and RoPE

@@ -20,7 +20,8 @@ class LoraConfig:
         lora_r: LoRA rank.
         lora_alpha: LoRA alpha; the adapter output is scaled by lora_alpha / lora_r (mlx-lm's
             ``scale``).
-        lora_dropout: Dropout probability on the adapter input while training, in [0, 1).
+        lora_dropout: Dropout probability on the adapter input while training, in [0, 1); SFT
+            and reward training only (PPO and GRPO run without dropout, as TRL's do).
         lora_layers: Number of last transformer blocks that get adapters; -1 = all blocks.
         lora_keys: Module paths inside a transformer block to adapt, e.g.
             ["self_attn.q_proj", "self_attn.v_proj"]; None = every linear layer of the block

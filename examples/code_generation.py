@@ -17,8 +17,9 @@ Data: JSONL records ``{"prompt": <stub>, "tests": ["assert f(1) == 2", ...]}`` (
 ``test``, ``entry_point``; one test: ``check``). :func:`code_record` turns a row into the prompt
 record ``{"prompt": stub, "tests": [...], "solution": body or None}``.
 
-Run: ``python -m examples.code_generation --steps 2`` (the embedded tiny model; it writes no
-working code, so its reward stays 0), or ``--model <dir or repo id>``.
+Run: ``python -m examples.code_generation`` (offline: the embedded tiny model, first fine-tuned
+on the training tasks' reference solutions, :func:`code_sft_record`; it learns those, not to
+solve unseen tasks), or ``--model <dir or repo id>``.
 """
 
 from __future__ import annotations
@@ -36,13 +37,8 @@ from typing import Any, Literal, Mapping, Sequence
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.task_common import (
-    DATA_DIR,
-    require_object,
-    require_text,
-    run_task_cli,
-    task_argument_parser,
-)
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object, require_text
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt, PromptInput
 from sandbox import SandboxLimits, extract_code, score_completions
@@ -69,6 +65,22 @@ TASK_DEFAULTS: dict[str, Any] = dict(
     kl_coef=0.05,
     temperature=0.7,
     total_steps=20,
+)
+#: SFT of the embedded tiny model (no --model) on the reference solutions, before PPO: enough to
+#: do the task a little on the training prompts, not so much that sampling stops exploring.
+SFT_SETTINGS: dict[str, Any] = dict(
+    learning_rate=3e-3, batch_size=8, total_steps=50, warmup_steps=2, progress_bar=True
+)
+#: PPO settings of the embedded tiny model's run (over TASK_DEFAULTS). lam=1: the value head starts
+#: untrained, and GAE's lam < 1 would pass the first tokens little of the score's credit; the
+#: evaluations sample at the training temperature, as PPO's rollouts do.
+TINY_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=64,
+    batch_size=16,
+    learning_rate=1e-3,
+    total_steps=15,
+    lam=1.0,
+    eval_temperature=0.7,
 )
 
 
@@ -113,11 +125,16 @@ def score_programs(
 # --------------------------------------------------------------------------- the data
 
 
+_FIELDS = "a task has 'prompt' and 'tests', or MBPP/HumanEval columns"
+_MBPP_FIELDS = "an MBPP row has 'text', 'code' and 'test_list'"
+_HUMANEVAL_FIELDS = "a HumanEval row has 'prompt', 'test' and 'entry_point'"
+
+
 def _mbpp_stub(record: Mapping[str, Any], where: str) -> str:
     """MBPP: the reference solution's ``def`` line of the function the first test calls, with the
     task text as its docstring."""
-    text = require_text(record, "text", where)
-    code = require_text(record, "code", where)
+    text = require_text(record, "text", where, _MBPP_FIELDS)
+    code = require_text(record, "code", where, _MBPP_FIELDS)
     called = re.findall(r"\b([A-Za-z_]\w*)\s*\(", record["test_list"][0])
     for match in re.finditer(r"^def\s+(\w+)\s*\(.*?\)\s*(->[^:]*)?:", code, re.M | re.S):
         if match.group(1) in called:
@@ -138,13 +155,12 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed record or a test that does not compile.
     """
-    fields = "'prompt' and 'tests' (or MBPP/HumanEval columns)"
-    record = require_object(record, where, fields)
+    record = require_object(record, where, _FIELDS)
     solution = None
     if "tests" in record:
-        stub, tests = require_text(record, "prompt", where), record["tests"]
+        stub, tests = require_text(record, "prompt", where, _FIELDS), record["tests"]
         if record.get("solution") is not None:
-            solution = require_text(record, "solution", where)
+            solution = require_text(record, "solution", where, "a reference body for the stub")
     elif "test_list" in record:  # MBPP
         tests = record["test_list"]
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
@@ -153,13 +169,14 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
         setup = record.get("test_setup_code") or ""
         tests = [f"{setup}\n{t}" if setup else t for t in tests]
     elif "entry_point" in record:  # HumanEval: one test, its check() function
-        stub = require_text(record, "prompt", where)
-        test = require_text(record, "test", where)
-        tests = [f"{test}\ncheck({require_text(record, 'entry_point', where)})"]
+        stub = require_text(record, "prompt", where, _HUMANEVAL_FIELDS)
+        test = require_text(record, "test", where, _HUMANEVAL_FIELDS)
+        entry_point = require_text(record, "entry_point", where, _HUMANEVAL_FIELDS)
+        tests = [f"{test}\ncheck({entry_point})"]
         if record.get("canonical_solution") is not None:
-            solution = require_text(record, "canonical_solution", where)
+            solution = require_text(record, "canonical_solution", where, _HUMANEVAL_FIELDS)
     else:
-        raise ValueError(f"{where}: expected {fields}; found fields {sorted(record)}")
+        raise ValueError(f"{where}: {_FIELDS}; found fields {sorted(record)}")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise ValueError(f"{where}: 'tests' must be a non-empty list of test snippets (strings)")
     for i, test in enumerate(tests):
@@ -169,6 +186,22 @@ def code_record(record: Any, where: str) -> dict[str, Any]:
             raise ValueError(f"{where}: tests[{i}] does not compile: {err.msg}") from err
     stub = stub if stub.endswith("\n") else stub + "\n"
     return {"prompt": stub, "tests": list(tests), "solution": solution}
+
+
+def code_sft_record(
+    record: Mapping[str, Any], prompt_style: PromptStyle = "completion"
+) -> dict[str, Any] | None:
+    """The SFT record of a prompt record with a reference ``solution`` (None without one): the
+    stub continued by the solution ("completion"), or the chat request answered by the whole
+    function in a code block ("chat")."""
+    if record.get("solution") is None:
+        return None
+    stub, solution = record["prompt"], record["solution"]
+    if prompt_style == "completion":
+        return {"prompt": stub, "completion": solution}
+    answer = f"```python\n{stub}{solution.rstrip()}\n```"
+    request = {"role": "user", "content": CHAT_REQUEST.format(stub=stub)}
+    return {"messages": [request, {"role": "assistant", "content": answer}]}
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -267,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         to_record=code_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/code_generation",
+        to_sft=lambda record: code_sft_record(record, args.prompt_style),
+        sft_settings=SFT_SETTINGS,
+        tiny_defaults=TINY_DEFAULTS,
         build=lambda config: CodeGenerationTrainer(
             config,
             prompt_style=args.prompt_style,

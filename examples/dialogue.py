@@ -12,12 +12,14 @@ and replies that are very short or very long. It does not measure whether a repl
 true, and a policy trained on it learns to say "thank you" a lot.
 
 Data: JSONL records ``{"messages": [...]}`` (the bundled ``data/dialogue.jsonl``, 30 short
-conversations written for this project), or a Hub dataset with a ``messages`` column (e.g.
-``HuggingFaceH4/ultrachat_200k``, split ``train_sft``) or Anthropic HH's ``chosen`` text
-(``Anthropic/hh-rlhf``). A conversation is cut after its last user turn: :func:`dialogue_record`
-turns a row into the prompt record ``{"prompt": messages}``.
+conversations written for this project, each ending with a reply), or a Hub dataset with a
+``messages`` column (e.g. ``HuggingFaceH4/ultrachat_200k``, split ``train_sft``) or Anthropic HH's
+``chosen`` text (``Anthropic/hh-rlhf``). A conversation is cut after its last user turn:
+:func:`dialogue_record` turns a row into the prompt record ``{"prompt": messages, "reply": ...}``
+(the reply that followed, if any: what the embedded tiny model's SFT learns).
 
-Run: ``python -m examples.dialogue --steps 2`` (the embedded tiny model, heuristic reward), or
+Run: ``python -m examples.dialogue`` (offline: the embedded tiny model, first fine-tuned on the
+training conversations' replies, :func:`dialogue_sft_record`; heuristic reward), or
 ``--model <chat model> --set reward_model_name=<reward model>``.
 """
 
@@ -34,7 +36,8 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from config.ppo_config import PPOConfig
-from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt
 
@@ -54,6 +57,22 @@ TASK_DEFAULTS: dict[str, Any] = dict(
     kl_coef=0.05,
     temperature=0.7,
     total_steps=20,
+)
+#: SFT of the embedded tiny model (no --model) on the data's replies, before PPO: enough to
+#: do the task a little on the training prompts, not so much that sampling stops exploring.
+SFT_SETTINGS: dict[str, Any] = dict(
+    learning_rate=3e-3, batch_size=8, total_steps=30, warmup_steps=2, progress_bar=True
+)
+#: PPO settings of the embedded tiny model's run (over TASK_DEFAULTS). lam=1: the value head starts
+#: untrained, and GAE's lam < 1 would pass the first tokens little of the score's credit; the
+#: evaluations sample at the training temperature, as PPO's rollouts do.
+TINY_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=48,
+    batch_size=8,
+    learning_rate=1e-3,
+    total_steps=25,
+    lam=1.0,
+    eval_temperature=0.7,
 )
 
 # --------------------------------------------------------------------------- the stand-in reward
@@ -180,16 +199,16 @@ def conversation_prompt(messages: Sequence[Mapping[str, Any]], where: str) -> Me
     return out[: last_user + 1]
 
 
-def _record_messages(record: Any, where: str) -> Messages:
-    record = require_object(record, where, "'messages' (or Anthropic HH 'chosen')")
+def _record_messages(record: Any, where: str) -> Sequence[Any]:
+    record = require_object(record, where, "'messages', or Anthropic HH's 'chosen'")
     if "messages" in record:
-        return conversation_prompt(record["messages"], where)
+        messages: Sequence[Any] = record["messages"]
+        return messages
     if isinstance(record.get("chosen"), str):
         try:
-            messages = parse_hh_dialogue(record["chosen"])
+            return parse_hh_dialogue(record["chosen"])
         except ValueError as err:
             raise ValueError(f"{where}: 'chosen' is {err}") from err
-        return conversation_prompt(messages, where)
     raise ValueError(
         f"{where}: expected 'messages' (a list of {{'role', 'content'}}) or an Anthropic HH "
         f"'chosen' text; found fields {sorted(record)}"
@@ -197,13 +216,36 @@ def _record_messages(record: Any, where: str) -> Messages:
 
 
 def dialogue_record(record: Any, where: str) -> dict[str, Any]:
-    """The prompt record ``{"prompt": messages}`` of a row holding a conversation with a user turn
-    (``messages``, or Anthropic HH ``chosen`` text), cut after its last user turn.
+    """The prompt record ``{"prompt": messages, "reply": text or None}`` of a row holding a
+    conversation with a user turn (``messages``, or Anthropic HH ``chosen`` text): ``prompt`` is
+    the conversation cut after its last user turn, ``reply`` the assistant turn that follows it
+    in the row, if any (the demonstration the embedded tiny model's SFT learns; the reward does
+    not read it).
 
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed row.
     """
-    return {"prompt": _record_messages(record, where)}
+    messages = _record_messages(record, where)
+    prompt = conversation_prompt(messages, where)
+    rest = messages[len(prompt) :]
+    reply = None
+    if rest and rest[0]["role"] == "assistant" and rest[0]["content"].strip():
+        reply = str(rest[0]["content"])
+    return {"prompt": prompt, "reply": reply}
+
+
+def dialogue_sft_record(
+    record: Mapping[str, Any], system_prompt: str | None = None
+) -> dict[str, Any] | None:
+    """The SFT record of a prompt record with a ``reply`` (None without one): the conversation
+    (after ``system_prompt`` if it has no system message, as :class:`DialogueTrainer` renders
+    it) and the reply as the final assistant turn."""
+    if record.get("reply") is None:
+        return None
+    messages = list(record["prompt"])
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return {"messages": messages + [{"role": "assistant", "content": record["reply"]}]}
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -264,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         to_record=dialogue_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/dialogue",
+        to_sft=lambda record: dialogue_sft_record(record, args.system_prompt),
+        sft_settings=SFT_SETTINGS,
+        tiny_defaults=TINY_DEFAULTS,
         build=lambda config: DialogueTrainer(config, system_prompt=args.system_prompt),
     )
 

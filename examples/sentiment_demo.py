@@ -13,7 +13,6 @@ Stage outputs are cached under the output directory and reused on the next run (
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -30,10 +29,9 @@ from ppo_trainer.ppo_trainer import PPOTrainer
 from training.metrics_logger import read_metrics
 from finetune.reward_trainer import run_reward_training
 from finetune.sft_trainer import run_sft
+from finetune.stage_cache import cached_stage
 
 logger = logging.getLogger("ppo_mlx")
-
-STAMP = "demo_stage.json"
 
 # Stage settings, chosen so that the three stages finish in a few minutes on 2 CPU cores.
 SFT_SETTINGS: dict[str, Any] = dict(
@@ -82,30 +80,6 @@ SMOKE: dict[str, Any] = dict(
     ppo_steps=2,
     eval_prompts=4,
 )
-
-
-def _cached(stage_dir: Path, settings: dict[str, Any]) -> Path | None:
-    """The stage's model directory if a previous run completed it with the same settings."""
-    stamp = stage_dir / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()).get("settings") == settings:
-        return Path(json.loads(stamp.read_text())["model"])
-    return None
-
-
-def _stamp(stage_dir: Path, settings: dict[str, Any], model: Path) -> None:
-    (stage_dir / STAMP).write_text(json.dumps({"settings": settings, "model": str(model)}))
-
-
-def _stage(name: str, stage_dir: Path, settings: dict[str, Any], fresh: bool, run: Any) -> Path:
-    cached = None if fresh else _cached(stage_dir, settings)
-    if cached is not None:
-        print(f"[{name}] reusing the cached result in {cached} (--fresh to rebuild)")
-        return cached
-    start = time.perf_counter()
-    model = Path(run())
-    _stamp(stage_dir, settings, model)
-    print(f"[{name}] done in {time.perf_counter() - start:.0f} s -> {model}")
-    return model
 
 
 def _show(title: str, result: dict[str, Any]) -> None:
@@ -159,15 +133,15 @@ def run_demo(
         "model_name": str(base),
         "dataset": str(sft_data),
     }
-    sft_model = _stage(
+    sft_model = cached_stage(
         "SFT",
         sft_dir,
         sft_settings,
-        fresh,
         # The demo owns its stage folders: a stage it reruns replaces the earlier run.
         lambda: run_sft(
             SFTConfig(**sft_settings, output_dir=str(sft_dir), overwrite_output_dir=True)
         ),
+        fresh=fresh,
     )
     reward_dir = output_dir / "reward"
     reward_settings = {
@@ -176,14 +150,14 @@ def run_demo(
         "model_name": str(sft_model),
         "dataset": str(pref_data),
     }
-    reward_model = _stage(
+    reward_model = cached_stage(
         "reward model",
         reward_dir,
         reward_settings,
-        fresh,
         lambda: run_reward_training(
             RewardConfig(**reward_settings, output_dir=str(reward_dir), overwrite_output_dir=True)
         ),
+        fresh=fresh,
     )
     evals = [r for r in read_metrics(reward_dir / "metrics.jsonl") if "eval/accuracy" in r]
     if evals:

@@ -21,7 +21,8 @@ Data: JSONL records ``{"article": ..., "summary": ...}`` (the bundled ``data/sum
 dialogue/summary); ``summary`` may also be a list of references. :func:`summary_record` turns a
 row into the prompt record the trainer trains on: ``{"prompt": article, "references": [...]}``.
 
-Run: ``python -m examples.summarization --steps 2`` (the embedded tiny model), or
+Run: ``python -m examples.summarization`` (offline: the embedded tiny model, first fine-tuned on
+the training articles' reference summaries, :func:`summary_sft_record`), or
 ``--model <dir or repo id>`` for a real one.
 """
 
@@ -41,7 +42,8 @@ import mlx.core as mx
 import numpy as np
 
 from config.ppo_config import PPOConfig
-from examples.task_common import DATA_DIR, require_object, run_task_cli, task_argument_parser
+from examples.task_common import DATA_DIR, run_task_cli, task_argument_parser
+from finetune.records import require_object
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.prompt_records import Prompt, PromptInput, split_records
 
@@ -69,6 +71,22 @@ TASK_DEFAULTS: dict[str, Any] = dict(
     kl_coef=0.05,
     temperature=0.7,
     total_steps=20,
+)
+#: SFT of the embedded tiny model (no --model) on the reference summaries, before PPO: enough to
+#: do the task a little on the training prompts, not so much that sampling stops exploring.
+SFT_SETTINGS: dict[str, Any] = dict(
+    learning_rate=3e-3, batch_size=8, total_steps=35, warmup_steps=2, progress_bar=True
+)
+#: PPO settings of the embedded tiny model's run (over TASK_DEFAULTS). lam=1: the value head starts
+#: untrained, and GAE's lam < 1 would pass the first tokens little of the score's credit; the
+#: evaluations sample at the training temperature, as PPO's rollouts do.
+TINY_DEFAULTS: dict[str, Any] = dict(
+    max_new_tokens=32,
+    batch_size=8,
+    learning_rate=1e-3,
+    total_steps=30,
+    lam=1.0,
+    eval_temperature=0.7,
 )
 
 
@@ -144,7 +162,7 @@ def summary_record(record: Any, where: str) -> dict[str, Any]:
     Raises:
         ValueError: ``"<where>: ..."`` for a malformed row.
     """
-    record = require_object(record, where, "'article' and 'summary'")
+    record = require_object(record, where, "an article and its summary")
     article_key, summary_key = _fields(record, where)
     article, summary = record[article_key], record[summary_key]
     if not isinstance(article, str) or not article.strip():
@@ -160,6 +178,12 @@ def summary_record(record: Any, where: str) -> dict[str, Any]:
             f"{summary!r:.60}"
         )
     return {"prompt": article.strip(), "references": [r.strip() for r in refs]}
+
+
+def summary_sft_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The SFT record of a prompt record: the TL;DR prompt, completed by its first reference."""
+    prompt = PROMPT_TEMPLATE.format(article=record["prompt"])
+    return {"prompt": prompt, "completion": " " + record["references"][0]}
 
 
 def _references(columns: Mapping[str, Any]) -> list[Sequence[str]]:
@@ -298,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         to_record=summary_record,
         task_defaults=TASK_DEFAULTS,
         default_output_dir="runs/summarization",
+        to_sft=summary_sft_record,
+        sft_settings=SFT_SETTINGS,
+        tiny_defaults=TINY_DEFAULTS,
         build=lambda config: SummarizationTrainer(
             config, length_penalty=args.length_penalty, max_length_ratio=args.max_length_ratio
         ),

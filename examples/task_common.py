@@ -10,12 +10,19 @@ plus the fields its reward reads (reference summaries, unit tests, ...), which
   or a Hugging Face Hub dataset, through :func:`finetune.records.load_records`, as prompt records.
 * :func:`train_on_records`: the run on prepared records (held-out evaluation, enough epochs for
   ``total_steps``).
-* The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`).
+* :func:`sft_stage`: without ``--model``, the embedded tiny model (random weights) first learns
+  the task from the data's demonstrations (reference summaries, replies, solutions), a stage
+  cached in ``<output_dir>/sft`` like the demo's.
+* The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`):
+  samples and mean rewards before and after PPO; ``--resume`` continues a run with the config
+  it recorded, as ``main.py train --resume`` does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -23,11 +30,16 @@ from pathlib import Path
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from config.loading import load_config
 from config.ppo_config import PPOConfig
+from config.sft_config import SFTConfig
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.ppo_trainer import PPOTrainer
 from finetune.records import load_records, train_eval_split
+from finetune.sft_trainer import run_sft
+from finetune.stage_cache import cached_stage
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -37,6 +49,17 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 RecordConverter = Callable[[Any, str], dict[str, Any]]
 """A task's dataset row -> prompt record; raises ``ValueError("<where>: ...")`` for a malformed
 row."""
+
+SFTRecordConverter = Callable[[Mapping[str, Any]], "dict[str, Any] | None"]
+"""A task's prompt record -> an SFT record (:mod:`finetune.records`: prompt/completion or
+messages) that demonstrates a good completion, or None when the record holds none."""
+
+#: Samples printed by each evaluation before and after PPO.
+SHOWN_SAMPLES = 3
+#: Training prompts evaluated before and after PPO (the first ones).
+EVAL_TRAINING = 32
+#: Samples per prompt of those evaluations when they sample (eval_temperature > 0).
+EVAL_SAMPLES_PER_PROMPT = 2
 
 
 def load_task_records(
@@ -51,22 +74,6 @@ def load_task_records(
     """
     rows = load_records(name_or_path, to_record, split=split)
     return [to_record(row, f"record {i}") for i, row in enumerate(rows)]
-
-
-def require_text(record: Mapping[str, Any], key: str, where: str) -> str:
-    """``record[key]`` as a non-empty string, else ValueError naming ``where``."""
-    value = record.get(key)
-    if not isinstance(value, str) or not value.strip():
-        found = "missing" if value is None else f"a {type(value).__name__}"
-        raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {found}")
-    return value
-
-
-def require_object(record: Any, where: str, fields: str) -> Mapping[str, Any]:
-    """``record`` if it is a JSON object, else ValueError naming ``where`` and the fields."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object with {fields}, got {record!r:.60}")
-    return record
 
 
 def epochs_for_steps(config: PPOConfig, num_prompts: int) -> int:
@@ -108,6 +115,139 @@ def train_on_records(
     )
 
 
+# --------------------------------------------------------------------------- the SFT stage
+
+
+def sft_stage(
+    config: PPOConfig,
+    records: Sequence[Mapping[str, Any]],
+    to_sft: SFTRecordConverter,
+    settings: Mapping[str, Any],
+    *,
+    fresh: bool = False,
+) -> Path:
+    """Supervised fine-tuning of ``config.model_name`` on the demonstrations of ``records``
+    (``to_sft``), with ``settings`` (:class:`SFTConfig` fields, ``total_steps`` and ``batch_size``
+    among them); returns the model directory.
+
+    The stage lives in ``<output_dir>/sft`` (its data in ``data.jsonl``, the model in ``model/``)
+    and is cached: a later run with the same model, data and settings reuses it and says so
+    (``fresh`` rebuilds it). The examples run it on the embedded tiny model, whose random weights
+    score nothing on any task, so that PPO starts from a policy that can do the task a little.
+
+    Raises:
+        ValueError: no record holds a demonstration.
+    """
+    demonstrations = [d for d in map(to_sft, records) if d is not None]
+    if not demonstrations:
+        raise ValueError(
+            "the training records hold no demonstrations (reference answers) to fine-tune the "
+            "embedded tiny model on before PPO: give --model, or --sft-steps 0 to skip the SFT"
+        )
+    stage_dir = Path(config.output_dir) / "sft"
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    data = stage_dir / "data.jsonl"
+    text = "".join(json.dumps(d) + "\n" for d in demonstrations)
+    data.write_text(text, encoding="utf-8")
+    sft_settings = {
+        **settings,
+        # as many passes as the step budget needs (a few demonstrations make short epochs)
+        "num_epochs": math.ceil(
+            settings["total_steps"] / math.ceil(len(demonstrations) / settings["batch_size"])
+        ),
+        "model_name": config.model_name,
+        "dataset": str(data),
+        "seed": config.seed,
+        "eval_fraction": 0.0,  # the task's held-out prompts are kept out of the data instead
+    }
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    logger.info("SFT of %s on %d demonstrations", config.model_name, len(demonstrations))
+    return cached_stage(
+        "SFT",
+        stage_dir,
+        {**sft_settings, "data_sha256": digest},
+        # The example owns its stage folder: a stage it reruns replaces the earlier run.
+        lambda: run_sft(
+            SFTConfig(**sft_settings, output_dir=str(stage_dir), overwrite_output_dir=True)
+        ),
+        fresh=fresh,
+    )
+
+
+# --------------------------------------------------------------------------- before and after
+
+
+def evaluate_records(
+    trainer: PPOTrainer, records: Sequence[Mapping[str, Any]], samples_per_prompt: int = 1
+) -> dict[str, Any]:
+    """:meth:`PPOTrainer.evaluate` (the task's override, at the evaluation settings) on
+    ``records``, each sampled ``samples_per_prompt`` times, keeping every sample; each sample
+    gains ``"label"``: a short form of its record's prompt (a text's first line, a conversation's
+    last message) for printing."""
+    prompts = list(records) * samples_per_prompt
+    result = trainer.evaluate(prompts, num_samples=len(prompts))
+    for sample, record in zip(result["samples"], prompts):
+        sample["label"] = _prompt_label(record["prompt"])
+    result["prompts"] = len(records)
+    return result
+
+
+def _prompt_label(prompt: Any, width: int = 60) -> str:
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def print_evaluation(title: str, result: Mapping[str, Any], shown: int = SHOWN_SAMPLES) -> None:
+    """The mean reward (and the task's other metrics) and the first ``shown`` samples of
+    :func:`evaluate_records`."""
+    samples = result["samples"]
+    others = [
+        f"{key.split('/', 1)[1]} {value:.3f}"
+        for key, value in result.items()
+        if key.startswith("eval/") and key != "eval/mean_reward" and isinstance(value, float)
+    ]
+    print(
+        f"{title}: mean reward {result['eval/mean_reward']:+.3f} over {len(samples)} samples of "
+        f"{result['prompts']} prompts ({', '.join(others)})"
+    )
+    for sample in samples[:shown]:
+        completion = sample["completion"]
+        completion = completion if len(completion) <= 160 else completion[:157] + "..."
+        print(f"  [{sample['reward']:+.3f}] {sample['label']}\n          -> {completion!r}")
+
+
+def reward_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[float, float]:
+    """The change of the mean reward between two :func:`evaluate_records` results on the same
+    prompts, and its standard error over the prompts: ``(mean_p d_p, std_p(d_p) / sqrt(P))``
+    with ``d_p`` the change of prompt ``p``'s mean reward (its samples are every ``P``-th);
+    the error is 0 for one prompt."""
+    num_prompts = before["prompts"]
+
+    def per_prompt(result: Mapping[str, Any]) -> np.ndarray:
+        rewards = np.array([s["reward"] for s in result["samples"]], dtype=np.float64)
+        return rewards.reshape(-1, num_prompts).mean(axis=0)  # (P,)
+
+    changes = per_prompt(after) - per_prompt(before)  # (P,)
+    error = float(changes.std(ddof=1) / np.sqrt(num_prompts)) if num_prompts > 1 else 0.0
+    return float(changes.mean()), error
+
+
+def _verdict(name: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """Whether the mean reward on ``name`` rose (or fell) by more than twice its standard error
+    (:func:`reward_change`), in words."""
+    change, error = reward_change(before, after)
+    means = f"{before['eval/mean_reward']:+.3f} -> {after['eval/mean_reward']:+.3f}"
+    detail = (
+        f"change {change:+.3f} +- {error:.3f} (standard error over {before['prompts']} prompts)"
+    )
+    if change > 2 * error and change > 0:
+        return f"mean reward on {name} rose {means}: {detail}"
+    if change < -2 * error and change < 0:
+        return f"mean reward on {name} did NOT rise, it fell {means}: {detail}"
+    return f"mean reward on {name} did NOT clearly rise {means}: {detail}, within the noise"
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -117,13 +257,21 @@ def task_argument_parser(description: str, default_data: Path) -> argparse.Argum
     parser.add_argument(
         "--model",
         help="policy model directory or Hugging Face repo id; default: build the embedded tiny "
-        "model under <output-dir>/tiny_model",
+        "model under <output-dir>/tiny_model and fine-tune it on the data first (SFT)",
     )
     parser.add_argument(
         "--tiny-size",
         choices=("test", "demo"),
         default="demo",
         help="size of the embedded tiny model built when --model is not given",
+    )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        help="steps of the embedded tiny model's SFT (0 = none; default: the task's)",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="rebuild the cached SFT stage of the tiny model"
     )
     parser.add_argument(
         "--data",
@@ -139,9 +287,13 @@ def task_argument_parser(description: str, default_data: Path) -> argparse.Argum
         "--eval-fraction",
         type=float,
         default=0.1,
-        help="share of the records held out and evaluated at the end (0 = none)",
+        help="share of the records held out and evaluated before and after PPO (0 = none)",
     )
-    parser.add_argument("--resume", help="a checkpoint directory, or 'latest'")
+    parser.add_argument(
+        "--resume",
+        help="a checkpoint directory, or 'latest' (of the output folder): continue that run with "
+        "its own settings, changing only the options given again",
+    )
     parser.add_argument("--config", help="YAML run configuration (replaces the task defaults)")
     parser.add_argument(
         "--set",
@@ -154,33 +306,83 @@ def task_argument_parser(description: str, default_data: Path) -> argparse.Argum
     return parser
 
 
+def uses_embedded_model(args: argparse.Namespace) -> bool:
+    """Whether the run builds the embedded tiny model: no ``--model``, and no model in
+    ``--config`` or ``--set``."""
+    return args.model is None and not _sets_model(args)
+
+
 def config_from_args(
-    args: argparse.Namespace, task_defaults: Mapping[str, Any], default_output_dir: str
+    args: argparse.Namespace,
+    task_defaults: Mapping[str, Any],
+    default_output_dir: str,
+    tiny_defaults: Mapping[str, Any] | None = None,
 ) -> PPOConfig:
     """The run's config: the task defaults (or the ``--config`` file instead), then ``--set``
-    overrides, then the explicit flags. Without ``--model`` the embedded tiny model is built."""
-    overrides: list[str] = []
-    if args.config is None:
-        overrides += [f"output_dir={default_output_dir}"]
-        overrides += [f"{k}={json.dumps(v)}" for k, v in task_defaults.items()]
-    overrides += list(args.overrides)
+    overrides, then the explicit flags. Without ``--model`` the embedded tiny model is built,
+    ``tiny_defaults`` go over the task defaults, and a rerun replaces the PPO run in the output
+    folder (as the demo's does).
+
+    With ``--resume`` the base is the resumed run's own config, as its checkpoint recorded it
+    (:func:`_resumed_config`): the task defaults were for its start.
+    """
+    given = list(args.overrides)
     flags = {
         "total_steps": args.steps,
         "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens,
         "output_dir": args.output_dir,
     }
-    overrides += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
-    model = args.model
-    if model is None and not _sets_model(args):
+    given += [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+    if args.model is not None:
+        given.append(f"model_name={json.dumps(args.model)}")
+    if args.resume is not None:
+        return _resumed_config(args, given, default_output_dir)
+    embedded = uses_embedded_model(args)
+    overrides: list[str] = []
+    if args.config is None:
+        defaults = {**task_defaults, **(tiny_defaults or {})} if embedded else task_defaults
+        overrides += [f"output_dir={default_output_dir}"]
+        overrides += [f"{k}={json.dumps(v)}" for k, v in defaults.items()]
+        if embedded:
+            overrides += ["overwrite_output_dir=true"]
+    overrides += given
+    if embedded:
         from fixtures.tiny_model import build_tiny_checkpoint
 
         output_dir = load_config(args.config, overrides + ["model_name=tiny"]).output_dir
-        model = str(build_tiny_checkpoint(Path(output_dir) / "tiny_model", size=args.tiny_size))
+        model = build_tiny_checkpoint(Path(output_dir) / "tiny_model", size=args.tiny_size)
         logger.info("no --model given: using the embedded tiny model at %s", model)
-    if model is not None:
-        overrides.append(f"model_name={json.dumps(model)}")
+        overrides.append(f"model_name={json.dumps(str(model))}")
     return load_config(args.config, overrides)
+
+
+def _resumed_config(
+    args: argparse.Namespace, given: Sequence[str], default_output_dir: str
+) -> PPOConfig:
+    """The config of a ``--resume``: the resumed run's recorded config (its model, the SFT model
+    of an offline run, included), with only what ``--config``, ``--set`` and the flags give
+    (``given``) on top, as ``main.py train --resume`` builds it. The run is looked for in the
+    output folder a fresh run would use.
+
+    Raises:
+        ValueError: no checkpoint with a recorded config where ``--resume`` points.
+    """
+    from config.loading import given_value
+    from training.run_control import resumed_run_config
+
+    where = [] if args.config is not None else [f"output_dir={default_output_dir}"]
+    run_dir = given_value("output_dir", args.config, [*where, *given])
+    base = resumed_run_config(run_dir, args.resume)
+    if base is None:
+        place = Path(run_dir) / "checkpoints" if args.resume == "latest" else args.resume
+        raise ValueError(
+            f"--resume {args.resume}: no checkpoint with a recorded config at {place}; start "
+            "without --resume, or give --output-dir of the run to continue"
+        )
+    if args.resume == "latest":
+        base["output_dir"] = run_dir  # the folder it was found in, wherever the run began
+    return load_config(args.config, given, base=base)
 
 
 def _sets_model(args: argparse.Namespace) -> bool:
@@ -196,19 +398,25 @@ def _sets_model(args: argparse.Namespace) -> bool:
     return any(isinstance(s, dict) and s.get("model_name") for s in sections)
 
 
-def print_run_summary(trainer: PPOTrainer, history: Sequence[dict[str, float]]) -> None:
-    """The last step's reward, the final evaluation with a few samples, and where files are."""
+def print_run_summary(
+    trainer: PPOTrainer,
+    history: Sequence[dict[str, float]],
+    before: Mapping[str, Mapping[str, Any]],
+    after: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """The last step's reward, the evaluations after PPO with a few samples, whether the mean
+    reward rose since before PPO (``before``/``after``: :func:`evaluate_records` results by the
+    name of the prompts evaluated), and where the files are."""
     if history:
         last = history[-1]
         print(
             f"trained {len(history)} steps; last mean score {last['objective/scores']:+.4f}, "
             f"KL {last['objective/kl']:.4f}"
         )
-    final = trainer.run_dir / "eval_final.json"
-    if final.is_file():
-        result = json.loads(final.read_text())
-        scalars = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
-        print(f"held-out evaluation: {scalars}")
+    for name, result in after.items():
+        print_evaluation(f"After PPO, {name}", result)
+    for name in after:
+        print(_verdict(name, before[name], after[name]))
     print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
 
 
@@ -219,19 +427,59 @@ def run_task_cli(
     task_defaults: Mapping[str, Any],
     default_output_dir: str,
     build: Callable[[PPOConfig], PPOTrainer],
+    to_sft: SFTRecordConverter,
+    sft_settings: Mapping[str, Any],
+    tiny_defaults: Mapping[str, Any],
 ) -> int:
-    """Load the data as prompt records, build the trainer (``build(config)``), train on them,
-    save the policy under ``<output_dir>/final`` and print a summary. Returns the exit status: 0,
-    or 2 after printing a bad input's error (the data is checked before any model is loaded)."""
+    """Load the data as prompt records and build the trainer (``build(config)``); evaluate it on
+    held-out and training prompts, train, evaluate again; save the policy under
+    ``<output_dir>/final`` and print the samples, the mean rewards and whether they rose.
+
+    Without ``--model`` the embedded tiny model is first fine-tuned on the training records'
+    demonstrations (``to_sft``, ``sft_settings``: :func:`sft_stage`), and PPO runs with
+    ``tiny_defaults`` over ``task_defaults``. With ``--resume`` the run continues with its
+    recorded config and model (:func:`config_from_args`), without an SFT stage. Returns the exit
+    status: 0, or 2 after printing a bad input's error (the data is checked before any model is
+    loaded)."""
     try:
+        sft_flags = args.sft_steps is not None or args.fresh
+        if sft_flags and args.resume is not None:
+            raise ValueError(
+                "--sft-steps and --fresh are about the SFT before PPO, which a resumed run did "
+                "when it began (it continues from its checkpoint): drop them, or --resume"
+            )
+        if sft_flags and not uses_embedded_model(args):
+            raise ValueError(
+                "--sft-steps and --fresh are about the SFT of the embedded tiny model, which a run "
+                "with a given model does not do: drop them, or drop the model"
+            )
         records = load_task_records(args.data, to_record, split=args.split)
-        trainer = build(config_from_args(args, task_defaults, default_output_dir))
+        config = config_from_args(args, task_defaults, default_output_dir, tiny_defaults)
+        # The split train_on_records makes (the same seed): SFT never sees the held-out records.
+        train, held_out = train_eval_split(records, args.eval_fraction, config.seed)
+        if args.resume is None and uses_embedded_model(args) and args.sft_steps != 0:
+            settings = dict(sft_settings)
+            if args.sft_steps is not None:
+                settings["total_steps"] = args.sft_steps
+            model = sft_stage(config, train, to_sft, settings, fresh=args.fresh)
+            config = dataclasses.replace(config, model_name=str(model))
+        trainer = build(config)
+        # Sampled evaluations (eval_temperature > 0) draw several samples per prompt: a steadier
+        # mean. The training prompts are what PPO raises the reward on; the held-out ones show
+        # whether that carries over.
+        repeats = 1 if config.eval_temperature == 0 else EVAL_SAMPLES_PER_PROMPT
+        evaluated = {"held-out prompts": held_out, "training prompts": train[:EVAL_TRAINING]}
+        evaluated = {name: prompts for name, prompts in evaluated.items() if prompts}
+        before = {name: evaluate_records(trainer, p, repeats) for name, p in evaluated.items()}
+        for name, result in before.items():
+            print_evaluation(f"Before PPO, {name}", result)
         history = train_on_records(
             trainer, records, eval_fraction=args.eval_fraction, resume_from=args.resume
         )
+        after = {name: evaluate_records(trainer, p, repeats) for name, p in evaluated.items()}
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     trainer.save_model(trainer.run_dir / "final")
-    print_run_summary(trainer, history)
+    print_run_summary(trainer, history, before, after)
     return 0

@@ -52,7 +52,9 @@ _LOCAL_SUFFIXES = (".json", ".jsonl", ".jsonlines")
 # --------------------------------------------------------------------------- record checks
 
 
-def _require_text(record: Mapping[str, Any], key: str, where: str, what: str) -> str:
+def require_text(record: Mapping[str, Any], key: str, where: str, what: str) -> str:
+    """``record[key]`` if it is a non-empty string, else ``ValueError("<where>: ...")`` saying
+    whether it is missing (naming ``what`` the record should hold), not a string, or empty."""
     value = record.get(key)
     if value is None:
         raise ValueError(f"{where}: missing field {key!r} ({what})")
@@ -63,9 +65,11 @@ def _require_text(record: Mapping[str, Any], key: str, where: str, what: str) ->
     return value
 
 
-def _require_object(record: Any, where: str, what: str) -> Mapping[str, Any]:
+def require_object(record: Any, where: str, what: str) -> Mapping[str, Any]:
+    """``record`` if it is a JSON object (a mapping), else ``ValueError("<where>: ...")`` naming
+    ``what`` it should hold and showing what it is."""
     if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object ({what}), got {type(record).__name__}")
+        raise ValueError(f"{where}: expected a JSON object ({what}), got {record!r:.60}")
     return record
 
 
@@ -81,13 +85,13 @@ def check_sft_record(record: Any, where: str) -> None:
     with string roles and contents, at least one assistant turn, not first, and an assistant
     turn last.
     """
-    record = _require_object(record, where, _SFT_FIELDS)
+    record = require_object(record, where, _SFT_FIELDS)
     messages = record.get("messages")
     if messages is None:
-        _require_text(record, "prompt", where, _SFT_FIELDS)
-        _require_text(record, "completion", where, _SFT_FIELDS)
+        require_text(record, "prompt", where, _SFT_FIELDS)
+        require_text(record, "completion", where, _SFT_FIELDS)
         if record.get("system") is not None:
-            _require_text(record, "system", where, "a system message")
+            require_text(record, "system", where, "a system message")
         return
     _check_messages(messages, where, "messages")
     for i, message in enumerate(messages):
@@ -129,13 +133,13 @@ def check_preference_record(record: Any, where: str) -> None:
     ``rejected`` each a list of messages ending with an assistant turn (or a string: the
     assistant's reply). Either way ``margin``, if present and not null, is a finite number.
     """
-    record = _require_object(record, where, _PREFERENCE_FIELDS)
+    record = require_object(record, where, _PREFERENCE_FIELDS)
     if isinstance(record.get("prompt"), list):
         _check_messages(record["prompt"], where, "prompt")
         for key in ("chosen", "rejected"):
             answer = record.get(key)
             if isinstance(answer, str):
-                _require_text(record, key, where, _PREFERENCE_FIELDS)
+                require_text(record, key, where, _PREFERENCE_FIELDS)
                 continue
             _check_messages(answer, where, key)
             if answer[-1]["role"] != "assistant" or not answer[-1]["content"].strip():
@@ -145,7 +149,7 @@ def check_preference_record(record: Any, where: str) -> None:
                 )
     else:
         for key in ("prompt", "chosen", "rejected"):
-            _require_text(record, key, where, _PREFERENCE_FIELDS)
+            require_text(record, key, where, _PREFERENCE_FIELDS)
     if record["chosen"] == record["rejected"]:
         raise ValueError(
             f"{where}: 'chosen' and 'rejected' are the same text, so the pair prefers nothing; "

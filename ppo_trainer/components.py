@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, cast
 
@@ -23,6 +24,8 @@ from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 
 #: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
 NamedReward = tuple[str, "RewardModel | RewardFunction"]
+
+logger = logging.getLogger("ppo_mlx")
 
 
 @dataclass
@@ -95,6 +98,15 @@ def build_models(
         ValueError: no reward, a reward that is not callable, or a quantized policy without
             LoRA.
     """
+    lora = LoraSettings.from_model_config(config) if config.use_lora else None
+    if lora is not None and lora.dropout > 0:
+        # As TRL's PPO / GRPO trainers (which disable dropout): with dropout the policy's
+        # log-probs in the loss would differ from the rollout's on the same weights.
+        logger.warning(
+            "lora_dropout %g is not used by PPO / GRPO (no dropout in the policy: its ratio "
+            "to the rollout's log-probs must start at 1); it acts in SFT and reward training",
+            lora.dropout,
+        )
     fast = config.fast_math
     policy = policy or load_policy(config)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)

@@ -146,11 +146,12 @@ def inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:
     positive total, ``uniform`` (B, 1) in [0, 1). A weight-0 index is never returned."""
     cdf = mx.cumsum(weights, axis=-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
-    below = (cdf <= uniform * total).sum(axis=-1)  # (B,)
-    # uniform * total can round up to total: then every index is "below"; take the last index
-    # with a positive weight, the first where the CDF reaches its total.
-    last = mx.argmax(cdf >= total, axis=-1)  # (B,)
-    return mx.minimum(below, last)
+    # uniform * total can round up to total, and then every index would be "below". Capped at
+    # the largest float under total (total > 0: one bit less), the count stops at the first
+    # index where the CDF reaches its total, a positive weight; below the cap nothing changes.
+    # (Instead of a second pass over V for that index.)
+    cap = (total.view(mx.int32) - 1).view(mx.float32)  # (B, 1)
+    return (cdf <= mx.minimum(uniform * total, cap)).sum(axis=-1)  # (B,)
 
 
 def generate(

@@ -280,6 +280,52 @@ def test_fast_attention_matches_mlx(mask_kind: str, length: int) -> None:
     np.testing.assert_allclose(np.array(grad), np.array(grad_want), atol=1e-5)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per_head", "left_padding"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_one_query_attention_matches_mlx(mask_kind: str, dtype: mx.Dtype) -> None:
+    """A decoding step's attention (one query, grouped heads, a cache slice as keys): values
+    and gradients equal MLX's own."""
+    from mlx_lm.models.base import create_causal_mask
+
+    rng = np.random.default_rng(4)
+    b, h, hkv, s, d = 3, 6, 2, 9, 16
+    q = mx.array(rng.normal(size=(b, h, 1, d)).astype(np.float32)).astype(dtype)
+    buffer = mx.array(rng.normal(size=(2, b, hkv, 16, d)).astype(np.float32)).astype(dtype)
+    k, v = buffer[0, :, :, :s], buffer[1, :, :, :s]  # (B, Hkv, S, D): views, as a KV cache gives
+    mask: mx.array | None = {
+        "none": None,
+        "bool": mx.array(rng.uniform(size=(b, 1, 1, s)) > 0.3),
+        "additive": mx.array(rng.normal(size=(1, s)).astype(np.float32)).astype(dtype),
+        "per_head": mx.array(rng.uniform(size=(b, h, 1, s)) > 0.3),
+        "left_padding": create_causal_mask(1, offset=s - 1, left_padding=mx.array([0, 2, 5])),
+    }[mask_kind]
+    if mask is not None and mask.dtype == mx.bool_:
+        mask[..., -1] = True  # every query sees a key (MLX's own gives NaN otherwise)
+    got = fast_math.one_query_attention(q, k, v, scale=0.25, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    atol = 2e-6 if dtype == mx.float32 else 2e-2
+    np.testing.assert_allclose(_f32(got), _f32(want), atol=atol)
+
+    def total(fn: Any) -> Any:
+        return lambda a, kk, vv: fn(a, kk, vv, scale=0.25, mask=mask).astype(mx.float32).sum()
+
+    grads = mx.grad(total(fast_math.one_query_attention), argnums=(0, 1, 2))(q, k, v)
+    grads_want = mx.grad(total(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    for g, gw in zip(grads, grads_want):
+        np.testing.assert_allclose(_f32(g), _f32(gw), atol=max(atol, 1e-5))
+
+
+def _f32(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+def test_one_query_attention_rejects_several_queries() -> None:
+    q, kv = mx.ones((1, 2, 3, 4)), mx.ones((1, 1, 3, 4))
+    with pytest.raises(ValueError, match="one query position"):
+        fast_math.one_query_attention(q, kv, kv, scale=1.0)
+
+
 def test_fast_attention_fully_masked_row_is_finite() -> None:
     q = mx.ones((1, 2, 2, 4))
     k = mx.ones((1, 1, 3, 4))
@@ -760,6 +806,14 @@ def test_fast_attention_matches_mlx_lm_attention(mask_kind: str) -> None:
             q, k, v, cache=cache, scale=0.25, mask=cast(Any, mask)
         )
         got = ours(q, k, v, cache=cache, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+    # A decoding step: the last query position against every key (the one-query path).
+    last = mask if not isinstance(mask, mx.array) else mask[-1:]
+    for cache in (None, KVCache()):
+        want = base.scaled_dot_product_attention(
+            q[:, :, -1:], k, v, cache=cache, scale=0.25, mask=cast(Any, last)
+        )
+        got = ours(q[:, :, -1:], k, v, cache=cache, scale=0.25, mask=last)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
 
 

@@ -548,6 +548,21 @@ def test_contention_measures_with_busy_processes_and_stops_them(tmp_path: Path) 
     assert multiprocessing.active_children() == []  # and was stopped
 
 
+def test_decode_profile_prints_every_piece_against_the_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import decode_profile
+
+    decode_profile.main(
+        ["--model", "toy-llama", "--batch", "2", "--prompt-len", "4", "--context", "8"]
+        + ["--repeats", "1", "--generator-tokens", "2", "3", "1"]
+    )
+    out = capsys.readouterr().out
+    for piece in ("forward pass", "attention core", "sampling", "matmul floor", "generator step"):
+        assert piece in out
+    assert "load average" in out
+
+
 def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks.async_rollout runs its sync/async pair end to end and reports the ratio."""
     from benchmarks import async_rollout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +22,14 @@ from examples.code_generation import (
     CodeGenerationTrainer,
     build_program,
     code_record,
+    code_sft_record,
     score_programs,
 )
 from examples.dialogue import (
     DialogueTrainer,
     conversation_prompt,
     dialogue_record,
+    dialogue_sft_record,
     heuristic_reward,
     keyword_heuristic_score,
     parse_hh_dialogue,
@@ -37,9 +40,13 @@ from examples.summarization import (
     rouge_quality,
     rouge_reward,
     summary_record,
+    summary_sft_record,
 )
-from examples.task_common import load_task_records
+from examples.task_common import SHOWN_SAMPLES, load_task_records, reward_change
+from finetune.stage_cache import cached_stage
+from finetune.tokenize import tokenize_sft
 from models.reward_model import RewardModel
+from ppo_trainer.trained_model import read_run_config
 from sandbox import SandboxLimits
 from token_attribution.sequences import build_query_responses
 
@@ -251,7 +258,9 @@ def test_bundled_datasets_pass_their_checks() -> None:
     assert len(summaries) == 36 and len(conversations) == 30
     assert summaries[0]["references"][0].startswith("Millbrook will turn")
     raw = [json.loads(line) for line in dialogue.BUNDLED_DATA.read_text().splitlines()]
-    assert all(c["prompt"] == r["messages"] for c, r in zip(conversations, raw))
+    # each conversation ends with the reply to its last user turn: the prompt stops before it
+    assert all(c["prompt"] == r["messages"][:-1] for c, r in zip(conversations, raw))
+    assert all(c["reply"] == r["messages"][-1]["content"] for c, r in zip(conversations, raw))
 
 
 @pytest.mark.parametrize(
@@ -460,6 +469,76 @@ def test_code_trainer_rejects_a_reward_model(tiny_model_dir: Path, tmp_path: Pat
     assert trainer.format_prompt(ADD_TASK["prompt"]).startswith("<|im_start|>user\nComplete")
 
 
+# --------------------------------------------------------------------------- offline SFT
+
+
+def test_sft_records_demonstrate_completions_of_the_prompts_ppo_continues(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Each task's SFT example is the PPO prompt's tokens followed by target tokens only.
+    reply = "You can trim the stems and change the water every two days."
+    flowers = dialogue_record(
+        {"messages": FLOWERS + [{"role": "assistant", "content": reply}]}, "r"
+    )
+    summary = summary_record({"article": ARTICLE, "summary": REFERENCE}, "row")
+    task = code_record({**ADD_TASK, "solution": "    return a + b\n"}, "add")
+    config = make_config(tiny_model_dir, tmp_path)
+    dialogue_sft = dialogue_sft_record(flowers, "Be brief.")
+    chat_sft = code_sft_record(task, "chat")
+    assert dialogue_sft is not None and chat_sft is not None
+    cases = [
+        (SummarizationTrainer(config), summary, summary_sft_record(summary)),
+        (DialogueTrainer(config, system_prompt="Be brief."), flowers, dialogue_sft),
+        (CodeGenerationTrainer(config), task, code_sft_record(task)),
+        (CodeGenerationTrainer(config, prompt_style="chat"), task, chat_sft),
+    ]
+    for trainer, record, sft in cases:
+        assert sft is not None
+        [example] = tokenize_sft([sft], trainer.tokenizer, 1024)
+        prompt_ids = trainer.encode_prompt(trainer.format_prompt(record["prompt"]))
+        n = len(prompt_ids)
+        assert example.input_ids[:n] == prompt_ids, type(trainer).__name__
+        assert set(example.loss_mask[n:]) == {1} and set(example.loss_mask[:n]) <= {0, 1}
+    assert flowers["reply"] == reply and dialogue_sft["messages"][-1]["content"] == reply
+    answer = chat_sft["messages"][-1]["content"]  # a chat answer that passes the tests
+    assert score_programs([task["prompt"]], [answer], [task["tests"]], limits=LIMITS) == [1.0]
+    # rows without a demonstration give none
+    assert dialogue_sft_record(dialogue_record({"messages": FLOWERS}, "r")) is None
+    assert code_sft_record({**task, "solution": None}) is None
+
+
+def test_cached_stage_reuses_a_stage_until_its_settings_change(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs: list[int] = []
+
+    def run() -> Path:
+        runs.append(1)
+        model = tmp_path / "stage" / "model"
+        model.mkdir(parents=True, exist_ok=True)
+        return model
+
+    stage = tmp_path / "stage"
+    model = cached_stage("SFT", stage, {"lr": 1.0}, run)
+    assert cached_stage("SFT", stage, {"lr": 1.0}, run) == model and len(runs) == 1
+    assert "[SFT] reusing the cached result" in capsys.readouterr().out
+    cached_stage("SFT", stage, {"lr": 2.0}, run)  # other settings: run again
+    cached_stage("SFT", stage, {"lr": 2.0}, run, fresh=True)
+    assert len(runs) == 3
+
+
+def test_reward_change_pairs_the_samples_by_prompt() -> None:
+    # 2 prompts, 2 samples each, in the order evaluate_records makes: p0, p1, p0, p1
+    def result(rewards: list[float]) -> dict[str, Any]:
+        samples = [{"reward": r} for r in rewards]
+        return {"prompts": 2, "samples": samples, "eval/mean_reward": float(np.mean(rewards))}
+
+    before, after = result([0.0, 1.0, 0.0, 1.0]), result([1.0, 1.0, 0.0, 1.0])
+    # per-prompt means 0, 1 -> 0.5, 1: changes 0.5, 0; mean 0.25, std 0.3536 / sqrt(2)
+    change, error = reward_change(before, after)
+    assert change == pytest.approx(0.25) and error == pytest.approx(0.25)
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -489,22 +568,41 @@ def run_cli(module: str, tmp_path: Path, *extra: str) -> subprocess.CompletedPro
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
+def short_articles(tmp_path: Path) -> Path:
+    """10 short articles (fast to summarise); with --eval-fraction 0.2, 2 are held out."""
+    records = [{"article": f"Story {i}: {ARTICLE[:80]}", "summary": REFERENCE} for i in range(10)]
+    return write_jsonl(tmp_path / "short.jsonl", records)
+
+
+def few_code_tasks(tmp_path: Path) -> Path:
+    """The first 8 bundled code tasks (fewer programs for the sandbox to run)."""
+    lines = code_generation.BUNDLED_DATA.read_text().splitlines()[:8]
+    return write_jsonl(tmp_path / "code.jsonl", lines)
+
+
+SAMPLE_LINE = re.compile(r"^  \[[+-]\d\.\d{3}\] .+\n {10}-> .+$", re.M)
+
+
+def check_before_and_after(stdout: str, held_out: bool) -> None:
+    """The evaluations before and after PPO, each with its samples, and the verdicts."""
+    names = ["training prompts"] + (["held-out prompts"] if held_out else [])
+    for name in names:
+        for when in ("Before PPO", "After PPO"):
+            assert f"{when}, {name}: mean reward " in stdout, (when, name)
+        assert re.search(f"mean reward on {name} (rose|did NOT clearly rise) ", stdout), name
+    assert 2 * len(names) <= len(SAMPLE_LINE.findall(stdout)) <= 2 * len(names) * SHOWN_SAMPLES
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["summarization", "dialogue", "code_generation"])
-def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path, module: str) -> None:
-    # dialogue builds its own tiny model (no --model); the others get the session's
-    model_args = (
-        ["--tiny-size", "test"] if module == "dialogue" else ["--model", str(tiny_model_dir)]
-    )
-    data_args = ["--eval-fraction", "0"]  # the bundled dataset, nothing held out
-    if module == "summarization":  # 10 short articles (fast); 2 held out, evaluated at the end
-        records = [
-            {"article": f"Story {i}: {ARTICLE[:80]}", "summary": REFERENCE} for i in range(10)
-        ]
-        data = write_jsonl(tmp_path / "short.jsonl", records)
-        data_args = ["--data", str(data), "--eval-fraction", "0.2"]
-    result = run_cli(module, tmp_path, *model_args, *data_args)
+@pytest.mark.parametrize("module", ["summarization", "code_generation"])
+def test_cli_runs_on_a_given_model(tiny_model_dir: Path, tmp_path: Path, module: str) -> None:
+    data_args = ["--data", str(few_code_tasks(tmp_path)), "--eval-fraction", "0"]  # none held out
+    if module == "summarization":  # 2 held out, evaluated before and after
+        data_args = ["--data", str(short_articles(tmp_path)), "--eval-fraction", "0.2"]
+    result = run_cli(module, tmp_path, "--model", str(tiny_model_dir), *data_args)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "[SFT]" not in result.stdout  # a given model is trained as it is
+    check_before_and_after(result.stdout, held_out=module == "summarization")
     out = tmp_path / module
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1 and np.isfinite(records[0]["objective/scores"])
@@ -515,9 +613,75 @@ def test_cli_runs_on_the_tiny_model(tiny_model_dir: Path, tmp_path: Path, module
             final["eval/rouge"] - final["eval/length_penalty"], abs=1e-6
         )
         assert "2 held out" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["summarization", "dialogue", "code_generation"])
+def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
+    tmp_path: Path, module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--tiny-size", "test", "--sft-steps", "2", "--eval-fraction", "0.2"]
+    if module == "summarization":
+        args += ["--data", str(short_articles(tmp_path))]
+    if module == "code_generation":
+        args += ["--data", str(few_code_tasks(tmp_path))]
+    result = run_cli(module, tmp_path, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / module
+    assert "[SFT] done" in result.stdout
+    sft_model = out / "sft" / "model"
+    assert (sft_model / "config.json").is_file() and (out / "sft" / "stage.json").is_file()
+    assert str(sft_model) in (out / "config.yaml").read_text()  # PPO starts from the SFT model
+    # the SFT data: one demonstration per training record, none of the held-out ones
+    held_out = int(re.findall(r"(\d+) held out", result.stderr)[0])
+    records = {"summarization": 10, "dialogue": 30, "code_generation": 8}[module]
+    demonstrations = (out / "sft" / "data.jsonl").read_text().splitlines()
+    assert held_out >= 1 and len(demonstrations) == records - held_out
+    check_before_and_after(result.stdout, held_out=True)
     if module == "dialogue":
-        assert (out / "tiny_model" / "config.json").is_file()
         assert "keyword_heuristic_score" in result.stderr  # the stand-in is announced
+    # A second run reuses the SFT stage and replaces the PPO run.
+    module_main = (
+        {"summarization": summarization, "dialogue": dialogue}.get(module, code_generation).main
+    )
+    capsys.readouterr()
+    assert module_main(cli_args(module, tmp_path, *args)) == 0
+    second = capsys.readouterr().out
+    assert f"[SFT] reusing the cached result in {sft_model}" in second
+    assert "[SFT] done" not in second
+    check_before_and_after(second, held_out=True)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_cli_resume_continues_the_run_with_its_recorded_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["--data", str(short_articles(tmp_path)), "--eval-fraction", "0.2"]
+    first = ["--tiny-size", "test", "--sft-steps", "2", "--set", "kl_coef=0.2", *data]
+    assert summarization.main(cli_args("summarization", tmp_path, *first)) == 0
+    out = tmp_path / "summarization"
+    sft_model = str(out / "sft" / "model")
+    capsys.readouterr()
+    # Only the flags given again change the run: not the task's or the tiny model's defaults
+    # (batch_size 8, max_new_tokens 32, kl_coef 0.05), and no new tiny model or SFT stage.
+    resumed = ["--resume", "latest", "--output-dir", str(out), "--steps", "2", *data]
+    assert summarization.main(resumed) == 0
+    printed = capsys.readouterr()
+    assert "[SFT]" not in printed.out
+    check_before_and_after(printed.out, held_out=True)
+    config = read_run_config(out)
+    assert config is not None
+    assert config["total_steps"] == 2 and config["model_name"] == sft_model
+    assert (config["batch_size"], config["max_new_tokens"], config["kl_coef"]) == (2, 6, 0.2)
+    assert config["num_ppo_epochs"] == 1 and config["progress_bar"] is False
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # SFT flags on a resume, and a resume with nothing to resume, fail before any work.
+    assert summarization.main([*resumed, "--fresh"]) == 2
+    assert "resumed run" in capsys.readouterr().err
+    empty = ["--resume", "latest", "--output-dir", str(tmp_path / "none"), *data]
+    assert summarization.main(empty) == 2
+    assert "no checkpoint with a recorded config" in capsys.readouterr().err
 
 
 def test_cli_reports_a_malformed_data_line_before_loading_a_model(
@@ -527,3 +691,6 @@ def test_cli_reports_a_malformed_data_line_before_loading_a_model(
     args = cli_args("code_generation", tmp_path, "--model", str(tmp_path / "no_model"))
     assert code_generation.main([*args, "--data", str(bad)]) == 2
     assert f"error: {bad}:2:" in capsys.readouterr().err  # not the missing model
+    # a given model gets no SFT: asking for one is an error, not ignored
+    assert code_generation.main([*args, "--sft-steps", "3"]) == 2
+    assert "embedded tiny model" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -293,6 +294,24 @@ def test_chat_command_in_a_subprocess(ppo_run: Path) -> None:
     # The second turn's prompt holds the whole first turn (history), then the new message.
     assert second_prompt.startswith(first_prompt + first_reply)
     assert second_prompt.rstrip().endswith("assistant") and "Tell me more" in second_prompt
+
+
+def test_sigterm_ends_a_chat_with_143(ppo_run: Path) -> None:
+    """SIGTERM (docker stop, a scheduler) while chat waits for input ended it with exit 0, as if
+    the user had typed /exit; now as every command: "interrupted (SIGTERM)", exit 143."""
+    cmd = [sys.executable, "main.py", "chat", "--model", str(ppo_run)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    seen = b""
+    while not seen.endswith(b"> "):  # the help text, then the first input prompt
+        piece = proc.stdout.read1(1024)  # type: ignore[attr-defined]
+        assert piece, f"chat ended early: {proc.communicate()[1].decode()}"
+        seen += piece
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and b"interrupted (SIGTERM)" in err
 
 
 def test_chat_needs_a_chat_template(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -349,6 +349,25 @@ def testinverse_cdf_matches_a_naive_search() -> None:
         assert row[index] > 0
 
 
+def testinverse_cdf_equals_the_two_pass_search_with_rounding_up() -> None:
+    """The capped count gives the very index of the count-then-clamp search it replaced (the
+    first index above u * total, clamped to the first index where the CDF reaches its total),
+    including u = the largest float32 below 1, u = 1 and trailing zero weights."""
+    rng = np.random.default_rng(1)
+    weights = rng.random((512, 300)).astype(np.float32) ** 8
+    weights[rng.random((512, 300)) < 0.5] = 0.0
+    weights[:, 0] += 1e-3
+    weights[::3, 200:] = 0.0  # trailing zeros
+    uniform = rng.random((512, 1)).astype(np.float32)
+    uniform[::4] = np.float32(1.0 - 2**-24)
+    uniform[::5] = 1.0  # u * total == total: the clamp itself (exact float math never rounds up)
+    w, u = mx.array(weights), mx.array(uniform)
+    cdf = mx.cumsum(w, axis=-1)
+    total = cdf[:, -1:]
+    two_pass = mx.minimum((cdf <= u * total).sum(axis=-1), mx.argmax(cdf >= total, axis=-1))
+    assert np.array_equal(np.array(inverse_cdf(w, u)), np.array(two_pass))
+
+
 @pytest.mark.parametrize("with_keys", [False, True])
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_sampled_tokens_follow_the_softmax(with_keys: bool, top_k: int) -> None:

@@ -345,3 +345,15 @@ def test_evaluate_and_save_load_model(tiny_model_dir: Path, tmp_path: Path) -> N
     np.testing.assert_allclose(
         np.array(fresh.value_model(probe)), np.array(trainer.value_model(probe)), atol=1e-6
     )
+
+
+def test_lora_dropout_is_named_as_unused_by_ppo(
+    tiny_model_dir: Path, tmp_path: Path, caplog: Any
+) -> None:
+    """PPO runs without dropout (as TRL's trainers): a lora_dropout given to it was silently
+    ignored; now a warning says so, and the policy stays in eval mode (no dropout acts)."""
+    config = make_config(tiny_model_dir, tmp_path, use_lora=True, lora_dropout=0.1)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        trainer = PPOTrainer(config, reward_model=e_rate)
+    assert "lora_dropout 0.1 is not used by PPO / GRPO" in caplog.text
+    assert not trainer.policy.model.training

@@ -5,6 +5,7 @@ Each test reproduces the fault first named in the reliability issue, then checks
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -462,6 +463,38 @@ def test_the_command_line_resume_continues_the_run_as_configured(
     assert load_config(run / "config.yaml").kl_coef == 0.2
     coefs = [r["objective/kl_coef"] for r in read_metrics(run / "metrics.jsonl")]
     assert coefs == pytest.approx([0.1, 0.1, 0.2])
+
+
+def test_evaluate_a_checkpoint_with_nothing_but_its_path(
+    tiny_model_dir: Path, tmp_path: Path, capsys: Any, caplog: Any
+) -> None:
+    """`evaluate --checkpoint RUN/checkpoints/step_N --prompts P` needed the run's config again
+    (without it: "model_name is required"; with another: "changed settings"): the checkpoint's
+    own config is now the base, as for --resume."""
+    import main
+
+    run = tmp_path / "run"
+    trainer = PPOTrainer(
+        make_config(tiny_model_dir, run, total_steps=1, kl_coef=0.1), reward_model=length_reward
+    )
+    trainer.train(PROMPTS)
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    checkpoint = run / "checkpoints" / "step_000001"
+    capsys.readouterr()
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        main.main(
+            [
+                "evaluate",
+                "--checkpoint",
+                str(checkpoint),
+                "--prompts",
+                str(tmp_path / "prompts.txt"),
+            ]
+            + ["--reward-fn", "tests.test_reliability:length_reward", "--samples", "1"]
+        )
+    assert "changed settings" not in caplog.text
+    result = json.loads(capsys.readouterr().out)
+    assert math.isfinite(result["eval/mean_reward"]) and len(result["samples"]) == 1
 
 
 def test_an_adaptive_kl_controller_keeps_its_value_on_resume(
