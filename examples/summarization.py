@@ -73,21 +73,28 @@ TASK_DEFAULTS: dict[str, Any] = dict(
     total_steps=20,
 )
 #: SFT of the embedded tiny model (no --model) on the reference summaries, before PPO: enough to
-#: do the task a little on the training prompts, not so much that sampling stops exploring.
+#: do the task a little on the training prompts, and short enough to leave room for the RL stage:
+#: at 35 steps some seeds already copy the references' first 32 tokens (ROUGE ~0.64 of the ~0.68
+#: that 32 tokens allow), and nothing is left to learn.
 SFT_SETTINGS: dict[str, Any] = dict(
-    learning_rate=3e-3, batch_size=8, total_steps=35, warmup_steps=2, progress_bar=True
+    learning_rate=3e-3, batch_size=8, total_steps=27, warmup_steps=2, progress_bar=True
 )
-#: PPO settings of the embedded tiny model's run (over TASK_DEFAULTS). lam=1: the value head starts
-#: untrained, and GAE's lam < 1 would pass the first tokens little of the score's credit; the
-#: evaluations sample at the training temperature, as PPO's rollouts do.
+#: RL settings of the embedded tiny model's run (over TASK_DEFAULTS): GRPO, whose baseline is the
+#: mean score of 4 summaries of the same article, so that an advantage says which summary of an
+#: article is better rather than which article is easy (PPO's value head starts untrained). The
+#: evaluations sample at the training temperature, as the rollouts do.
 TINY_DEFAULTS: dict[str, Any] = dict(
+    algorithm="grpo",
+    group_size=4,
     max_new_tokens=32,
-    batch_size=8,
+    batch_size=4,
     learning_rate=1e-3,
     total_steps=30,
-    lam=1.0,
     eval_temperature=0.7,
 )
+#: Samples of each prompt in the evaluations before and after RL (4 rather than the shared 2: a
+#: standard error of the change of the mean reward sqrt(2) times smaller).
+EVAL_SAMPLES_PER_PROMPT = 4
 
 
 # --------------------------------------------------------------------------- the reward
@@ -325,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         to_sft=summary_sft_record,
         sft_settings=SFT_SETTINGS,
         tiny_defaults=TINY_DEFAULTS,
+        eval_samples_per_prompt=EVAL_SAMPLES_PER_PROMPT,
         build=lambda config: SummarizationTrainer(
             config, length_penalty=args.length_penalty, max_length_ratio=args.max_length_ratio
         ),

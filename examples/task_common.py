@@ -58,7 +58,8 @@ messages) that demonstrates a good completion, or None when the record holds non
 SHOWN_SAMPLES = 3
 #: Training prompts evaluated before and after PPO (the first ones).
 EVAL_TRAINING = 32
-#: Samples per prompt of those evaluations when they sample (eval_temperature > 0).
+#: Samples per prompt of those evaluations when they sample (eval_temperature > 0), unless the
+#: task asks for more (``run_task_cli``'s ``eval_samples_per_prompt``).
 EVAL_SAMPLES_PER_PROMPT = 2
 
 
@@ -398,15 +399,36 @@ def _sets_model(args: argparse.Namespace) -> bool:
     return any(isinstance(s, dict) and s.get("model_name") for s in sections)
 
 
+#: The printed name of each ``PPOConfig.algorithm``.
+ALGORITHM_NAMES: dict[str, str] = {
+    "ppo": "PPO",
+    "grpo": "GRPO",
+    "rloo": "RLOO",
+    "reinforce_pp": "REINFORCE++",
+    "reinforce_pp_baseline": "REINFORCE++-baseline",
+}
+
+
+def algorithm_header(config: PPOConfig) -> str:
+    """The line that says which algorithm trains the policy, and how many samples per prompt."""
+    name = ALGORITHM_NAMES[config.algorithm]
+    group = f", {config.group_size} samples per prompt" if config.group_size > 1 else ""
+    steps = "" if config.total_steps is None else f", {config.total_steps} steps"
+    return (
+        f"algorithm: {name} ({config.algorithm}){group}, {config.batch_size} prompts a step{steps}"
+    )
+
+
 def print_run_summary(
     trainer: PPOTrainer,
     history: Sequence[dict[str, float]],
     before: Mapping[str, Mapping[str, Any]],
     after: Mapping[str, Mapping[str, Any]],
 ) -> None:
-    """The last step's reward, the evaluations after PPO with a few samples, whether the mean
-    reward rose since before PPO (``before``/``after``: :func:`evaluate_records` results by the
-    name of the prompts evaluated), and where the files are."""
+    """The last step's reward, the evaluations after RL (PPO or another ``algorithm``) with a few
+    samples, whether the mean reward rose since before it (``before``/``after``:
+    :func:`evaluate_records` results by the name of the prompts evaluated), and where the files
+    are."""
     if history:
         last = history[-1]
         print(
@@ -414,7 +436,7 @@ def print_run_summary(
             f"KL {last['objective/kl']:.4f}"
         )
     for name, result in after.items():
-        print_evaluation(f"After PPO, {name}", result)
+        print_evaluation(f"After {ALGORITHM_NAMES[trainer.config.algorithm]}, {name}", result)
     for name in after:
         print(_verdict(name, before[name], after[name]))
     print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
@@ -430,6 +452,7 @@ def run_task_cli(
     to_sft: SFTRecordConverter,
     sft_settings: Mapping[str, Any],
     tiny_defaults: Mapping[str, Any],
+    eval_samples_per_prompt: int = EVAL_SAMPLES_PER_PROMPT,
 ) -> int:
     """Load the data as prompt records and build the trainer (``build(config)``); evaluate it on
     held-out and training prompts, train, evaluate again; save the policy under
@@ -437,10 +460,11 @@ def run_task_cli(
 
     Without ``--model`` the embedded tiny model is first fine-tuned on the training records'
     demonstrations (``to_sft``, ``sft_settings``: :func:`sft_stage`), and PPO runs with
-    ``tiny_defaults`` over ``task_defaults``. With ``--resume`` the run continues with its
-    recorded config and model (:func:`config_from_args`), without an SFT stage. Returns the exit
-    status: 0, or 2 after printing a bad input's error (the data is checked before any model is
-    loaded)."""
+    ``tiny_defaults`` over ``task_defaults``; a line names the algorithm. Sampled evaluations draw
+    ``eval_samples_per_prompt`` samples of each prompt (more: a smaller standard error of the
+    change). With ``--resume`` the run continues with its recorded config and model
+    (:func:`config_from_args`), without an SFT stage. Returns the exit status: 0, or 2 after
+    printing a bad input's error (the data is checked before any model is loaded)."""
     try:
         sft_flags = args.sft_steps is not None or args.fresh
         if sft_flags and args.resume is not None:
@@ -464,15 +488,16 @@ def run_task_cli(
             model = sft_stage(config, train, to_sft, settings, fresh=args.fresh)
             config = dataclasses.replace(config, model_name=str(model))
         trainer = build(config)
+        print(algorithm_header(config))
         # Sampled evaluations (eval_temperature > 0) draw several samples per prompt: a steadier
         # mean. The training prompts are what PPO raises the reward on; the held-out ones show
         # whether that carries over.
-        repeats = 1 if config.eval_temperature == 0 else EVAL_SAMPLES_PER_PROMPT
+        repeats = 1 if config.eval_temperature == 0 else eval_samples_per_prompt
         evaluated = {"held-out prompts": held_out, "training prompts": train[:EVAL_TRAINING]}
         evaluated = {name: prompts for name, prompts in evaluated.items() if prompts}
         before = {name: evaluate_records(trainer, p, repeats) for name, p in evaluated.items()}
         for name, result in before.items():
-            print_evaluation(f"Before PPO, {name}", result)
+            print_evaluation(f"Before {ALGORITHM_NAMES[config.algorithm]}, {name}", result)
         history = train_on_records(
             trainer, records, eval_fraction=args.eval_fraction, resume_from=args.resume
         )

@@ -587,8 +587,8 @@ def check_before_and_after(stdout: str, held_out: bool) -> None:
     """The evaluations before and after PPO, each with its samples, and the verdicts."""
     names = ["training prompts"] + (["held-out prompts"] if held_out else [])
     for name in names:
-        for when in ("Before PPO", "After PPO"):
-            assert f"{when}, {name}: mean reward " in stdout, (when, name)
+        for when in ("Before", "After"):  # PPO, or the example's offline algorithm (GRPO)
+            assert re.search(f"{when} (PPO|GRPO), {name}: mean reward ", stdout), (when, name)
         assert re.search(f"mean reward on {name} (rose|did NOT clearly rise) ", stdout), name
     assert 2 * len(names) <= len(SAMPLE_LINE.findall(stdout)) <= 2 * len(names) * SHOWN_SAMPLES
 
