@@ -89,7 +89,7 @@ TINY_DEFAULTS: dict[str, Any] = dict(
     max_new_tokens=32,
     batch_size=4,
     learning_rate=1e-3,
-    total_steps=30,
+    total_steps=40,
     eval_temperature=0.7,
 )
 #: Samples of each prompt in the evaluations before and after RL (4 rather than the shared 2: a
