@@ -648,7 +648,11 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
 
     main = [r for r in results if not r.spec.label.startswith(("tokens=", "batch="))]
     colors = {"mlx": "#1f77b4", "trl": "#ff7f0e", "mlx-lm-lora": "#8c564b", "textpolicy": "#e377c2"}
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    sweeps = [kind for kind in SWEEP_KINDS if scaling_points(results, kind)]
+    # Without a sweep (--no-sweep) the chart is the top row alone, not two empty panels.
+    rows = 2 if sweeps else 1
+    fig, axes_grid = plt.subplots(rows, 2, figsize=(13, 4.5 * rows), squeeze=False)
+    axes = list(axes_grid)
 
     ax = axes[0][0]
     configs = sorted({(r.spec.label, r.spec.algorithm) for r in main}, key=_config_order)
@@ -693,7 +697,8 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     bars = [
         (
             r,
-            f"{r.spec.label}\n{r.spec.algorithm.upper()}\n{short.get(r.spec.system, r.spec.system)}",
+            f"{_narrow(r.spec.label)}\n{r.spec.algorithm.upper()}\n"
+            f"{short.get(r.spec.system, r.spec.system)}",
         )
         for r in main
     ]
@@ -717,7 +722,7 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     ax.set_title("Where the time goes")
     ax.legend(loc="lower right", fontsize=8)
 
-    for ax, kind in zip(axes[1], SWEEP_KINDS):
+    for ax, kind in zip(axes[1] if sweeps else [], SWEEP_KINDS):
         points = scaling_points(results, kind)
         if points:
             xs = [x for x, _, _ in points]
@@ -746,6 +751,13 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _narrow(label: str) -> str:
+    """A configuration's label on two lines where it is long (``smollm2-\\n135m``), so that
+    the split chart's bar labels do not run into each other."""
+    head, sep, tail = label.partition("-")
+    return f"{head}{sep}\n{tail}" if len(label) > 8 and sep else label
 
 
 def _config_order(key: tuple[str, str]) -> tuple[int, str, int]:
