@@ -15,7 +15,6 @@ from mlx.utils import tree_flatten
 
 from base_setup.backend import blas_info
 from config.ppo_config import PPOConfig
-from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.generator import generate
@@ -23,34 +22,15 @@ from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.rollout import rollout_keys
 from ppo_trainer.rollout_worker import RolloutWorker, RolloutWorkerError, WorkerSpec
 
-PROMPTS = review_prompts(16, seed=0)
-
-
-def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
-    """A reward the tiny model can move: the share of the letter 'e' in the completion."""
-    return [c.count("e") / max(len(c), 1) for c in completions]
+from tests.test_ppo_trainer import PROMPTS, e_rate
+from tests.test_ppo_trainer import make_config as ppo_config
+from tests.test_ppo_trainer import trainable
 
 
 def make_config(tiny_model_dir: Path, run_dir: Path, **overrides: Any) -> PPOConfig:
-    settings: dict[str, Any] = dict(
-        model_name=str(tiny_model_dir),
-        max_new_tokens=8,
-        batch_size=4,
-        learning_rate=1e-3,
-        num_ppo_epochs=2,
-        num_mini_batches=2,
-        output_dir=str(run_dir),
-        progress_bar=False,
-        seed=0,
-        async_rollout=True,
-        total_steps=3,
-    )
-    settings.update(overrides)
-    return PPOConfig(**settings)
-
-
-def trainable(model: Any) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in dict(tree_flatten(model.trainable_parameters())).items()}
+    """test_ppo_trainer's tiny run with async rollouts, 3 steps, in ``run_dir``."""
+    settings: dict[str, Any] = dict(output_dir=str(run_dir), async_rollout=True, total_steps=3)
+    return ppo_config(tiny_model_dir, run_dir, **{**settings, **overrides})
 
 
 class Watch(TrainerCallback):
