@@ -859,3 +859,31 @@ def test_prints_and_log_lines_go_above_the_progress_bar(monkeypatch: pytest.Monk
     with output_beside_progress(False):
         print("plain")  # no bar: untouched
     assert written[-1] != "plain"
+
+
+def test_a_signal_inside_a_finaliser_is_delivered_again_after_it() -> None:
+    """SIGTERM while the model loaded sometimes struck inside a library object's ``__del__``
+    (regex's, as a tokenizer loaded): the exception raised there was printed as "Exception
+    ignored" and the command went on to exit 0. The handler now re-delivers the signal once the
+    finaliser has returned, and raises anywhere else."""
+    import sys as _sys
+
+    from training.run_control import Interrupted, raise_interrupted
+
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+
+        class Finalised:
+            def __del__(self) -> None:
+                raise_interrupted(signal.SIGUSR1, _sys._getframe())
+
+        Finalised()  # collected at once: __del__ runs the handler, which must not raise there
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert received == [signal.SIGUSR1]
+        with pytest.raises(Interrupted, match="SIGUSR1"):
+            raise_interrupted(signal.SIGUSR1, _sys._getframe())
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -78,7 +78,11 @@ def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Pa
     history = trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
 
     assert len(history) == 3
-    assert without_times(history[0]) == without_times(sync_history[0])
+    # Equal up to summation order: a fresh async run gives the trainer half the OpenBLAS
+    # threads (the worker the other half), so its matmuls may add in another order.
+    assert without_times(history[0]) == pytest.approx(
+        without_times(sync_history[0]), rel=1e-4, abs=1e-5
+    )
     assert "time/generation_wait" in history[1]
     after = trainable(trainer.policy)
     assert not [k for k in before if np.array_equal(before[k], after[k])]

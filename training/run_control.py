@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -58,6 +59,15 @@ class Interrupted(KeyboardInterrupt):
 def raise_interrupted(signum: int, frame: FrameType | None) -> None:
     """A signal handler that raises :class:`Interrupted` (what ``main.py`` installs for SIGTERM:
     outside the training loop it ends the command like Ctrl-C, with a message)."""
+    running: FrameType | None = frame
+    while running is not None:
+        if running.f_code.co_name == "__del__":
+            # Raised within a finaliser (a library object collected while loading), the
+            # exception would be printed and ignored, and the command would go on: deliver the
+            # signal again once the finaliser has returned.
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        running = running.f_back
     raise Interrupted(signal.Signals(signum).name)
 
 
