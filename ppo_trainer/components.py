@@ -98,14 +98,13 @@ def build_models(
         ValueError: no reward, a reward that is not callable, or a quantized policy without
             LoRA.
     """
-    lora = LoraSettings.from_model_config(config) if config.use_lora else None
-    if lora is not None and lora.dropout > 0:
+    if config.use_lora and config.lora_dropout > 0:
         # As TRL's PPO / GRPO trainers (which disable dropout): with dropout the policy's
         # log-probs in the loss would differ from the rollout's on the same weights.
         logger.warning(
             "lora_dropout %g is not used by PPO / GRPO (no dropout in the policy: its ratio "
             "to the rollout's log-probs must start at 1); it acts in SFT and reward training",
-            lora.dropout,
+            config.lora_dropout,
         )
     fast = config.fast_math
     policy = policy or load_policy(config)

@@ -111,6 +111,30 @@ class Rollout:
         )
 
 
+def sample_responses(
+    policy: PolicyModel,
+    prompt_ids: list[list[int]],
+    sampling: SamplingSettings,
+    keys: mx.array | None = None,
+) -> GenerationOutput:
+    """Phase 1: ``policy``'s responses to ``prompt_ids`` with ``sampling``, with their sampling
+    log-probs and entropy (batched, KV cache, stopping at the stop tokens; the filters only when
+    sampling, not greedy). ``keys``: one PRNG key per sequence, or None for the global state.
+    The trainer's rollouts and the asynchronous rollout worker both sample with it."""
+    return generate(
+        policy,
+        prompt_ids,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+        top_k=sampling.top_k if sampling.temperature > 0 else 0,
+        stop_token_ids=list(sampling.stop_token_ids),
+        pad_token_id=sampling.pad_token_id,
+        return_logprobs=True,
+        keys=keys,
+    )
+
+
 def collect_rollout(
     policy: PolicyModel,
     ref_model: ReferenceModel,
@@ -146,18 +170,7 @@ def collect_rollout(
             )
         gen = generation
     else:
-        gen = generate(
-            policy,
-            prompt_ids,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
-            top_k=sampling.top_k if sampling.temperature > 0 else 0,
-            stop_token_ids=list(sampling.stop_token_ids),
-            pad_token_id=sampling.pad_token_id,
-            return_logprobs=True,
-            keys=keys,
-        )
+        gen = sample_responses(policy, prompt_ids, sampling, keys)
     num_tokens = gen.responses.shape[1]
     mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)  # (B, T)
     query_responses, prompt_lengths = build_query_responses(

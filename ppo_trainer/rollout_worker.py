@@ -252,7 +252,7 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
 
     from base_setup.backend import blas_info, run_blas_threads
     from ppo_trainer.components import load_policy
-    from ppo_trainer.generator import generate
+    from ppo_trainer.rollout import sample_responses
 
     if spec.blas_threads is not None:
         run_blas_threads(spec.blas_threads)
@@ -260,7 +260,6 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
     flat: dict[str, Any] = dict(tree_flatten(policy.trainable_parameters()))
     trainable = {k: v.shape for k, v in flat.items()}
     conn.send(("ready", os.getpid(), blas_info().name))
-    sampling = spec.sampling
     while True:
         try:
             message = conn.recv()
@@ -280,17 +279,6 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
                 "builds the worker's policy from the config; the trainer's must be built the same way"
             )
         policy.load_weights(list(weights.items()), strict=False)
-        gen = generate(
-            policy,
-            prompt_ids,
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            stop_token_ids=list(sampling.stop_token_ids),
-            pad_token_id=sampling.pad_token_id,
-            return_logprobs=True,
-            keys=mx.array(keys),
-        )
+        gen = sample_responses(policy, prompt_ids, spec.sampling, mx.array(keys))
         arrays = {name: np.array(getattr(gen, name)) for name in _FIELDS}
         conn.send(("result", step, arrays))

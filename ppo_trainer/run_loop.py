@@ -58,7 +58,6 @@ class TrainingRun:
         self.num_epochs = num_epochs
         self.callbacks = as_callbacks(callbacks)
         self.eval_prompts = eval_prompts
-        self._steps_per_epoch = 1
 
     def run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
         """The whole run; returns the trainer's per-step history."""
@@ -66,7 +65,6 @@ class TrainingRun:
         cfg = t.config
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
-        self._steps_per_epoch = steps_per_epoch
         t._last_step = total
         t._callbacks = self.callbacks
         self._check_run_dir(resuming=resume_from is not None)
@@ -97,7 +95,9 @@ class TrainingRun:
             t._rollout_worker = worker if isinstance(worker, RolloutWorker) else None
             try:
                 while t.global_step < total and not stop.requested:
-                    metrics = t.step(self._next_batch(), self._batch_after_next(total))
+                    metrics = t.step(
+                        self._next_batch(), self._batch_after_next(total, steps_per_epoch)
+                    )
                     self._record(metrics, steps_per_epoch, total, run_log)
                     if cfg.save_every and t.global_step % cfg.save_every == 0:
                         t.save_checkpoint()
@@ -192,7 +192,7 @@ class TrainingRun:
         """The prompts of the next step (see :meth:`_batch_at`)."""
         return self._batch_at(self.trainer.epoch, self.trainer.step_in_epoch)
 
-    def _batch_after_next(self, total: int) -> list[PromptInput] | None:
+    def _batch_after_next(self, total: int, steps_per_epoch: int) -> list[PromptInput] | None:
         """With async_rollout, the prompts of the step after the next one (what the worker
         generates while the next one updates); None without it or when the next step is the
         run's last."""
@@ -200,7 +200,7 @@ class TrainingRun:
         if not t.config.async_rollout or t.global_step + 1 >= total:
             return None
         epoch, position = t.epoch, t.step_in_epoch + 1
-        if position == self._steps_per_epoch:
+        if position == steps_per_epoch:
             epoch, position = epoch + 1, 0
         return self._batch_at(epoch, position)
 
