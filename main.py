@@ -115,18 +115,14 @@ def _run_config(args: argparse.Namespace, cls: type[Any]) -> Any:
     ``--resume``, over the resumed run's own config instead (as its checkpoint recorded it), so
     that a setting not given again keeps the run's value rather than its default. ``output_dir``
     (where ``latest`` is looked for) comes from ``--config`` / ``--set`` as for a fresh run."""
-    from config.loading import given_value, load_config
-    from training.run_control import resumed_run_config
+    from config.loading import load_config
+    from training.run_control import load_resumed_config
 
     overrides = _overrides(args)
     resume = getattr(args, "resume", None)
-    if resume is None:
-        return load_config(args.config, overrides, cls=cls)
-    run_dir = given_value("output_dir", args.config, overrides, cls)
-    base = resumed_run_config(run_dir, resume)
-    if base is not None and resume == "latest":
-        base["output_dir"] = run_dir  # the folder it was found in, wherever the run began
-    return load_config(args.config, overrides, cls=cls, base=base)
+    resumed = None if resume is None else load_resumed_config(args.config, overrides, resume, cls)
+    # Without a recorded config the resume itself fails, naming what is missing.
+    return resumed if resumed is not None else load_config(args.config, overrides, cls=cls)
 
 
 def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, list[Any]]:

@@ -28,7 +28,7 @@ import logging
 import math
 from pathlib import Path
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
@@ -370,20 +370,18 @@ def _resumed_config(
         ValueError: no checkpoint with a recorded config where ``--resume`` points.
     """
     from config.loading import given_value
-    from training.run_control import resumed_run_config
+    from training.run_control import load_resumed_config
 
     where = [] if args.config is not None else [f"output_dir={default_output_dir}"]
     run_dir = given_value("output_dir", args.config, [*where, *given])
-    base = resumed_run_config(run_dir, args.resume)
-    if base is None:
+    config = load_resumed_config(args.config, given, args.resume, PPOConfig, run_dir=run_dir)
+    if config is None:
         place = Path(run_dir) / "checkpoints" if args.resume == "latest" else args.resume
         raise ValueError(
             f"--resume {args.resume}: no checkpoint with a recorded config at {place}; start "
             "without --resume, or give --output-dir of the run to continue"
         )
-    if args.resume == "latest":
-        base["output_dir"] = run_dir  # the folder it was found in, wherever the run began
-    return load_config(args.config, given, base=base)
+    return cast(PPOConfig, config)
 
 
 def _sets_model(args: argparse.Namespace) -> bool:

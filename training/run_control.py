@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -253,6 +253,31 @@ def resumed_run_config(run_dir: str | Path, resume_from: str | Path) -> dict[str
     if not isinstance(config, dict):
         return None
     return {k: v for k, v in config.items() if k != "overwrite_output_dir"}
+
+
+def load_resumed_config(
+    config_file: str | Path | None,
+    overrides: Sequence[str],
+    resume_from: str | Path,
+    cls: type[Any],
+    run_dir: str | Path | None = None,
+) -> Any | None:
+    """The ``cls`` config of a command that resumes ``resume_from``: the resumed run's recorded
+    config (:func:`resumed_run_config`) as the base, with ``config_file`` and ``overrides`` on
+    top, so that a setting not given again keeps the run's value rather than its default. The
+    run is looked for in ``run_dir``, by default the ``output_dir`` that ``config_file`` and
+    ``overrides`` give (as for a fresh run); for ``"latest"`` the config keeps that folder,
+    wherever the run began. None when no checkpoint there records a config."""
+    from config.loading import given_value, load_config
+
+    if run_dir is None:
+        run_dir = given_value("output_dir", config_file, overrides, cls)
+    base = resumed_run_config(run_dir, resume_from)
+    if base is None:
+        return None
+    if str(resume_from) == "latest":
+        base["output_dir"] = str(run_dir)
+    return load_config(config_file, overrides, cls=cls, base=base)
 
 
 def continue_timeline(checkpoints: Any, step: int) -> None:
