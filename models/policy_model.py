@@ -91,8 +91,22 @@ def lm_logits_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.
     if head is None:
         logits = lm(input_ids)  # (B, L, V)
         return mx.take_along_axis(logits, positions[..., None], axis=1)  # (B, T, V)
+    return head(lm_hidden_at(lm, input_ids, positions))  # (B, T, V)
+
+
+def lm_hidden_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.array:
+    """Last hidden states ``(B, T, D)`` of ``lm``'s backbone at ``positions`` ``(B, T)``: what
+    :func:`lm_head` maps to the logits :func:`lm_logits_at` gives (call only where that head is
+    not None)."""
     hidden = lm.model(input_ids)  # (B, L, D)
-    return head(mx.take_along_axis(hidden, positions[..., None], axis=1))  # (B, T, V)
+    return mx.take_along_axis(hidden, positions[..., None], axis=1)  # (B, T, D)
+
+
+def lm_head(lm: nn.Module) -> Any:
+    """The LM head of ``lm`` as a function of its backbone's last hidden states (``lm_head`` or the
+    tied embedding's ``as_linear``), or None for a model whose logits are computed some other way
+    (soft-capping, scaling), checked once per model."""
+    return _split_head(lm)
 
 
 def _split_head(lm: nn.Module) -> Any:
@@ -260,6 +274,15 @@ class PolicyModel(nn.Module):
     def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
         """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only (see :func:`lm_logits_at`)."""
         return lm_logits_at(self.model, input_ids, positions)
+
+    def output_head(self) -> Any:
+        """The LM head, a function of the hidden states :meth:`hidden_at` gives, or None (see
+        :func:`lm_head`)."""
+        return lm_head(self.model)
+
+    def hidden_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        """Last hidden states ``(B, T, D)`` at ``positions`` ``(B, T)`` (see :func:`lm_hidden_at`)."""
+        return lm_hidden_at(self.model, input_ids, positions)
 
     def _warn_if_mlx_lm_misreads_the_base(self) -> None:
         """Adapters are used over the base as it is on disk, where mlx-lm on its own misreads a

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup.lora_setup import adapters_disabled, lora_modules
-from models.policy_model import PolicyModel, lm_logits_at
+from models.policy_model import PolicyModel, lm_head, lm_hidden_at, lm_logits_at
 
 
 class ReferenceModel:
@@ -82,3 +82,18 @@ class ReferenceModel:
         else:
             logits = lm_logits_at(self.model, input_ids, positions)
         return mx.stop_gradient(logits)
+
+    def output_head(self) -> Any:
+        """The LM head, a function of the hidden states :meth:`hidden_at` gives, or None (see
+        :func:`models.policy_model.lm_head`); LoRA never adapts it, so it is the base's."""
+        return lm_head(self.model)
+
+    def hidden_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        """Last hidden states ``(B, T, D)`` at ``positions`` ``(B, T)``, as a constant (see
+        :func:`models.policy_model.lm_hidden_at`)."""
+        if self.shares_policy_weights:
+            with adapters_disabled(self.model):
+                hidden = lm_hidden_at(self.model, input_ids, positions)
+        else:
+            hidden = lm_hidden_at(self.model, input_ids, positions)
+        return mx.stop_gradient(hidden)

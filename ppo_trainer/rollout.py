@@ -28,7 +28,7 @@ from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
     response_positions,
-    token_logprobs,
+    response_logprobs,
 )
 
 #: ``score(completions, query_responses, sequence_lengths) -> (B,)``: the trainer's reward, with
@@ -183,15 +183,18 @@ def collect_rollout(
     positions = response_positions(prompt_lengths, num_tokens)  # (B, T)
     logprobs, entropy = gen.logprobs, gen.entropy
     if sampling.logprobs_from == "forward":
-        logprobs, entropy = token_logprobs(
-            policy.logits_at(query_responses, positions),
+        logprobs, entropy = response_logprobs(
+            policy,
+            query_responses,
+            positions,
             gen.responses,
             temperature,
             with_entropy=True,
+            differentiable=False,
         )
     assert logprobs is not None and entropy is not None
-    ref_logprobs, _ = token_logprobs(
-        ref_model.logits_at(query_responses, positions), gen.responses, temperature
+    ref_logprobs, _ = response_logprobs(
+        ref_model, query_responses, positions, gen.responses, temperature, differentiable=False
     )
     values = None
     if value_model is not None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
-from token_attribution.sequences import gather_positions, response_positions, token_logprobs
+from token_attribution.sequences import gather_positions, response_logprobs, response_positions
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
@@ -43,8 +43,8 @@ def policy_loss_fn(config: Any) -> LossFn:
         # The model call is inside the differentiated function; every mb.* array is a rollout
         # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
         positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])  # (b, T)
-        logprobs, _ = token_logprobs(
-            policy.logits_at(mb.query_responses, positions), mb.responses, config.temperature
+        logprobs, _ = response_logprobs(
+            policy, mb.query_responses, positions, mb.responses, config.temperature
         )
         high = config.clip_epsilon_high
         if config.algorithm == "grpo":

@@ -13,6 +13,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten as _tree_flatten
+from mlx.utils import tree_unflatten
 
 from base_setup.fast_layers import accelerate_model
 from base_setup.lora_setup import (
@@ -499,3 +500,56 @@ def test_a_model_folder_without_tokenizer_files_is_named(
         shutil.copy(tiny_model_dir / name, bare / name)
     with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
         PolicyModel.from_pretrained(bare)
+
+
+def test_response_logprobs_from_hidden_states_equal_the_logits_path(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA policy's frozen head takes the blockwise path (no logits_at call) with the same
+    log-probs and LoRA gradients as the logits path; the reference (adapters off) gives the
+    base's; a fully trained policy's head is trainable and keeps the logits path, whose
+    gradient reaches the head's weight."""
+    from token_attribution.sequences import response_logprobs, token_logprobs
+
+    tokens = mx.array(np.random.default_rng(0).integers(0, 500, (2, 9)))
+    positions = mx.array([[3, 4, 5, 6], [4, 5, 6, 7]])
+    responses = mx.array(np.random.default_rng(1).integers(0, 500, (2, 4)))
+    policy = PolicyModel.from_pretrained(tiny_model_dir, lora=LoraSettings(4, 8.0, 0.0))
+    nonzero_b = [  # non-zero adapters, so the policy differs from the base
+        (name, mx.full(param.shape, 0.05))
+        for name, param in _flat(policy.model.trainable_parameters())
+        if name.endswith("lora_b")
+    ]
+    policy.model.update(tree_unflatten(nonzero_b))
+    reference = ReferenceModel.from_policy(policy)
+
+    def naive_loss(model: nn.Module) -> mx.array:
+        return token_logprobs(policy.logits_at(tokens, positions), responses, 0.8)[0].sum()
+
+    def fused_loss(model: nn.Module) -> mx.array:
+        return response_logprobs(policy, tokens, positions, responses, 0.8)[0].sum()
+
+    want, want_grads = nn.value_and_grad(policy.model, naive_loss)(policy.model)
+    calls = []
+    monkeypatch.setattr(policy, "logits_at", lambda *a: calls.append(a))
+    got, got_grads = nn.value_and_grad(policy.model, fused_loss)(policy.model)
+    assert not calls  # the blockwise path
+    np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5)
+    for (name, g), (_, w) in zip(_flat(got_grads), _flat(want_grads)):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-3, atol=1e-6, err_msg=name)
+    monkeypatch.undo()
+
+    base_lp, _ = response_logprobs(reference, tokens, positions, responses, differentiable=False)
+    want_base = token_logprobs(reference.logits_at(tokens, positions), responses)[0]
+    np.testing.assert_allclose(np.array(base_lp), np.array(want_base), atol=1e-5)
+    policy_lp, _ = response_logprobs(policy, tokens, positions, responses, differentiable=False)
+    assert policy_lp.shape == (2, 4)
+    assert not np.allclose(np.array(base_lp), np.array(policy_lp), atol=1e-4)
+
+    full = PolicyModel.from_pretrained(tiny_model_dir)
+    grads = nn.value_and_grad(
+        full.model,
+        lambda m: response_logprobs(full, tokens, positions, responses)[0].sum(),
+    )(full.model)[1]
+    head_grads = [g for name, g in _flat(grads) if "embed_tokens" in name or "lm_head" in name]
+    assert head_grads and all(float(mx.abs(g).max()) > 0 for g in head_grads)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from token_attribution.extractor import mask_truncated_completions
+from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
+from token_attribution.sequences import token_logprobs
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 SHAPES = [(1, 1, 2), (2, 3, 7), (3, 9, 50), (2, 16, 257)]
@@ -118,3 +123,113 @@ def test_mask_truncated_completions(dtype):
     )
     with pytest.raises(ValueError, match=r"one flag per row"):
         mask_truncated_completions(mx.array(mask), mx.array(ended[:3]))
+
+
+# ------------------------------------------------------------- log-probs from hidden states
+
+
+def _heads(dims: int, vocab: int) -> dict[str, tuple[nn.Module, Any]]:
+    """Each head layout FrozenHead takes: (module, head callable), frozen."""
+    linear = nn.Linear(dims, vocab, bias=False)
+    embedding = nn.Embedding(vocab, dims)
+    quantized = nn.QuantizedLinear(dims, vocab, bias=False, group_size=32, bits=4)
+    quantized_embedding = nn.QuantizedEmbedding(vocab, dims, group_size=32, bits=4)
+    heads = {
+        "linear": (linear, linear),
+        "tied": (embedding, embedding.as_linear),
+        "quantized": (quantized, quantized),
+        "quantized_tied": (quantized_embedding, quantized_embedding.as_linear),
+    }
+    for module, _ in heads.values():
+        module.freeze()
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["linear", "tied", "quantized", "quantized_tied"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("block_elements", [1, 150, 1 << 22])
+def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_elements):
+    """Values, entropy and the gradient w.r.t. the hidden states equal token_logprobs over the
+    head's full logits (the naive path), for one row per block, uneven blocks and one block."""
+    mx.random.seed(0)
+    dims, vocab = 64, 50
+    _, head = _heads(dims, vocab)[kind]
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    hidden = mx.random.normal((3, 7, dims))
+    tokens = mx.random.randint(0, vocab, (3, 7))
+    cot = mx.random.normal((3, 7))
+
+    def fused(h: mx.array) -> mx.array:
+        lp, _ = head_token_logprobs(h, frozen, tokens, temperature, block_elements=block_elements)
+        return (cot * lp).sum()
+
+    def naive(h: mx.array) -> mx.array:
+        return (cot * token_logprobs(head(h), tokens, temperature)[0]).sum()
+
+    got, got_grad = mx.value_and_grad(fused)(hidden)
+    want, want_grad = mx.value_and_grad(naive)(hidden)
+    np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(got_grad), np.array(want_grad), rtol=1e-4, atol=1e-6)
+    assert float(mx.abs(got_grad).max()) > 0.0
+    for differentiable in (True, False):
+        lp, entropy = head_token_logprobs(
+            hidden,
+            frozen,
+            tokens,
+            temperature,
+            with_entropy=True,
+            differentiable=differentiable,
+            block_elements=block_elements,
+        )
+        want_lp, want_entropy = token_logprobs(head(hidden), tokens, temperature, True)
+        assert lp.shape == (3, 7) and lp.dtype == mx.float32
+        np.testing.assert_allclose(np.array(lp), np.array(want_lp), rtol=1e-5, atol=1e-5)
+        assert entropy is not None and want_entropy is not None
+        np.testing.assert_allclose(np.array(entropy), np.array(want_entropy), atol=1e-5)
+
+
+def test_head_token_logprobs_against_numpy_in_bfloat16():
+    """bfloat16 hidden states and weight: float32 log-probs near float64 numpy's, gradient in the
+    hidden states' dtype."""
+    rng = np.random.default_rng(1)
+    weight = rng.normal(size=(40, 16)).astype(np.float32)
+    hidden = rng.normal(size=(2, 5, 16)).astype(np.float32)
+    tokens = rng.integers(0, 40, size=(2, 5))
+    head = nn.Linear(16, 40, bias=False)
+    head.weight = mx.array(weight).astype(mx.bfloat16)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    h = mx.array(hidden).astype(mx.bfloat16)
+    lp, _ = head_token_logprobs(h, frozen, mx.array(tokens), block_elements=80)
+    logits = np.array(h.astype(mx.float32)) @ np.array(head.weight.astype(mx.float32)).T
+    want = np.take_along_axis(np_log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.array(lp), want, atol=0.1)
+    grad = mx.grad(lambda x: head_token_logprobs(x, frozen, mx.array(tokens))[0].sum())(h)
+    assert grad.dtype == mx.bfloat16 and grad.shape == h.shape
+
+
+def test_frozen_head_takes_only_frozen_linear_heads():
+    """A trainable head (its gradient would be lost), a LoRA-wrapped head or any other function
+    is refused (None), so callers take the logits path; for scoring, trainable is fine."""
+    linear = nn.Linear(8, 20, bias=False)
+    assert FrozenHead.of(linear) is None
+    assert FrozenHead.of(linear, require_frozen=False) is not None
+    embedding = nn.Embedding(20, 8)
+    assert FrozenHead.of(embedding.as_linear) is None
+    embedding.freeze()
+    assert FrozenHead.of(embedding.as_linear) is not None
+    assert FrozenHead.of(lambda h: h) is None
+    assert FrozenHead.of(nn.Sequential(nn.Linear(8, 20))) is None
+
+
+def test_head_token_logprobs_rejects_bad_input():
+    head = nn.Linear(4, 6, bias=False)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 2), mx.int32), 0.0)
+    with pytest.raises(ValueError, match=r"hidden must be \(B, T, D\)"):
+        head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 3), mx.int32))

@@ -9,11 +9,12 @@ never influences earlier positions of a causal model, so right padding is exact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 
@@ -80,3 +81,60 @@ def token_logprobs(
     logprobs = selective_log_softmax(scored, responses)
     entropy = entropy_from_logits(scored) if with_entropy else None
     return logprobs, entropy
+
+
+class ScoringModel(Protocol):
+    """What :func:`response_logprobs` needs of a model (``PolicyModel``, ``ReferenceModel``)."""
+
+    def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array: ...
+
+    def hidden_at(self, input_ids: mx.array, positions: mx.array) -> mx.array: ...
+
+    def output_head(self) -> Any: ...
+
+
+def response_logprobs(
+    model: ScoringModel,
+    query_responses: mx.array,
+    positions: mx.array,
+    responses: mx.array,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    differentiable: bool = True,
+) -> tuple[mx.array, mx.array | None]:
+    """Per-token log-probs (and entropy) of the responses under ``model``, at ``temperature``.
+
+    The same values as ``token_logprobs(model.logits_at(query_responses, positions), responses,
+    temperature, with_entropy)``. Where the model's LM head is a frozen linear or tied-embedding
+    layer (float or quantized), they come blockwise from the hidden states
+    (:func:`token_attribution.head_logprobs.head_token_logprobs`), without the (B, T, V)
+    logits; otherwise (a trainable head, a model with scaled or capped logits) through the logits.
+
+    Args:
+        model: the policy or reference model.
+        query_responses: (B, L) prompt + response tokens (:func:`build_query_responses`).
+        positions: (B, T) positions that score the response tokens (:func:`response_positions`).
+        responses: (B, T) response tokens.
+        temperature: the sampling temperature.
+        with_entropy: also return the (B, T) entropy (a constant on the blockwise path).
+        differentiable: False for scoring passes that take no gradient (skips the blockwise
+            path's gradient work).
+
+    Returns:
+        ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
+    """
+    head = model.output_head()
+    frozen = None if head is None else FrozenHead.of(head, require_frozen=differentiable)
+    if frozen is None:
+        return token_logprobs(
+            model.logits_at(query_responses, positions), responses, temperature, with_entropy
+        )
+    return head_token_logprobs(
+        model.hidden_at(query_responses, positions),
+        frozen,
+        responses,
+        temperature,
+        with_entropy=with_entropy,
+        differentiable=differentiable,
+    )
