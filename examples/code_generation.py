@@ -1,5 +1,5 @@
-"""Code generation with PPO: the policy completes Python functions, rewarded by the fraction of
-their unit tests that the generated code passes.
+"""Code generation with RL (PPO; GRPO in the offline run): the policy completes Python functions,
+rewarded by the fraction of their unit tests that the generated code passes.
 
 Each task is a function stub (signature and docstring) with assert-based tests. The policy either
 continues the stub (``prompt_style="completion"``, base models: the program is the stub plus the
