@@ -223,6 +223,19 @@ def test_bundled_code_solutions_pass_every_test() -> None:
     assert solved == [1.0] * len(records)
 
 
+def test_bundled_code_solutions_fit_the_tiny_runs_token_limit() -> None:
+    """Each reference solution and the end-of-sequence token fit in the offline run's
+    max_new_tokens of the embedded model's tokenizer, so the SFT stage shows whole programs and a
+    sampled program can be as long as the reference."""
+    from fixtures.tiny_model import TINY_SIZES, train_tokenizer
+
+    tokenizer = train_tokenizer(TINY_SIZES["demo"].vocab_size)
+    limit = code_generation.TINY_DEFAULTS["max_new_tokens"]
+    records = load_task_records(code_generation.BUNDLED_DATA, code_record)
+    lengths = {r["prompt"].split("(")[0]: len(tokenizer.encode(r["solution"]).ids) for r in records}
+    assert {name: n for name, n in lengths.items() if n + 1 > limit} == {}
+
+
 def test_mbpp_and_humaneval_records_become_stub_tasks() -> None:
     mbpp = {
         "text": "Write a function to triple a number.",
