@@ -21,8 +21,8 @@ models and shapes right after the iterations (median of ``floor_repeats`` after 
   evaluated;
 * ``head_forward``: the same for a scalar-head model (reward / value: no vocabulary projection);
 * ``lm_train_step``: forward + backward + AdamW update of the policy (the mean log-prob of the
-  response tokens, through the same ``lm_logits_at`` / ``selective_log_softmax`` / compiled
-  ``AdamW`` the trainer uses);
+  response tokens, through the same ``response_logprobs`` (blockwise from the hidden states for
+  a frozen head, a LoRA policy's) / compiled ``AdamW`` the trainer uses);
 * ``head_train_step``: the same for the value (or reward) model with a squared loss.
 """
 
@@ -46,11 +46,10 @@ from benchmarks.throughput_spec import (
 )
 from base_setup import fast_math
 from config.ppo_config import PPOConfig
-from models.policy_model import lm_logits_at
 from ppo_trainer import rollout as rollout_module
 from ppo_trainer.generator import inverse_cdf
 from ppo_trainer.ppo_trainer import PPOTrainer
-from token_attribution.logprob_computer import selective_log_softmax
+from token_attribution.sequences import response_logprobs
 from training.optimizer import AdamW
 
 #: Prompt length of the floor's sampling piece: the benchmark prompts' mean.
@@ -145,8 +144,8 @@ def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
     )  # (B, T)
 
     def lm_loss(model: nn.Module, ids: mx.array) -> mx.array:
-        logits = lm_logits_at(model, ids, positions)  # (B, T, V)
-        return -selective_log_softmax(logits, response).mean()
+        # trainer.policy runs ``model`` (value_and_grad swaps its parameters in place).
+        return -response_logprobs(trainer.policy, ids, positions, response)[0].mean()
 
     def head_loss(model: nn.Module, ids: mx.array) -> mx.array:
         return mx.square(model(ids)).mean()

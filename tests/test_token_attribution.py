@@ -131,11 +131,13 @@ def test_mask_truncated_completions(dtype):
 def _heads(dims: int, vocab: int) -> dict[str, tuple[nn.Module, Any]]:
     """Each head layout FrozenHead takes: (module, head callable), frozen."""
     linear = nn.Linear(dims, vocab, bias=False)
+    with_bias = nn.Linear(dims, vocab)
     embedding = nn.Embedding(vocab, dims)
     quantized = nn.QuantizedLinear(dims, vocab, bias=False, group_size=32, bits=4)
     quantized_embedding = nn.QuantizedEmbedding(vocab, dims, group_size=32, bits=4)
     heads = {
         "linear": (linear, linear),
+        "linear_bias": (with_bias, with_bias),
         "tied": (embedding, embedding.as_linear),
         "quantized": (quantized, quantized),
         "quantized_tied": (quantized_embedding, quantized_embedding.as_linear),
@@ -145,12 +147,13 @@ def _heads(dims: int, vocab: int) -> dict[str, tuple[nn.Module, Any]]:
     return heads
 
 
-@pytest.mark.parametrize("kind", ["linear", "tied", "quantized", "quantized_tied"])
+@pytest.mark.parametrize("kind", ["linear", "linear_bias", "tied", "quantized", "quantized_tied"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("block_elements", [1, 150, 1 << 22])
-def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_elements):
+@pytest.mark.parametrize("block_rows", [1, 7, None])
+def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_rows):
     """Values, entropy and the gradient w.r.t. the hidden states equal token_logprobs over the
-    head's full logits (the naive path), for one row per block, uneven blocks and one block."""
+    head's full logits (the naive path), for blocks of one vocabulary row, uneven blocks and one
+    block."""
     mx.random.seed(0)
     dims, vocab = 64, 50
     _, head = _heads(dims, vocab)[kind]
@@ -161,7 +164,7 @@ def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_elem
     cot = mx.random.normal((3, 7))
 
     def fused(h: mx.array) -> mx.array:
-        lp, _ = head_token_logprobs(h, frozen, tokens, temperature, block_elements=block_elements)
+        lp, _ = head_token_logprobs(h, frozen, tokens, temperature, block_rows=block_rows)
         return (cot * lp).sum()
 
     def naive(h: mx.array) -> mx.array:
@@ -180,13 +183,32 @@ def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_elem
             temperature,
             with_entropy=True,
             differentiable=differentiable,
-            block_elements=block_elements,
+            block_rows=block_rows,
         )
         want_lp, want_entropy = token_logprobs(head(hidden), tokens, temperature, True)
         assert lp.shape == (3, 7) and lp.dtype == mx.float32
         np.testing.assert_allclose(np.array(lp), np.array(want_lp), rtol=1e-5, atol=1e-5)
         assert entropy is not None and want_entropy is not None
         np.testing.assert_allclose(np.array(entropy), np.array(want_entropy), atol=1e-5)
+
+
+def test_head_token_logprobs_with_masked_vocabulary_rows():
+    """A head whose bias is -inf on some rows (a masked vocabulary), the first block entirely:
+    finite log-probs and gradients equal to the logits path's."""
+    head = nn.Linear(8, 30)
+    head.bias = mx.where(mx.arange(30) < 10, -mx.inf, 0.0)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    hidden = mx.random.normal((2, 3, 8), key=mx.random.key(3))
+    tokens = mx.random.randint(10, 30, (2, 3), key=mx.random.key(4))
+    got, grad = mx.value_and_grad(
+        lambda h: head_token_logprobs(h, frozen, tokens, block_rows=6)[0].sum()
+    )(hidden)
+    want, want_grad = mx.value_and_grad(lambda h: token_logprobs(head(h), tokens)[0].sum())(hidden)
+    assert np.isfinite(got.item()) and np.isfinite(np.array(grad)).all()
+    np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5)
+    np.testing.assert_allclose(np.array(grad), np.array(want_grad), rtol=1e-4, atol=1e-6)
 
 
 def test_head_token_logprobs_against_numpy_in_bfloat16():
@@ -202,7 +224,7 @@ def test_head_token_logprobs_against_numpy_in_bfloat16():
     frozen = FrozenHead.of(head)
     assert frozen is not None
     h = mx.array(hidden).astype(mx.bfloat16)
-    lp, _ = head_token_logprobs(h, frozen, mx.array(tokens), block_elements=80)
+    lp, _ = head_token_logprobs(h, frozen, mx.array(tokens), block_rows=16)
     logits = np.array(h.astype(mx.float32)) @ np.array(head.weight.astype(mx.float32)).T
     want = np.take_along_axis(np_log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.array(lp), want, atol=0.1)

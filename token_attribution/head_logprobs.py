@@ -1,10 +1,10 @@
 """Log-probs of the chosen tokens straight from the last hidden states and a frozen LM head, a
-block of positions at a time, never holding the (B, T, V) logits.
+block of the vocabulary at a time, never holding the (B, T, V) logits.
 
 At a real vocabulary (49k-152k) the LM head's output dwarfs the rest of a training step: 16 x 128
-positions x 49,152 is 100M logits, 400 MB in float32, and their log-softmax and its gradient are
-element-wise passes over all of it. For the chosen token ``y_t`` at a position with hidden state
-``h_t`` and head ``W`` (V, D), at temperature ``tau``::
+positions x 49,152 is 100M logits, 400 MB in float32 (1.2 GB at Qwen3's 151,936), and their
+log-softmax and its gradient are element-wise passes over all of it. For the chosen token
+``y_t`` at a position with hidden state ``h_t`` and head ``W`` (V, D), at temperature ``tau``::
 
     x_t        = W h_t / tau                          (V,)  logits
     logprob_t  = x_t[y_t] - logsumexp(x_t)
@@ -12,24 +12,29 @@ element-wise passes over all of it. For the chosen token ``y_t`` at a position w
 
 The gradient of ``logprob_t`` depends on ``h_t`` alone, and the loss reaches it through one scalar
 cotangent ``c_t``; so the forward pass computes that (D,) Jacobian row ``J_t`` with the log-prob,
-from the same ``exp`` pass (``softmax @ W`` is the head's own backward matmul), and the backward
-pass is ``c_t * J_t``. Per block of rows: one matmul for the logits, a max, one ``exp`` pass and a
-sum over the vocabulary, one matmul back (the same two matmuls as autodiff's path), against
-autodiff's logits, ``logsumexp`` (max, ``exp``, sum), a second ``exp`` pass for the softmax, a put
-of the one-hot along the vocabulary and the matmul; and the block's (rows, V) arrays are freed
-before the next block's. The same trick as fused linear cross-entropy kernels (Liger-Kernel's
-``FusedLinearCrossEntropy``), here for a per-token log-prob whose cotangent the PPO loss supplies.
+and the backward pass is ``c_t * J_t``. The same idea as fused linear cross-entropy kernels
+(Liger-Kernel's ``FusedLinearCrossEntropy``, Apple's Cut Cross-Entropy), here for a per-token
+log-prob whose cotangent the PPO loss supplies.
+
+It runs over blocks of the vocabulary, all positions at once, with an online softmax (Milakov &
+Gimelshein 2018): per block ``W_b`` of a few thousand rows, ``x_b = h W_b^T`` (N, V_b), the running
+row max ``m``, the running sum ``s = s e^(m_old - m) + sum exp(x_b - m)`` and the running
+``A = A e^(m_old - m) + exp(x_b - m) @ W_b`` (N, D), so that at the end ``lse = m + log s`` and
+``softmax @ W = A / s``. The head's weight is read once, each block's (N, V_b) arrays stay small
+(and in cache), and the work is the two matmuls autodiff's path does (logits, input gradient)
+with one ``exp`` pass instead of two and no one-hot put along the vocabulary.
 
 Only a frozen head: the head's weight gets no gradient here (a LoRA policy's head is frozen; a
 fully fine-tuned policy with a trainable head goes through autodiff, ``FrozenHead.of`` says
-which). Quantized heads (``QuantizedLinear``, a tied ``QuantizedEmbedding``) multiply through
-``mx.quantized_matmul`` both ways; the chosen rows ``W[y_t]`` are dequantized alone.
+which). Quantized heads (``QuantizedLinear``, a tied ``QuantizedEmbedding``) multiply each block
+through ``mx.quantized_matmul``; the chosen rows ``W[y_t]`` are dequantized alone.
+``benchmarks/head_logprobs.py`` measures it against the logits path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,18 +42,21 @@ from mlx.utils import tree_flatten
 
 from base_setup import fast_math
 
-#: Logits per block (rows x V): 4M float32 values, 16 MB; at a 49,152 vocabulary 85 positions.
-BLOCK_ELEMENTS = 1 << 22
+#: Logits per block (N positions x V_b vocabulary rows): 2M float32 values, 8 MB (at 2,048
+#: positions, 1,024 vocabulary rows); benchmarks/head_logprobs.py measured 1,024-2,048 rows best
+#: at both real vocabularies on a 2-core CPU.
+BLOCK_ELEMENTS = 1 << 21
+#: The fewest vocabulary rows per block (bounds the number of blocks for many positions).
+MIN_BLOCK_ROWS = 256
 
 
 @dataclass(frozen=True)
 class FrozenHead:
-    """An LM head ``x = head(h)`` (D -> V) with what its input gradient needs.
+    """A frozen LM head ``x = W h (+ bias)`` (D -> V), float or quantized, by blocks of its rows.
 
     Attributes:
-        call: the head as the model applies it (``lm_head`` or the tied embedding's
-            ``as_linear``): (..., D) -> (..., V) logits.
-        weight: (V, D) weight, or the packed quantized one.
+        weight: (V, D) weight, or the packed quantized one (V, D * bits / 32).
+        bias: (V,) bias of an ``nn.Linear`` head, or None.
         scales: quantization scales (None for a float weight).
         biases: quantization biases (None for a float weight or a mode without them).
         group_size: quantization group size.
@@ -56,8 +64,8 @@ class FrozenHead:
         mode: quantization mode (``mx.quantize``'s).
     """
 
-    call: Callable[[mx.array], mx.array]
     weight: mx.array
+    bias: mx.array | None = None
     scales: mx.array | None = None
     biases: mx.array | None = None
     group_size: int = 0
@@ -79,17 +87,54 @@ class FrozenHead:
             return None
         if require_frozen and tree_flatten(module.trainable_parameters()):
             return None
+        bias = module.get("bias") if isinstance(module, (nn.Linear, nn.QuantizedLinear)) else None
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return cls(
-                head,
                 module["weight"],
+                bias,
                 module["scales"],
                 module.get("biases"),
                 module.group_size,
                 module.bits,
                 getattr(module, "mode", "affine"),
             )
-        return cls(head, module["weight"])
+        return cls(module["weight"], bias)
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the head's output rows."""
+        return int(self.weight.shape[0])
+
+    def _quantized(self, x: mx.array, start: int, stop: int, transpose: bool) -> mx.array:
+        assert self.scales is not None
+        return mx.quantized_matmul(
+            x.astype(self.scales.dtype),
+            self.weight[start:stop],
+            self.scales[start:stop],
+            None if self.biases is None else self.biases[start:stop],
+            transpose=transpose,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+
+    def logits(self, hidden: mx.array, start: int, stop: int) -> mx.array:
+        """(N, D) -> (N, stop - start) float32 logits of vocabulary rows ``start:stop``."""
+        if self.scales is None:
+            out = hidden @ self.weight[start:stop].T
+        else:
+            out = self._quantized(hidden, start, stop, transpose=True)
+        if self.bias is not None:
+            out = out + self.bias[start:stop]
+        return out.astype(mx.float32)
+
+    def backward(self, cotangent: mx.array, start: int, stop: int) -> mx.array:
+        """(N, stop - start) -> (N, D) float32 ``cotangent @ W[start:stop]``: that block's part of
+        the head's input gradient."""
+        if self.scales is None:
+            weight = self.weight[start:stop]
+            return (cotangent.astype(weight.dtype) @ weight).astype(mx.float32)
+        return self._quantized(cotangent, start, stop, transpose=False).astype(mx.float32)
 
     def rows(self, tokens: mx.array) -> mx.array:
         """(N,) tokens -> (N, D) float32 rows ``W[tokens]`` (dequantized)."""
@@ -105,80 +150,61 @@ class FrozenHead:
             mode=self.mode,
         ).astype(mx.float32)
 
-    def backward(self, cotangent: mx.array) -> mx.array:
-        """(N, V) -> (N, D) float32 ``cotangent @ W``: the head's input gradient."""
-        if self.scales is None:
-            return (cotangent.astype(self.weight.dtype) @ self.weight).astype(mx.float32)
-        out = mx.quantized_matmul(
-            cotangent.astype(self.scales.dtype),
-            self.weight,
-            self.scales,
-            self.biases,
-            transpose=False,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
-        return out.astype(mx.float32)
+
+def default_block_rows(vocab: int, positions: int) -> int:
+    """Vocabulary rows per block: :data:`BLOCK_ELEMENTS` logits over ``positions`` rows, at least
+    :data:`MIN_BLOCK_ROWS`, at most ``vocab``."""
+    return min(vocab, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(positions, 1)))
 
 
-def _block_rows(vocab: int, rows: int, block_elements: int) -> int:
-    """Rows per block: ``block_elements`` logits, at least one row, at most all."""
-    return max(1, min(rows, block_elements // max(vocab, 1)))
-
-
-def _block(
+def _online_softmax(
     head: FrozenHead,
     hidden: mx.array,
     tokens: mx.array,
     inv_temperature: float,
     with_entropy: bool,
     with_jacobian: bool,
+    block_rows: int,
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """One block: (n, D) hidden, (n,) tokens -> (n,) log-probs, (n,) entropy or None, (n, D)
-    Jacobian rows or None; every (n, V) array is local to the block."""
-    x = head.call(hidden).astype(mx.float32)  # (n, V)
-    if inv_temperature != 1.0:
-        x = x * inv_temperature
-    # w = exp(x - max) with its sum: softmax = w / total, from the one exp pass.
-    lse, w, total = fast_math.logsumexp_parts(x, axis=-1)  # (n, 1), (n, V), (n, 1)
-    logprobs = (mx.take_along_axis(x, tokens[:, None], axis=-1) - lse)[:, 0]  # (n,)
-    entropy = (lse - (w * x).sum(axis=-1, keepdims=True) / total)[:, 0] if with_entropy else None
+    """(N, D) hidden, (N,) tokens -> (N,) log-probs, (N,) entropy or None, (N, D) Jacobian rows
+    or None, over blocks of the vocabulary (module docstring); every (N, V_b) array is local to
+    its block."""
+    vocab = head.vocab_size
+    col = tokens[:, None]  # (N, 1)
+    n = hidden.shape[0]
+    # Running row max, sum of exp(x - max), chosen logit, sum of exp(x - max) * x, and
+    # exp(x - max) @ W; each block rescales them by exp(old max - new max) (0 at the start).
+    m = mx.full((n, 1), -mx.inf)
+    s = mx.zeros((n, 1))
+    chosen = mx.zeros((n, 1))
+    xsum = mx.zeros((n, 1))
+    acc = mx.zeros((n, hidden.shape[1]))
+    for start in range(0, vocab, block_rows):
+        stop = min(start + block_rows, vocab)
+        x = head.logits(hidden, start, stop)  # (N, V_b)
+        if inv_temperature != 1.0:
+            x = x * inv_temperature
+        new_m = mx.maximum(m, mx.stop_gradient(x.max(axis=-1, keepdims=True)))  # (N, 1)
+        new_m = mx.where(mx.isinf(new_m), 0.0, new_m)  # a row of -inf so far: no NaN
+        rescale = fast_math.exp(m - new_m)  # (N, 1)
+        e = fast_math.exp(x - new_m)  # (N, V_b)
+        s = s * rescale + e.sum(axis=-1, keepdims=True)
+        here = (col >= start) & (col < stop)  # (N, 1): the chosen token is in this block
+        picked = mx.take_along_axis(x, mx.clip(col - start, 0, stop - start - 1), axis=-1)
+        chosen = mx.where(here, picked, chosen)
+        if with_entropy:
+            xsum = xsum * rescale + (e * x).sum(axis=-1, keepdims=True)
+        if with_jacobian:
+            acc = acc * rescale + head.backward(e, start, stop)  # (N, D)
+        m = new_m
+    lse = m + mx.log(s)  # (N, 1)
+    logprobs = (chosen - lse)[:, 0]  # (N,)
+    entropy = (lse - xsum / s)[:, 0] if with_entropy else None
     jacobian = None
     if with_jacobian:
-        jacobian = head.rows(tokens) - head.backward(w) / total  # (n, D)
+        jacobian = head.rows(tokens) - acc / s  # (N, D)
         if inv_temperature != 1.0:
             jacobian = jacobian * inv_temperature
-    return logprobs, entropy, jacobian
-
-
-def _blocks(
-    head: FrozenHead,
-    hidden: mx.array,
-    tokens: mx.array,
-    inv_temperature: float,
-    with_entropy: bool,
-    with_jacobian: bool,
-    block_elements: int,
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """:func:`_block` over (N, D) hidden in blocks of rows, concatenated."""
-    step = _block_rows(head.weight.shape[0], hidden.shape[0], block_elements)
-    parts = [
-        _block(
-            head,
-            hidden[s : s + step],
-            tokens[s : s + step],
-            inv_temperature,
-            with_entropy,
-            with_jacobian,
-        )
-        for s in range(0, hidden.shape[0], step)
-    ]
-    logprobs = mx.concatenate([p[0] for p in parts])  # (N,)
-    entropy = mx.concatenate([p[1] for p in parts if p[1] is not None]) if with_entropy else None
-    jacobian = None
-    if with_jacobian:
-        jacobian = mx.concatenate([p[2] for p in parts if p[2] is not None])  # (N, D)
     return logprobs, entropy, jacobian
 
 
@@ -190,13 +216,13 @@ def head_token_logprobs(
     *,
     with_entropy: bool = False,
     differentiable: bool = True,
-    block_elements: int = BLOCK_ELEMENTS,
+    block_rows: int | None = None,
 ) -> tuple[mx.array, mx.array | None]:
-    """Log-probs of ``tokens`` under ``softmax(head(hidden) / temperature)``, blockwise.
+    """Log-probs of ``tokens`` under ``softmax(head(hidden) / temperature)``, by vocabulary blocks.
 
     Naive equivalent (which holds the (B, T, V) logits and, for the gradient, their softmax)::
 
-        token_logprobs(head.call(hidden), tokens, temperature, with_entropy)
+        token_logprobs(hidden @ W.T, tokens, temperature, with_entropy)  # W: the head's weight
 
     Args:
         hidden: (B, T, D) last hidden states at the positions that predict ``tokens``.
@@ -205,8 +231,8 @@ def head_token_logprobs(
         temperature: the sampling temperature (> 0).
         with_entropy: also return the (B, T) entropy of the scaled distribution, a constant.
         differentiable: give the log-probs their gradient w.r.t. ``hidden`` (the Jacobian rows
-            cost one more matmul per block; False for scoring passes that need none).
-        block_elements: logits per block of positions (rows x V).
+            cost the input gradient's matmul; False for scoring passes that need none).
+        block_rows: vocabulary rows per block (default: :func:`default_block_rows`).
 
     Returns:
         ``(logprobs, entropy)``: (B, T) float32 each; ``entropy`` is None unless asked for.
@@ -222,16 +248,22 @@ def head_token_logprobs(
     flat_hidden = hidden.reshape(batch * num_tokens, dims)  # (N, D)
     flat_tokens = tokens.reshape(batch * num_tokens)  # (N,)
     inv_temperature = 1.0 / temperature
+    if block_rows is None:
+        block_rows = default_block_rows(head.vocab_size, batch * num_tokens)
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
 
     if not differentiable:
-        logprobs, entropy, _ = _blocks(
-            head, flat_hidden, flat_tokens, inv_temperature, with_entropy, False, block_elements
+        logprobs, entropy, _ = _online_softmax(
+            head, flat_hidden, flat_tokens, inv_temperature, with_entropy, False, block_rows
         )
     else:
 
         @mx.custom_function
         def fused(h: mx.array, t: mx.array) -> tuple[mx.array, ...]:
-            lp, ent, jac = _blocks(head, h, t, inv_temperature, with_entropy, True, block_elements)
+            lp, ent, jac = _online_softmax(
+                head, h, t, inv_temperature, with_entropy, True, block_rows
+            )
             assert jac is not None
             return (lp, jac) if ent is None else (lp, jac, ent)
 
