@@ -563,6 +563,23 @@ def test_decode_profile_prints_every_piece_against_the_floor(
     assert "load average" in out
 
 
+def test_head_logprobs_benchmark_prints_both_paths_and_the_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import head_logprobs
+
+    head_logprobs.main(["--model", "toy-llama", "--rows", "8", "--repeats", "1", "--blocks", "7"])
+    out = capsys.readouterr().out
+    for piece in (
+        "floor: head matmul",
+        "training, logits path",
+        "scoring, logits path",
+        "training, blockwise (7 vocabulary rows)",
+        "scoring, blockwise (7 vocabulary rows)",
+    ):
+        assert piece in out
+
+
 def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks.async_rollout runs its sync/async pair end to end and reports the ratio."""
     from benchmarks import async_rollout
