@@ -580,6 +580,17 @@ def test_head_logprobs_benchmark_prints_both_paths_and_the_floor(
         assert piece in out
 
 
+def test_cpu_streams_benchmark_times_every_configuration(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import cpu_streams
+
+    cpu_streams.main(["--model", "toy-llama", "--batch", "2", "--length", "8", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(cpu_streams.CONFIGS)
+    assert lines[1].endswith("1.00x") and "2 streams, OpenBLAS threads 1" in lines[3]
+
+
 def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks.async_rollout runs its sync/async pair end to end and reports the ratio."""
     from benchmarks import async_rollout
