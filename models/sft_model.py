@@ -16,7 +16,7 @@ the reference never appears among any optimizer's parameters.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,24 +64,24 @@ class ReferenceModel:
             )
         return cls(policy.model, policy.tokenizer, shares_policy_weights=True)
 
-    def __call__(self, input_ids: mx.array) -> mx.array:
-        """Logits ``(B, L, V)`` for ``input_ids`` ``(B, L)``, as a constant (no gradient)."""
+    def _base_constant(self, fn: Callable[..., mx.array], *args: mx.array) -> mx.array:
+        """``fn(self.model, *args)`` on the base weights (the shared policy's adapters off), as a
+        constant (no gradient)."""
         if self.shares_policy_weights:
             with adapters_disabled(self.model):
-                logits = self.model(input_ids)
+                out = fn(self.model, *args)
         else:
-            logits = self.model(input_ids)
-        return mx.stop_gradient(logits)
+            out = fn(self.model, *args)
+        return mx.stop_gradient(out)
+
+    def __call__(self, input_ids: mx.array) -> mx.array:
+        """Logits ``(B, L, V)`` for ``input_ids`` ``(B, L)``, as a constant (no gradient)."""
+        return self._base_constant(lambda model, ids: model(ids), input_ids)
 
     def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
         """Logits ``(B, T, V)`` at ``positions`` ``(B, T)`` only, as a constant (see
         :func:`models.policy_model.lm_logits_at`)."""
-        if self.shares_policy_weights:
-            with adapters_disabled(self.model):
-                logits = lm_logits_at(self.model, input_ids, positions)
-        else:
-            logits = lm_logits_at(self.model, input_ids, positions)
-        return mx.stop_gradient(logits)
+        return self._base_constant(lm_logits_at, input_ids, positions)
 
     def output_head(self) -> Any:
         """The LM head, a function of the hidden states :meth:`hidden_at` gives, or None (see
@@ -91,9 +91,4 @@ class ReferenceModel:
     def hidden_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
         """Last hidden states ``(B, T, D)`` at ``positions`` ``(B, T)``, as a constant (see
         :func:`models.policy_model.lm_hidden_at`)."""
-        if self.shares_policy_weights:
-            with adapters_disabled(self.model):
-                hidden = lm_hidden_at(self.model, input_ids, positions)
-        else:
-            hidden = lm_hidden_at(self.model, input_ids, positions)
-        return mx.stop_gradient(hidden)
+        return self._base_constant(lm_hidden_at, input_ids, positions)
