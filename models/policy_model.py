@@ -87,7 +87,7 @@ def lm_logits_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.
     embedding; it is checked once per model on a 3-token input, and a model that computes its
     logits some other way (soft-capping, scaling) gets the full forward pass and the gather.
     """
-    head = _split_head(lm)
+    head = lm_head(lm)
     if head is None:
         logits = lm(input_ids)  # (B, L, V)
         return mx.take_along_axis(logits, positions[..., None], axis=1)  # (B, T, V)
@@ -105,13 +105,7 @@ def lm_hidden_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.
 def lm_head(lm: nn.Module) -> Any:
     """The LM head of ``lm`` as a function of its backbone's last hidden states (``lm_head`` or the
     tied embedding's ``as_linear``), or None for a model whose logits are computed some other way
-    (soft-capping, scaling), checked once per model."""
-    return _split_head(lm)
-
-
-def _split_head(lm: nn.Module) -> Any:
-    """The LM head of ``lm`` as a function of the backbone's output, or None (see
-    :func:`lm_logits_at`). Whether the split reproduces ``lm(x)`` is checked once and kept on
+    (soft-capping, scaling). Whether the split reproduces ``lm(x)`` is checked once and kept on
     the module; the head itself is looked up on every call (LoRA may wrap it later)."""
     inner: Any = getattr(lm, "model", None)
     head: Any = None

@@ -232,6 +232,24 @@ def test_head_token_logprobs_against_numpy_in_bfloat16():
     assert grad.dtype == mx.bfloat16 and grad.shape == h.shape
 
 
+def test_head_token_logprobs_for_scoring_are_constants():
+    """differentiable=False returns constants: no gradient flows back (autodiff through the fast
+    exp would be wrong)."""
+    head = nn.Linear(8, 20, bias=False)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    tokens = mx.zeros((1, 3), mx.int32)
+
+    def loss(h: mx.array) -> mx.array:
+        lp, ent = head_token_logprobs(h, frozen, tokens, with_entropy=True, differentiable=False)
+        assert ent is not None
+        return lp.sum() + ent.sum()
+
+    grad = mx.grad(loss)(mx.ones((1, 3, 8)))
+    assert float(mx.abs(grad).max()) == 0.0
+
+
 def test_frozen_head_takes_only_frozen_linear_heads():
     """A trainable head (its gradient would be lost), a LoRA-wrapped head or any other function
     is refused (None), so callers take the logits path; for scoring, trainable is fine."""

@@ -184,7 +184,7 @@ def _online_softmax(
         x = head.logits(hidden, start, stop)  # (N, V_b)
         if inv_temperature != 1.0:
             x = x * inv_temperature
-        new_m = mx.maximum(m, mx.stop_gradient(x.max(axis=-1, keepdims=True)))  # (N, 1)
+        new_m = mx.maximum(m, x.max(axis=-1, keepdims=True))  # (N, 1)
         new_m = mx.where(mx.isinf(new_m), 0.0, new_m)  # a row of -inf so far: no NaN
         rescale = fast_math.exp(m - new_m)  # (N, 1)
         e = fast_math.exp(x - new_m)  # (N, V_b)
@@ -231,7 +231,8 @@ def head_token_logprobs(
         temperature: the sampling temperature (> 0).
         with_entropy: also return the (B, T) entropy of the scaled distribution, a constant.
         differentiable: give the log-probs their gradient w.r.t. ``hidden`` (the Jacobian rows
-            cost the input gradient's matmul; False for scoring passes that need none).
+            cost the input gradient's matmul); False for scoring passes that need none (the
+            outputs are then constants).
         block_rows: vocabulary rows per block (default: :func:`default_block_rows`).
 
     Returns:
@@ -254,9 +255,12 @@ def head_token_logprobs(
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
 
     if not differentiable:
+        # Constants: autodiff through the fast exp would be wrong, and no one asked for it.
         logprobs, entropy, _ = _online_softmax(
             head, flat_hidden, flat_tokens, inv_temperature, with_entropy, False, block_rows
         )
+        logprobs = mx.stop_gradient(logprobs)
+        entropy = None if entropy is None else mx.stop_gradient(entropy)
     else:
 
         @mx.custom_function
