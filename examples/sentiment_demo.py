@@ -83,9 +83,12 @@ SMOKE: dict[str, Any] = dict(
 
 
 def _show(title: str, result: dict[str, Any]) -> None:
+    # round(...) + 0.0: float noise around 0 (the SFT policy is its own reference) prints 0.000,
+    # not -0.000.
+    kl = round(result["eval/kl"], 3) + 0.0
     print(
         f"\n{title}: mean reward {result['eval/mean_reward']:+.3f}, KL to reference "
-        f"{result['eval/kl']:.3f}, sentiment words {result['sentiment']:+.2f}"
+        f"{kl:.3f}, sentiment words {result['sentiment']:+.2f}"
     )
     for sample in result["samples"]:
         words = lexicon_score(sample["completion"])
