@@ -1,8 +1,9 @@
 """The fast layers of one model instance: :func:`accelerate_model` gives a model's layers
 subclasses whose ``__call__`` runs :mod:`base_setup.fast_math`'s functions (``nn.RMSNorm``,
 ``nn.RoPE``, and the mlx-lm MLP / attention layers that call ``swiglu`` /
-``scaled_dot_product_attention``). No module of mlx-lm is changed: another model of the same
-architecture keeps mlx-lm's functions.
+``scaled_dot_product_attention``), and mlx-lm's ``LoRALinear`` a ``__call__`` that adds the
+adapter's product inside the matmul (:func:`lora_linear`). No module of mlx-lm is changed: another
+model of the same architecture keeps mlx-lm's functions.
 """
 
 from __future__ import annotations
@@ -38,6 +39,33 @@ class _FastRoPE(nn.RoPE):
             scale=self.scale,
             offset=offset,
         )
+
+
+def lora_linear(
+    y: mx.array, x: mx.array, lora_a: mx.array, lora_b: mx.array, scale: float
+) -> mx.array:
+    """``y + scale * (x @ lora_a) @ lora_b``: a LoRA layer's output from its base layer's output
+    ``y`` and its (dropped-out) input ``x``, as mlx-lm's ``LoRALinear`` computes it, but with the
+    adapter's product accumulated into ``y`` by the matmul itself (``mx.addmm``, BLAS's
+    ``C += alpha A B``).
+
+    mlx-lm's layer computes ``y + (scale * z)``: two passes over the (tokens, out) output, and
+    in the backward pass a third (the cotangent times ``scale``), for each of the up to seven
+    adapted matrices of every block; here the scale rides in the small (tokens, r) x (r, out)
+    matmul and the base output is its accumulator. Same function up to float rounding (the
+    tests compare values and gradients). mlx-lm's own computation where the adapters' dtype is
+    not the input's (its ``astype`` would then decide the result's dtype), off the CPU, and
+    with ``PPO_MLX_FAST_MATH=0``.
+    """
+    if lora_a.dtype != y.dtype or lora_b.dtype != y.dtype or not fast_math_enabled():
+        return y + (scale * ((x @ lora_a) @ lora_b)).astype(x.dtype)
+    return mx.addmm(y, x @ lora_a, lora_b, alpha=scale)
+
+
+def _lora_call(self: Any, x: mx.array) -> mx.array:
+    """``LoRALinear.__call__`` through :func:`lora_linear` (the base layer sees ``x``, the
+    adapter its dropout, as in mlx-lm's)."""
+    return lora_linear(self.linear(x), self.dropout(x), self.lora_a, self.lora_b, self.scale)
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -116,6 +144,14 @@ def _fast_class(cls: type) -> type | None:
     if cls in _FAST_CLASSES:
         return _FAST_CLASSES[cls]
     fast: type | None = None
+    if cls.__module__ == "mlx_lm.tuner.lora" and cls.__name__ == "LoRALinear":
+        fast = type(
+            "FastLoRALinear",
+            (cls,),
+            {"__call__": _lora_call, "__module__": __name__, "fast_math_replaces": ("addmm",)},
+        )
+        _FAST_CLASSES[cls] = fast
+        return fast
     call = getattr(cls, "__call__", None)
     if isinstance(call, types.FunctionType) and call.__module__.startswith("mlx_lm.models."):
         module_globals = call.__globals__

@@ -436,6 +436,73 @@ def test_accelerated_model_matches_mlx_functions(
         assert float(mx.abs(fast_grads[name] - g).max()) / scale < 1e-4, name
 
 
+@pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fast_lora_layers_match_mlx_lm(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, quantized: bool
+) -> None:
+    """A LoRA policy's layers are the fast LoRALinear (the adapter product accumulated by
+    ``addmm``); its logits and adapter gradients equal mlx-lm's layer's (same modules with
+    ``PPO_MLX_FAST_MATH=0``), on a float and a 4-bit base; dropout acts on the adapter's input
+    only, as in mlx-lm's."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from base_setup.lora_setup import LoraSettings, lora_modules
+    from models.policy_model import PolicyModel
+
+    lora = LoraSettings(r=4, alpha=8.0, dropout=0.0)
+    policy = PolicyModel.from_pretrained(tiny_model_dir, lora=lora)
+    if quantized:
+        nn.quantize(
+            policy.model,
+            group_size=32,
+            bits=4,
+            class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0,
+        )
+    adapted = lora_modules(policy.model)
+    assert adapted and all(type(m).__name__ == "FastLoRALinear" for _, m in adapted)
+    if quantized:
+        assert all(isinstance(m.linear, nn.QuantizedLinear) for _, m in adapted)
+    assert all(isinstance(m, LoRALinear) for _, m in adapted)
+    rng = np.random.default_rng(5)
+    for _, module in adapted:  # lora_b starts at 0: make the adapters count
+        module.lora_b = mx.array(rng.normal(0, 0.05, module.lora_b.shape).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 500, (3, 11)))
+
+    def loss(model: nn.Module) -> mx.array:
+        return (model(tokens)[:, 3:] ** 2).mean()
+
+    def run() -> tuple[mx.array, dict]:
+        _, grads = nn.value_and_grad(policy, loss)(policy)
+        return policy(tokens), dict(tree_flatten(grads))
+
+    fast_logits, fast_grads = run()
+    monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")  # mlx-lm's y + (scale * z)
+    logits, grads = run()
+    assert set(grads) == set(fast_grads) and len(grads) == 2 * len(adapted)
+    np.testing.assert_allclose(np.array(fast_logits), np.array(logits), atol=1e-4)
+    for name, g in grads.items():
+        scale = float(mx.abs(g).max()) + 1e-12
+        assert float(mx.abs(fast_grads[name] - g).max()) / scale < 1e-4, name
+
+    # Dropout: the base layer sees the input itself, the adapter its dropout (mlx-lm's rule).
+    monkeypatch.delenv("PPO_MLX_FAST_MATH")
+    _, module = adapted[0]
+    module.dropout = nn.Dropout(0.5)
+    module.train()
+    x = mx.array(
+        rng.normal(size=(2, 5, module.linear.weight.shape[-1] * (8 if quantized else 1))).astype(
+            np.float32
+        )
+    )
+    mx.random.seed(3)
+    fast = module(x)
+    mx.random.seed(3)
+    want = LoRALinear.__call__(module, x)
+    np.testing.assert_allclose(np.array(fast), np.array(want), atol=1e-5)
+
+
 def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Below the size threshold (a decoding step of a few sequences) swiglu is MLX's own."""
     calls: list[int] = []
