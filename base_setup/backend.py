@@ -36,9 +36,10 @@ import random
 import sys
 import sysconfig
 import time
+from contextlib import nullcontext, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -396,6 +397,71 @@ def adapt_blas_threads() -> int | None:
             os.cpu_count() or 1,
         )
     return wanted
+
+
+_STREAMS_ENV = "PPO_MLX_CPU_STREAMS"
+
+
+def cpu_streams_mode() -> str:
+    """``PPO_MLX_CPU_STREAMS``: "on" (default; also "1") or "off" (also "0")."""
+    value = os.environ.get(_STREAMS_ENV, "on").strip().lower()
+    aliases = {"1": "on", "on": "on", "0": "off", "off": "off"}
+    if value not in aliases:
+        raise ValueError(
+            f"{_STREAMS_ENV}={value!r} is not a setting: use on (the default) or off "
+            "(docs/environment.md)"
+        )
+    return aliases[value]
+
+
+@contextmanager
+def side_by_side(count: int = 2) -> Iterator[list[Any]]:
+    """Lanes for ``count`` independent computations that MLX's CPU backend runs side by side.
+
+    Yields ``count`` context managers. Arrays built inside lane ``i`` go to a CPU stream of their
+    own; evaluated together (one ``mx.eval`` or ``mx.async_eval`` of all), each stream's thread
+    runs its graph while the others run theirs. MLX's CPU element-wise ops run on their stream's
+    one thread, so one stream keeps one core busy outside the matmuls; two keep two. Meanwhile
+    OpenBLAS runs each matmul on the run's threads divided among the lanes (1 each on 2 cores:
+    more would spin against each other), and on leaving the block every lane is waited for and
+    the run's count is restored. The split is a fixed function of the run's thread count (which a
+    resumed run takes back from its checkpoint), so a resumed run still computes the same sums.
+
+    Where lanes cannot help, every lane is a no-op context (the default stream, the thread count
+    untouched): MLX's default device is not the CPU (a GPU runs its queue in parallel already),
+    OpenBLAS was not loaded (macOS's Accelerate, the reference BLAS: no thread control), the run
+    has one BLAS thread (a busy machine), or ``PPO_MLX_CPU_STREAMS=off``.
+    Nothing computed inside may change the thread count (:func:`adapt_blas_threads` runs
+    between steps only).
+    """
+    import mlx.core as mx
+
+    lib = _OPENBLAS.get("lib")
+    threads = int(lib.openblas_get_num_threads()) if lib is not None else 1
+    if count < 2 or threads < 2 or cpu_streams_mode() == "off" or mx.default_device() != mx.cpu:
+        yield [nullcontext() for _ in range(count)]
+        return
+    assert lib is not None
+    streams = _lane_streams(count)
+    lib.openblas_set_num_threads(max(1, threads // count))
+    try:
+        yield [mx.stream(s) for s in streams]
+    finally:
+        for s in streams:
+            mx.synchronize(s)  # nothing of a lane runs once the thread count changes back
+        lib.openblas_set_num_threads(threads)
+
+
+#: CPU streams of :func:`side_by_side`, made once per process (MLX streams are not freed).
+_LANES: list[Any] = []
+
+
+def _lane_streams(count: int) -> list[Any]:
+    import mlx.core as mx
+
+    while len(_LANES) < count:
+        _LANES.append(mx.new_stream(mx.cpu))
+    return _LANES[:count]
 
 
 #: MLX's limit on the freed buffers its CPU backend keeps for reuse (32 MiB in MLX 0.2x-0.3x).

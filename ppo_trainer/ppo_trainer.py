@@ -455,7 +455,14 @@ class PPOTrainer:
             score_source=self._score_source(),
             keys=keys,
             generation=generation,
+            model_reward=self._reward_is_model(),
         )
+
+    def _reward_is_model(self) -> bool:
+        """Whether the scores are the reward model's pass, returned unevaluated (the rollout may
+        run it beside the reference's): the default ``compute_scores`` with a reward model."""
+        default = type(self).compute_scores is PPOTrainer.compute_scores
+        return default and self.rewards.model is not None
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss

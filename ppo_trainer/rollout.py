@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence
 import mlx.core as mx
 import numpy as np
 
+from base_setup.backend import side_by_side
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
@@ -27,8 +28,9 @@ from ppo_trainer.generator import GenerationOutput, generate
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
+    logprobs_from,
     response_positions,
-    response_logprobs,
+    scoring_inputs,
 )
 
 #: ``score(completions, query_responses, sequence_lengths) -> (B,)``: the trainer's reward, with
@@ -148,6 +150,7 @@ def collect_rollout(
     score_source: str,
     keys: mx.array | None = None,
     generation: GenerationOutput | None = None,
+    model_reward: bool = False,
 ) -> Rollout:
     """Phases 1-3 (see the module doc) for prompts already formatted and encoded.
 
@@ -161,6 +164,9 @@ def collect_rollout(
             asynchronous rollout worker's, from the policy of one update earlier): phase 1 is
             skipped and their log-probs are the rollout's (``sampling.logprobs_from`` must be
             "sampling").
+        model_reward: ``score`` runs a model's pass and returns it unevaluated (the trainer's
+            reward model): on the CPU it then runs beside the reference's pass when there is
+            no value model (a scheduling choice; the values are the same either way).
     """
     # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
     if generation is not None:
@@ -181,29 +187,48 @@ def collect_rollout(
     # mode, as here); "forward" recomputes them over whole sequences instead.
     temperature = sampling.scoring_temperature
     positions = response_positions(prompt_lengths, num_tokens)  # (B, T)
+    forward = sampling.logprobs_from == "forward"
+    completions = decode(gen)  # text without the stop token
+    sequence_lengths = prompt_lengths + gen.lengths
+    # The models' passes over the sequences depend on the rollout only. On the CPU the
+    # reference's (and the policy's) runs on one stream while the value model's, or else a
+    # reward model's, runs on another (base_setup.backend.side_by_side): passes of equal depth,
+    # which MLX's evaluation interleaves. The LM heads' log-probs and the remaining reward follow
+    # with every thread.
+    reward_in_lane = value_model is None and model_reward
+    with side_by_side(2 if value_model is not None or model_reward else 1) as lanes:
+        with lanes[0]:
+            ref_inputs = scoring_inputs(ref_model, query_responses, positions, differentiable=False)
+            policy_inputs = (
+                scoring_inputs(policy, query_responses, positions, differentiable=False)
+                if forward
+                else None
+            )
+        values = raw = None
+        with lanes[-1]:
+            if value_model is not None:
+                values = gather_positions(value_model(query_responses), positions)  # (B, T)
+            if reward_in_lane:
+                raw = score(completions, query_responses, sequence_lengths)
+        mx.eval(
+            ref_inputs.states,
+            [] if policy_inputs is None else policy_inputs.states,
+            values,
+            raw if isinstance(raw, mx.array) else [],
+        )
+    ref_logprobs, _ = logprobs_from(ref_inputs, gen.responses, temperature, differentiable=False)
     logprobs, entropy = gen.logprobs, gen.entropy
-    if sampling.logprobs_from == "forward":
-        logprobs, entropy = response_logprobs(
-            policy,
-            query_responses,
-            positions,
-            gen.responses,
-            temperature,
-            with_entropy=True,
-            differentiable=False,
+    if policy_inputs is not None:
+        logprobs, entropy = logprobs_from(
+            policy_inputs, gen.responses, temperature, with_entropy=True, differentiable=False
         )
     assert logprobs is not None and entropy is not None
-    ref_logprobs, _ = response_logprobs(
-        ref_model, query_responses, positions, gen.responses, temperature, differentiable=False
-    )
-    values = None
-    if value_model is not None:
-        values = gather_positions(value_model(query_responses), positions)  # (B, T)
-    mx.eval(logprobs, entropy, ref_logprobs, values)
+    mx.async_eval(logprobs, entropy, ref_logprobs)
 
-    # 3. Scores of the completions (text without the stop token).
-    completions = decode(gen)
-    raw = score(completions, query_responses, prompt_lengths + gen.lengths)
+    # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
+    if not reward_in_lane:
+        raw = score(completions, query_responses, sequence_lengths)
+    mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
     scores = check_scores(raw, len(texts), score_source)
     return Rollout(
         texts,

@@ -642,6 +642,55 @@ def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.Mon
         backend._OPENBLAS.pop("sample", None)
 
 
+@pytest.mark.skipif(not LINUX_X86 or not ON_CPU, reason="OpenBLAS and MLX's CPU device")
+def test_side_by_side_splits_the_blas_threads_and_restores_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two lanes on 2 BLAS threads: 1 thread each inside, the run's count back afterwards (also
+    after an exception); values equal those computed on the default stream; one lane, one
+    thread or PPO_MLX_CPU_STREAMS=off leave the count and the stream alone."""
+    from base_setup import backend
+
+    lib = backend._OPENBLAS["lib"]
+    start = int(lib.openblas_get_num_threads())
+    rng = np.random.default_rng(8)
+    a, b = (mx.array(rng.normal(size=(64, 96)).astype(np.float32)) for _ in range(2))
+    want = [mx.exp(a @ b.T).sum(axis=1), (a.T @ b).max(axis=0)]
+    try:
+        lib.openblas_set_num_threads(2)
+        with backend.side_by_side(2) as (first, second):
+            assert int(lib.openblas_get_num_threads()) == 1
+            with first:
+                x = mx.exp(a @ b.T).sum(axis=1)
+            with second:
+                y = (a.T @ b).max(axis=0)
+            mx.eval(x, y)
+        assert int(lib.openblas_get_num_threads()) == 2
+        np.testing.assert_allclose(np.array(x), np.array(want[0]), rtol=1e-6)
+        np.testing.assert_allclose(np.array(y), np.array(want[1]), rtol=1e-6)
+        with pytest.raises(RuntimeError, match="inside"):
+            with backend.side_by_side(2) as (first, _):
+                with first:
+                    mx.async_eval(mx.exp(a @ b.T))
+                raise RuntimeError("inside")
+        assert int(lib.openblas_get_num_threads()) == 2
+        for count, threads, env in ((1, 2, "on"), (2, 1, "on"), (2, 2, "off")):
+            lib.openblas_set_num_threads(threads)
+            monkeypatch.setenv("PPO_MLX_CPU_STREAMS", env)
+            with backend.side_by_side(count) as lanes:
+                assert len(lanes) == count
+                assert int(lib.openblas_get_num_threads()) == threads
+                with lanes[0]:
+                    z = a @ b.T
+                assert z.shape == (64, 64)
+        monkeypatch.setenv("PPO_MLX_CPU_STREAMS", "sometimes")
+        with pytest.raises(ValueError, match="PPO_MLX_CPU_STREAMS"):
+            with backend.side_by_side(2):
+                pass
+    finally:
+        lib.openblas_set_num_threads(start)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_a_running_child_or_grandchild_counts_as_this_process(tmp_path: Path) -> None:
     """MLX's JIT compiler runs as a grandchild (g++ -> cc1plus) while it compiles: its CPU time

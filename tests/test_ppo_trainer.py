@@ -156,6 +156,49 @@ def test_sampling_logprobs_equal_a_forward_pass(
     assert abs(our_metrics["objective/entropy"] - their_metrics["objective/entropy"]) < 1e-3
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_scoring_side_by_side_equals_one_stream(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
+) -> None:
+    """The rollout's scoring passes on two CPU streams (the reference beside the value model,
+    or beside the reward model when there is none) give the one-stream rollout's reference
+    log-probs, values and scores (PPO_MLX_CPU_STREAMS=off: one stream)."""
+    from models.reward_model import RewardModel
+
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # every BLAS thread: two lanes where 2+
+    rollouts = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("PPO_MLX_CPU_STREAMS", mode)
+        config = make_config(
+            tiny_model_dir,
+            tmp_path / mode,
+            algorithm=algorithm,
+            group_size=2 if algorithm == "grpo" else 1,
+            use_lora=True,
+            learning_rate=1e-12,
+        )
+        reward = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=3)
+        trainer = PPOTrainer(config, reward_model=reward)
+        assert trainer._reward_is_model()
+        kept: list[RolloutBatch] = []
+
+        class Keep(TrainerCallback):
+            def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+                kept.append(batch)
+
+        trainer.train(PROMPTS[: config.batch_size], num_epochs=1, callbacks=[Keep()])
+        rollouts[mode] = kept[0]
+    two, one = rollouts["on"], rollouts["off"]
+    assert mx.array_equal(two.responses, one.responses).item()
+    assert float(mx.abs(one.scores).max()) > 0  # the reward model's head is not zero
+    pairs = [(two.ref_logprobs, one.ref_logprobs), (two.scores, one.scores)]
+    if algorithm == "ppo":
+        assert two.values is not None and one.values is not None
+        pairs.append((two.values, one.values))
+    for got, want in pairs:
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
 def brevity(prompts: list[str], completions: list[str]) -> list[float]:
     """A reward the random tiny model can learn in a few steps: end the response early."""
     return [-len(c) / 50 for c in completions]

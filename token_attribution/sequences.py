@@ -9,6 +9,7 @@ never influences earlier positions of a causal model, so right padding is exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
@@ -93,6 +94,61 @@ class ScoringModel(Protocol):
     def output_head(self) -> Any: ...
 
 
+@dataclass(frozen=True)
+class ScoringInputs:
+    """What a model's per-token log-probs are computed from (:func:`scoring_inputs`).
+
+    Attributes:
+        states: (B, T, D) last hidden states where ``head`` is set (the blockwise path), else
+            (B, T, V) logits.
+        head: the model's frozen LM head, or None (``states`` are logits).
+    """
+
+    states: mx.array
+    head: FrozenHead | None
+
+
+def scoring_inputs(
+    model: ScoringModel,
+    query_responses: mx.array,
+    positions: mx.array,
+    *,
+    differentiable: bool = True,
+) -> ScoringInputs:
+    """The first half of :func:`response_logprobs`: the model's pass over the sequences, up to
+    the hidden states where its LM head is a frozen linear or tied-embedding layer (float or
+    quantized), else up to the logits. A caller can evaluate it apart from the head's work (the
+    rollout runs it beside other models' passes)."""
+    head = model.output_head()
+    frozen = None if head is None else FrozenHead.of(head, require_frozen=differentiable)
+    if frozen is None:
+        return ScoringInputs(model.logits_at(query_responses, positions), None)
+    return ScoringInputs(model.hidden_at(query_responses, positions), frozen)
+
+
+def logprobs_from(
+    inputs: ScoringInputs,
+    responses: mx.array,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    differentiable: bool = True,
+) -> tuple[mx.array, mx.array | None]:
+    """The second half of :func:`response_logprobs`: the log-probs (and entropy) of
+    ``responses`` from :func:`scoring_inputs`' output, blockwise from the hidden states
+    (:func:`token_attribution.head_logprobs.head_token_logprobs`) or from the logits."""
+    if inputs.head is None:
+        return token_logprobs(inputs.states, responses, temperature, with_entropy)
+    return head_token_logprobs(
+        inputs.states,
+        inputs.head,
+        responses,
+        temperature,
+        with_entropy=with_entropy,
+        differentiable=differentiable,
+    )
+
+
 def response_logprobs(
     model: ScoringModel,
     query_responses: mx.array,
@@ -110,6 +166,7 @@ def response_logprobs(
     layer (float or quantized), they come blockwise from the hidden states
     (:func:`token_attribution.head_logprobs.head_token_logprobs`), without the (B, T, V)
     logits; otherwise (a trainable head, a model with scaled or capped logits) through the logits.
+    (:func:`scoring_inputs` then :func:`logprobs_from`.)
 
     Args:
         model: the policy or reference model.
@@ -124,17 +181,7 @@ def response_logprobs(
     Returns:
         ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
     """
-    head = model.output_head()
-    frozen = None if head is None else FrozenHead.of(head, require_frozen=differentiable)
-    if frozen is None:
-        return token_logprobs(
-            model.logits_at(query_responses, positions), responses, temperature, with_entropy
-        )
-    return head_token_logprobs(
-        model.hidden_at(query_responses, positions),
-        frozen,
-        responses,
-        temperature,
-        with_entropy=with_entropy,
-        differentiable=differentiable,
+    inputs = scoring_inputs(model, query_responses, positions, differentiable=differentiable)
+    return logprobs_from(
+        inputs, responses, temperature, with_entropy=with_entropy, differentiable=differentiable
     )
