@@ -14,10 +14,11 @@ Every array it returns is a constant for the losses that follow.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from base_setup.backend import side_by_side
 from experience_buffer.buffer import RolloutBatch
@@ -195,8 +196,11 @@ def collect_rollout(
     # reward model's, runs on another (base_setup.backend.side_by_side): passes of equal depth,
     # which MLX's evaluation interleaves. The LM heads' log-probs and the remaining reward follow
     # with every thread.
-    reward_in_lane = value_model is None and model_reward
-    with side_by_side(2 if value_model is not None or model_reward else 1) as lanes:
+    two = (value_model is not None or model_reward) and side_by_side_pays(
+        ref_model, query_responses
+    )
+    reward_in_lane = two and value_model is None
+    with side_by_side(2 if two else 1) as lanes:
         with lanes[0]:
             ref_inputs = scoring_inputs(ref_model, query_responses, positions, differentiable=False)
             policy_inputs = (
@@ -244,6 +248,21 @@ def collect_rollout(
         values,
         scores,
     )
+
+
+#: Token-parameters (the sequences' tokens times the reference model's parameters) below which
+#: the scoring passes stay on one stream: at the tiny test model's size (16 x 46 tokens, 3.7M
+#: parameters: 2.7e9) two streams made scoring 10-25% slower (their set-up and one-thread
+#: matmuls cost more than the second core gives), at SmolLM2-135M's (16 x 142, 134.5M: 3.1e11)
+#: they made it faster; the bound sits between the two measured points.
+MIN_SIDE_BY_SIDE_WORK = 3e10
+
+
+def side_by_side_pays(ref_model: ReferenceModel, query_responses: mx.array) -> bool:
+    """Whether a rollout's scoring passes over ``query_responses`` with the reference model's
+    size are big enough to run on two CPU streams (:data:`MIN_SIDE_BY_SIDE_WORK`)."""
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(ref_model.model.parameters()))
+    return query_responses.size * sum(v.size for _, v in flat) >= MIN_SIDE_BY_SIDE_WORK
 
 
 def rollout_keys(seed: int, step: int, n: int) -> mx.array:

@@ -162,10 +162,25 @@ def test_scoring_side_by_side_equals_one_stream(
 ) -> None:
     """The rollout's scoring passes on two CPU streams (the reference beside the value model,
     or beside the reward model when there is none) give the one-stream rollout's reference
-    log-probs, values and scores (PPO_MLX_CPU_STREAMS=off: one stream)."""
+    log-probs, values and scores (PPO_MLX_CPU_STREAMS=off: one stream). The tiny model is
+    below the size where two streams pay, so the bound is lowered here."""
+    from base_setup import backend
     from models.reward_model import RewardModel
+    from ppo_trainer import rollout
 
     monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # every BLAS thread: two lanes where 2+
+    counts: list[int] = []
+
+    def recorded(count: int = 2) -> Any:
+        counts.append(count)
+        return backend.side_by_side(count)
+
+    monkeypatch.setattr(rollout, "side_by_side", recorded)
+    assert not rollout.side_by_side_pays(
+        PPOTrainer(make_config(tiny_model_dir, tmp_path / "size"), reward_model=e_rate).ref_model,
+        mx.zeros((16, 46), dtype=mx.int32),
+    )  # any rollout of the tiny model is below the bound
+    monkeypatch.setattr(rollout, "MIN_SIDE_BY_SIDE_WORK", 0)
     rollouts = {}
     for mode in ("on", "off"):
         monkeypatch.setenv("PPO_MLX_CPU_STREAMS", mode)
@@ -188,6 +203,7 @@ def test_scoring_side_by_side_equals_one_stream(
 
         trainer.train(PROMPTS[: config.batch_size], num_epochs=1, callbacks=[Keep()])
         rollouts[mode] = kept[0]
+    assert counts and set(counts) == {2}  # the reference beside the value or reward model
     two, one = rollouts["on"], rollouts["off"]
     assert mx.array_equal(two.responses, one.responses).item()
     assert float(mx.abs(one.scores).max()) > 0  # the reward model's head is not zero
