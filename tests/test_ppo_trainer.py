@@ -118,6 +118,19 @@ def test_first_update_starts_from_the_rollout_policy(tiny_model_dir: Path, tmp_p
     assert abs(metrics["policy/ratio"] - 1.0) < 1e-5
 
 
+class KeepRollouts(TrainerCallback):
+    """Keeps each step's rollout batch with the step's metrics: ``kept[i] = (batch, metrics)``."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[RolloutBatch, dict[str, float]]] = []
+
+    def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+        self.kept.append((batch, {}))
+
+    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
+        self.kept[-1][1].update(metrics)
+
+
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_sampling_logprobs_equal_a_forward_pass(
     tiny_model_dir: Path, tmp_path: Path, algorithm: str
@@ -134,19 +147,11 @@ def test_sampling_logprobs_equal_a_forward_pass(
             rollout_logprobs=mode,
             learning_rate=1e-12,
         )
-        kept: list[tuple[RolloutBatch, dict[str, float]]] = []
-
-        class Keep(TrainerCallback):
-            def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
-                kept.append((batch, {}))
-
-            def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
-                kept[-1][1].update(metrics)
-
+        keep = KeepRollouts()
         PPOTrainer(config, reward_model=e_rate).train(
-            PROMPTS[: config.batch_size], num_epochs=1, callbacks=[Keep()]
+            PROMPTS[: config.batch_size], num_epochs=1, callbacks=[keep]
         )
-        batches[mode] = kept[0]
+        batches[mode] = keep.kept[0]
     (ours, our_metrics), (theirs, their_metrics) = batches["sampling"], batches["forward"]
     assert mx.array_equal(ours.responses, theirs.responses).item()
     mask = np.array(ours.mask) > 0
@@ -195,14 +200,9 @@ def test_scoring_side_by_side_equals_one_stream(
         reward = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=3)
         trainer = PPOTrainer(config, reward_model=reward)
         assert trainer._reward_is_model()
-        kept: list[RolloutBatch] = []
-
-        class Keep(TrainerCallback):
-            def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
-                kept.append(batch)
-
-        trainer.train(PROMPTS[: config.batch_size], num_epochs=1, callbacks=[Keep()])
-        rollouts[mode] = kept[0]
+        keep = KeepRollouts()
+        trainer.train(PROMPTS[: config.batch_size], num_epochs=1, callbacks=[keep])
+        rollouts[mode] = keep.kept[0][0]
     assert counts and set(counts) == {2}  # the reference beside the value or reward model
     two, one = rollouts["on"], rollouts["off"]
     assert mx.array_equal(two.responses, one.responses).item()
