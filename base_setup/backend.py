@@ -293,16 +293,19 @@ def _running_descendants_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
+    """The setting environment variable ``name`` names, through ``aliases`` (the first entry's
+    value is the default); ``ValueError`` naming ``choices`` for anything else."""
+    value = os.environ.get(name, next(iter(aliases))).strip().lower()
+    if value not in aliases:
+        raise ValueError(f"{name}={value!r} is not a setting: use {choices} (docs/environment.md)")
+    return aliases[value]
+
+
 def blas_mode() -> str:
     """``PPO_MLX_ADAPTIVE_BLAS``: "run" (default; also "1"), "step", or "off" (also "0")."""
-    value = os.environ.get(_ADAPT_ENV, "run").strip().lower()
-    aliases = {"1": "run", "run": "run", "step": "step", "0": "off", "off": "off"}
-    if value not in aliases:
-        raise ValueError(
-            f"{_ADAPT_ENV}={value!r} is not a setting: use run (the default), step or off "
-            "(docs/environment.md)"
-        )
-    return aliases[value]
+    aliases = {"run": "run", "1": "run", "step": "step", "0": "off", "off": "off"}
+    return _env_mode(_ADAPT_ENV, aliases, "run (the default), step or off")
 
 
 def run_blas_threads(saved: int | None = None) -> int | None:
@@ -404,14 +407,8 @@ _STREAMS_ENV = "PPO_MLX_CPU_STREAMS"
 
 def cpu_streams_mode() -> str:
     """``PPO_MLX_CPU_STREAMS``: "on" (default; also "1") or "off" (also "0")."""
-    value = os.environ.get(_STREAMS_ENV, "on").strip().lower()
-    aliases = {"1": "on", "on": "on", "0": "off", "off": "off"}
-    if value not in aliases:
-        raise ValueError(
-            f"{_STREAMS_ENV}={value!r} is not a setting: use on (the default) or off "
-            "(docs/environment.md)"
-        )
-    return aliases[value]
+    aliases = {"on": "on", "1": "on", "0": "off", "off": "off"}
+    return _env_mode(_STREAMS_ENV, aliases, "on (the default) or off")
 
 
 @contextmanager
