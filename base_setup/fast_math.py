@@ -38,10 +38,12 @@ the run's models on mlx-lm's layers (docs/environment.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-from typing import Any, Callable, cast
+import threading
+from typing import Any, Callable, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
@@ -60,6 +62,116 @@ _ENV = "PPO_MLX_FAST_MATH"
 # the time), attention about 4,000 score elements.
 _MIN_FAST_SWIGLU = 1 << 11
 _MIN_FAST_ATTENTION = 1 << 12
+# From these many input elements a custom function's body is built untraced (see `untraced`): a
+# thread hand-over costs ~0.1 ms, the uncompiled body of a training-size call tens of ms; below,
+# (a decoding step's calls, never differentiated) it stays where it is.
+_MIN_UNTRACED = 1 << 16
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _UntracedBuilder:
+    """One thread that builds MLX graphs outside any function transformation.
+
+    Why: ``mx.compile`` runs a compiled function as its plain, uncompiled graph whenever one of
+    its inputs is a *tracer*, and under ``nn.value_and_grad`` every activation is one (MLX's
+    ``compile``: "if the inputs are tracers, trace the original graph"), as are a custom
+    function's primals inside its vjp. So in a training step each fast function below ran as
+    ~20 separate element-wise passes instead of a few fused ones: a training-size SwiGLU's
+    forward and backward took 1.5-2x as long as compiled. Whether an array is a tracer depends
+    on the *thread's* tracing state, so the same call made from a thread that is not tracing
+    builds the compiled graph. Only the graph is built there, lazily, on the caller's stream;
+    the caller's thread evaluates it.
+
+    MLX is not made for two threads at once, so the caller waits while the builder works, and
+    the builder drops every reference it took before it hands back: no MLX array is released,
+    by Python's garbage collector or otherwise, on this thread while the caller runs (a thread
+    pool's worker did that between jobs, and the process aborted in MLX, "terminate called
+    without an active exception"). The thread never asks MLX for a stream of its own (it sets
+    the caller's as its default), and a process forked from this one starts its own builder.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one caller at a time
+        self._job: tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
+        self._result: tuple[Any, BaseException | None] | None = None
+        self._start = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._pid = -1
+
+    def __call__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        stream = mx.default_stream(mx.default_device())
+        with self._lock:
+            if self._pid != os.getpid():
+                self._start, self._done = threading.Semaphore(0), threading.Semaphore(0)
+                threading.Thread(target=self._serve, name="ppo-mlx-untraced", daemon=True).start()
+                self._pid = os.getpid()
+            self._job = (stream, fn, args, kwargs)
+            self._start.release()
+            try:
+                self._done.acquire()
+            except BaseException:  # a signal's exception (Ctrl-C): let the builder finish
+                self._done.acquire()  # first, so nothing else uses MLX meanwhile
+                self._result = None
+                raise
+            assert self._result is not None
+            result, error = self._result
+            self._result = None
+        if error is not None:
+            raise error
+        return result
+
+    def _serve(self) -> None:
+        start, done = self._start, self._done
+        while True:
+            start.acquire()
+            assert self._job is not None
+            stream, fn, args, kwargs = self._job
+            self._job = None
+            try:
+                # Not `with mx.stream(...)`: entering it first asks for this thread's default
+                # stream, and MLX would create one for it.
+                mx.set_default_stream(stream)
+                self._result = (fn(*args, **kwargs), None)
+            except BaseException as err:  # handed to the caller, which raises it
+                self._result = (None, err)
+            del stream, fn, args, kwargs
+            done.release()
+
+
+_BUILD_UNTRACED = _UntracedBuilder()
+
+
+def untraced(fn: _F) -> _F:
+    """Decorator for the forward and vjp functions of an ``mx.custom_function``: build the body
+    outside MLX's transformation tracing (see :class:`_UntracedBuilder`), so the
+    ``mx.compile``'d functions it calls run compiled inside ``nn.value_and_grad`` too.
+
+    The arrays it returns are constants to the enclosing transformation, which is exactly what a
+    custom function's forward outputs and vjp results are to a first-order gradient; so it is
+    not for bodies that a second-order transformation (a gradient of the gradient, ``vmap``)
+    must see through. Calls with fewer than ``_MIN_UNTRACED`` input elements, and calls where
+    fast math is off, run in place.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _input_size(args) < _MIN_UNTRACED or not fast_math_enabled():
+            return fn(*args, **kwargs)
+        return _BUILD_UNTRACED(fn, args, kwargs)
+
+    return cast(_F, wrapper)
+
+
+def _input_size(args: Any) -> int:
+    """The elements of the arrays in ``args`` (nested tuples and lists included)."""
+    if isinstance(args, mx.array):
+        return args.size
+    if isinstance(args, (tuple, list)):
+        return sum(_input_size(a) for a in args)
+    return 0
 
 
 def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -118,11 +230,13 @@ def sigmoid(x: mx.array) -> mx.array:
 
 
 @mx.custom_function
+@untraced
 def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
     return _swiglu_c(gate, x, *_exp2_parts_c(-gate.astype(mx.float32))).astype(x.dtype)
 
 
 @_swiglu_fast.vjp
+@untraced
 def _swiglu_fast_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     gate, x = primals
     return _swiglu_grad(gate, x, sigmoid(gate), cotangent.astype(mx.float32))
@@ -173,10 +287,12 @@ def _softmax_fn(axis: int) -> Callable[[mx.array], mx.array]:
     if axis not in _SOFTMAX_FNS:
 
         @mx.custom_function
+        @untraced
         def fn(x: mx.array) -> mx.array:
             return _softmax_impl(x, axis)
 
         @fn.vjp
+        @untraced
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
             x = _single(primals)
             c = cotangent.astype(mx.float32)
@@ -218,10 +334,12 @@ def _logsumexp_fn(axis: int) -> Callable[[mx.array], mx.array]:
     if axis not in _LOGSUMEXP_FNS:
 
         @mx.custom_function
+        @untraced
         def fn(x: mx.array) -> mx.array:
             return _logsumexp_parts(x.astype(mx.float32), axis)[0]
 
         @fn.vjp
+        @untraced
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
             x = _single(primals)
             probs = exp(x.astype(mx.float32) - output)  # softmax(x)
@@ -297,6 +415,7 @@ def _one_query_core(
 
 
 @mx.custom_function
+@untraced
 def _one_query(
     q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: mx.array
 ) -> mx.array:
@@ -304,6 +423,7 @@ def _one_query(
 
 
 @_one_query.vjp
+@untraced
 def _one_query_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     """The gradient of the same formula through the differentiable :func:`softmax` (the fused
     exp's bit view has none)."""

@@ -4,6 +4,7 @@ import ctypes
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator, cast
@@ -216,6 +217,81 @@ def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:
     d_gate = w * u64 * sig * (1 + g64 * (1 - sig))  # d silu(g) = s (1 + g (1 - s))
     np.testing.assert_allclose(np.array(grads[0]), d_gate, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(np.array(grads[1]), w * g64 * sig, rtol=1e-4, atol=1e-6)
+
+
+def _body_thread_names() -> tuple[list[str], Any]:
+    """A custom function whose untraced forward and vjp record the thread that builds them."""
+    names: list[str] = []
+
+    @mx.custom_function
+    @fast_math.untraced
+    def scaled_sigmoid(x: mx.array) -> mx.array:
+        names.append(threading.current_thread().name)
+        return 2.0 * fast_math.sigmoid(x)
+
+    @scaled_sigmoid.vjp
+    @fast_math.untraced
+    def scaled_sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
+        names.append(threading.current_thread().name)
+        s = output / 2.0
+        return 2.0 * cotangent * s * (1.0 - s)
+
+    return names, scaled_sigmoid
+
+
+def test_custom_function_bodies_are_built_outside_the_gradient_trace() -> None:
+    # Under a gradient every activation is a tracer, and mx.compile runs a compiled function on
+    # tracers as its plain graph: the bodies are built on a thread that is not tracing, so the
+    # fast functions in them run compiled; small calls stay on the caller's thread.
+    names, fn = _body_thread_names()
+    big = mx.array(np.linspace(-8, 8, fast_math._MIN_UNTRACED, dtype=np.float32))
+    grad = mx.grad(lambda x: fn(x).sum())(big)
+    assert names == ["ppo-mlx-untraced", "ppo-mlx-untraced"]
+    s = 1 / (1 + np.exp(-np.array(big, dtype=np.float64)))
+    np.testing.assert_allclose(np.array(grad), 2 * s * (1 - s), rtol=1e-5, atol=1e-6)
+    names.clear()
+    mx.eval(mx.grad(lambda x: fn(x).sum())(big[:100]))
+    assert names == ["MainThread", "MainThread"]
+
+
+def test_untraced_bodies_give_the_same_values_and_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = np.random.default_rng(7)
+    shape = (4, 128, 160)  # 81,920 elements: above the untraced size
+    gate, up, cot = (mx.array(rng.normal(0, 3, shape).astype(np.float32)) for _ in range(3))
+
+    def all_of_them() -> list[mx.array]:
+        def loss(g: mx.array, u: mx.array) -> mx.array:
+            parts = (
+                fast_math.swiglu(g, u),
+                fast_math.softmax(g, axis=-1),
+                fast_math.logsumexp(u, axis=-1, keepdims=True),
+            )
+            return sum(((p * cot[..., : p.shape[-1]]).sum() for p in parts), mx.array(0.0))
+
+        value, grads = mx.value_and_grad(loss, argnums=(0, 1))(gate, up)
+        return [value, *grads]
+
+    untraced = all_of_them()
+    monkeypatch.setattr(fast_math, "_MIN_UNTRACED", 1 << 62)
+    for got, want in zip(untraced, all_of_them()):
+        np.testing.assert_array_equal(np.array(got), np.array(want))  # bit for bit
+
+
+def test_untraced_builds_on_the_callers_stream_and_hands_back_errors() -> None:
+    big = mx.zeros((fast_math._MIN_UNTRACED,))
+
+    @fast_math.untraced
+    def failing(x: mx.array) -> mx.array:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        failing(big)
+    lane = mx.new_stream(mx.cpu)
+    with mx.stream(lane):  # a stream of this thread's; the builder's graph must run on it
+        out = fast_math.untraced(lambda x: fast_math.exp(x) + 1.0)(big)
+    np.testing.assert_array_equal(np.array(out), np.full(big.shape, 2.0, dtype=np.float32))
 
 
 def test_fast_softmax_and_logsumexp_match_mlx_with_masked_entries() -> None:
