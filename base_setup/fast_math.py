@@ -549,7 +549,26 @@ def rope(
     if start.ndim:  # (B,) -> (B, 1, ..., 1): one offset per sequence
         start = start.reshape((-1,) + (1,) * (x.ndim - 2))
     positions = (start + mx.arange(x.shape[-2])).astype(mx.float32) * scale  # (B|1, ..., L)
-    return _rotate_half(x, positions, _ROPE_FREQS[key])
+    if x.size < _MIN_UNTRACED:  # a decoding step: one compiled call, MLX differentiates it
+        return _rotate_half(x, positions, _ROPE_FREQS[key])
+    return cast(mx.array, _rope_rotation(x, positions, _ROPE_FREQS[key]))
+
+
+@mx.custom_function
+@untraced
+def _rope_rotation(x: mx.array, positions: mx.array, inv_freqs: mx.array) -> mx.array:
+    """:func:`_rotate_half` with its gradient written out, so that a training step's RoPE is
+    built untraced (compiled) both ways."""
+    return _rotate_half(x, positions, inv_freqs)
+
+
+@_rope_rotation.vjp
+@untraced
+def _rope_rotation_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+    # A rotation's transpose is the rotation by the opposite angle: positions negated.
+    x, positions, inv_freqs = primals
+    grad = _rotate_half(cotangent.astype(x.dtype), -positions, inv_freqs)
+    return grad, mx.zeros_like(positions), mx.zeros_like(inv_freqs)
 
 
 # ------------------------------------------------------------------ helpers and the switch

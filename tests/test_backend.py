@@ -442,9 +442,14 @@ def test_rms_norm_sizes_pick_the_compiled_function_only_when_small() -> None:
 )
 @pytest.mark.parametrize("dims", [32, 24])  # the whole head, or a partial rotary part of it
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_rope_matches_mlx_values_and_gradients(offset: int | str, dims: int, scale: float) -> None:
+# 400 positions: above fast_math._MIN_UNTRACED elements, the rotation with its written-out gradient
+@pytest.mark.parametrize("length", [5, 400])
+def test_rope_matches_mlx_values_and_gradients(
+    offset: int | str, dims: int, scale: float, length: int
+) -> None:
     rng = np.random.default_rng(8)
-    batch, heads, length, head_dim = 3, 2, 5, 32
+    batch, heads, head_dim = 3, 2, 32
+    assert (batch * heads * length * head_dim >= fast_math._MIN_UNTRACED) == (length == 400)
     x = mx.array(rng.normal(size=(batch, heads, length, head_dim)).astype(np.float32))
     arrays = {
         "scalar_array": mx.array(7),
