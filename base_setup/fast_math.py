@@ -98,15 +98,20 @@ class _UntracedBuilder:
         self._start = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._pid = -1
+        self._thread: int | None = None  # the builder's thread id
 
     def __call__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if threading.get_ident() == self._thread:  # a body calling another: already untraced
+            return fn(*args, **kwargs)
         stream = mx.default_stream(mx.default_device())
         with self._lock:
             if self._pid != os.getpid():
                 self._start, self._done = threading.Semaphore(0), threading.Semaphore(0)
-                threading.Thread(target=self._serve, name="ppo-mlx-untraced", daemon=True).start()
+                builder = threading.Thread(target=self._serve, name="ppo-mlx-untraced", daemon=True)
+                builder.start()
+                self._thread = builder.ident
                 self._pid = os.getpid()
             self._job = (stream, fn, args, kwargs)
             self._start.release()

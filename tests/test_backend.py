@@ -279,6 +279,40 @@ def test_untraced_bodies_give_the_same_values_and_gradients(
         np.testing.assert_array_equal(np.array(got), np.array(want))  # bit for bit
 
 
+_NESTED_UNTRACED = """
+from base_setup import setup_blas
+setup_blas()
+import mlx.core as mx, numpy as np
+from token_attribution.logprob_computer import _log_softmax_gather
+rng = np.random.default_rng(9)
+logits = mx.array(rng.normal(size=(4, 40, 512)).astype(np.float32))  # 81,920 elements
+tokens = mx.array(rng.integers(0, 512, size=(4, 40)))
+x, t = np.array(logits, dtype=np.float64), np.array(tokens)[..., None]
+lse = np.log(np.exp(x).sum(-1, keepdims=True))
+got = np.array(_log_softmax_gather(logits, tokens))
+grad = np.array(mx.grad(lambda a: _log_softmax_gather(a, tokens).sum())(logits))
+want = -np.exp(x - lse)
+np.put_along_axis(want, t, np.take_along_axis(want, t, -1) + 1, -1)
+print(np.abs(got - (np.take_along_axis(x, t, -1) - lse)[..., 0]).max(), np.abs(grad - want).max())
+"""
+
+
+def test_an_untraced_body_calling_another_does_not_wait_for_itself() -> None:
+    # The logits path's log-softmax gather calls the fast logsumexp, both custom functions with
+    # untraced bodies: the inner one must run on the builder thread it is already on (waiting
+    # for the builder from the builder is a deadlock; a fresh process, so that it fails, not hangs).
+    out = subprocess.run(
+        [sys.executable, "-c", _NESTED_UNTRACED],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    value_err, grad_err = map(float, out.stdout.split())
+    assert value_err < 1e-5 and grad_err < 1e-5
+
+
 def test_untraced_builds_on_the_callers_stream_and_hands_back_errors() -> None:
     big = mx.zeros((fast_math._MIN_UNTRACED,))
 
@@ -288,9 +322,17 @@ def test_untraced_builds_on_the_callers_stream_and_hands_back_errors() -> None:
 
     with pytest.raises(ValueError, match="bad input"):
         failing(big)
+    streams: list[Any] = []
+
+    @fast_math.untraced
+    def exp_plus_one(x: mx.array) -> mx.array:
+        streams.append(mx.default_stream(mx.default_device()))
+        return fast_math.exp(x) + 1.0
+
     lane = mx.new_stream(mx.cpu)
-    with mx.stream(lane):  # a stream of this thread's; the builder's graph must run on it
-        out = fast_math.untraced(lambda x: fast_math.exp(x) + 1.0)(big)
+    with mx.stream(lane):  # a stream of this thread's (side_by_side's lanes): the graph goes on it
+        out = exp_plus_one(big)
+    assert streams == [lane]
     np.testing.assert_array_equal(np.array(out), np.full(big.shape, 2.0, dtype=np.float32))
 
 
