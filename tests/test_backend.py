@@ -1,6 +1,7 @@
 """The fast BLAS is active in the test process, and seeding is reproducible."""
 
 import ctypes
+import os
 import random
 import subprocess
 import sys
@@ -54,16 +55,7 @@ print(2 * 1024**3 / best / 1e9)
 
 
 def _matmul_gflops(env_extra: dict[str, str]) -> float:
-    import os
-
-    out = subprocess.run(
-        [sys.executable, "-c", _MATMUL_RATE],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, **env_extra},
-    )
+    out = _run_python(_MATMUL_RATE, env_extra)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -77,9 +69,19 @@ def test_matmul_runs_far_above_reference_blas_rate() -> None:
     assert fast > 3 * slow, f"OpenBLAS {fast:.1f} vs reference {slow:.1f} GFLOP/s ({blas_info()})"
 
 
-def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+def _run_python(
+    code: str, env_extra: dict[str, str] | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter from the repository root (``env_extra`` added to the
+    environment); a non-zero exit or ``timeout`` seconds fail the test."""
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **(env_extra or {})},
+        timeout=timeout,
     )
 
 
@@ -301,14 +303,7 @@ def test_an_untraced_body_calling_another_does_not_wait_for_itself() -> None:
     # The logits path's log-softmax gather calls the fast logsumexp, both custom functions with
     # untraced bodies: the inner one must run on the builder thread it is already on (waiting
     # for the builder from the builder is a deadlock; a fresh process, so that it fails, not hangs).
-    out = subprocess.run(
-        [sys.executable, "-c", _NESTED_UNTRACED],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
+    out = _run_python(_NESTED_UNTRACED, timeout=120)
     value_err, grad_err = map(float, out.stdout.split())
     assert value_err < 1e-5 and grad_err < 1e-5
 
