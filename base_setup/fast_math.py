@@ -95,6 +95,8 @@ class _UntracedBuilder:
         self._lock = threading.Lock()  # one caller at a time
         self._job: tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
         self._result: tuple[Any, BaseException | None] | None = None
+        # The builder thread and its two semaphores belong to one process: the first call in
+        # each process (this one, or a child forked from it) makes them anew.
         self._start = threading.Semaphore(0)
         self._done = threading.Semaphore(0)
         self._pid = -1

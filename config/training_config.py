@@ -30,6 +30,11 @@ class OptimConfig:
         gradient_accumulation_steps: Micro-batches each batch (PPO: each minibatch) is split
             into; their gradients are accumulated before the one update (same update, less
             memory).
+        gradient_checkpointing: Recompute each transformer block's activations in the backward
+            pass instead of keeping them (transformers' / TRL's option of that name): a
+            training step then holds one block's activations at a time, for about one more
+            forward pass of compute (measured in docs/performance.md). Applies to the models a
+            run trains (PPO: policy and value model). Same gradients.
         max_grad_norm: Clip the global gradient norm to this value before each update; must be
             > 0; .inf (YAML) / float("inf") disables clipping.
         lr_scheduler: Learning-rate schedule after warm-up: "constant", "linear" decay to 0, or
@@ -62,6 +67,7 @@ class OptimConfig:
     learning_rate: float = 1e-5
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
     max_grad_norm: float = 1.0
     lr_scheduler: LRScheduler = "linear"
     warmup_steps: int = 0

@@ -39,6 +39,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
+from base_setup.grad_checkpoint import checkpoint_blocks
 from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
@@ -157,6 +158,8 @@ class SupervisedTrainer(Generic[E, B]):
     def __init__(self, config: FineTuneConfig, model: nn.Module) -> None:
         self.config = config
         self.model = model
+        if config.gradient_checkpointing:
+            checkpoint_blocks(model)
         self.global_step = 0
         self.epoch = 0
         self.batch_in_epoch = 0

@@ -51,6 +51,7 @@ from mlx.utils import tree_flatten
 from base_setup import distributed as dist
 from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
+from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
@@ -187,6 +188,10 @@ class PPOTrainer:
             tokenizer=tokenizer,
             custom_scores=type(self).compute_scores is not PPOTrainer.compute_scores,
         )
+        if config.gradient_checkpointing:  # the two models trained (a given one, in place)
+            for trained in (models.policy, models.value_model):
+                if trained is not None:
+                    checkpoint_blocks(trained)
         self.policy = models.policy
         self.ref_model = models.ref_model
         self.rewards = Rewards(

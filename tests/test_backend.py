@@ -166,6 +166,8 @@ def test_seed_rejects_negative() -> None:
 
 # ------------------------------------------------------------------ fast CPU math
 from base_setup import fast_layers, fast_math  # noqa: E402
+from base_setup.grad_checkpoint import checkpoint_blocks, is_checkpointed  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 
@@ -1169,3 +1171,105 @@ def test_private_mlx_lm_function_the_models_use_still_works() -> None:
 
     assert _get_classes({"model_type": "qwen3"}) == (qwen3.Model, qwen3.ModelArgs)
     assert _get_classes({"model_type": "mistral"}) == (llama.Model, llama.ModelArgs)
+
+
+# ------------------------------------------------------------------ gradient checkpointing
+def _small_lora_qwen3(dropout: float) -> nn.Module:
+    """A 3-block Qwen3 with LoRA adapters (non-zero B, so their dropout shows in the output)."""
+    from mlx_lm.models import qwen3
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    args = qwen3.ModelArgs(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=160,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=300,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(3)
+    model = qwen3.Model(args)
+    model.freeze()
+    linear_to_lora_layers(model, 3, {"rank": 4, "scale": 2.0, "dropout": dropout})
+    for name, leaf in cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters())):
+        if name.endswith("lora_b"):
+            model.update(tree_unflatten([(name, mx.random.normal(leaf.shape) * 0.1)]))
+    mx.eval(model.parameters())
+    return model
+
+
+def _loss_and_grads(model: nn.Module, ids: mx.array, seed: int) -> tuple[float, dict[str, Any]]:
+    def loss(m: nn.Module) -> mx.array:
+        return nn.losses.cross_entropy(m(ids[:, :-1]), ids[:, 1:]).mean()
+
+    mx.random.seed(seed)
+    value, grads = nn.value_and_grad(model, loss)(model)
+    mx.eval(value, grads)
+    return value.item(), dict(tree_flatten(grads))
+
+
+def test_checkpointed_blocks_give_the_same_loss_and_gradients_in_less_memory() -> None:
+    ids = mx.array(np.random.default_rng(0).integers(0, 300, (4, 48)))
+    plain = _small_lora_qwen3(0.0)
+    want_loss, want = _loss_and_grads(plain, ids, 0)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    _loss_and_grads(plain, ids, 0)
+    plain_peak = mx.get_peak_memory()
+
+    model = _small_lora_qwen3(0.0)
+    assert checkpoint_blocks(model) == 3 and all(is_checkpointed(b) for b in model.layers)
+    assert checkpoint_blocks(model) == 0  # already checkpointed
+    got_loss, got = _loss_and_grads(model, ids, 0)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    _loss_and_grads(model, ids, 0)
+    assert mx.get_peak_memory() < plain_peak  # only each block's input is kept
+    assert got_loss == want_loss and got.keys() == want.keys() and len(got) == 3 * 7 * 2
+    for key, grad in want.items():  # the recomputation is the same computation
+        np.testing.assert_array_equal(np.array(got[key]), np.array(grad), err_msg=key)
+
+    assert checkpoint_blocks(model, enabled=False) == 3
+    assert not any(is_checkpointed(b) for b in model.layers)
+    assert type(model.layers[0]).__call__ is type(plain.layers[0]).__call__
+
+
+def test_checkpointed_dropout_recomputes_with_the_forward_masks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without recomputation (mx.checkpoint as the identity) the gradient is the one of the
+    # masks the forward pass drew; a recomputation with other masks would give another.
+    ids = mx.array(np.random.default_rng(1).integers(0, 300, (4, 32)))
+    model = _small_lora_qwen3(0.3)
+    model.train()
+    checkpoint_blocks(model)
+    got_loss, got = _loss_and_grads(model, ids, 7)
+    again_loss, _ = _loss_and_grads(model, ids, 8)
+    assert again_loss != got_loss  # the dropout acts
+    monkeypatch.setattr(mx, "checkpoint", lambda fn: fn)
+    want_loss, want = _loss_and_grads(model, ids, 7)
+    assert got_loss == want_loss
+    for key, grad in want.items():
+        np.testing.assert_allclose(np.array(got[key]), np.array(grad), rtol=1e-5, atol=1e-7)
+
+
+def test_checkpointed_blocks_decode_with_a_cache_as_before() -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = mx.array(np.random.default_rng(2).integers(0, 300, (2, 12)))
+    plain, model = _small_lora_qwen3(0.0), _small_lora_qwen3(0.0)
+    checkpoint_blocks(model)
+    outputs = []
+    for m in (plain, model):
+        cache = make_prompt_cache(m)
+        m(ids[:, :-1], cache=cache)
+        outputs.append(np.array(m(ids[:, -1:], cache=cache)))
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        checkpoint_blocks(nn.Linear(2, 2))

@@ -96,6 +96,36 @@ def test_ppo_step_updates_every_trainable_parameter(
     assert trainer.global_step == 1
 
 
+def test_gradient_checkpointing_gives_the_same_ppo_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from base_setup.grad_checkpoint import is_checkpointed
+
+    results = []
+    for checkpointing in (False, True):
+        config = make_config(
+            tiny_model_dir,
+            tmp_path / str(checkpointing),
+            use_lora=False,
+            gradient_checkpointing=checkpointing,
+        )
+        trainer = PPOTrainer(config, reward_model=e_rate)
+        assert trainer.value_model is not None
+        trained = (trainer.policy.model, trainer.value_model.model)
+        assert all(is_checkpointed(b) == checkpointing for m in trained for b in m.layers)
+        before = trainable(trainer.policy), trainable(trainer.value_model)
+        metrics = trainer.step(PROMPTS[:4])
+        after = trainable(trainer.policy), trainable(trainer.value_model)
+        assert_all_changed(before[0], after[0])
+        assert_all_changed(before[1], after[1])
+        results.append((after, metrics["loss/policy"], metrics["loss/value"]))
+    (plain, *plain_losses), (checkpointed, *checkpointed_losses) = results
+    np.testing.assert_allclose(checkpointed_losses, plain_losses, rtol=1e-5)
+    for want, got in zip(plain, checkpointed):
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 def test_grpo_step_updates_policy_without_value_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=4, batch_size=2)
     trainer = PPOTrainer(config, reward_model=e_rate)

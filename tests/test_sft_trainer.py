@@ -202,6 +202,26 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model_dir: Path, tmp_p
         )
 
 
+def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:
+    records = sft_records(8, seed=5)
+    base = flat(PolicyModel.from_pretrained(tiny_model_dir).trainable_parameters())
+    afters = []
+    for checkpointing in (False, True):
+        cfg = config(
+            tiny_model_dir,
+            tmp_path / f"ckpt{checkpointing}",
+            gradient_checkpointing=checkpointing,
+            total_steps=2,
+        )
+        trainer = SFTTrainer(cfg)
+        trainer.train(records)
+        afters.append(flat(trainer.model.trainable_parameters()))
+    changed = [k for k in base if not np.array_equal(base[k], afters[1][k])]
+    assert changed == list(base)  # every trainable parameter moved
+    for key, want in afters[0].items():
+        np.testing.assert_allclose(afters[1][key], want, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 def test_resume_continues_to_the_same_weights(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
