@@ -30,7 +30,9 @@ value model trains all its weights):
   (SmolLM2-135M), hidden 576, 30 layers, 9 heads (3 KV heads, head_dim 64), MLP 1536, vocabulary
   49152, tied embeddings (134.5M parameters). ``qwen3-0.6b``: qwen3 (Qwen3-0.6B), hidden 1024, 28
   layers, 16 heads (8 KV heads, head_dim 128), MLP 3072, vocabulary 151936, tied embeddings
-  (596M parameters). PPO: 16 prompts x 128 new tokens; GRPO: 4 prompts x 4 completions x 128.
+  (596M parameters), with gradient checkpointing on both systems (``CHECKPOINTED_SHAPES``: it
+  does not fit a 24 GiB machine without). PPO: 16 prompts x 128 new tokens; GRPO: 4 prompts x 4
+  completions x 128.
   ``--real-warmup`` (1) and ``--real-iterations`` (2), no floor unless ``--real-floor``.
 * ``tiny`` (full-weight training, a separate frozen reference, as ``medium`` and the sweep):
   qwen3, hidden 256, 4 layers, 4 heads (2 KV heads, head_dim 64), MLP 768, vocabulary
@@ -158,6 +160,14 @@ MODEL_SHAPES: dict[str, TinyModelSpec | RealShape] = {
 
 #: The real shapes of a full run, in report order.
 REAL_MODELS: tuple[str, ...] = ("smollm2-135m", "qwen3-0.6b")
+
+#: The shapes trained with gradient checkpointing on both systems (ours: ``gradient_checkpointing``;
+#: TRL: transformers' ``gradient_checkpointing_enable`` on the policy and the value model, and
+#: GRPOConfig's ``gradient_checkpointing``). Qwen3-0.6B's PPO without it went past this 24 GiB
+#: machine (our worker was killed by the kernel's out-of-memory killer at 24 GB resident,
+#: 2026-11-25): its value model trains all 0.6B weights (AdamW state included), beside the policy
+#: and the reward model. ``toy-llama`` is the smoke test's path through it.
+CHECKPOINTED_SHAPES: frozenset[str] = frozenset({"qwen3-0.6b", "toy-llama"})
 
 #: LoRA of the real shapes, the same on both systems: rank 16, alpha 32 (PEFT's and TRL's usual
 #: pair), on every linear layer of every block (PEFT's "all-linear", the QLoRA paper's choice).
@@ -406,6 +416,11 @@ def wait_for_quiet(max_wait: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------------- running
+class WorkerKilled(RuntimeError):
+    """A measurement's worker process ended by a signal (SIGKILL: out of memory). The run goes
+    on without that configuration, and the report names it."""
+
+
 def run_spec(spec: RunSpec, isolate: bool, log_dir: Path, python: str | None = None) -> RunResult:
     """Measure one spec: in a fresh ``benchmarks.throughput_worker`` subprocess (run by
     ``python``, default this interpreter) when ``isolate`` or for another system than ours (TRL
@@ -433,6 +448,12 @@ def run_spec(spec: RunSpec, isolate: bool, log_dir: Path, python: str | None = N
             stderr=subprocess.STDOUT,
             env=env,
             cwd=Path(__file__).resolve().parent.parent,
+        )
+    if done.returncode < 0:  # a signal: SIGKILL is the kernel's out-of-memory killer's
+        raise WorkerKilled(
+            f"the {spec.system} worker for {spec.algorithm} {spec.label} was killed by signal "
+            f"{-done.returncode}"
+            + (" (SIGKILL: out of memory, most likely)" if done.returncode == -9 else "")
         )
     if done.returncode != 0:
         tail = log_file.read_text(encoding="utf-8").splitlines()[-25:]
@@ -477,6 +498,7 @@ def _spec(
         lora_rank=REAL_LORA_RANK if real else 0,
         lora_alpha=REAL_LORA_ALPHA if real else 0.0,
         lora_modules=REAL_LORA_MODULES if real else (),
+        gradient_checkpointing=config.model in CHECKPOINTED_SHAPES,
     )
 
 
@@ -890,6 +912,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     print("\n".join([*machine, *notes]))
 
     results: list[RunResult] = []
+    unmeasured: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ppo_throughput_") as tmp:
         work = Path(tmp)
         dirs = _prepare_models(plan, work)
@@ -901,9 +924,15 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
             for system in systems:
                 spec = _spec(config, system, plan, dirs, measure_floor=config in plan.main)
                 python = str(tp_python) if system == "textpolicy" else None
-                results.append(_measure(spec, plan, work, args, python))
+                try:
+                    results.append(_measure(spec, plan, work, args, python))
+                except WorkerKilled as err:
+                    print(f"  not measured: {err}", flush=True)
+                    unmeasured.append(str(err))
 
     report = report_lines(results, compare)
+    if unmeasured:
+        report += ["\n== Not measured ==", *unmeasured]
     print("\n".join(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.txt").write_text("\n".join([*machine, *report]) + "\n", encoding="utf-8")
@@ -1004,6 +1033,15 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
             f"{lora.lora_alpha:g}, no dropout, on {modules} of every block, on both systems (TRL: "
             "PEFT); reference = the policy with its adapters off; the value model trains all "
             "its weights"
+        )
+    checkpointed = sorted(
+        {r.spec.label for r in results if r.spec.gradient_checkpointing}, key=_label_order
+    )
+    if checkpointed:
+        out.append(
+            f"gradient checkpointing ({', '.join(checkpointed)}): on both systems, on the policy "
+            "and the value model (TRL: transformers' gradient_checkpointing_enable), to fit this "
+            "machine's memory"
         )
     out.extend(iteration_table(results))
     others = [name for name in ("trl", *PEER_SYSTEMS) if any(r.spec.system == name for r in main)]

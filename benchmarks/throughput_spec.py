@@ -65,6 +65,9 @@ class RunSpec:
         lora_modules: module paths inside a transformer block that get adapters, the same
             strings on both systems (our ``lora_keys``, PEFT's ``target_modules``, which matches
             them as name suffixes), e.g. ``("self_attn.q_proj", "mlp.down_proj")``.
+        gradient_checkpointing: recompute the trained models' block activations in the
+            backward pass, on both systems (ours: ``gradient_checkpointing``; TRL: the policy's
+            and the value model's ``gradient_checkpointing_enable``).
     """
 
     system: System
@@ -86,6 +89,7 @@ class RunSpec:
     lora_rank: int = 0
     lora_alpha: float = 0.0
     lora_modules: tuple[str, ...] = ()
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size > len(self.prompts):

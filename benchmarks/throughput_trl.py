@@ -90,7 +90,8 @@ def _common_args(spec: RunSpec, output_dir: str) -> dict[str, Any]:
         "learning_rate": LEARNING_RATE,
         "bf16": False,
         "fp16": False,
-        "gradient_checkpointing": False,
+        # GRPO's Trainer enables it on the policy; TRL's PPO ignores it (see _run_ppo).
+        "gradient_checkpointing": spec.gradient_checkpointing,
         "use_cpu": True,
         "report_to": "none",
         "save_strategy": "no",
@@ -139,6 +140,12 @@ def _run_ppo(spec: RunSpec, output_dir: str, timers: _Timers) -> Any:
     reward_model = AutoModelForSequenceClassification.from_pretrained(
         spec.reward_dir, num_labels=1, **load
     )
+    if spec.gradient_checkpointing:
+        # TRL's PPO does not act on the argument itself: enabled on the two trained models.
+        for trained in (policy, value_model):
+            trained.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     prompts = list(spec.prompts[: spec.batch_size])
     dataset = Dataset.from_dict(
         {"input_ids": [tokenizer.encode(p, add_special_tokens=False) for p in prompts]}

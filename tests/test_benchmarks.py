@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import subprocess
 from pathlib import Path
 from typing import Any, cast
 
@@ -138,6 +139,10 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     assert "== Scaling with batch size (PPO) ==" in report
     lora_line = next(line for line in report.splitlines() if line.startswith("LoRA (toy-llama"))
     assert "rank 16, alpha 32" in lora_line and "q_proj/k_proj/v_proj/o_proj" in lora_line
+    # the real shapes' path trains with gradient checkpointing (Qwen3-0.6B's needs it), the tiny
+    # ones without
+    assert [r.spec.gradient_checkpointing for r in results] == [True, True, *[False] * 4]
+    assert "gradient checkpointing (toy-llama): on both systems" in report
     # every row prints peak RSS, MLX's peak array memory and their ratio
     table = report.split("== Iterations ==")[1].split("\n\n")[0].splitlines()
     assert "RSS/MLX" in next(line for line in table if line.startswith("config"))
@@ -397,6 +402,7 @@ def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path, mo
             lora_rank=ppo_throughput.REAL_LORA_RANK,
             lora_alpha=ppo_throughput.REAL_LORA_ALPHA,
             lora_modules=REAL_LORA_MODULES,
+            gradient_checkpointing=True,
         )
     for algorithm, batch, group in (("ppo", 4, 1), ("grpo", 2, 2)):
         spec = RunSpec(
@@ -425,6 +431,29 @@ def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path, mo
             assert result.trainable_millions == pytest.approx(2 * per_block / 1e6)
         else:
             assert result.trainable_millions == pytest.approx(result.params_millions)
+
+
+def test_a_worker_killed_by_the_kernel_is_reported_not_raised_as_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = RunSpec(
+        system="trl",
+        algorithm="ppo",
+        label="qwen3-0.6b",
+        model="qwen3-0.6b",
+        policy_dir="p",
+        reward_dir="r",
+        prompts=("a",),
+        batch_size=1,
+        group_size=1,
+        max_new_tokens=4,
+        warmup=0,
+        iterations=1,
+    )
+    killed = subprocess.CompletedProcess(args=[], returncode=-9)
+    monkeypatch.setattr(ppo_throughput.subprocess, "run", lambda *a, **k: killed)
+    with pytest.raises(ppo_throughput.WorkerKilled, match="signal 9 .*out of memory"):
+        ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
 
 
 def test_compare_peers_runs_them_on_grpo_and_reports_each(
