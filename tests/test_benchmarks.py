@@ -450,7 +450,7 @@ def test_a_worker_killed_by_the_kernel_is_reported_not_raised_as_a_crash(
         warmup=0,
         iterations=1,
     )
-    killed = subprocess.CompletedProcess(args=[], returncode=-9)
+    killed: subprocess.CompletedProcess[bytes] = subprocess.CompletedProcess([], -9)
     monkeypatch.setattr(ppo_throughput.subprocess, "run", lambda *a, **k: killed)
     with pytest.raises(ppo_throughput.WorkerKilled, match="signal 9 .*out of memory"):
         ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
