@@ -10,6 +10,8 @@
   of PPO when the policy trains LoRA, without a second copy of the base weights.
 * :func:`adapters_fused` temporarily replaces each LoRA layer by its fused linear layer (mlx-lm's
   ``fuse``), e.g. to save a merged model without changing the live one.
+* :func:`adapters_merged` does the same for sampling, where it is exact enough to: float32 bases
+  only, and no random state used.
 
 Convention: LoRA papers (and PEFT) write the update as ``(alpha / r) * B A x``; mlx-lm stores the
 product ``scale = alpha / r`` instead of ``alpha``. :class:`LoraSettings` takes ``alpha`` and
@@ -303,4 +305,59 @@ def adapters_fused(model: nn.Module) -> Iterator[nn.Module]:
         yield lm
     finally:
         if adapted:
+            lm.update_modules(tree_unflatten(adapted))
+
+
+class _MergedLinear(nn.Linear):
+    """An ``nn.Linear`` holding given arrays, built without ``nn.Linear``'s random
+    initialisation (which would draw from, and so move, MLX's global random state)."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None = None) -> None:
+        nn.Module.__init__(self)
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+
+
+def _mergeable(module: nn.Module) -> bool:
+    """A plain LoRA layer (not DoRA, not an embedding or switch layer) on a float32
+    ``nn.Linear`` with float32 adapters."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    base = module.get("linear")
+    return (
+        isinstance(module, LoRALinear)  # the fast layers give instances a subclass
+        and isinstance(base, nn.Linear)
+        and not isinstance(base, nn.QuantizedLinear)
+        and all(a.dtype == mx.float32 for a in (base["weight"], module.lora_a, module.lora_b))
+    )
+
+
+@contextmanager
+def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, each LoRA layer on a float32 linear base computes with one merged
+    weight, ``W + scale * B^T A^T``: the layer's function up to float32 rounding, in one matmul
+    per call instead of the base's, the adapter's two and their sum.
+
+    For sampling, where the adapters are constants and a decoding step's few rows make every
+    call's fixed cost count. Layers on a quantized, bfloat16 or float16 base keep their adapters
+    (a merged weight rounded to the base's precision can lose a small adapter update entirely),
+    as do DoRA, embedding and switch layers. The merged weights are new arrays, computed lazily
+    with the first pass and freed on exit, where the LoRA layers are put back (also on an
+    exception); no random state is drawn. Take no gradients inside the block: the adapters are
+    not parameters of the merged layers.
+    """
+    lm = _lm(model)
+    adapted = [(name, m) for name, m in lora_modules(lm) if _mergeable(m)]
+    merged = []
+    for name, module in adapted:
+        base = module.linear
+        delta = (module.scale * module.lora_b.T) @ module.lora_a.T  # (out, in)
+        merged.append((name, _MergedLinear(base["weight"] + delta, base.get("bias"))))
+    if merged:
+        lm.update_modules(tree_unflatten(merged))
+    try:
+        yield lm
+    finally:
+        if merged:
             lm.update_modules(tree_unflatten(adapted))

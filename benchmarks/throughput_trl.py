@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
 
@@ -111,7 +111,7 @@ def _peft_config(spec: RunSpec) -> Any:
 
     return LoraConfig(
         r=spec.lora_rank,
-        lora_alpha=spec.lora_alpha,
+        lora_alpha=cast(Any, spec.lora_alpha),  # annotated int; PEFT scales by alpha / r either way
         lora_dropout=0.0,
         target_modules=list(spec.lora_modules),
         bias="none",

@@ -21,6 +21,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from base_setup.backend import side_by_side
+from base_setup.lora_setup import adapters_merged
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
@@ -123,19 +124,25 @@ def sample_responses(
     """Phase 1: ``policy``'s responses to ``prompt_ids`` with ``sampling``, with their sampling
     log-probs and entropy (batched, KV cache, stopping at the stop tokens; the filters only when
     sampling, not greedy). ``keys``: one PRNG key per sequence, or None for the global state.
-    The trainer's rollouts and the asynchronous rollout worker both sample with it."""
-    return generate(
-        policy,
-        prompt_ids,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
-        top_k=sampling.top_k if sampling.temperature > 0 else 0,
-        stop_token_ids=list(sampling.stop_token_ids),
-        pad_token_id=sampling.pad_token_id,
-        return_logprobs=True,
-        keys=keys,
-    )
+    The trainer's rollouts and the asynchronous rollout worker both sample with it.
+
+    A LoRA policy on a float32 base samples with its adapters merged into the base weights
+    (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
+    step instead of three. The sampling log-probs then differ from the loss's recomputation by
+    float32 rounding, as a decoding step's (one query against a KV cache) already do."""
+    with adapters_merged(policy.model):
+        return generate(
+            policy,
+            prompt_ids,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+            top_k=sampling.top_k if sampling.temperature > 0 else 0,
+            stop_token_ids=list(sampling.stop_token_ids),
+            pad_token_id=sampling.pad_token_id,
+            return_logprobs=True,
+            keys=keys,
+        )
 
 
 def collect_rollout(

@@ -19,6 +19,7 @@ from base_setup.fast_layers import accelerate_model
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_disabled,
+    adapters_merged,
     apply_lora,
     lora_modules,
     read_adapter_settings,
@@ -330,6 +331,45 @@ def test_adapters_disabled_is_exact_and_skips_dropout(tiny_model_dir: Path) -> N
         assert mx.array_equal(inner(ids), base(ids)).item()
         assert mx.array_equal(inner(ids), base(ids)).item()
     assert model.training
+
+
+def test_adapters_merged_compute_the_adapted_function_and_are_put_back(
+    tiny_model_dir: Path,
+) -> None:
+    """Sampling's merged weights: the LoRA model's logits within float32 rounding, no random
+    state drawn, every LoRA layer (and so every trainable adapter) back afterwards."""
+    mx.random.seed(5)
+    model, _ = _load(str(tiny_model_dir))
+    apply_lora(model, LoraSettings(r=4, alpha=8.0, dropout=0.0))
+    for _, module in lora_modules(model):
+        module.lora_b = mx.random.normal(module.lora_b.shape) * 0.1
+    model.eval()
+    ids = mx.array([[5, 17, 42, 99, 7], [3, 8, 250, 11, 64]])
+    adapted = model(ids)
+    before = dict(lora_modules(model))
+    state = np.array(cast(Any, mx.random.state)[0])
+    with adapters_merged(model) as inner:
+        assert not lora_modules(inner)  # all 14 layers merged: one linear layer each
+        merged = inner(ids)
+    assert np.array_equal(np.array(cast(Any, mx.random.state)[0]), state)
+    assert np.allclose(np.array(merged), np.array(adapted), rtol=1e-5, atol=1e-5)
+    after = dict(lora_modules(model))
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert mx.array_equal(model(ids), adapted).item()
+
+
+def test_adapters_merged_keep_low_precision_and_quantized_bases(tiny_model_dir: Path) -> None:
+    """A bfloat16 or 4-bit base keeps its LoRA layers: merging would round the adapter's update
+    into the base's precision."""
+    for quantize in (False, True):
+        model, _ = _load(str(tiny_model_dir))
+        if quantize:
+            nn.quantize(model, group_size=64, bits=4)
+        else:
+            model.set_dtype(mx.bfloat16)
+        apply_lora(model, LoraSettings(r=4, alpha=8.0, dropout=0.0))
+        with adapters_merged(model) as inner:
+            assert len(lora_modules(inner)) == 14
 
 
 def test_reference_from_pretrained_is_frozen(tiny_model_dir: Path) -> None:

@@ -96,6 +96,41 @@ def test_ppo_step_updates_every_trainable_parameter(
     assert trainer.global_step == 1
 
 
+def test_lora_policy_samples_with_merged_adapters(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 LoRA policy samples with its adapters merged (one matmul per layer), and what
+    it samples is the adapted policy: the sampler's log-probs agree with the loss's pass."""
+    from base_setup.lora_setup import lora_modules
+    from ppo_trainer import rollout
+    from token_attribution.sequences import build_query_responses, response_logprobs
+    from token_attribution.sequences import response_positions
+
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path, use_lora=True), reward_model=e_rate)
+    adapters_while_sampling = []
+    original = rollout.generate
+
+    def spy(model: Any, *args: Any, **kwargs: Any) -> Any:
+        adapters_while_sampling.append(len(lora_modules(model.model)))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "generate", spy)
+    trainer.step(PROMPTS[:4])  # lora_b moves off zero
+    assert adapters_while_sampling == [0] and len(lora_modules(trainer.policy.model)) == 14
+    ids = [trainer.encode_prompt(trainer.format_prompt(p)) for p in PROMPTS[4:8]]
+    gen = rollout.sample_responses(trainer.policy, ids, trainer.sampling)
+    query_responses, prompt_lengths = build_query_responses(
+        ids, gen.responses, trainer.sampling.pad_token_id
+    )
+    positions = response_positions(prompt_lengths, gen.responses.shape[1])
+    recomputed, _ = response_logprobs(
+        trainer.policy, query_responses, positions, gen.responses, trainer.sampling.temperature
+    )
+    assert gen.logprobs is not None
+    on = np.arange(gen.responses.shape[1])[None, :] < np.array(gen.lengths)[:, None]
+    assert np.allclose(np.array(recomputed)[on], np.array(gen.logprobs)[on], atol=1e-4)
+
+
 def test_gradient_checkpointing_gives_the_same_ppo_step(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
