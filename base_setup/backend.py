@@ -39,7 +39,7 @@ import time
 from contextlib import nullcontext, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -459,6 +459,28 @@ def _lane_streams(count: int) -> list[Any]:
     while len(_LANES) < count:
         _LANES.append(mx.new_stream(mx.cpu))
     return _LANES[:count]
+
+
+def evaluate_in_groups(arrays: Sequence[Any], group_bytes: int) -> int:
+    """``mx.eval`` of ``arrays`` in consecutive groups of about ``group_bytes`` (an array larger
+    than that is a group of its own), so that what their graphs create and free in between
+    lives one group at a time: evaluated in one go, MLX runs each operation for every array
+    before the next operation, and holds every intermediate at once. Returns the number of
+    evaluations."""
+    import mlx.core as mx
+
+    group: list[Any] = []
+    size = evaluations = 0
+    for a in arrays:
+        group.append(a)
+        size += a.nbytes
+        if size >= group_bytes:
+            mx.eval(group)
+            group, size, evaluations = [], 0, evaluations + 1
+    if group:
+        mx.eval(group)
+        evaluations += 1
+    return evaluations
 
 
 #: MLX's limit on the freed buffers its CPU backend keeps for reuse (32 MiB in MLX 0.2x-0.3x).

@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from base_setup.backend import evaluate_in_groups
+
 ADAPTER_WEIGHTS_FILE = "adapters.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # Leaf names of adapter parameters in mlx-lm's LoRA / DoRA layers.
@@ -308,6 +310,10 @@ def adapters_fused(model: nn.Module) -> Iterator[nn.Module]:
             lm.update_modules(tree_unflatten(adapted))
 
 
+#: About how many bytes of merged weights :func:`adapters_merged` computes per evaluation.
+MERGE_GROUP_BYTES = 64 << 20
+
+
 class _MergedLinear(nn.Linear):
     """An ``nn.Linear`` holding given arrays, built without ``nn.Linear``'s random
     initialisation (which would draw from, and so move, MLX's global random state)."""
@@ -342,9 +348,9 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
     For sampling, where the adapters are constants and a decoding step's few rows make every
     call's fixed cost count. Layers on a quantized, bfloat16 or float16 base keep their adapters
     (a merged weight rounded to the base's precision can lose a small adapter update entirely),
-    as do DoRA, embedding and switch layers. The merged weights are new arrays, computed lazily
-    with the first pass and freed on exit, where the LoRA layers are put back (also on an
-    exception); no random state is drawn. Take no gradients inside the block: the adapters are
+    as do DoRA, embedding and switch layers. The merged weights are new arrays (as much memory
+    as the adapted base weights), computed on entry a few at a time and freed on exit, where the
+    LoRA layers are put back (also on an exception); no random state is drawn. Take no gradients inside the block: the adapters are
     not parameters of the merged layers.
     """
     lm = _lm(model)
@@ -352,8 +358,11 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
     merged = []
     for name, module in adapted:
         base = module.linear
-        delta = (module.scale * module.lora_b.T) @ module.lora_a.T  # (out, in)
-        merged.append((name, _MergedLinear(base["weight"] + delta, base.get("bias"))))
+        # W + scale * B^T A^T in one array: (out, r) @ (r, in) accumulated into a copy of W.
+        weight = mx.addmm(base["weight"], module.lora_b.T, module.lora_a.T, alpha=module.scale)
+        merged.append((name, _MergedLinear(weight, base.get("bias"))))
+    # A few layers at a time: together, MLX would hold every layer's product at once.
+    evaluate_in_groups([m["weight"] for _, m in merged], MERGE_GROUP_BYTES)
     if merged:
         lm.update_modules(tree_unflatten(merged))
     try:

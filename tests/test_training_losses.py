@@ -870,3 +870,52 @@ def test_optimizer_step_refuses_a_non_finite_loss_before_updating() -> None:
     after = _flat(model)
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert optimizer.state["step"].item() == 0
+
+
+def test_optimizer_step_updates_a_group_of_parameters_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The update's evaluation by groups of parameters: the same weights and optimiser state as
+    one evaluation, with a lower peak (one group's new weights and moments at a time)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from training import optimizer as opt
+
+    def run(group_bytes: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        mx.random.seed(0)
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 1 MB per weight
+        x = mx.random.normal((64, 512))
+
+        def loss_fn(m: Any, batch: mx.array) -> tuple[mx.array, dict]:
+            return (m(batch) ** 2).mean(), {}
+
+        optimizer = opt.AdamW(learning_rate=1e-3)
+        value_and_grad = nn.value_and_grad(model, loss_fn)
+        monkeypatch.setattr(opt, "UPDATE_GROUP_BYTES", group_bytes)
+        opt.optimizer_step(model, optimizer, value_and_grad, [x], [1.0], max_grad_norm=1.0, step=1)
+        mx.reset_peak_memory()
+        opt.optimizer_step(model, optimizer, value_and_grad, [x], [1.0], max_grad_norm=1.0, step=2)
+        peak = mx.get_peak_memory()
+        flat = cast(list[tuple[str, mx.array]], tree_flatten(optimizer.state))
+        state = {k: np.array(v) for k, v in flat}
+        return _flat(model), state, peak
+
+    one_params, one_state, one_peak = run(1 << 40)
+    params, state, peak = run(1 << 20)
+    assert one_params.keys() == params.keys() and one_state.keys() == state.keys()
+    assert all(np.array_equal(one_params[k], params[k]) for k in params)
+    assert all(np.array_equal(one_state[k], state[k]) for k in state)
+    # 8 MB of weights: in one evaluation their clipped gradients and new weights and moments
+    # exist at once beside the old ones; by groups, about 1 MB's worth at a time.
+    assert peak < one_peak - 8 * 2**20, (peak, one_peak)
+
+
+def test_evaluate_in_groups_counts_its_evaluations() -> None:
+    from base_setup.backend import evaluate_in_groups
+
+    arrays = [mx.zeros((256,)) + i for i in range(10)]  # 1 KB each
+    assert evaluate_in_groups(arrays, 3 * 1024) == 4  # 3 + 3 + 3 + 1
+    assert evaluate_in_groups(arrays, 1) == 10
+    assert evaluate_in_groups([], 1024) == 0
+    assert all(np.array_equal(np.array(a), np.full(256, i)) for i, a in enumerate(arrays))

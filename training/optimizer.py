@@ -20,7 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
+
+from base_setup.backend import evaluate_in_groups
 
 
 @mx.compile
@@ -256,7 +258,7 @@ def optimizer_step(
 
     Returns:
         ``{"loss": ..., <each metric>: ..., "grad_norm": ...}``: weighted means as scalar arrays,
-        already evaluated (this is the step's one evaluation of the new weights).
+        already evaluated, as are the new weights and optimiser state.
     """
     from base_setup import distributed as dist
 
@@ -275,8 +277,12 @@ def optimizer_step(
         for key, value in {"loss": loss, **metrics}.items():
             totals[key] = totals[key] + weight * value if key in totals else weight * value
     grads = dist.average_gradients(grads, group)
+    # The gradients on their own first: evaluated only as inputs of the norm, MLX orders the
+    # backward pass so that far more of it is alive at once (a SmolLM2-135M-shaped value
+    # model's step with gradient checkpointing: peak 5.0 GB, against 2.9 GB this way).
+    mx.eval(totals["loss"], grads)
     grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
-    mx.eval(totals["loss"], grad_norm)
+    mx.eval(grad_norm)
     loss_value, norm_value = _to_float(totals["loss"]), _to_float(grad_norm)
     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
         raise ValueError(
@@ -286,10 +292,21 @@ def optimizer_step(
             "float16 overflowing (use bfloat16 or float32)"
         )
     optimizer.update(model, grads)
-    # The one evaluation of the new weights, the optimiser state and the metrics.
-    mx.eval(model.trainable_parameters(), optimizer.state, totals)
+    del grads
+    # The new weights (and with each its optimiser state: one compiled update makes both) a
+    # group of parameters at a time. Evaluated in one go, MLX would run each operation of the
+    # update for every parameter before the next one, holding the clipped gradients and the new
+    # weights and moments of the whole model beside the old ones; a group at a time, one
+    # group's (a SmolLM2-135M-shaped value model's step: peak 2.9 -> 2.4 GB). Same values.
+    new_weights = cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters()))
+    evaluate_in_groups([w for _, w in new_weights], UPDATE_GROUP_BYTES)
+    mx.eval(optimizer.state, totals)
     totals["grad_norm"] = grad_norm
     return totals
+
+
+#: About how many bytes of parameters :func:`optimizer_step` updates per evaluation.
+UPDATE_GROUP_BYTES = 64 << 20
 
 
 def _to_float(x: mx.array) -> float:
