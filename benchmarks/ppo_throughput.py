@@ -691,6 +691,7 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
                 lo.append(r.median - min(r.seconds))
                 hi.append(max(r.seconds) - r.median)
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=system, color=colors[system])
+    floor_labelled = False
     for i, (label, algo) in enumerate(configs):
         ours = _find(main, label, algo, "mlx")
         theirs = _find(main, label, algo, "trl")
@@ -700,13 +701,14 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
                 i - width / 2,
                 i + width / 2,
                 colors="black",
-                label="mlx design floor" if i == 0 else None,
+                label=None if floor_labelled else "mlx design floor",
             )
+            floor_labelled = True
         if ours is not None and theirs is not None:
             top = max(max(ours.seconds), max(theirs.seconds)) * 1.15
             ax.text(i + width / 2, top, f"mlx/trl {ours.median / theirs.median:.2f}", ha="center")
     ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"{label}\n{algo.upper()}" for label, algo in configs])
+    ax.set_xticklabels([f"{_narrow(label)}\n{algo.upper()}" for label, algo in configs])
     ax.set_yscale("log")
     ax.set_ylim(top=2.5 * max(max(r.seconds) for r in main))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
@@ -739,10 +741,11 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
             ax.bar(i, share, bottom=bottom, color=part_colors[key], label=key if i == 0 else None)
             bottom += share
     ax.set_xticks(range(len(bars)))
-    ax.set_xticklabels([name for _, name in bars], fontsize=7)
+    ax.set_xticklabels([name for _, name in bars], fontsize=6)
     ax.set_ylabel("% of the iteration")
     ax.set_title("Where the time goes")
-    ax.legend(loc="lower right", fontsize=8)
+    # Beside the bars, not over them: every bar reaches 100%.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
     for ax, kind in zip(axes[1] if sweeps else [], SWEEP_KINDS):
         points = scaling_points(results, kind)
@@ -773,6 +776,26 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+#: What :func:`load_results` puts where results.json has no prompt texts.
+PROMPTS_NOT_SAVED = "(prompt text not saved in results.json)"
+
+
+def load_results(path: Path) -> list[RunResult]:
+    """The results of an earlier run, from the ``results.json`` it wrote, for its chart and
+    tables. That file leaves out the prompt texts; each spec gets ``batch_size`` copies of
+    ``PROMPTS_NOT_SAVED`` in their place."""
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise SystemExit(f"cannot read the results of {path}: {err}") from err
+    results = []
+    for item in items:
+        spec = item["spec"]
+        spec.setdefault("prompts", [PROMPTS_NOT_SAVED] * spec["batch_size"])
+        results.append(RunResult.from_json(json.dumps(item)))
+    return results
 
 
 def _narrow(label: str) -> str:
@@ -858,6 +881,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="seconds to wait, before each configuration, for other processes to go idle",
     )
     parser.add_argument(
+        "--chart-from",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="no run: draw the chart of an earlier run's results.json into --out",
+    )
+    parser.add_argument(
         "--retries",
         type=int,
         default=1,
@@ -878,6 +907,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     """Run the benchmark, print its tables, write the chart; returns every result."""
     args = parse_args(argv)
+    if args.chart_from is not None:
+        saved = load_results(args.chart_from)
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"chart: {write_chart(saved, args.out / 'ppo_throughput.png')}")
+        return saved
     plan = build_plan(args)
     compare = bool({"trl", "all"} & set(args.compare))
     notes: list[str] = []

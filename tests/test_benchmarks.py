@@ -152,6 +152,13 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         )
         assert r.mlx_peak_mb is not None
         assert f"{r.peak_rss_mb / r.mlx_peak_mb:.2f}" in row.split("|")[-1]
+    # the chart drawn again from results.json alone, without a run
+    again = main(["--chart-from", str(tmp_path / "results.json"), "--out", str(tmp_path / "again")])
+    assert [(r.spec.label, r.spec.algorithm, r.seconds, r.split) for r in again] == [
+        (r.spec.label, r.spec.algorithm, r.seconds, r.split) for r in results
+    ]
+    assert all(r.spec.prompts[0] == ppo_throughput.PROMPTS_NOT_SAVED for r in again)
+    assert (tmp_path / "again" / "ppo_throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_full_plan_leads_with_the_real_shapes_with_lora_and_fewer_iterations(
