@@ -261,6 +261,19 @@ def load_adapters(model: nn.Module, adapter_dir: str | Path) -> LoraSettings:
 
 
 @contextmanager
+def _layers_swapped(lm: nn.Module, swaps: list[tuple[str, nn.Module, nn.Module]]) -> Iterator[None]:
+    """Within the block, each ``(name, layer, replacement)`` of ``swaps`` has ``replacement`` in
+    ``layer``'s place in ``lm``; the layers are put back on exit, also on an exception."""
+    if swaps:
+        lm.update_modules(tree_unflatten([(name, new) for name, _, new in swaps]))
+    try:
+        yield
+    finally:
+        if swaps:
+            lm.update_modules(tree_unflatten([(name, old) for name, old, _ in swaps]))
+
+
+@contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model`` computes its base function exactly: adapters off, no dropout.
 
@@ -271,23 +284,18 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     Do not take gradients or optimizer steps inside the block: the trainable tree is different.
     """
     lm = _lm(model)
-    swapped: list[tuple[str, nn.Module]] = []
+    swaps: list[tuple[str, nn.Module, nn.Module]] = []
     for name, module in lora_modules(lm):
         base = module.get("linear", module.get("embedding"))
         if not isinstance(base, nn.Module):
             raise ValueError(f"{name}: {type(module).__name__} has no base layer to restore")
-        swapped.append((name, module))
+        swaps.append((name, module, base))
     was_training = lm.training
-    if swapped:
-        lm.update_modules(
-            tree_unflatten([(name, m.get("linear", m.get("embedding"))) for name, m in swapped])
-        )
-    lm.eval()
     try:
-        yield lm
+        with _layers_swapped(lm, swaps):
+            lm.eval()
+            yield lm
     finally:
-        if swapped:
-            lm.update_modules(tree_unflatten(swapped))
         lm.train(was_training)
 
 
@@ -300,14 +308,9 @@ def adapters_fused(model: nn.Module) -> Iterator[nn.Module]:
     trainable adapters, are put back on exit. Used to save a merged checkpoint mid-training.
     """
     lm = _lm(model)
-    adapted = lora_modules(lm)
-    if adapted:
-        lm.update_modules(tree_unflatten([(name, m.fuse(dequantize=False)) for name, m in adapted]))
-    try:
+    swaps = [(name, m, m.fuse(dequantize=False)) for name, m in lora_modules(lm)]
+    with _layers_swapped(lm, swaps):
         yield lm
-    finally:
-        if adapted:
-            lm.update_modules(tree_unflatten(adapted))
 
 
 #: About how many bytes of merged weights :func:`adapters_merged` computes per evaluation.
@@ -350,23 +353,18 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
     (a merged weight rounded to the base's precision can lose a small adapter update entirely),
     as do DoRA, embedding and switch layers. The merged weights are new arrays (as much memory
     as the adapted base weights), computed on entry a few at a time and freed on exit, where the
-    LoRA layers are put back (also on an exception); no random state is drawn. Take no gradients inside the block: the adapters are
-    not parameters of the merged layers.
+    LoRA layers are put back (also on an exception); no random state is drawn. Take no
+    gradients inside the block: the adapters are not parameters of the merged layers.
     """
     lm = _lm(model)
-    adapted = [(name, m) for name, m in lora_modules(lm) if _mergeable(m)]
-    merged = []
-    for name, module in adapted:
-        base = module.linear
-        # W + scale * B^T A^T in one array: (out, r) @ (r, in) accumulated into a copy of W.
-        weight = mx.addmm(base["weight"], module.lora_b.T, module.lora_a.T, alpha=module.scale)
-        merged.append((name, _MergedLinear(weight, base.get("bias"))))
+    swaps: list[tuple[str, nn.Module, nn.Module]] = []
+    for name, module in lora_modules(lm):
+        if _mergeable(module):
+            base = module.linear
+            # W + scale * B^T A^T in one array: (out, r) @ (r, in) accumulated into a copy of W.
+            weight = mx.addmm(base["weight"], module.lora_b.T, module.lora_a.T, alpha=module.scale)
+            swaps.append((name, module, _MergedLinear(weight, base.get("bias"))))
     # A few layers at a time: together, MLX would hold every layer's product at once.
-    evaluate_in_groups([m["weight"] for _, m in merged], MERGE_GROUP_BYTES)
-    if merged:
-        lm.update_modules(tree_unflatten(merged))
-    try:
+    evaluate_in_groups([merged["weight"] for _, _, merged in swaps], MERGE_GROUP_BYTES)
+    with _layers_swapped(lm, swaps):
         yield lm
-    finally:
-        if merged:
-            lm.update_modules(tree_unflatten(adapted))
