@@ -103,8 +103,11 @@ def test_lora_policy_samples_with_merged_adapters(
     it samples is the adapted policy: the sampler's log-probs agree with the loss's pass."""
     from base_setup.lora_setup import lora_modules
     from ppo_trainer import rollout
-    from token_attribution.sequences import build_query_responses, response_logprobs
-    from token_attribution.sequences import response_positions
+    from token_attribution.sequences import (
+        build_query_responses,
+        response_logprobs,
+        response_positions,
+    )
 
     trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path, use_lora=True), reward_model=e_rate)
     adapters_while_sampling = []
