@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from base_setup.backend import side_by_side
+from base_setup.backend import generation_buffer_cache, release_cached_buffers, side_by_side
 from base_setup.lora_setup import adapters_merged
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
@@ -130,7 +130,7 @@ def sample_responses(
     (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
     step instead of three. The sampling log-probs then differ from the loss's recomputation by
     float32 rounding, as a decoding step's (one query against a KV cache) already do."""
-    with adapters_merged(policy.model):
+    with generation_buffer_cache(), adapters_merged(policy.model):
         return generate(
             policy,
             prompt_ids,
@@ -241,6 +241,7 @@ def collect_rollout(
         raw = score(completions, query_responses, sequence_lengths)
     mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
     scores = check_scores(raw, len(texts), score_source)
+    release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
     return Rollout(
         texts,
         completions,

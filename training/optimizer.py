@@ -22,7 +22,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from base_setup.backend import evaluate_in_groups
+from base_setup.backend import evaluate_in_groups, release_cached_buffers
 
 
 @mx.compile
@@ -302,6 +302,7 @@ def optimizer_step(
     evaluate_in_groups([w for _, w in new_weights], UPDATE_GROUP_BYTES)
     mx.eval(optimizer.state, totals)
     totals["grad_norm"] = grad_norm
+    release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
     return totals
 
 
