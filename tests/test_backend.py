@@ -682,6 +682,9 @@ def test_default_cache_limit_leaves_room_below_the_memory_limit(
     assert backend._default_cache_limit() == 2 * gb  # half of what the peak leaves
     monkeypatch.setattr(mx, "get_peak_memory", lambda: 20 * gb)
     assert backend._default_cache_limit() == backend.CPU_CACHE_MIN_BYTES
+    monkeypatch.setattr(mx, "get_peak_memory", lambda: 0)  # mx.reset_peak_memory()
+    assert backend._default_cache_limit() == backend.CPU_CACHE_MIN_BYTES  # the peak seen stays
+    monkeypatch.setattr(backend, "_CACHE_STATE", {})
     monkeypatch.setattr(mx, "get_memory_limit", lambda: gb // 2)
     assert backend._default_cache_limit() == gb // 8  # never above the quarter
 
