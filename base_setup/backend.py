@@ -495,11 +495,11 @@ def _default_cache_limit() -> int:
     """The default limit: a quarter of MLX's memory limit, and at most half of what that limit
     leaves above the largest array memory the process has needed so far (MLX's peak), so that
     a run whose arrays come near the memory limit does not get a cache that would take it over;
-    never below :data:`CPU_CACHE_MIN_BYTES`."""
+    never below :data:`CPU_CACHE_MIN_BYTES`. Records that peak in ``_CACHE_STATE["peak"]``
+    (the largest seen at any call), so that ``mx.reset_peak_memory`` cannot raise the limit."""
     import mlx.core as mx
 
     limit = mx.get_memory_limit()
-    # The largest peak seen at any refit: mx.reset_peak_memory (a benchmark's) does not lower it.
     peak = max(mx.get_peak_memory(), _CACHE_STATE.get("peak") or 0)
     _CACHE_STATE["peak"] = peak
     headroom = max(limit - peak, 0) // 2
