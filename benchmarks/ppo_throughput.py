@@ -90,6 +90,7 @@ from benchmarks.throughput_spec import (
     System,
     package_version,
 )
+from benchmarks.throughput_worker import PARENT_ENV
 from fixtures.tiny_model import TINY_SIZES, TinyModelSpec
 
 #: The benchmark's model sizes: the real shapes (``RealShape``, LoRA), the tiny ones; ``toy`` and
@@ -435,6 +436,7 @@ def run_spec(spec: RunSpec, isolate: bool, log_dir: Path, python: str | None = N
     log_file = log_dir / f"{name}.log"
     spec_file.write_text(spec.to_json(), encoding="utf-8")
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
+    env[PARENT_ENV] = str(os.getpid())  # the worker ends with this process (end_with_parent)
     with open(log_file, "w", encoding="utf-8") as log:
         done = subprocess.run(
             [

@@ -8,10 +8,35 @@ system).
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 import sys
 from pathlib import Path
 
 from benchmarks.throughput_spec import RunResult, RunSpec
+
+#: The benchmark's process id, which it gives each worker it starts (:func:`end_with_parent`).
+PARENT_ENV = "PPO_MLX_BENCH_PARENT"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent() -> None:
+    """On Linux, have the kernel end this worker (SIGTERM) when the benchmark process named by
+    :data:`PARENT_ENV` ends, killed or not: a worker left behind would keep the cores busy under
+    the next measurement. Without the variable (a worker started by hand), or off Linux, nothing.
+
+    Raises:
+        SystemExit: the benchmark had already ended when this worker started.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(parent):  # it ended before the prctl: no signal will come
+        raise SystemExit(f"the benchmark that started this worker (process {parent}) has ended")
 
 
 def run_spec(spec: RunSpec) -> RunResult:
@@ -44,6 +69,7 @@ def run_spec(spec: RunSpec) -> RunResult:
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
         raise SystemExit("usage: python -m benchmarks.throughput_worker SPEC.json RESULT.json")
+    end_with_parent()
     spec = RunSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     run_spec(spec).save(Path(argv[1]))
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +41,7 @@ from benchmarks.throughput_spec import (
     RunSpec,
     System,
 )
+from benchmarks.throughput_worker import PARENT_ENV
 from fixtures.tiny_model import TINY_SIZES, build_checkpoint
 
 
@@ -461,6 +466,73 @@ def test_a_worker_killed_by_the_kernel_is_reported_not_raised_as_a_crash(
     monkeypatch.setattr(ppo_throughput.subprocess, "run", lambda *a, **k: killed)
     with pytest.raises(ppo_throughput.WorkerKilled, match="signal 9 .*out of memory"):
         ppo_throughput.run_spec(spec, isolate=True, log_dir=tmp_path)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its new parent has not reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_ends_when_the_benchmark_that_started_it_is_killed(tmp_path: Path) -> None:
+    # The benchmark's process starts a worker, as run_spec does, then dies without cleaning up.
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        textwrap.dedent(f"""
+            import os, subprocess, sys, time
+            code = (
+                "import time; from benchmarks.throughput_worker import end_with_parent; "
+                "end_with_parent(); print('ready', flush=True); time.sleep(120)"
+            )
+            env = dict(os.environ, {PARENT_ENV}=str(os.getpid()))
+            worker = subprocess.Popen(
+                [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+            )
+            assert worker.stdout.readline().strip() == "ready"
+            print(worker.pid, flush=True)
+            time.sleep(120)
+            """),
+        encoding="utf-8",
+    )
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    bench = subprocess.Popen(
+        [sys.executable, str(parent)], stdout=subprocess.PIPE, text=True, cwd=repo, env=env
+    )
+    assert bench.stdout is not None
+    worker_pid = int(bench.stdout.readline())
+    assert not _ended(worker_pid)
+    bench.kill()
+    bench.wait()
+    deadline = time.monotonic() + 20
+    while not _ended(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(worker_pid)
+
+
+def test_a_worker_whose_benchmark_has_already_ended_stops() -> None:
+    repo = Path(__file__).resolve().parent.parent
+    code = "from benchmarks.throughput_worker import end_with_parent; end_with_parent()"
+
+    def start(parent: str | None) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        env.pop(PARENT_ENV, None)
+        if parent is not None:
+            env[PARENT_ENV] = parent
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True
+        )
+
+    gone = start(str(os.getpid() + 1_000_000))  # not the worker's parent: it has ended
+    if sys.platform.startswith("linux"):
+        assert gone.returncode == 1 and "has ended" in gone.stderr
+    else:
+        assert gone.returncode == 0  # nothing to follow off Linux
+    assert start(None).returncode == 0  # a worker started by hand
 
 
 def test_compare_peers_runs_them_on_grpo_and_reports_each(
