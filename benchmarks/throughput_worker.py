@@ -2,15 +2,13 @@
 SPEC.json RESULT.json`` (what ``benchmarks.ppo_throughput`` starts for every configuration).
 
 A separate module, so that a TRL worker neither imports MLX nor loads MLX's BLAS (this one imports
-only the standard library and the worker of the spec's system, after ``setup_blas`` for an MLX
-system).
+only the standard library, ``sandbox.launcher``'s libc calls (standard library only) and the worker
+of the spec's system, after ``setup_blas`` for an MLX system).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -18,13 +16,13 @@ from benchmarks.throughput_spec import RunResult, RunSpec
 
 #: The benchmark's process id, which it gives each worker it starts (:func:`end_with_parent`).
 PARENT_ENV = "PPO_MLX_BENCH_PARENT"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def end_with_parent() -> None:
-    """On Linux, have the kernel end this worker (SIGTERM) when the benchmark process named by
-    :data:`PARENT_ENV` ends, killed or not: a worker left behind would keep the cores busy under
-    the next measurement. Without the variable (a worker started by hand), or off Linux, nothing.
+    """On Linux, have the kernel kill this worker (SIGKILL) when the benchmark process named by
+    :data:`PARENT_ENV` ends, killed or not (the sandbox launcher's ``PR_SET_PDEATHSIG``): a
+    worker left behind would keep the cores busy under the next measurement. Without the
+    variable (a worker started by hand), or off Linux, nothing.
 
     Raises:
         SystemExit: the benchmark had already ended when this worker started.
@@ -32,9 +30,9 @@ def end_with_parent() -> None:
     parent = os.environ.get(PARENT_ENV)
     if parent is None or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    from sandbox.launcher import Libc
+
+    Libc().die_with_parent()
     if os.getppid() != int(parent):  # it ended before the prctl: no signal will come
         raise SystemExit(f"the benchmark that started this worker (process {parent}) has ended")
 
