@@ -10,6 +10,7 @@ Usage::
     python -m benchmarks.ppo_throughput --compare all     # TRL and the peers, in one run
     python -m benchmarks.ppo_throughput --smoke           # toy sizes, seconds (what the test runs)
     python -m benchmarks.ppo_throughput --no-real         # without the real shapes (minutes each)
+    python -m benchmarks.ppo_throughput --device gpu --compare trl   # both on the GPU (CUDA)
 
 The MLX peers run GRPO only (neither has PPO with a value model), on the main configurations
 other than the real shapes:
@@ -41,6 +42,10 @@ value model trains all its weights):
 * ``medium``: hidden 768, 12 layers, 12 heads (4 KV heads), MLP 3072, vocabulary 2048 (about
   100M parameters). PPO: 8 prompts x 128 new tokens; GRPO: 2 prompts x 4 completions x 128.
 * scaling (tiny PPO): 32, 64, 128 and 256 new tokens at batch 16; batch 8, 16 and 32 at 32 tokens.
+
+Device (``--device``): the CPU by default (MLX's CPU device, PyTorch on the CPU); ``gpu`` runs
+both on the GPU (MLX's GPU device, CUDA or Metal; PyTorch's CUDA device), in full float32 unless
+``--tf32`` (``benchmarks.throughput_worker.use_mlx_device``, ``throughput_trl``).
 
 Each configuration runs in a fresh subprocess per system (so peak memory is its own): ``warmup``
 untimed iterations, then ``iterations`` timed ones. The MLX worker then times, in the same process,
@@ -83,6 +88,7 @@ from typing import Literal, Sequence, cast
 from benchmarks.throughput_models import RealShape
 from benchmarks.throughput_spec import (
     FLOOR_KEYS,
+    Device,
     PEER_SYSTEMS,
     SPLIT_KEYS,
     RunResult,
@@ -233,6 +239,8 @@ class Plan:
     real_warmup: int = 1
     real_iterations: int = 2
     real_floor: bool = False
+    device: Device = "cpu"
+    tf32: bool = False
 
 
 def is_real(model: str) -> bool:
@@ -257,7 +265,19 @@ def build_plan(args: argparse.Namespace) -> Plan:
             Config("tokens=8", "toy", "ppo", 4, 1, 8, "tokens"),
             Config("batch=2", "toy", "ppo", 2, 1, 4, "batch"),
         )
-        return Plan(toy_main, toy_sweep, 1, 2, 1, 2, 1, isolate=False, real_floor=True)
+        return Plan(
+            toy_main,
+            toy_sweep,
+            1,
+            2,
+            1,
+            2,
+            1,
+            isolate=False,
+            real_floor=True,
+            device=args.device,
+            tf32=args.tf32,
+        )
     main_list: list[Config] = []
     if args.real:
         for model in args.real_models:
@@ -291,6 +311,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         real_warmup=args.real_warmup,
         real_iterations=args.real_iterations,
         real_floor=args.real_floor,
+        device=args.device,
+        tf32=args.tf32,
     )
 
 
@@ -371,21 +393,68 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def machine_lines(compare: bool, peers: dict[str, str] | None = None) -> list[str]:
+def gpu_name() -> str:
+    """The GPU's name, memory and driver as ``nvidia-smi`` gives them (Apple's GPU on macOS), or
+    a sentence saying none was found."""
+    if sys.platform == "darwin":
+        return "Apple GPU (Metal)"
+    try:
+        query = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,driver_version",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"no NVIDIA GPU found ({err})"
+    first = query.stdout.strip().splitlines()[:1]
+    if query.returncode != 0 or not first:
+        return f"no NVIDIA GPU found (nvidia-smi exit {query.returncode})"
+    name, memory, driver = (part.strip() for part in first[0].split(",")[:3])
+    return f"{name}, {memory}, driver {driver}"
+
+
+def mlx_backend(device: Device) -> str:
+    """Which MLX backend computes on ``device``: its CPU backend, Metal, or CUDA (the wheel)."""
+    if device == "cpu":
+        return "CPU backend"
+    if sys.platform == "darwin":
+        return "Metal backend"
+    for wheel in ("mlx-cuda-13", "mlx-cuda-12"):
+        version = package_version(wheel)
+        if version is not None:
+            return f"CUDA backend, {wheel} {version}"
+    return "no GPU backend installed"
+
+
+def machine_lines(
+    compare: bool, peers: dict[str, str] | None = None, device: Device = "cpu", tf32: bool = False
+) -> list[str]:
     """A few lines that describe the machine and the libraries (TRL's when ``compare``, and
-    the versions of the MLX ``peers`` that run)."""
+    the versions of the MLX ``peers`` that run), and the GPU with ``device == "gpu"``."""
     memory = _memory_gib()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     lines = [
         f"CPU: {_cpu_name()}, {cpu_threads()} cores"
         + (f", {memory:.0f} GiB memory" if memory else ""),
         f"OS: {platform.system()} {platform.release()}; Python {platform.python_version()}",
-        f"MLX {_version('mlx')} (CPU backend), mlx-lm {_version('mlx-lm')}; "
-        f"math threads: {cpu_threads()}",
     ]
+    precision = ""
+    if device == "gpu":
+        precision = "; float32 matmuls in TF32" if tf32 else "; float32 matmuls in full float32"
+        lines.append(f"GPU: {gpu_name()} (both systems compute there{precision})")
+    lines.append(
+        f"MLX {_version('mlx')} ({mlx_backend(device)}), mlx-lm {_version('mlx-lm')}; "
+        f"math threads: {cpu_threads()}"
+    )
     if compare:
+        torch_device = "CUDA" if device == "gpu" else f"torch.set_num_threads({cpu_threads()})"
         lines.append(
-            f"PyTorch {_version('torch')} (torch.set_num_threads({cpu_threads()})), "
+            f"PyTorch {_version('torch')} ({torch_device}), "
             f"TRL {_version('trl')}, transformers {_version('transformers')}"
         )
     if peers:
@@ -501,6 +570,8 @@ def _spec(
         lora_alpha=REAL_LORA_ALPHA if real else 0.0,
         lora_modules=REAL_LORA_MODULES if real else (),
         gradient_checkpointing=config.model in CHECKPOINTED_SHAPES,
+        device=plan.device,
+        tf32=plan.tf32,
     )
 
 
@@ -534,8 +605,9 @@ def _fmt_load(value: float | None) -> str:
 
 
 def memory_ratio(result: RunResult) -> float | None:
-    """Peak resident memory over MLX's peak array memory (None without the latter: TRL)."""
-    if not result.mlx_peak_mb:
+    """Peak resident memory over MLX's peak array memory (None without the latter: TRL; and on a
+    GPU, where MLX's arrays are in the GPU's memory, not in the process's resident memory)."""
+    if not result.mlx_peak_mb or result.spec.device == "gpu":
         return None
     return result.peak_rss_mb / result.mlx_peak_mb
 
@@ -544,13 +616,14 @@ def iteration_table(results: Sequence[RunResult]) -> list[str]:
     head = (
         f"{'config':<12} {'algo':<5} {'system':<11} {'seqs x new':>10} {'median s':>9} "
         f"{'min s':>7} {'max s':>7} {'tok/s':>7} | {'gen':>6} {'score':>6} {'update':>6} "
-        f"{'other':>6} | {'RSS MB':>7} {'MLX MB':>7} {'RSS/MLX':>7} {'other':>5}"
+        f"{'other':>6} | {'RSS MB':>7} {'peak MB':>7} {'RSS/MLX':>7} {'other':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         s = r.spec
         split = " ".join(f"{r.split_median(k):>6.3f}" for k in SPLIT_KEYS)
-        mlx_mb = "-" if r.mlx_peak_mb is None else f"{r.mlx_peak_mb:.0f}"
+        arrays = r.mlx_peak_mb if r.mlx_peak_mb is not None else r.torch_peak_mb
+        mlx_mb = "-" if arrays is None else f"{arrays:.0f}"
         ratio = memory_ratio(r)
         rss_ratio = "-" if ratio is None else f"{ratio:.2f}"
         lines.append(
@@ -565,13 +638,15 @@ def iteration_table(results: Sequence[RunResult]) -> list[str]:
 
 def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TRL") -> list[str]:
     """Our result against another system's (``other``: its name in the header), per config:
-    time per iteration, the ratio overall and per part, and the ratio of peak RSS."""
+    time per iteration, the ratio overall and per part, and the ratio of peak RSS (and, where both
+    have one, of peak GPU memory: MLX's peak against PyTorch's peak allocated)."""
     name, ratio = f"{other} s", f"MLX/{other}"
     w_name, w_ratio = max(8, len(name)), max(8, len(ratio))
     parts_head = f"{'gen':>5} {'score':>6} {'update':>6} (per part)"
+    gpu = any(theirs.torch_peak_mb for _, theirs in pairs)
     head = (
         f"{'config':<12} {'algo':<5} {'MLX s':>8} {name:>{w_name}} {ratio:>{w_ratio}} | "
-        f"{parts_head} | RSS {ratio}"
+        f"{parts_head} | RSS {ratio}" + (f" | GPU {ratio}" if gpu else "")
     )
     lines = [head, "-" * len(head)]
     for ours, theirs in pairs:
@@ -586,8 +661,16 @@ def compare_table(pairs: Sequence[tuple[RunResult, RunResult]], other: str = "TR
             f"{theirs.median:>{w_name}.3f} {ours.median / theirs.median:>{w_ratio}.2f} | "
             f"{split:<{len(parts_head)}} | "
             f"{ours.peak_rss_mb / theirs.peak_rss_mb:>{len(ratio) + 4}.2f}"
+            + (f" | {_gpu_memory_ratio(ours, theirs):>{len(ratio) + 4}}" if gpu else "")
         )
     return lines
+
+
+def _gpu_memory_ratio(ours: RunResult, theirs: RunResult) -> str:
+    """MLX's peak GPU memory over PyTorch's, as printed ("-" where either is missing)."""
+    if not ours.mlx_peak_mb or not theirs.torch_peak_mb or ours.spec.device != "gpu":
+        return "-"
+    return f"{ours.mlx_peak_mb / theirs.torch_peak_mb:.2f}"
 
 
 def floor_table(results: Sequence[RunResult]) -> list[str]:
@@ -875,6 +958,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also time the floor on the real shapes (each piece 1 + --floor-repeats times: "
         "several iterations' time per configuration)",
     )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="where both systems compute: the CPU (MLX's CPU device, PyTorch on the CPU), or the "
+        "GPU (MLX's GPU device, CUDA (pip install \"mlx[cuda13]\") or Metal; PyTorch's CUDA device)",
+    )
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="with --device gpu: float32 matrix products through TF32 on both systems (MLX's "
+        "CUDA default); without it, full float32 on both (PyTorch's default)",
+    )
     parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
     parser.add_argument(
         "--quiet-wait",
@@ -895,6 +991,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="measure a configuration again when other processes were busy meanwhile",
     )
     args = parser.parse_args(argv)
+    if args.tf32 and args.device != "gpu":
+        parser.error("--tf32 is a GPU setting: it needs --device gpu")
     if (
         min(args.warmup, args.medium_warmup, args.real_warmup, args.retries) < 0
         or min(args.iterations, args.medium_iterations, args.real_iterations) < 1
@@ -944,7 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                     f"--compare peers: {name} skipped: it is not installed. Install it with "
                     "`pip install -r requirements-bench.txt`."
                 )
-    machine = ["== Machine ==", *machine_lines(compare, peers)]
+    machine = ["== Machine ==", *machine_lines(compare, peers, args.device, args.tf32)]
     print("\n".join([*machine, *notes]))
 
     results: list[RunResult] = []
@@ -1045,7 +1143,8 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
         "seconds per iteration over the timed iterations; tok/s = generated tokens / median "
         "iteration; gen/score/update/other = median seconds of each part (TRL's update includes "
         "its advantage code); RSS = the worker's peak resident memory (loading included); "
-        "MLX MB = MLX's peak array memory; RSS/MLX = their ratio; other = cores busy with "
+        "peak MB = MLX's peak array memory (on a GPU, TRL's row: PyTorch's peak CUDA memory "
+        "allocated); RSS/MLX = RSS / MLX's peak; other = cores busy with "
         "other processes meanwhile"
     )
     out.append(
@@ -1076,8 +1175,8 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
     if checkpointed:
         out.append(
             f"gradient checkpointing ({', '.join(checkpointed)}): on both systems, on the policy "
-            "and the value model (TRL: transformers' gradient_checkpointing_enable), to fit this "
-            "machine's memory"
+            "and the value model (TRL: transformers' gradient_checkpointing_enable), so that it "
+            "fits a 24 GiB machine's memory"
         )
     out.extend(iteration_table(results))
     others = [name for name in ("trl", *PEER_SYSTEMS) if any(r.spec.system == name for r in main)]

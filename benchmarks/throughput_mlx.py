@@ -240,5 +240,8 @@ def run_mlx(spec: RunSpec) -> RunResult:
         trainable_millions=sum(v.size for _, v in trainable) / 1e6,
         floor=floor,
         other_load=other_load,
-        versions=package_versions("mlx", "mlx-lm"),
+        versions={
+            **package_versions("mlx", "mlx-lm"),
+            "device": f"{mx.default_device()}: {mx.device_info().get('device_name', '?')}",
+        },
     )

@@ -19,6 +19,9 @@ System = Literal["mlx", "trl", "mlx-lm-lora", "textpolicy"]
 #: The MLX peers: other MLX trainers, GRPO only (``--compare peers``).
 PEER_SYSTEMS: tuple[str, ...] = ("mlx-lm-lora", "textpolicy")
 Algorithm = Literal["ppo", "grpo"]
+#: Where both systems compute: MLX's CPU device and PyTorch's CPU, or MLX's GPU device (CUDA or
+#: Metal) and PyTorch's CUDA device.
+Device = Literal["cpu", "gpu"]
 
 #: The parts of an iteration that :class:`RunResult.split` times, in print order.
 SPLIT_KEYS: tuple[str, ...] = ("generation", "scoring", "update", "other")
@@ -68,6 +71,11 @@ class RunSpec:
         gradient_checkpointing: recompute the trained models' block activations in the
             backward pass, on both systems (ours: ``gradient_checkpointing``; TRL: the policy's
             and the value model's ``gradient_checkpointing_enable``).
+        device: "cpu" (MLX's CPU device, PyTorch on the CPU) or "gpu" (MLX's GPU device, CUDA or
+            Metal; PyTorch's CUDA device), the same for both systems.
+        tf32: on a GPU, float32 matrix products through TF32 tensor cores on both systems
+            (``MLX_ENABLE_TF32=1``, MLX's CUDA default; PyTorch's ``allow_tf32``); False: full
+            float32 on both (PyTorch's default).
     """
 
     system: System
@@ -90,8 +98,14 @@ class RunSpec:
     lora_alpha: float = 0.0
     lora_modules: tuple[str, ...] = ()
     gradient_checkpointing: bool = False
+    device: Device = "cpu"
+    tf32: bool = False
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.tf32 and self.device != "gpu":
+            raise ValueError("tf32 is a GPU setting: it needs device='gpu'")
         if self.batch_size > len(self.prompts):
             raise ValueError(
                 f"batch_size={self.batch_size} needs at least that many prompts, got "
@@ -154,7 +168,8 @@ class RunResult:
             ``other`` (advantages, metrics, bookkeeping: the rest of the iteration).
         peak_rss_mb: the worker process's peak resident memory (:func:`peak_rss_mb`), loading
             included.
-        mlx_peak_mb: MLX's peak memory of arrays over the timed iterations (MLX worker only).
+        mlx_peak_mb: MLX's peak memory of arrays over the timed iterations (MLX worker only; on a
+            GPU, the GPU's memory).
         params_millions: parameters of the policy (its base weights, LoRA adapters not counted).
         trainable_millions: parameters the policy's optimiser updates (all of them, or the LoRA
             adapters'); None where the worker does not count them.
@@ -163,6 +178,8 @@ class RunResult:
             average during the timed iterations (and the floor); None where /proc/stat is
             missing.
         versions: library versions of the worker.
+        torch_peak_mb: PyTorch's peak CUDA memory allocated over the timed iterations (the TRL
+            worker on a GPU), the counterpart of ``mlx_peak_mb``.
     """
 
     spec: RunSpec
@@ -175,6 +192,7 @@ class RunResult:
     trainable_millions: float | None = None
     other_load: float | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    torch_peak_mb: float | None = None
 
     @property
     def median(self) -> float:

@@ -19,11 +19,14 @@ bias), and no reference model is loaded: TRL then computes the reference log-pro
 adapters disabled, as the MLX side does. The value model (PPO) trains all its weights, as on the
 MLX side.
 
-Both in float32 (``bf16=False``), without gradient checkpointing, on the CPU. One iteration is
-the time between two ``on_step_end`` callbacks (the first from ``on_train_begin``). The split
-comes from timers wrapped around TRL's own functions: PPO's ``batch_generation`` (generation) and
-its no-gradient ``forward`` / ``get_reward`` calls (scoring); GRPO's ``_generate`` (generation)
-and ``_generate_and_score_completions`` (generation + scoring).
+Both in float32 (``bf16=False``), on the CPU (``spec.device == "cpu"``) or on the CUDA device
+("gpu": ``use_cpu=False``; TF32 matrix products only with ``spec.tf32``, PyTorch's default being
+full float32). One iteration is the time between two ``on_step_end`` callbacks (the first from
+``on_train_begin``). The split comes from timers wrapped around TRL's own functions: PPO's
+``batch_generation`` (generation) and its no-gradient ``forward`` / ``get_reward`` calls
+(scoring); GRPO's ``_generate`` (generation) and ``_generate_and_score_completions`` (generation
++ scoring). On the GPU every timer mark first waits for the device (``torch.cuda.synchronize``),
+so that queued kernels count where they were launched.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ LEARNING_RATE = 1e-6
 class _Timers:
     """Seconds accumulated by the wrapped TRL functions in the current iteration."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda  # synchronize the CUDA device at every mark
         self.current: dict[str, float] = {"generation": 0.0, "scoring": 0.0, "rollout": 0.0}
         self.iterations: list[dict[str, float]] = []
         self.marks: list[float] = []
@@ -55,17 +59,29 @@ class _Timers:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not when():
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
+            start = self.now()
             out = fn(*args, **kwargs)
-            self.current[key] += time.perf_counter() - start
+            self.current[key] += self.now() - start
             return out
 
         return timed
 
+    def now(self) -> float:
+        """``time.perf_counter()`` once the device has run everything queued so far."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def step_end(self) -> None:
-        self.marks.append(time.perf_counter())
+        self.marks.append(self.now())
         if len(self.marks) == self.warmup + 1:
             self.monitor.start()
+            if self.cuda:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
         self.iterations.append(dict(self.current))
         self.current = {k: 0.0 for k in self.current}
 
@@ -75,7 +91,7 @@ def _timer_callback(timers: _Timers) -> Any:
 
     class IterationTimer(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            timers.marks = [time.perf_counter()]
+            timers.marks = [timers.now()]
             timers.current = {k: 0.0 for k in timers.current}
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -92,7 +108,7 @@ def _common_args(spec: RunSpec, output_dir: str) -> dict[str, Any]:
         "fp16": False,
         # GRPO's Trainer enables it on the policy; TRL's PPO ignores it (see _run_ppo).
         "gradient_checkpointing": spec.gradient_checkpointing,
-        "use_cpu": True,
+        "use_cpu": spec.device == "cpu",
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 10**6,
@@ -260,7 +276,16 @@ def run_trl(spec: RunSpec) -> RunResult:
 
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
-    timers = _Timers()
+    cuda = spec.device == "gpu"
+    if cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"--device gpu: PyTorch {torch.__version__} sees no CUDA device (a CPU build, or "
+                "no GPU here)"
+            )
+        torch.backends.cuda.matmul.allow_tf32 = spec.tf32
+        torch.backends.cudnn.allow_tf32 = spec.tf32
+    timers = _Timers(cuda)
     timers.warmup = spec.warmup
     if spec.warmup == 0:
         timers.monitor.start()
@@ -276,6 +301,9 @@ def run_trl(spec: RunSpec) -> RunResult:
             raise ValueError("with LoRA, only the policy's adapters may train")
         if spec.uses_lora and (trainer.ref_model is not None or not trainable):
             raise ValueError("with LoRA, TRL must train adapters and load no reference model")
+        device = trainer.accelerator.device
+        if device.type != ("cuda" if cuda else "cpu"):
+            raise RuntimeError(f"TRL's trainer runs on {device}, not the spec's {spec.device}")
         trainer.train()
         other_load = timers.monitor.other_cores()
     total = spec.warmup + spec.iterations
@@ -316,5 +344,7 @@ def run_trl(spec: RunSpec) -> RunResult:
             "torch": torch.__version__,
             "trl": trl.__version__,
             "transformers": transformers.__version__,
+            **({"cuda": str(torch.version.cuda)} if cuda else {}),
         },
+        torch_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
     )

@@ -37,12 +37,40 @@ def end_with_parent() -> None:
         raise SystemExit(f"the benchmark that started this worker (process {parent}) has ended")
 
 
+#: MLX's switch between TF32 and full float32 matrix products on CUDA (read once, at first use).
+MLX_TF32_ENV = "MLX_ENABLE_TF32"
+
+
+def use_mlx_device(spec: RunSpec) -> None:
+    """Make the spec's device MLX's default in this process (MLX's CPU device, or its GPU, with
+    the spec's TF32 setting), before any array is made.
+
+    Raises:
+        RuntimeError: the spec asks for the GPU and this MLX has none (the CPU or a CPU-only
+            wheel: on Linux, ``pip install "mlx[cuda13]"`` gives MLX its CUDA backend).
+    """
+    if spec.device == "gpu":
+        os.environ[MLX_TF32_ENV] = "1" if spec.tf32 else "0"
+    import mlx.core as mx
+
+    if spec.device == "cpu":
+        mx.set_default_device(mx.cpu)
+        return
+    if not mx.is_available(mx.gpu):
+        raise RuntimeError(
+            "--device gpu: this MLX has no GPU device (a CPU-only wheel, or no GPU here); on "
+            'Linux with CUDA, pip install "mlx[cuda13]" (or "mlx[cuda12]")'
+        )
+    mx.set_default_device(mx.gpu)
+
+
 def run_spec(spec: RunSpec) -> RunResult:
     """Measure ``spec`` on its system, in this process."""
     if spec.system != "trl":  # an MLX system: the fast BLAS before its module imports mlx
         from base_setup import setup_blas
 
         setup_blas()
+        use_mlx_device(spec)
     if spec.system == "mlx":
         from benchmarks.throughput_mlx import run_mlx
 

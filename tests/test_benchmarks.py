@@ -383,6 +383,93 @@ def test_run_spec_rejects_bad_input() -> None:
         _spec(lora_rank=8, lora_alpha=16.0)
     with pytest.raises(ValueError, match="trains full weights"):
         _spec(system="mlx-lm-lora", algorithm="grpo", group_size=2, lora_rank=8)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'gpu'"):
+        _spec(device="cuda")
+    with pytest.raises(ValueError, match="tf32 is a GPU setting"):
+        _spec(tf32=True)
+
+
+def test_device_and_tf32_travel_from_the_arguments_to_every_spec() -> None:
+    args = ppo_throughput.parse_args(["--device", "gpu", "--tf32", "--no-medium", "--no-sweep"])
+    plan = ppo_throughput.build_plan(args)
+    assert (plan.device, plan.tf32) == ("gpu", True)
+    smoke = ppo_throughput.build_plan(ppo_throughput.parse_args(["--smoke", "--device", "gpu"]))
+    assert (smoke.device, smoke.tf32) == ("gpu", False)
+    dirs = {c.model: (Path("/p"), Path("/r"), ["a"] * 16) for c in plan.main}
+    for config in plan.main:
+        for system in ("mlx", "trl"):
+            spec = ppo_throughput._spec(config, system, plan, dirs, measure_floor=False)
+            assert (spec.device, spec.tf32) == ("gpu", True)
+            assert RunSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(SystemExit):
+        ppo_throughput.parse_args(["--tf32"])  # a GPU setting without --device gpu
+
+
+def test_machine_lines_name_the_gpu_and_the_backend_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ppo_throughput, "gpu_name", lambda: "NVIDIA H200, 143771 MiB")
+    cpu = "\n".join(ppo_throughput.machine_lines(True))
+    assert "GPU:" not in cpu and "(CPU backend)" in cpu and "torch.set_num_threads" in cpu
+    gpu = "\n".join(ppo_throughput.machine_lines(True, device="gpu", tf32=True))
+    assert (
+        "GPU: NVIDIA H200, 143771 MiB (both systems compute there; float32 matmuls in TF32)" in gpu
+    )
+    assert "PyTorch" in gpu and "(CUDA)" in gpu and "(CPU backend)" not in gpu
+
+
+def test_gpu_name_says_when_there_is_no_nvidia_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    if sys.platform == "darwin":
+        assert ppo_throughput.gpu_name() == "Apple GPU (Metal)"
+        return
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi to run
+    assert ppo_throughput.gpu_name().startswith("no NVIDIA GPU found")
+
+
+def test_gpu_rows_report_both_frameworks_peak_gpu_memory_and_no_rss_ratio() -> None:
+    ours_spec = _spec(device="gpu")
+    theirs_spec = _spec(system="trl", device="gpu")
+    split = {k: [0.1] for k in SPLIT_KEYS}
+    ours = RunResult(ours_spec, [1.0], split, 2000.0, 800.0, 1.0)
+    theirs = RunResult(theirs_spec, [4.0], split, 1000.0, None, 1.0, torch_peak_mb=400.0)
+    assert ppo_throughput.memory_ratio(ours) is None  # MLX's arrays are not in the RSS
+    rows = ppo_throughput.iteration_table([ours, theirs])
+    assert "peak MB" in rows[0]
+    assert rows[2].split("|")[-1].split()[:3] == ["2000", "800", "-"]
+    assert rows[3].split("|")[-1].split()[:3] == ["1000", "400", "-"]
+    table = ppo_throughput.compare_table([(ours, theirs)])
+    assert table[0].endswith("| GPU MLX/TRL")
+    assert table[2].split("|")[-1].strip() == "2.00" and table[2].split("|")[-2].strip() == "2.00"
+    cpu_table = ppo_throughput.compare_table([(_result(_spec(), [1.0]), _result(_spec(), [2.0]))])
+    assert "GPU" not in cpu_table[0]  # no PyTorch CUDA peak: no GPU column
+
+
+def test_mlx_worker_on_the_gpu_says_how_to_get_one_where_mlx_has_none() -> None:
+    import mlx.core as mx
+
+    from benchmarks.throughput_worker import use_mlx_device
+
+    if mx.is_available(mx.gpu):
+        pytest.skip("this MLX has a GPU device")
+    previous = mx.default_device()
+    try:
+        with pytest.raises(RuntimeError, match=r"no GPU device.*mlx\[cuda13\]"):
+            use_mlx_device(_spec(device="gpu"))
+        use_mlx_device(_spec())
+        assert mx.default_device() == mx.cpu
+    finally:
+        mx.set_default_device(previous)
+
+
+def test_trl_worker_on_the_gpu_refuses_a_torch_without_cuda(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch", reason="needs pip install -r requirements-bench.txt")
+    pytest.importorskip("trl", reason="needs pip install -r requirements-bench.txt")
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch has a CUDA device")
+    from benchmarks.throughput_trl import run_trl
+
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        run_trl(_spec(system="trl", device="gpu"))
 
 
 def test_cpu_monitor_reports_other_cores() -> None:
