@@ -741,6 +741,19 @@ def scaling_points(
     ]
 
 
+def chart_device(results: Sequence[RunResult]) -> str:
+    """Where the results were measured, for the chart's title: "CPU, float32", or the GPU's name
+    (as the MLX worker recorded it) and the float32 matmul mode."""
+    gpu = [r for r in results if r.spec.device == "gpu"]
+    if not gpu:
+        return "CPU, float32"
+    names = {r.versions["device"].split(": ", 1)[-1] for r in gpu if r.versions.get("device")} or {
+        "GPU"
+    }
+    mode = "TF32 matmuls" if any(r.spec.tf32 for r in gpu) else "float32"
+    return f"{', '.join(sorted(names))}, {mode}"
+
+
 def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     """A 2x2 PNG: seconds per iteration (MLX vs TRL), the time split, and the two sweeps."""
     try:
@@ -855,7 +868,7 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
         ax.set_title(f"PPO cost vs {'response length' if kind == 'tokens' else 'batch size'}")
         ax.grid(True, which="both", alpha=0.3)
 
-    fig.suptitle("PPO / GRPO iteration throughput (CPU, float32)")
+    fig.suptitle(f"PPO / GRPO iteration throughput ({chart_device(results)})")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

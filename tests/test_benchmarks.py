@@ -444,6 +444,16 @@ def test_gpu_rows_report_both_frameworks_peak_gpu_memory_and_no_rss_ratio() -> N
     assert "GPU" not in cpu_table[0]  # no PyTorch CUDA peak: no GPU column
 
 
+def test_chart_title_names_where_the_results_were_measured() -> None:
+    assert ppo_throughput.chart_device([_result(_spec(), [1.0])]) == "CPU, float32"
+    gpu = _result(_spec(device="gpu"), [1.0])
+    gpu.versions["device"] = "Device(gpu, 0): NVIDIA H200"
+    trl = _result(_spec(system="trl", device="gpu"), [2.0])  # no device name recorded
+    assert ppo_throughput.chart_device([gpu, trl]) == "NVIDIA H200, float32"
+    tf32 = _result(_spec(device="gpu", tf32=True), [1.0])
+    assert ppo_throughput.chart_device([tf32]) == "GPU, TF32 matmuls"
+
+
 def test_mlx_worker_on_the_gpu_says_how_to_get_one_where_mlx_has_none() -> None:
     import mlx.core as mx
 
