@@ -418,6 +418,33 @@ def gpu_name() -> str:
     return f"{name}, {memory}, driver {driver}"
 
 
+def gpu_problem(compare: bool) -> str | None:
+    """Why ``--device gpu`` cannot run here, checked before any model is built: MLX has no GPU
+    device, or (with ``compare``) PyTorch sees no CUDA device (asked in a subprocess: PyTorch
+    must not load into the MLX process). None when both can."""
+    import mlx.core as mx
+
+    if not mx.is_available(mx.gpu):
+        return (
+            "this MLX has no GPU device (a CPU-only wheel, or no GPU here); on Linux with CUDA, "
+            'pip uninstall -y mlx-cpu && pip install "mlx[cuda13]"'
+        )
+    if not compare:
+        return None
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if probe.returncode != 0:
+        return f"PyTorch does not import for --compare trl:\n{probe.stderr.strip()[-800:]}"
+    available, _, version = probe.stdout.strip().partition(" ")
+    if available != "True":
+        return f"PyTorch {version} sees no CUDA device (a CPU build?); TRL would run on the CPU"
+    return None
+
+
 def mlx_backend(device: Device) -> str:
     """Which MLX backend computes on ``device``: its CPU backend, Metal, or CUDA (the wheel)."""
     if device == "cpu":
@@ -1037,6 +1064,10 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                 "0.21.2)."
             )
             compare = False
+    if args.device == "gpu":
+        problem = gpu_problem(compare)
+        if problem is not None:
+            raise SystemExit(f"--device gpu: {problem}")
     peers: dict[str, str] = {}
     tp_python = textpolicy_python(args.textpolicy_python)
     if {"peers", "all"} & set(args.compare):

@@ -471,6 +471,32 @@ def test_mlx_worker_on_the_gpu_says_how_to_get_one_where_mlx_has_none() -> None:
         mx.set_default_device(previous)
 
 
+def test_gpu_run_stops_before_building_anything_where_mlx_has_no_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlx.core as mx
+
+    if mx.is_available(mx.gpu):
+        pytest.skip("this MLX has a GPU device")
+    built: list[str] = []
+    monkeypatch.setattr(ppo_throughput, "_prepare_models", lambda *a: built.append("models"))
+    with pytest.raises(SystemExit, match=r"--device gpu: this MLX has no GPU device"):
+        ppo_throughput.main(["--smoke", "--device", "gpu", "--out", str(tmp_path)])
+    assert built == []
+
+
+def test_gpu_run_with_trl_needs_a_pytorch_that_sees_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlx.core as mx
+
+    torch = pytest.importorskip("torch", reason="needs pip install -r requirements-bench.txt")
+    if torch.cuda.is_available():
+        pytest.skip("this PyTorch has a CUDA device")
+    monkeypatch.setattr(mx, "is_available", lambda device: True)  # as if MLX had a GPU
+    assert ppo_throughput.gpu_problem(compare=False) is None
+    problem = ppo_throughput.gpu_problem(compare=True)
+    assert problem is not None and "sees no CUDA device" in problem
+
+
 def test_trl_worker_on_the_gpu_refuses_a_torch_without_cuda(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch", reason="needs pip install -r requirements-bench.txt")
     pytest.importorskip("trl", reason="needs pip install -r requirements-bench.txt")
