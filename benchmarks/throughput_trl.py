@@ -277,6 +277,8 @@ def run_trl(spec: RunSpec) -> RunResult:
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
     cuda = spec.device == "gpu"
+    # TRL's PPOTrainer builds its own Accelerator, which does not see use_cpu but reads this.
+    os.environ["ACCELERATE_USE_CPU"] = "false" if cuda else "true"
     if cuda:
         if not torch.cuda.is_available():
             raise RuntimeError(
