@@ -1022,7 +1022,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--chart-from",
         type=Path,
         metavar="RESULTS_JSON",
-        help="no run: draw the chart of an earlier run's results.json into --out",
+        help="no run: print the tables and draw the chart of an earlier run's results.json (a "
+        "run rewrites it after every configuration) into --out",
     )
     parser.add_argument(
         "--retries",
@@ -1050,6 +1051,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     if args.chart_from is not None:
         saved = load_results(args.chart_from)
         args.out.mkdir(parents=True, exist_ok=True)
+        print("\n".join(report_lines(saved, any(r.spec.system == "trl" for r in saved))))
         print(f"chart: {write_chart(saved, args.out / 'ppo_throughput.png')}")
         return saved
     plan = build_plan(args)
@@ -1104,6 +1106,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                 python = str(tp_python) if system == "textpolicy" else None
                 try:
                     results.append(_measure(spec, plan, work, args, python))
+                    save_results(results, args.out / "results.json")  # kept if a later one fails
                 except WorkerKilled as err:
                     print(f"  not measured: {err}", flush=True)
                     unmeasured.append(str(err))
@@ -1115,12 +1118,22 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.txt").write_text("\n".join([*machine, *report]) + "\n", encoding="utf-8")
     chart = write_chart(results, args.out / "ppo_throughput.png")
+    save_results(results, args.out / "results.json")
+    print(f"\nchart: {chart}\nresults: {args.out / 'results.json'}")
+    return results
+
+
+def save_results(results: Sequence[RunResult], path: Path) -> None:
+    """Write ``results`` as :func:`load_results` reads them (prompt texts left out), through a
+    temporary file renamed into place: the run rewrites it after every configuration, so that
+    what was measured survives a later failure, and a kill never leaves half a file."""
     data = [json.loads(r.to_json()) for r in results]
     for item in data:
         item["spec"].pop("prompts")
-    (args.out / "results.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    print(f"\nchart: {chart}\nresults: {args.out / 'results.json'}")
-    return results
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _measure(

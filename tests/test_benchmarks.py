@@ -157,8 +157,11 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         )
         assert r.mlx_peak_mb is not None
         assert f"{r.peak_rss_mb / r.mlx_peak_mb:.2f}" in row.split("|")[-1]
-    # the chart drawn again from results.json alone, without a run
+    # the tables and the chart again from results.json alone, without a run
+    capsys.readouterr()
     again = main(["--chart-from", str(tmp_path / "results.json"), "--out", str(tmp_path / "again")])
+    reprinted = capsys.readouterr().out
+    assert "== Iterations ==" in reprinted and "== Floor" in reprinted
     assert [(r.spec.label, r.spec.algorithm, r.seconds, r.split) for r in again] == [
         (r.spec.label, r.spec.algorithm, r.seconds, r.split) for r in results
     ]
@@ -566,6 +569,25 @@ def test_trl_worker_runs_ppo_and_grpo_on_the_same_checkpoints(tmp_path: Path, mo
             assert result.trainable_millions == pytest.approx(2 * per_block / 1e6)
         else:
             assert result.trainable_millions == pytest.approx(result.params_millions)
+
+
+def test_what_was_measured_stays_on_disk_when_a_later_configuration_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measured: list[str] = []
+
+    def measure(spec: RunSpec, *args: object) -> RunResult:
+        if measured:
+            raise RuntimeError("the second worker failed")
+        measured.append(spec.label)
+        return _result(spec, [1.0, 2.0])
+
+    monkeypatch.setattr(ppo_throughput, "_measure", measure)
+    with pytest.raises(RuntimeError, match="second worker failed"):
+        main(["--smoke", "--no-real", "--out", str(tmp_path)])
+    saved = ppo_throughput.load_results(tmp_path / "results.json")
+    assert [(r.spec.label, r.seconds) for r in saved] == [(measured[0], [1.0, 2.0])]
+    assert not list(tmp_path.glob("*.partial"))  # written aside, renamed into place
 
 
 def test_a_worker_killed_by_the_kernel_is_reported_not_raised_as_a_crash(
