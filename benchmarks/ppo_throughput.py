@@ -96,7 +96,7 @@ from benchmarks.throughput_spec import (
     System,
     package_version,
 )
-from benchmarks.throughput_worker import PARENT_ENV
+from benchmarks.throughput_worker import NO_MLX_GPU, PARENT_ENV
 from fixtures.tiny_model import TINY_SIZES, TinyModelSpec
 
 #: The benchmark's model sizes: the real shapes (``RealShape``, LoRA), the tiny ones; ``toy`` and
@@ -425,10 +425,7 @@ def gpu_problem(compare: bool) -> str | None:
     import mlx.core as mx
 
     if not mx.is_available(mx.gpu):
-        return (
-            "this MLX has no GPU device (a CPU-only wheel, or no GPU here); on Linux with CUDA, "
-            'pip uninstall -y mlx-cpu && pip install "mlx[cuda13]"'
-        )
+        return NO_MLX_GPU
     if not compare:
         return None
     probe = subprocess.run(

@@ -39,6 +39,12 @@ def end_with_parent() -> None:
 
 #: MLX's switch between TF32 and full float32 matrix products on CUDA (read once, at first use).
 MLX_TF32_ENV = "MLX_ENABLE_TF32"
+#: What is wrong, and the fix, where ``--device gpu`` meets an MLX without a GPU device (said by
+#: the benchmark before it builds anything, and by a worker started by hand).
+NO_MLX_GPU = (
+    "this MLX has no GPU device (a CPU-only wheel, or no GPU here); on Linux with CUDA, pip "
+    'uninstall -y mlx-cpu && pip install "mlx[cuda13]" (or "mlx[cuda12]")'
+)
 
 
 def use_mlx_device(spec: RunSpec) -> None:
@@ -47,7 +53,7 @@ def use_mlx_device(spec: RunSpec) -> None:
 
     Raises:
         RuntimeError: the spec asks for the GPU and this MLX has none (the CPU or a CPU-only
-            wheel: on Linux, ``pip install "mlx[cuda13]"`` gives MLX its CUDA backend).
+            wheel: :data:`NO_MLX_GPU` says how to give MLX its CUDA backend).
     """
     if spec.device == "gpu":
         os.environ[MLX_TF32_ENV] = "1" if spec.tf32 else "0"
@@ -57,10 +63,7 @@ def use_mlx_device(spec: RunSpec) -> None:
         mx.set_default_device(mx.cpu)
         return
     if not mx.is_available(mx.gpu):
-        raise RuntimeError(
-            "--device gpu: this MLX has no GPU device (a CPU-only wheel, or no GPU here); on "
-            'Linux with CUDA, pip install "mlx[cuda13]" (or "mlx[cuda12]")'
-        )
+        raise RuntimeError(f"--device gpu: {NO_MLX_GPU}")
     mx.set_default_device(mx.gpu)
 
 
