@@ -82,8 +82,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
             against those behaviour log-probs corrects for the lag. The first step (and the
             first after a resume) generates synchronously. Needs rollout_logprobs "sampling"
             and one process (no data parallelism); the worker holds a second copy of the
-            policy. On 2 CPU cores it measured 1.2x faster per iteration at the demo's size
-            and 1.14x slower at SmolLM2-135M's (docs/performance.md).
+            policy. Whether it pays depends on the model and the cores (docs/performance.md).
         kl_coef: Weight of the KL penalty in the reward, reward - kl_coef * kl, per token for
             "ppo" and "reinforce_pp*", summed over the response for "rloo" (TRL's RLOO beta);
             the initial value when adaptive_kl is on. Unused by "grpo" (see beta).

@@ -33,8 +33,8 @@ class OptimConfig:
         gradient_checkpointing: Recompute each transformer block's activations in the backward
             pass instead of keeping them (transformers' / TRL's option of that name): a
             training step then holds one block's activations at a time, for about one more
-            forward pass of compute (measured in docs/performance.md). Applies to the models a
-            run trains (PPO: policy and value model). Same gradients.
+            forward pass of compute. Applies to the models a run trains (PPO: policy and value
+            model). Same gradients.
         max_grad_norm: Clip the global gradient norm to this value before each update; must be
             > 0; .inf (YAML) / float("inf") disables clipping.
         lr_scheduler: Learning-rate schedule after warm-up: "constant", "linear" decay to 0, or
