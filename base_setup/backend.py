@@ -2,8 +2,7 @@
 
 The Linux ``mlx[cpu]`` wheel links the slow netlib reference BLAS. Loading OpenBLAS from the
 ``cmeel-openblas`` wheel into the global symbol scope *before* ``mlx.core`` is first imported makes
-MLX's ``cblas_*`` calls resolve to OpenBLAS instead (docs/performance.md has the measured
-difference). This module does that without importing mlx, so :func:`setup_blas` must run before
+MLX's ``cblas_*`` calls resolve to OpenBLAS instead (docs/performance.md). This module does that without importing mlx, so :func:`setup_blas` must run before
 anything imports ``mlx.core``: every entry point calls it first (``main.py``, ``tests/conftest.py``,
 the examples and benchmarks run as scripts), and a script of your own should too::
 
@@ -360,8 +359,8 @@ def adapt_blas_threads() -> int | None:
 
     Why: OpenBLAS's threads wait for each other by spinning. When other processes keep the
     cores busy, a multi-threaded matmul waits for a thread the kernel has descheduled, and every
-    matmul costs a scheduler time slice (docs/performance.md has the measurements). So each call measures, from /proc/stat, how many cores other processes
-    used since the previous call, and sets the thread count to
+    matmul costs a scheduler time slice (docs/performance.md). So each call measures, from
+    /proc/stat, how many cores other processes used since the previous call, and sets the thread count to
     :func:`blas_threads_for_load` (at most the count OpenBLAS started with: its default or
     ``OPENBLAS_NUM_THREADS``). A quiet machine keeps every thread.
 
@@ -371,7 +370,8 @@ def adapt_blas_threads() -> int | None:
 
     Returns the thread count now set, or None where it does not apply: no OpenBLAS loaded (macOS,
     reference BLAS), a mode other than "step", no /proc/stat, or the first call (it only takes
-    the first sample). Calls less than 0.2 s apart keep the count and the sample. Call it
+    the first sample). Calls closer together than ``_MIN_SAMPLE_SECONDS`` keep the count and
+    the sample. Call it
     only while no MLX computation is running: ``openblas_set_num_threads`` is not safe during a
     matmul (the trainers call it at the start of each step, after the last step's evaluation).
     """
@@ -483,9 +483,9 @@ def evaluate_in_groups(arrays: Sequence[Any], group_bytes: int) -> int:
     return evaluations
 
 
-#: MLX's limit on the freed buffers its CPU backend keeps for reuse (32 MiB in MLX 0.2x-0.3x).
+#: MLX's default limit on the freed buffers its CPU backend keeps for reuse.
 MLX_CPU_DEFAULT_CACHE_BYTES = 32 << 20
-#: The floor of this project's default limit on the CPU (its former fixed default).
+#: The floor of this project's default limit on the CPU.
 CPU_CACHE_MIN_BYTES = 256 << 20
 _CACHE_ENV = "PPO_MLX_CPU_CACHE_MB"
 _CACHE_STATE: dict[str, int | None] = {}
@@ -509,18 +509,18 @@ def _default_cache_limit() -> int:
 def setup_cpu_buffer_cache() -> int | None:
     """Let MLX's CPU backend reuse freed buffers within a phase of work; idempotent.
 
-    MLX's CPU backend keeps at most 32 MiB of freed buffers; past that, a freed buffer goes back
-    to the C library, which returns large ones to the kernel, and the next allocation of that
-    size takes fresh pages (zeroed by the kernel, one page fault per 4 KiB). A real-shape
-    training step allocates and frees several GB per pass this way: at SmolLM2-135M's shape a
-    PPO iteration took ~800,000 page faults with a 256 MiB cache.
+    MLX's CPU backend keeps few freed buffers (:data:`MLX_CPU_DEFAULT_CACHE_BYTES`); past that,
+    a freed buffer goes back to the C library, which returns large ones to the kernel, and the
+    next allocation of that size takes fresh pages (zeroed by the kernel, one page fault per
+    page). A real-shape training step allocates and frees many large buffers per pass, so
+    without a larger cache its time goes to page faults.
 
     The limit is raised to :func:`_default_cache_limit` (a quarter of MLX's memory limit, less
     near it) and the cache is emptied at the end of each phase (a generation, the scoring
     passes, one optimiser step: :func:`release_cached_buffers`), so that the buffers a phase
     frees serve that phase's later allocations but never stay resident beside the next
-    phase's, which allocates different sizes (a cache kept across phases made the demo peak at
-    ~6 GB resident).
+    phase's, which allocates different sizes (a cache kept across phases raises the peak
+    resident memory).
 
     Acts only when the default device is the CPU and the limit is still MLX's default (a limit
     set by the caller is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets a
@@ -576,9 +576,8 @@ def release_cached_buffers() -> None:
 def generation_buffer_cache() -> Iterator[None]:
     """A generation's phase: the default limit lowered to :data:`CPU_CACHE_MIN_BYTES` within,
     the cache emptied on exit (:func:`release_cached_buffers`). A decoding step's buffers are
-    small and the same from step to step; with the training steps' limit, sampling 16 x 128
-    tokens at SmolLM2-135M's shape took 16.3 s against 15.6 s (median of 4, interleaved). A
-    fixed limit (``PPO_MLX_CPU_CACHE_MB``, or the caller's) is left as it is."""
+    small and the same from step to step, so the training steps' larger limit only slows
+    sampling. A fixed limit (``PPO_MLX_CPU_CACHE_MB``, or the caller's) is left as it is."""
     if not _CACHE_STATE.get("adaptive"):
         yield
         return

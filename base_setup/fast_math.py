@@ -2,9 +2,8 @@
 
 Why: on Linux, MLX's CPU backend evaluates transcendental functions (``exp``, ``sigmoid``,
 ``softmax``, ``logsumexp``, ``tanh``, ``sqrt``) one element at a time through scalar library
-calls: about 50-70 million elements per second on a 2-core EPYC, against about 3,000 million for
-``+`` or ``*``. In a forward pass of a small transformer the SwiGLU activation alone is about 45%
-of the time and the attention softmax another 10% (measured on the benchmark's tiny Qwen3).
+calls, dozens of times slower per element than ``+`` or ``*``, so in a small transformer the
+SwiGLU activation and the attention softmax take much of a forward pass (docs/performance.md).
 
 How: ``exp`` is rebuilt from operations MLX evaluates fast, fused by ``mx.compile`` into three
 C++ loops (the clamp, ``2^f``, the bits of ``2^n``) and a multiply that fuses with the consumer::
@@ -13,12 +12,11 @@ C++ loops (the clamp, ``2^f``, the bits of ``2^n``) and a multiply that fuses wi
     2^f    = sum_{k=0..7} (f ln 2)^k / k!        (Taylor; truncation error < 6e-9 relative)
     2^n    = the float32 whose exponent bits are n + 127 (0 for n = -127: exp(-inf) = 0)
 
-About 650 million elements per second (8x ``mx.exp``: 3.5M elements in 5.3 ms against 40, where
-one ``+`` takes 1.0), within 2e-7 relative error of float64's
-``exp`` (float32 rounding is 6e-8; the tests check both). NaN stays NaN; ``+inf`` saturates at
-about 1.7e38, and results below 2^-127 (x < -88, float32's denormals) are 0. Every function built
-on this ``exp`` computes in float32 and returns the input's dtype; its gradient is written out
-(``mx.custom_function``), not differentiated through the bit tricks.
+Within 2e-7 relative error of float64's ``exp`` (float32 rounding is 6e-8; the tests check
+both), at a fraction of ``mx.exp``'s time on the CPU (docs/performance.md). NaN stays NaN;
+``+inf`` saturates at about 1.7e38, and results below 2^-127 (x < -88, float32's denormals) are
+0. Every function built on this ``exp`` computes in float32 and returns the input's dtype; its
+gradient is written out (``mx.custom_function``), not differentiated through the bit tricks.
 
 RMSNorm and RoPE have no CPU kernels in MLX, only composed fallbacks of many small ops; here
 each is one compiled function of MLX's own formula (:func:`rms_norm`, :func:`rope`: the same bits
@@ -58,14 +56,12 @@ _ROUND_MAGIC = 12582912.0
 _EXP2_COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(8))
 _ENV = "PPO_MLX_FAST_MATH"
 # Below these many elements MLX's own SwiGLU / attention are used: the slow exp costs little there,
-# and one native kernel beats the fast versions' several. Measured crossovers (2-core EPYC):
-# SwiGLU about 2,000 elements (at 12,288, a decoding step of 16 sequences, the fast one takes half
-# the time), attention about 4,000 score elements.
+# and one native kernel beats the fast versions' several (crossovers in docs/performance.md).
 _MIN_FAST_SWIGLU = 1 << 11
 _MIN_FAST_ATTENTION = 1 << 12
 # From these many input elements a custom function's body is built untraced (see `untraced`): a
-# thread hand-over costs ~0.1 ms, the uncompiled body of a training-size call tens of ms; below,
-# (a decoding step's calls, never differentiated) it stays where it is.
+# thread hand-over is cheap against a training-size call's uncompiled body, dear against a
+# decoding step's (never differentiated), which stays where it is.
 _MIN_UNTRACED = 1 << 16
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -77,18 +73,16 @@ class _UntracedBuilder:
     Why: ``mx.compile`` runs a compiled function as its plain, uncompiled graph whenever one of
     its inputs is a *tracer*, and under ``nn.value_and_grad`` every activation is one (MLX's
     ``compile``: "if the inputs are tracers, trace the original graph"), as are a custom
-    function's primals inside its vjp. So in a training step each fast function below ran as
-    ~20 separate element-wise passes instead of a few fused ones: a training-size SwiGLU's
-    forward and backward took 1.5-2x as long as compiled. Whether an array is a tracer depends
+    function's primals inside its vjp. So in a training step each fast function below would run
+    as many separate element-wise passes instead of a few fused ones. Whether an array is a tracer depends
     on the *thread's* tracing state, so the same call made from a thread that is not tracing
     builds the compiled graph. Only the graph is built there, lazily, on the caller's stream;
     the caller's thread evaluates it.
 
     MLX is not made for two threads at once, so the caller waits while the builder works, and
     the builder drops every reference it took before it hands back: no MLX array is released,
-    by Python's garbage collector or otherwise, on this thread while the caller runs (a thread
-    pool's worker did that between jobs, and the process aborted in MLX, "terminate called
-    without an active exception"). The thread never asks MLX for a stream of its own (it sets
+    by Python's garbage collector or otherwise, on this thread while the caller runs (MLX aborts
+    the process: "terminate called without an active exception"). The thread never asks MLX for a stream of its own (it sets
     the caller's as its default), and a process forked from this one starts its own builder.
     """
 
@@ -187,7 +181,7 @@ def _exp2_exponent(x: mx.array) -> mx.array:
     """``y = clip(x * log2(e), -127, 127)`` in float32 (the exponent of ``exp(x) = 2^y``)."""
     y = x.astype(mx.float32) * _LOG2E
     # Clamp with selects, not mx.clip: MLX's maximum / minimum test for NaN in the element loop,
-    # and a kernel ran 20% slower with them (NaN stays NaN either way). The selects keep gcc
+    # which slows the kernel (NaN stays NaN either way). The selects keep gcc
     # from vectorizing the loop, so they are a kernel of their own, ahead of the arithmetic.
     y = mx.where(y > 127.0, 127.0, y)
     return mx.where(y < -127.0, -127.0, y)
@@ -197,7 +191,7 @@ def _exp2_exponent(x: mx.array) -> mx.array:
 def _exp2_fraction(y: mx.array) -> mx.array:
     """``2^f`` for ``f = y - round(y)`` in [-1/2, 1/2]: the Taylor polynomial as pairs
     ``c_k + c_(k+1) f`` in powers of ``f^2``, a shallower graph than Horner's scheme (MLX fuses a
-    graph only up to a depth; Horner's became two loops, 1.9x the time)."""
+    graph only up to a depth; Horner's becomes two loops)."""
     f = y - ((y + _ROUND_MAGIC) - _ROUND_MAGIC)
     f2 = f * f
     c = _EXP2_COEFFS
@@ -220,8 +214,8 @@ def _exp2_parts(x: mx.array) -> tuple[mx.array, mx.array]:
     """``(2^f, 2^n)``, float32, with ``exp(x) = 2^f * 2^n`` (module docstring): three loops, each
     a compiled function of its own. MLX fuses an element-wise graph only up to a depth and only
     through arrays whose every consumer is in the same loop, and no loop through the bit view;
-    one compiled function for all of it became four loops with the selects in the longest, which
-    gcc then left scalar (12.2 against 5.3 ms for exp over 3.5M elements)."""
+    one compiled function for all of it becomes four loops with the selects in the longest, which
+    gcc then leaves scalar."""
     y = _exp2_exponent(x)
     return _exp2_fraction(y), _exp2_bits(y).view(mx.float32)
 
@@ -502,8 +496,8 @@ def one_query_attention(
         mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B|1, H|1, 1, S)
         if mask.shape[1] != 1:
             mask = mask.reshape(mask.shape[0], hkv, h // hkv, mask.shape[-1])  # (B|1, Hkv, R, S)
-    # Traced once per cache length (a step's layers share it): measured cheaper than a
-    # shapeless trace around separately compiled exp pieces.
+    # Traced once per cache length (a step's layers share it): cheaper than a shapeless trace
+    # around separately compiled exp pieces.
     out = cast(mx.array, _one_query(q, keys, values, mask, mx.array(scale, dtype=queries.dtype)))
     return out.reshape(b, h, 1, values.shape[-1])  # (B, H, 1, Dv)
 

@@ -1,9 +1,8 @@
 """Gradient checkpointing of a model's transformer blocks (activation recomputation).
 
 A training step keeps every block's intermediate activations (attention projections, scores,
-the MLP's 3-4 wide tensors) until the backward pass uses them: at Qwen3-0.6B's shape and 16 x 142
-tokens that is ~200 MB per block, ~5.6 GB for the 28 blocks of one model, and PPO trains two
-(policy and value). With :func:`checkpoint_blocks` each block keeps only its input; the backward
+the MLP's 3-4 wide tensors) until the backward pass uses them: ``B * T * d_model`` times a few
+dozen floats per block, over every block of one model, and PPO trains two (policy and value). With :func:`checkpoint_blocks` each block keeps only its input; the backward
 pass runs the block's forward again (``mx.checkpoint``) before differentiating it: one extra
 forward pass of compute for most of the activation memory, as ``gradient_checkpointing=True``
 does in transformers / TRL.
