@@ -2,7 +2,7 @@
 block of the vocabulary at a time, never holding the (B, T, V) logits.
 
 At a real vocabulary (49k-152k) the LM head's output dwarfs the rest of a training step: 16 x 128
-positions x 49,152 is 100M logits, 400 MB in float32 (1.2 GB at Qwen3's 151,936), and their
+positions x 49,152 is 100M float32 logits (three times as many at Qwen3's 151,936), and their
 log-softmax and its gradient are element-wise passes over all of it. For the chosen token
 ``y_t`` at a position with hidden state ``h_t`` and head ``W`` (V, D), at temperature ``tau``::
 
@@ -42,9 +42,8 @@ from mlx.utils import tree_flatten
 
 from base_setup import fast_math
 
-#: Logits per block (N positions x V_b vocabulary rows): 2M float32 values, 8 MB (at 2,048
-#: positions, 1,024 vocabulary rows); benchmarks/head_logprobs.py measured 1,024-2,048 rows best
-#: at both real vocabularies on a 2-core CPU.
+#: Logits per block (N positions x V_b vocabulary rows): 2M float32 values (2,048 positions x
+#: 1,024 vocabulary rows), small enough to stay in cache; benchmarks/head_logprobs.py picks it.
 BLOCK_ELEMENTS = 1 << 21
 #: The fewest vocabulary rows per block (bounds the number of blocks for many positions).
 MIN_BLOCK_ROWS = 256
