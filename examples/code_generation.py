@@ -229,7 +229,7 @@ class CodeGenerationTrainer(PPOTrainer):
         config: the run configuration.
         prompt_style: "completion" (the policy continues the stub) or "chat" (the policy answers
             a chat request with a code block; needs a chat template).
-        limits: sandbox limits per program; default: ``SandboxLimits()`` (5 s, 512 MB).
+        limits: sandbox limits per program; default: ``SandboxLimits()``.
         max_workers: programs run at once; None = half the CPU cores.
         **components: ``policy``, ``ref_model``, ``value_model``, ``tokenizer``, as for
             :class:`PPOTrainer` (the reward is the tests').

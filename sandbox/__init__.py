@@ -2,7 +2,7 @@
 and judge the results outside it.
 
 The code-generation task scores a completion by the fraction of its unit tests that pass. The
-completion is untrusted: it may loop forever, fork, allocate 10 GB, print megabytes, delete files,
+completion is untrusted: it may loop forever, fork, allocate all the memory it can, print without end, delete files,
 open sockets, call ``sys.exit``, signal the trainer, or return objects built to fool a test. Each
 call to :func:`run_tests` therefore:
 
