@@ -259,10 +259,10 @@ def collect_rollout(
 
 
 #: Token-parameters (the sequences' tokens times the reference model's parameters) below which
-#: the scoring passes stay on one stream: at the tiny test model's size (16 x 46 tokens, 3.7M
-#: parameters: 2.7e9) two streams made scoring 10-25% slower (their set-up and one-thread
-#: matmuls cost more than the second core gives), at SmolLM2-135M's (16 x 142, 134.5M: 3.1e11)
-#: they made it faster; the bound sits between the two measured points.
+#: the scoring passes stay on one stream: for small work two streams' set-up and one-thread
+#: matmuls cost more than the second core gives. The bound lies between the tiny test model's
+#: work (16 x 46 tokens x 3.7M parameters: 2.7e9), where two streams lose, and SmolLM2-135M's
+#: (16 x 142 x 134.5M: 3.1e11), where they win (benchmarks/cpu_streams.py).
 MIN_SIDE_BY_SIDE_WORK = 3e10
 
 

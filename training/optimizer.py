@@ -278,8 +278,7 @@ def optimizer_step(
             totals[key] = totals[key] + weight * value if key in totals else weight * value
     grads = dist.average_gradients(grads, group)
     # The gradients on their own first: evaluated only as inputs of the norm, MLX orders the
-    # backward pass so that far more of it is alive at once (a SmolLM2-135M-shaped value
-    # model's step with gradient checkpointing: peak 5.0 GB, against 2.9 GB this way).
+    # backward pass so that far more of it is alive at once (a higher peak memory).
     mx.eval(totals["loss"], grads)
     grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
     mx.eval(grad_norm)
@@ -297,7 +296,7 @@ def optimizer_step(
     # group of parameters at a time. Evaluated in one go, MLX would run each operation of the
     # update for every parameter before the next one, holding the clipped gradients and the new
     # weights and moments of the whole model beside the old ones; a group at a time, one
-    # group's (a SmolLM2-135M-shaped value model's step: peak 2.9 -> 2.4 GB). Same values.
+    # group's. Same values.
     new_weights = cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters()))
     evaluate_in_groups([w for _, w in new_weights], UPDATE_GROUP_BYTES)
     mx.eval(optimizer.state, totals)
