@@ -2,9 +2,10 @@
 
 The Linux ``mlx[cpu]`` wheel links the slow netlib reference BLAS. Loading OpenBLAS from the
 ``cmeel-openblas`` wheel into the global symbol scope *before* ``mlx.core`` is first imported makes
-MLX's ``cblas_*`` calls resolve to OpenBLAS instead (docs/performance.md). This module does that without importing mlx, so :func:`setup_blas` must run before
-anything imports ``mlx.core``: every entry point calls it first (``main.py``, ``tests/conftest.py``,
-the examples and benchmarks run as scripts), and a script of your own should too::
+MLX's ``cblas_*`` calls resolve to OpenBLAS instead (docs/performance.md). This module does
+that without importing mlx, so :func:`setup_blas` must run before anything imports ``mlx.core``:
+every entry point calls it first (``main.py``, ``tests/conftest.py``, the examples and
+benchmarks run as scripts), and a script of your own should too::
 
     from base_setup import setup_blas
 
@@ -357,10 +358,10 @@ def adapt_blas_threads() -> int | None:
     leave free, at every step (call it between steps). Otherwise a no-op returning None: the
     count stays the run's (:func:`run_blas_threads`).
 
-    Why: OpenBLAS's threads wait for each other by spinning. When other processes keep the
-    cores busy, a multi-threaded matmul waits for a thread the kernel has descheduled, and every
-    matmul costs a scheduler time slice (docs/performance.md). So each call measures, from
-    /proc/stat, how many cores other processes used since the previous call, and sets the thread count to
+    Why: OpenBLAS's threads wait for each other by spinning. When other processes keep the cores
+    busy, a multi-threaded matmul waits for a thread the kernel has descheduled, and every matmul
+    costs a scheduler time slice (docs/performance.md). So each call measures, from /proc/stat, how
+    many cores other processes used since the previous call, and sets the thread count to
     :func:`blas_threads_for_load` (at most the count OpenBLAS started with: its default or
     ``OPENBLAS_NUM_THREADS``). A quiet machine keeps every thread.
 

@@ -56,7 +56,8 @@ _ROUND_MAGIC = 12582912.0
 _EXP2_COEFFS = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(8))
 _ENV = "PPO_MLX_FAST_MATH"
 # Below these many elements MLX's own SwiGLU / attention are used: the slow exp costs little there,
-# and one native kernel beats the fast versions' several (crossovers in docs/performance.md).
+# and one native kernel beats the fast versions' several (crossovers in
+# benchmarks/results/HISTORY.md).
 _MIN_FAST_SWIGLU = 1 << 11
 _MIN_FAST_ATTENTION = 1 << 12
 # From these many input elements a custom function's body is built untraced (see `untraced`): a
@@ -70,20 +71,21 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 class _UntracedBuilder:
     """One thread that builds MLX graphs outside any function transformation.
 
-    Why: ``mx.compile`` runs a compiled function as its plain, uncompiled graph whenever one of
-    its inputs is a *tracer*, and under ``nn.value_and_grad`` every activation is one (MLX's
-    ``compile``: "if the inputs are tracers, trace the original graph"), as are a custom
-    function's primals inside its vjp. So in a training step each fast function below would run
-    as many separate element-wise passes instead of a few fused ones. Whether an array is a tracer depends
-    on the *thread's* tracing state, so the same call made from a thread that is not tracing
-    builds the compiled graph. Only the graph is built there, lazily, on the caller's stream;
-    the caller's thread evaluates it.
+    Why: ``mx.compile`` runs a compiled function as its plain, uncompiled graph whenever one of its
+    inputs is a *tracer*, and under ``nn.value_and_grad`` every activation is one (MLX's
+    ``compile``: "if the inputs are tracers, trace the original graph"), as are a custom function's
+    primals inside its vjp. So in a training step each fast function below would run as many
+    separate element-wise passes instead of a few fused ones. Whether an array is a tracer depends
+    on the *thread's* tracing state, so the same call made from a thread that is not tracing builds
+    the compiled graph. Only the graph is built there, lazily, on the caller's stream; the caller's
+    thread evaluates it.
 
-    MLX is not made for two threads at once, so the caller waits while the builder works, and
-    the builder drops every reference it took before it hands back: no MLX array is released,
-    by Python's garbage collector or otherwise, on this thread while the caller runs (MLX aborts
-    the process: "terminate called without an active exception"). The thread never asks MLX for a stream of its own (it sets
-    the caller's as its default), and a process forked from this one starts its own builder.
+    MLX is not made for two threads at once, so the caller waits while the builder works, and the
+    builder drops every reference it took before it hands back: no MLX array is released, by
+    Python's garbage collector or otherwise, on this thread while the caller runs (MLX aborts the
+    process: "terminate called without an active exception"). The thread never asks MLX for a stream
+    of its own (it sets the caller's as its default), and a process forked from this one starts its
+    own builder.
     """
 
     def __init__(self) -> None:

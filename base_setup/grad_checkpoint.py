@@ -1,11 +1,11 @@
 """Gradient checkpointing of a model's transformer blocks (activation recomputation).
 
-A training step keeps every block's intermediate activations (attention projections, scores,
-the MLP's 3-4 wide tensors) until the backward pass uses them: ``B * T * d_model`` times a few
-dozen floats per block, over every block of one model, and PPO trains two (policy and value). With :func:`checkpoint_blocks` each block keeps only its input; the backward
-pass runs the block's forward again (``mx.checkpoint``) before differentiating it: one extra
-forward pass of compute for most of the activation memory, as ``gradient_checkpointing=True``
-does in transformers / TRL.
+A training step keeps every block's intermediate activations (attention projections, scores, the
+MLP's 3-4 wide tensors) until the backward pass uses them: ``B * T * d_model`` times a few dozen
+floats per block, over every block of one model, and PPO trains two (policy and value). With
+:func:`checkpoint_blocks` each block keeps only its input; the backward pass runs the block's
+forward again (``mx.checkpoint``) before differentiating it: one extra forward pass of compute for
+most of the activation memory, as ``gradient_checkpointing=True`` does in transformers / TRL.
 
 Only the model instances given change (each block gets a subclass of its own class, as
 :func:`base_setup.fast_layers.accelerate_model` does); a call with a KV cache (a decoding step,

@@ -2,9 +2,9 @@
 and judge the results outside it.
 
 The code-generation task scores a completion by the fraction of its unit tests that pass. The
-completion is untrusted: it may loop forever, fork, allocate all the memory it can, print without end, delete files,
-open sockets, call ``sys.exit``, signal the trainer, or return objects built to fool a test. Each
-call to :func:`run_tests` therefore:
+completion is untrusted: it may loop forever, fork, allocate all the memory it can, print without
+end, delete files, open sockets, call ``sys.exit``, signal the trainer, or return objects built to
+fool a test. Each call to :func:`run_tests` therefore:
 
 1. parses every test in this process (:mod:`sandbox.tests_spec`) into the expression the sandbox
    evaluates (``add(1, 2)``) and the expected value (``3``), which never leaves this process;
