@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 from base_setup import fast_math
 
 #: Logits per block (N positions x V_b vocabulary rows): 2M float32 values (2,048 positions x
-#: 1,024 vocabulary rows), small enough to stay in cache; benchmarks/head_logprobs.py picks it.
+#: 1,024 vocabulary rows), small enough to stay in cache (benchmarks/head_logprobs.py --blocks).
 BLOCK_ELEMENTS = 1 << 21
 #: The fewest vocabulary rows per block (bounds the number of blocks for many positions).
 MIN_BLOCK_ROWS = 256
