@@ -62,6 +62,7 @@ _SET_EXAMPLES = {
     "ppo": "--set kl_coef=0.1 --set algorithm=grpo",
     "sft": "--set learning_rate=2e-5 --set use_lora=true",
     "reward": "--set margin=0.5 --set max_length=512",
+    "dpo": "--set beta=0.1 --set loss_type=ipo",
 }
 
 
@@ -200,6 +201,14 @@ def cmd_reward(args: argparse.Namespace) -> None:
 
     out = run_reward_training(_run_config(args, RewardConfig), resume_from=args.resume)
     print(f"reward model: {out}")
+
+
+def cmd_dpo(args: argparse.Namespace) -> None:
+    from config.dpo_config import DPOConfig
+    from finetune.dpo_trainer import run_dpo
+
+    out = run_dpo(_run_config(args, DPOConfig), resume_from=args.resume)
+    print(f"DPO model: {out}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -358,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, help_text in (
         ("sft", cmd_sft, "supervised fine-tuning on prompt/completion or chat JSONL"),
         ("reward", cmd_reward, "reward-model training on prompt/chosen/rejected JSONL"),
+        ("dpo", cmd_dpo, "DPO, IPO, SimPO, ORPO ... on prompt/chosen/rejected JSONL (no RM)"),
     ):
         stage = sub.add_parser(name, help=help_text)
         _add_config_args(stage, name)
@@ -413,9 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
     config.add_argument(
         "--kind",
-        choices=("ppo", "sft", "reward"),
+        choices=("ppo", "sft", "reward", "dpo"),
         default="ppo",
-        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft or reward",
+        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft, reward or dpo",
     )
     config.add_argument(
         "--markdown",

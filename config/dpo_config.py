@@ -42,9 +42,10 @@ class DPOConfig(FineTuneConfig, LoraConfig):
             unbiased under label noise label_smoothing), and the reference-free "simpo" (Meng
             et al. 2024) and "orpo" (Hong et al. 2024, NLL of the chosen answer plus an
             odds-ratio term).
-        label_smoothing: Probability that a pair's label is flipped (conservative DPO / cDPO for
-            sigmoid, the noise rate for robust; also used by simpo); 0 = trust every label.
-            Must be below 0.5.
+        label_smoothing: Probability that a pair's label is flipped: the noise rate of robust
+            (TRL's meaning), and, beyond TRL 1.12's DPOTrainer, conservative DPO (cDPO) for
+            sigmoid and SimPO's smoothing as in TRL's CPOTrainer; 0 = trust every label. Must be
+            below 0.5.
         simpo_gamma: SimPO's target reward margin gamma (the loss asks for
             beta * (avg logp_chosen - avg logp_rejected) > gamma); simpo only.
         ref_model_name: The reference model (a local directory or Hub id; it must use the

@@ -67,6 +67,53 @@ def check_same_tokenizer(policy_tokenizer: Any, reference_tokenizer: Any, refere
         )
 
 
+def answer_token_logps(model: Any, batch: DPOBatch) -> tuple[mx.array, mx.array]:
+    """``(token_logps, mask)``, each (2B, L-1): ``log p(token t+1 | tokens <= t)`` under
+    ``model`` (a callable ``input_ids -> logits``) and 1 where token t+1 is an answer token."""
+    logits = model(batch.input_ids[:, :-1])  # (2B, L-1, V)
+    token_logps = selective_log_softmax(logits, batch.input_ids[:, 1:])  # (2B, L-1)
+    return token_logps, batch.answer_mask[:, 1:]
+
+
+def dpo_batch_loss(
+    model: Any, batch: DPOBatch, config: DPOConfig
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """``(loss, metrics)`` of ``config.loss_type`` on one batch of pairs: the policy ``model``'s
+    summed answer log-probs against the batch's cached reference log-probs
+    (:func:`training.preference_loss.preference_loss`); orpo's NLL is the mean per token over
+    the chosen answers.
+
+    Raises:
+        ValueError: the loss needs reference log-probs and the batch has none.
+    """
+    token_logps, mask = answer_token_logps(model, batch)  # (2B, L-1) each
+    logps = answer_logps(token_logps, mask)  # (2B,)
+    lengths = mask.sum(axis=-1)  # (2B,)
+    n = batch.num_pairs
+    ref_chosen = ref_rejected = None
+    if config.needs_reference:
+        if batch.ref_logps is None:
+            raise ValueError("the batch has no reference log-probs: DPOTrainer.prepare adds them")
+        # Computed before training: constants, no gradient reaches the reference.
+        ref_chosen, ref_rejected = batch.ref_logps[:n], batch.ref_logps[n:]
+    chosen_nll = None
+    if config.loss_type == "orpo":
+        chosen_nll = -(token_logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
+    return preference_loss(
+        config.loss_type,
+        logps[:n],
+        logps[n:],
+        ref_chosen,
+        ref_rejected,
+        lengths[:n],
+        lengths[n:],
+        beta=config.beta,
+        label_smoothing=config.label_smoothing,
+        simpo_gamma=config.simpo_gamma,
+        chosen_nll=chosen_nll,
+    )
+
+
 class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
     """Preference optimisation of a :class:`PolicyModel` (see the module docstring).
 
@@ -133,9 +180,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         for start in range(0, len(order), size):
             index = order[start : start + size]
             batch = collate_dpo([examples[i] for i in index], self.pad_token_id)
-            logits = ref(batch.input_ids[:, :-1])  # (2B, L-1, V), a constant
-            token_logps = selective_log_softmax(logits, batch.input_ids[:, 1:])  # (2B, L-1)
-            logps = answer_logps(token_logps, batch.answer_mask[:, 1:])  # (2B,)
+            logps = answer_logps(*answer_token_logps(ref, batch))  # (2B,), a constant
             mx.eval(logps)
             values = np.array(logps).reshape(2, len(index))  # (chosen, rejected) x B
             out[index] = values.T
@@ -207,35 +252,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         return collate_dpo(examples, self.pad_token_id), len(examples)
 
     def loss_fn(self, model: nn.Module, batch: DPOBatch) -> tuple[mx.array, dict[str, mx.array]]:
-        cfg = self.config
-        logits = model(batch.input_ids[:, :-1])  # (2B, L-1, V)
-        token_logps = selective_log_softmax(logits, batch.input_ids[:, 1:])  # (2B, L-1)
-        mask = batch.answer_mask[:, 1:]  # (2B, L-1)
-        logps = answer_logps(token_logps, mask)  # (2B,)
-        lengths = mask.sum(axis=-1)  # (2B,)
-        n = batch.num_pairs
-        ref_chosen = ref_rejected = None
-        if cfg.needs_reference:
-            if batch.ref_logps is None:
-                raise ValueError("the batch has no reference log-probs: prepare() computes them")
-            # Computed before training: constants, no gradient reaches the reference.
-            ref_chosen, ref_rejected = batch.ref_logps[:n], batch.ref_logps[n:]
-        chosen_nll = None
-        if cfg.loss_type == "orpo":  # mean NLL per token of the chosen answers
-            chosen_nll = -(token_logps[:n] * mask[:n]).sum() / mx.maximum(mask[:n].sum(), 1.0)
-        return preference_loss(
-            cfg.loss_type,
-            logps[:n],
-            logps[n:],
-            ref_chosen,
-            ref_rejected,
-            lengths[:n],
-            lengths[n:],
-            beta=cfg.beta,
-            label_smoothing=cfg.label_smoothing,
-            simpo_gamma=cfg.simpo_gamma,
-            chosen_nll=chosen_nll,
-        )
+        return dpo_batch_loss(model, batch, self.config)
 
     def step(self, examples: Sequence[DPOExample]) -> dict[str, float]:
         # The reference's log-probs are all computed by now: a separate copy frees its memory.
