@@ -182,8 +182,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from examples.sentiment_demo import run_demo
+    from examples.sentiment_demo import run_demo, run_dpo_demo
 
+    if args.dpo:
+        run_dpo_demo(Path(args.output_dir), fresh=args.fresh, smoke=args.smoke)
+        return
     run_demo(Path(args.output_dir), fresh=args.fresh, ppo_steps=args.ppo_steps, smoke=args.smoke)
 
 
@@ -340,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--smoke", action="store_true", help="every stage at toy scale in seconds (for tests)"
+    )
+    demo.add_argument(
+        "--dpo", action="store_true", help="the offline branch: SFT -> DPO instead of RM -> PPO"
     )
     demo.set_defaults(func=cmd_demo)
 

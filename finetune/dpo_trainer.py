@@ -275,6 +275,11 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         self.model.train(was_training)
         return {f"eval/{key}": total / len(examples) for key, total in sums.items()}
 
+    def _postfix(self, record: Mapping[str, Any]) -> dict[str, str]:
+        keys = {"loss": self.loss_key, "acc": "rewards/accuracies", "margin": "rewards/margins"}
+        keys.update({"eval_loss": "eval/loss", "eval_acc": "eval/rewards/accuracies"})
+        return {short: f"{record[key]:.3f}" for short, key in keys.items() if key in record}
+
     def save_pretrained(self, path: str | Path) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that ``generate``,
         ``chat``, ``export``, ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read."""

@@ -402,9 +402,7 @@ class DPOExample:
         return max(len(self.chosen_ids), len(self.rejected_ids))
 
 
-def _answer_tokens(
-    tokenizer: Any, prompt: Any, answer: Any, where: str
-) -> tuple[list[int], int]:
+def _answer_tokens(tokenizer: Any, prompt: Any, answer: Any, where: str) -> tuple[list[int], int]:
     """``(ids, start)`` of one side of a pair: text as :func:`prompt_completion_tokens` (answer
     and EOS after the prompt), a conversation as :func:`chat_response_tokens`."""
     if isinstance(prompt, list):

@@ -380,6 +380,20 @@ def test_lora_dpo_trains_only_adapters_against_the_adapters_off_reference(
     np.testing.assert_allclose(np.concatenate([cached[:, 0], cached[:, 1]]), want, rtol=1e-4)
 
 
+def test_qlora_dpo_trains_adapters_on_a_4bit_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fixtures.checkpoint_families import quantize_checkpoint
+
+    q4 = quantize_checkpoint(tiny_model_dir, tmp_path / "q4")
+    with pytest.raises(ValueError, match="quantized"):
+        DPOTrainer(dpo_config(q4, tmp_path / "full"))
+    trainer = DPOTrainer(dpo_config(q4, tmp_path / "run", use_lora=True, total_steps=2))
+    before = flat(trainer.model.trainable_parameters())
+    history = trainer.train(preference_records(16, seed=1))
+    after = flat(trainer.model.trainable_parameters())
+    assert [k for k in before if np.array_equal(before[k], after[k])] == []
+    assert history[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-5)  # reference = base
+
+
 def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,8 +139,7 @@ def main() -> None:
             "loss": float(loss),
             "metrics": metrics,
             "grads": {
-                name: p.grad.numpy().astype(float).tolist()
-                for name, p in policy.named_parameters()
+                name: p.grad.numpy().astype(float).tolist() for name, p in policy.named_parameters()
             },
         }
 

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from config.dpo_config import PreferenceLossType
 
+
 def answer_logps(token_logps: mx.array, answer_mask: mx.array) -> mx.array:
     """Log-prob of each sequence's answer: ``sum_t mask[b,t] logp[b,t]``, shape (N,), from
     (N, T) per-token log-probs and the (N, T) answer mask (1 at the answer's tokens, 0 at the
@@ -47,9 +48,10 @@ def sigmoid_loss(logits: mx.array, beta: float, label_smoothing: float = 0.0) ->
     Bradley-Terry model of the implicit reward ``beta log(pi / pi_ref)``, with each label
     flipped with probability eps.
     """
-    return -nn.log_sigmoid(beta * logits) * (1.0 - label_smoothing) - nn.log_sigmoid(
-        -beta * logits
-    ) * label_smoothing
+    return (
+        -nn.log_sigmoid(beta * logits) * (1.0 - label_smoothing)
+        - nn.log_sigmoid(-beta * logits) * label_smoothing
+    )
 
 
 def robust_loss(logits: mx.array, beta: float, label_smoothing: float = 0.0) -> mx.array:
