@@ -38,7 +38,7 @@ from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from finetune.records import load_preference_data
 from finetune.sft_trainer import load_policy
-from finetune.supervised_trainer import SupervisedTrainer, run_stage
+from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
 from training.checkpoint import atomic_directory
@@ -237,9 +237,10 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
+        callbacks: Sequence[StageCallback] = (),
     ) -> list[dict[str, Any]]:
         self._resuming = resume_from is not None  # the reference cache is read on resume only
-        return super().train(train_data, eval_data, resume_from)
+        return super().train(train_data, eval_data, resume_from, callbacks)
 
     def prepare(self, data: Iterable[Mapping[str, Any]]) -> list[DPOExample]:
         """Check and tokenise the pairs; add the reference's log-probs (losses that use them)."""

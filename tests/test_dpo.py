@@ -29,6 +29,7 @@ from finetune.dpo_trainer import (
     dpo_batch_loss,
     run_dpo,
 )
+from finetune.supervised_trainer import StageCallback
 from finetune.tokenize import DPOBatch, collate_dpo, tokenize_dpo_pairs
 from fixtures.demo_data import preference_records, write_jsonl
 from models.policy_model import PolicyModel
@@ -434,6 +435,52 @@ def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
     other = DPOTrainer(dpo_config(tiny_model_dir, resumed_dir, **{**common, "loss_type": "ipo"}))
     with pytest.raises(ValueError, match="loss_type"):
         other.train(records, held_out, resume_from="latest")
+
+
+def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    class Recorder(StageCallback):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, int]] = []
+
+        def on_train_begin(self, trainer: Any) -> None:
+            self.events.append(("begin", trainer.global_step))
+
+        def on_step_end(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+            self.events.append(("step", step))
+            assert "rewards/accuracies" in metrics
+            if step == 2:
+                trainer.request_stop("early stopping")
+
+        def on_evaluate(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+            assert "eval/rewards/accuracies" in metrics
+            self.events.append(("evaluate", step))
+
+        def on_save(self, trainer: Any, step: int, path: Path) -> None:
+            assert path.is_dir()
+            self.events.append(("save", step))
+
+        def on_train_end(self, trainer: Any, history: list[dict[str, Any]]) -> None:
+            self.events.append(("end", trainer.global_step))
+
+    recorder = Recorder()
+    trainer = DPOTrainer(dpo_config(tiny_model_dir, tmp_path, eval_every=1, total_steps=4))
+    records, held_out = preference_records(32, seed=0), preference_records(4, seed=8)
+    trainer.train(records, held_out, callbacks=[recorder])
+    assert recorder.events == [
+        ("begin", 0),
+        ("evaluate", 0),
+        ("evaluate", 1),
+        ("step", 1),
+        ("evaluate", 2),
+        ("step", 2),
+        ("save", 2),  # the stop saves a checkpoint
+        ("end", 2),
+    ]
+    assert trainer.stop_reason == "early stopping"
+    with pytest.raises(ValueError, match="call it from a callback"):
+        trainer.request_stop()
 
 
 def test_run_dpo_writes_metrics_curves_and_a_model_that_generates(
