@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from config.ppo_config import PPOConfig
+import numpy as np
+
 from config.dpo_config import DPOConfig
+from config.ppo_config import PPOConfig
 from config.reward_config import RewardConfig
 from config.sft_config import SFTConfig
 from fixtures.demo_data import write_preference_data, write_sft_data
@@ -239,7 +241,7 @@ def policy_preference_accuracy(trainer: DPOTrainer, records: list[dict[str, Any]
         batch = collate_dpo(chunk, trainer.pad_token_id)
         logps = answer_logps(*answer_token_logps(trainer.policy, batch))  # (2B,)
         n = batch.num_pairs
-        wins += int((logps[:n] > logps[n:]).sum().item())
+        wins += int(np.sum(np.array(logps[:n] > logps[n:])))
     return wins / len(examples)
 
 
