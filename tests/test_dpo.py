@@ -381,6 +381,36 @@ def test_lora_dpo_trains_only_adapters_against_the_adapters_off_reference(
     np.testing.assert_allclose(np.concatenate([cached[:, 0], cached[:, 1]]), want, rtol=1e-4)
 
 
+def test_gradient_checkpointing_and_accumulation_give_the_same_update(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    records = preference_records(8, seed=6)
+    afters, losses = [], []
+    for name, settings in (
+        ("plain", {}),
+        ("checkpointing", {"gradient_checkpointing": True}),
+        ("accumulation", {"gradient_accumulation_steps": 4}),
+    ):
+        # adam_eps=1: the first update is about linear in the gradient, so updates compare
+        # gradients (not only their signs).
+        cfg = dpo_config(
+            tiny_model_dir,
+            tmp_path / name,
+            total_steps=1,
+            learning_rate=1.0,
+            adam_eps=1.0,
+            max_grad_norm=float("inf"),
+            **settings,
+        )
+        trainer = DPOTrainer(cfg)
+        losses.append(trainer.train(records)[-1]["loss/dpo"])
+        afters.append(flat(trainer.model.trainable_parameters()))
+    np.testing.assert_allclose(losses, losses[0], rtol=1e-5)
+    for after in afters[1:]:
+        for key, want in afters[0].items():
+            np.testing.assert_allclose(after[key], want, rtol=1e-3, atol=1e-5, err_msg=key)
+
+
 def test_qlora_dpo_trains_adapters_on_a_4bit_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     from fixtures.checkpoint_families import quantize_checkpoint
 
