@@ -179,7 +179,7 @@ def preference_loss(
         rejected_logratios = policy_rejected - ref_rejected  # (B,)
         chosen_rewards = beta * chosen_logratios
         rejected_rewards = beta * rejected_logratios
-        logits = chosen_logratios - rejected_logratios  # dpo_logits, (B,)
+        logits = dpo_logits(policy_chosen, policy_rejected, ref_chosen, ref_rejected)  # (B,)
         if loss_type == "sigmoid":
             losses = sigmoid_loss(logits, beta, label_smoothing)
         elif loss_type == "robust":
