@@ -62,6 +62,7 @@ _SET_EXAMPLES = {
     "ppo": "--set kl_coef=0.1 --set algorithm=grpo",
     "sft": "--set learning_rate=2e-5 --set use_lora=true",
     "reward": "--set margin=0.5 --set max_length=512",
+    "dpo": "--set beta=0.1 --set loss_type=ipo",
 }
 
 
@@ -181,8 +182,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from examples.sentiment_demo import run_demo
+    from examples.sentiment_demo import run_demo, run_dpo_demo
 
+    if args.dpo:
+        run_dpo_demo(Path(args.output_dir), fresh=args.fresh, smoke=args.smoke)
+        return
     run_demo(Path(args.output_dir), fresh=args.fresh, ppo_steps=args.ppo_steps, smoke=args.smoke)
 
 
@@ -200,6 +204,14 @@ def cmd_reward(args: argparse.Namespace) -> None:
 
     out = run_reward_training(_run_config(args, RewardConfig), resume_from=args.resume)
     print(f"reward model: {out}")
+
+
+def cmd_dpo(args: argparse.Namespace) -> None:
+    from config.dpo_config import DPOConfig
+    from finetune.dpo_trainer import run_dpo
+
+    out = run_dpo(_run_config(args, DPOConfig), resume_from=args.resume)
+    print(f"DPO model: {out}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -332,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--smoke", action="store_true", help="every stage at toy scale in seconds (for tests)"
     )
+    demo.add_argument(
+        "--dpo", action="store_true", help="the offline branch: SFT -> DPO instead of RM -> PPO"
+    )
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser(
@@ -358,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, help_text in (
         ("sft", cmd_sft, "supervised fine-tuning on prompt/completion or chat JSONL"),
         ("reward", cmd_reward, "reward-model training on prompt/chosen/rejected JSONL"),
+        ("dpo", cmd_dpo, "DPO, IPO, SimPO, ORPO ... on prompt/chosen/rejected JSONL (no RM)"),
     ):
         stage = sub.add_parser(name, help=help_text)
         _add_config_args(stage, name)
@@ -413,9 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
     config.add_argument(
         "--kind",
-        choices=("ppo", "sft", "reward"),
+        choices=("ppo", "sft", "reward", "dpo"),
         default="ppo",
-        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft or reward",
+        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft, reward or dpo",
     )
     config.add_argument(
         "--markdown",

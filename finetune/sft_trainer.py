@@ -26,6 +26,7 @@ import mlx.nn as nn
 
 from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings
+from config.dpo_config import DPOConfig
 from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from finetune.records import load_sft_data
@@ -58,6 +59,38 @@ def sft_loss(
     return loss, {"sft/token_accuracy": (correct * mask).sum() / num_targets}
 
 
+def load_policy(config: SFTConfig | DPOConfig, model: PolicyModel | None = None) -> PolicyModel:
+    """The policy a supervised stage trains: ``model``, or ``config.model_name`` loaded with fresh
+    LoRA adapters when ``config.use_lora``.
+
+    Raises:
+        ValueError: a given model with LoRA adapters exactly when ``config.use_lora`` is false
+            (or without them when true), or a quantized model without adapters (QLoRA trains
+            adapters only).
+    """
+    if model is None:
+        lora = None
+        if config.use_lora:
+            lora = LoraSettings(
+                r=config.lora_r,
+                alpha=config.lora_alpha,
+                dropout=config.lora_dropout,
+                num_layers=config.lora_layers,
+                keys=config.lora_keys,
+            )
+        model = PolicyModel.from_pretrained(
+            config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
+        )
+    elif (model.lora is not None) != config.use_lora:
+        has = "has" if model.lora is not None else "has no"
+        raise ValueError(
+            f"the given model {has} LoRA adapters but config.use_lora={config.use_lora}: set "
+            "use_lora to match, or pass model=None to load config.model_name"
+        )
+    model.check_trainable()  # a quantized model trains through adapters only (QLoRA)
+    return model
+
+
 class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
     """Supervised fine-tuning of a :class:`PolicyModel` (see the module docstring).
 
@@ -77,26 +110,7 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
 
     def __init__(self, config: SFTConfig, model: PolicyModel | None = None) -> None:
         seed_everything(config.seed)
-        if model is None:
-            lora = None
-            if config.use_lora:
-                lora = LoraSettings(
-                    r=config.lora_r,
-                    alpha=config.lora_alpha,
-                    dropout=config.lora_dropout,
-                    num_layers=config.lora_layers,
-                    keys=config.lora_keys,
-                )
-            model = PolicyModel.from_pretrained(
-                config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
-            )
-        elif (model.lora is not None) != config.use_lora:
-            has = "has" if model.lora is not None else "has no"
-            raise ValueError(
-                f"the given model {has} LoRA adapters but config.use_lora={config.use_lora}: set "
-                "use_lora to match, or pass model=None to load config.model_name"
-            )
-        model.check_trainable()  # a quantized model trains through adapters only (QLoRA)
+        model = load_policy(config, model)
         self.policy = model
         self.tokenizer = model.tokenizer
         self.pad_token_id = int(model.tokenizer.pad_token_id)

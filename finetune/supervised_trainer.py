@@ -10,7 +10,8 @@ checkpoints and metrics.
    gradients weighted by the micro-batch's share of the batch's targets (tokens or pairs), so
    accumulation gives the gradient of the whole batch; clipping, one update, one ``mx.eval``;
 4. evaluation on the held-out data (before the first step, every ``eval_every`` steps, after
-   the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps;
+   the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps, and
+   the hooks of the run's :class:`StageCallback` objects;
 5. ``training_curves.png``.
 
 :class:`finetune.sft_trainer.SFTTrainer` and :class:`finetune.reward_trainer.RewardTrainer` fill
@@ -135,6 +136,34 @@ def run_stage(
     return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)
 
 
+class StageCallback:
+    """Hooks of a fine-tuning stage's loop (SFT, reward model, DPO), as PPO's
+    ``TrainerCallback``; override the ones you need, every default does nothing. ``step`` counts
+    optimiser steps from 1; a hook may call ``trainer.request_stop()`` to stop early (the run
+    saves a checkpoint and can be resumed)."""
+
+    def on_train_begin(self, trainer: SupervisedTrainer[Any, Any]) -> None:
+        """Called once before the first step (after a resume has restored the state)."""
+
+    def on_step_end(
+        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, Any]
+    ) -> None:
+        """Called after each optimiser step with its metrics (and the evaluation's, if due)."""
+
+    def on_evaluate(
+        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, float]
+    ) -> None:
+        """Called after each evaluation on the held-out data (``eval/...`` metrics)."""
+
+    def on_save(self, trainer: SupervisedTrainer[Any, Any], step: int, path: Path) -> None:
+        """Called after a checkpoint has been written (atomically) to ``path``."""
+
+    def on_train_end(
+        self, trainer: SupervisedTrainer[Any, Any], history: list[dict[str, Any]]
+    ) -> None:
+        """Called once at the end of ``train`` (also after a stop that saved a checkpoint)."""
+
+
 class SupervisedTrainer(Generic[E, B]):
     """Minibatch training of one model on tokenised examples; see the module docstring.
 
@@ -173,6 +202,8 @@ class SupervisedTrainer(Generic[E, B]):
         self._num_train_examples: int | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
+        self.callbacks: list[StageCallback] = []  # those of the current train() call
+        self._stop: StopSignals | None = None  # the current train() call's
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
 
     # ------------------------------------------------------------------ task seams
@@ -203,6 +234,7 @@ class SupervisedTrainer(Generic[E, B]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
+        callbacks: Sequence[StageCallback] = (),
     ) -> list[dict[str, Any]]:
         """Train on ``train_data`` for the configured epochs/steps; returns the metrics history.
 
@@ -212,8 +244,10 @@ class SupervisedTrainer(Generic[E, B]):
                 steps and after the last; None = no evaluation.
             resume_from: a checkpoint directory or ``"latest"`` (the newest under
                 ``<output_dir>/checkpoints``): continue where it stopped.
+            callbacks: :class:`StageCallback` objects whose hooks the loop calls.
         """
         cfg = self.config
+        self.callbacks = list(callbacks)
         prepare_run_dir(
             self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
         )
@@ -253,12 +287,17 @@ class SupervisedTrainer(Generic[E, B]):
             resume_step=resume_step,
         )
         stop = StopSignals()  # Ctrl-C / SIGTERM: finish the step, save, return (stop_reason)
+        self._stop = stop
         with stop, run_log:
             try:
+                for cb in self.callbacks:
+                    cb.on_train_begin(self)
                 if eval_examples and cfg.eval_every and self.global_step == 0:
                     record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
                     self.history.append(record)
                     run_log.write(0, record)
+                    for cb in self.callbacks:
+                        cb.on_evaluate(self, 0, {k: v for k, v in record.items() if k != "step"})
                 batches: list[list[int]] = []
                 batches_epoch = -1
                 # 3. Steps.
@@ -281,9 +320,14 @@ class SupervisedTrainer(Generic[E, B]):
                     # 4. Evaluation, logging, checkpoints.
                     due = cfg.eval_every and self.global_step % cfg.eval_every == 0
                     if eval_examples and (due or self.global_step == total):
-                        record.update(self.evaluate(eval_examples))
+                        evaluation = self.evaluate(eval_examples)
+                        record.update(evaluation)
+                        for cb in self.callbacks:
+                            cb.on_evaluate(self, self.global_step, evaluation)
                     self.history.append(record)
                     run_log.log(self.global_step, record, self._postfix(record))
+                    for cb in self.callbacks:
+                        cb.on_step_end(self, self.global_step, record)
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save_checkpoint()
                         last_saved = self.global_step
@@ -294,11 +338,25 @@ class SupervisedTrainer(Generic[E, B]):
                     self.save_checkpoint()
                 raise
         self.stop_reason = stop.reason
+        self._stop = None
+        for cb in self.callbacks:
+            cb.on_train_end(self, self.history)
         if stop.requested:
             logger.warning(
                 "stopped (%s) at step %d; the checkpoint is saved", stop.reason, self.global_step
             )
         return self.history
+
+    def request_stop(self, reason: str = "requested by a callback") -> None:
+        """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
+        does); callbacks use it for early stopping.
+
+        Raises:
+            ValueError: called outside :meth:`train`.
+        """
+        if self._stop is None:
+            raise ValueError("request_stop() stops a running train(); call it from a callback")
+        self._stop.request(reason)
 
     def step(self, examples: Sequence[E]) -> dict[str, float]:
         """One optimiser step on ``examples`` (one batch); returns its metrics."""
@@ -370,13 +428,16 @@ class SupervisedTrainer(Generic[E, B]):
             "history": self.history,
             "config": config_to_dict(self.config),
         }
-        return save_training_state(
+        path = save_training_state(
             self.checkpoints,
             self.global_step,
             {"model": self.model},
             {"optimizer": self.optimizer},
             state,
         )
+        for cb in self.callbacks:
+            cb.on_save(self, self.global_step, path)
+        return path
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore weights, optimiser state and position from a checkpoint of the same run.

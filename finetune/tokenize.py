@@ -371,3 +371,137 @@ def collate_preferences(
         [default_margin if e.margin is None else e.margin for e in examples], dtype=np.float32
     )  # (B,)
     return PreferenceBatch(mx.array(ids), mx.array(lengths), mx.array(margins), len(examples))
+
+
+# --------------------------------------------------------------------------- DPO pairs
+
+
+@dataclass(frozen=True)
+class DPOExample:
+    """One tokenised preference pair for DPO: each side ``prompt + answer (+ EOS)`` and where its
+    answer starts, and the reference's log-probs of the answers once they are computed.
+
+    Attributes:
+        chosen_ids: token ids of the prompt and the preferred answer.
+        chosen_start: index of the chosen answer's first token in ``chosen_ids``.
+        rejected_ids: token ids of the prompt and the other answer.
+        rejected_start: index of the rejected answer's first token.
+        ref_chosen: the reference's log-prob of the chosen answer (summed over its tokens), or
+            None before it is computed (or for reference-free losses).
+        ref_rejected: the same for the rejected answer.
+    """
+
+    chosen_ids: list[int]
+    chosen_start: int
+    rejected_ids: list[int]
+    rejected_start: int
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
+
+    def __len__(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+def _answer_tokens(tokenizer: Any, prompt: Any, answer: Any, where: str) -> tuple[list[int], int]:
+    """``(ids, start)`` of one side of a pair: text as :func:`prompt_completion_tokens` (answer
+    and EOS after the prompt), a conversation as :func:`chat_response_tokens`."""
+    if isinstance(prompt, list):
+        ids = chat_response_tokens(tokenizer, prompt, answer, where)
+        dicts = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        context = apply_chat_template(tokenizer, dicts, add_generation_prompt=True)
+        if not isinstance(answer, str):  # earlier turns of the answer's messages are context
+            context = apply_chat_template(
+                tokenizer,
+                dicts + [{"role": m["role"], "content": m["content"]} for m in answer[:-1]],
+                add_generation_prompt=True,
+            )
+        return ids, min(len(context), len(ids) - 1)
+    ids, mask = prompt_completion_tokens(tokenizer, prompt, answer)
+    return ids, mask.index(1)
+
+
+def tokenize_dpo_pairs(
+    records: Iterable[Mapping[str, Any]], tokenizer: Any, max_length: int
+) -> list[DPOExample]:
+    """Check and tokenise preference records for DPO (formats: :mod:`finetune.records`).
+
+    A side longer than ``max_length`` loses answer tokens on the right (a warning counts them),
+    as TRL truncates; the log-prob then covers the answer's first tokens.
+
+    Raises:
+        ValueError: a malformed record (a missing field, chosen equal to rejected: named by its
+            index), a pair whose two sides tokenise identically, a prompt that leaves no answer
+            token within ``max_length``, or no records.
+    """
+    examples: list[DPOExample] = []
+    truncated = 0
+    for i, record in enumerate(records):
+        where = f"preference record {i}"
+        check_preference_record(record, where)
+        chosen, chosen_start = _answer_tokens(tokenizer, record["prompt"], record["chosen"], where)
+        rejected, rejected_start = _answer_tokens(
+            tokenizer, record["prompt"], record["rejected"], where
+        )
+        if chosen == rejected:
+            raise ValueError(
+                f"{where}: 'chosen' and 'rejected' give the same tokens, so the pair prefers "
+                "nothing; drop it"
+            )
+        start = max(chosen_start, rejected_start)
+        if start >= max_length:
+            raise ValueError(
+                f"{where}: its prompt takes {start} tokens, so max_length={max_length} leaves no "
+                "answer token to compare; raise max_length or shorten the prompt"
+            )
+        if max(len(chosen), len(rejected)) > max_length:
+            truncated += 1
+            chosen, rejected = chosen[:max_length], rejected[:max_length]
+        examples.append(DPOExample(chosen, chosen_start, rejected, rejected_start))
+    if not examples:
+        raise ValueError("no preference records to train on: the data is empty")
+    if truncated:
+        logger.warning(
+            "%d of %d preference pairs are longer than max_length=%d tokens: their answers were "
+            "truncated on the right",
+            truncated,
+            len(examples),
+            max_length,
+        )
+    return examples
+
+
+@dataclass
+class DPOBatch:
+    """A right-padded micro-batch of DPO pairs, both sides in one array.
+
+    Attributes:
+        input_ids: (2B, L) int32: rows 0..B-1 the chosen sequences, rows B..2B-1 the rejected
+            ones of the same pairs, padded with the pad token.
+        answer_mask: (2B, L) float32, 1 at the answer's tokens (the log-prob's targets), 0 at
+            the prompt and padding.
+        ref_logps: (2B,) float32 reference log-probs (chosen, then rejected), or None.
+        num_pairs: B.
+    """
+
+    input_ids: mx.array
+    answer_mask: mx.array
+    ref_logps: mx.array | None
+    num_pairs: int
+
+
+def collate_dpo(examples: Sequence[DPOExample], pad_token_id: int) -> DPOBatch:
+    """Pad DPO pairs into one :class:`DPOBatch` (chosen rows, then rejected rows)."""
+    sides = [(e.chosen_ids, e.chosen_start) for e in examples] + [
+        (e.rejected_ids, e.rejected_start) for e in examples
+    ]
+    width = max(len(ids) for ids, _ in sides)
+    ids = np.full((len(sides), width), pad_token_id, dtype=np.int32)  # (2B, L)
+    mask = np.zeros((len(sides), width), dtype=np.float32)  # (2B, L)
+    for row, (tokens, start) in enumerate(sides):
+        ids[row, : len(tokens)] = tokens
+        mask[row, start : len(tokens)] = 1.0
+    refs = [e.ref_chosen for e in examples] + [e.ref_rejected for e in examples]
+    ref_logps = None
+    if all(r is not None for r in refs):
+        ref_logps = mx.array(np.array(refs, dtype=np.float32))  # (2B,)
+    return DPOBatch(mx.array(ids), mx.array(mask), ref_logps, len(examples))

@@ -23,10 +23,18 @@ PLOT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entropy", ("objective/entropy",)),
     ("clip fraction", ("policy/clipfrac", "val/clipfrac")),
     # SFT and reward-model training (finetune/sft_trainer.py, finetune/reward_trainer.py).
-    ("loss", ("loss/sft", "loss/reward", "eval/loss")),
+    # DPO (finetune/dpo_trainer.py) uses TRL's names.
+    ("loss", ("loss/sft", "loss/reward", "loss/dpo", "eval/loss")),
     ("next-token accuracy", ("sft/token_accuracy", "eval/token_accuracy")),
-    ("preference accuracy", ("reward/accuracy", "eval/accuracy")),
-    ("reward margin (chosen - rejected)", ("reward/margin", "eval/margin")),
+    (
+        "preference accuracy",
+        ("reward/accuracy", "eval/accuracy", "rewards/accuracies", "eval/rewards/accuracies"),
+    ),
+    (
+        "reward margin (chosen - rejected)",
+        ("reward/margin", "eval/margin", "rewards/margins", "eval/rewards/margins"),
+    ),
+    ("implicit rewards", ("rewards/chosen", "rewards/rejected")),
 )
 
 

@@ -43,6 +43,7 @@ RUN_ARTIFACTS: tuple[str, ...] = (
     "rollouts",
     "config.yaml",
     "tensorboard",
+    "reference_logps",
 )
 
 
