@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup.fast_layers import accelerate_model
+from base_setup.plain import speed_tricks
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_fused,
@@ -85,9 +86,10 @@ def lm_logits_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.
     of a (B, L, V) one (the vocabulary is usually far wider than the hidden size). That takes the
     mlx-lm layout ``lm(x) = head(lm.model(x))``, with ``head`` the ``lm_head`` or the tied
     embedding; it is checked once per model on a 3-token input, and a model that computes its
-    logits some other way (soft-capping, scaling) gets the full forward pass and the gather.
+    logits some other way (soft-capping, scaling) gets the full forward pass and the gather, as
+    does every model under plain MLX and off the CPU (:func:`base_setup.plain.speed_tricks`).
     """
-    head = lm_head(lm)
+    head = lm_head(lm) if speed_tricks() else None
     if head is None:
         logits = lm(input_ids)  # (B, L, V)
         return mx.take_along_axis(logits, positions[..., None], axis=1)  # (B, T, V)

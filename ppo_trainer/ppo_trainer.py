@@ -118,7 +118,7 @@ from training.checkpoint import (
     CheckpointManager,
 )
 from training.optimizer import SchedulePlan
-from training.run_control import StopSignals, prepare_run_dir
+from training.run_control import StopSignals, in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -278,6 +278,7 @@ class PPOTrainer:
         return scores
 
     # ------------------------------------------------------------------ one iteration
+    @in_run_scope
     def step(
         self,
         prompts: Sequence[PromptInput],
@@ -510,6 +511,7 @@ class PPOTrainer:
         return self.rewards.fn
 
     # ------------------------------------------------------------------ the loop
+    @in_run_scope
     def train(
         self,
         prompts: Sequence[PromptInput],
@@ -541,6 +543,7 @@ class PPOTrainer:
         self._stop.request(reason)
 
     # ------------------------------------------------------------------ evaluation
+    @in_run_scope
     def evaluate(
         self,
         prompts: Sequence[PromptInput],

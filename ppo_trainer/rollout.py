@@ -13,6 +13,7 @@ Every array it returns is a constant for the losses that follow.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence, cast
 
@@ -22,6 +23,7 @@ from mlx.utils import tree_flatten
 
 from base_setup.backend import generation_buffer_cache, release_cached_buffers, side_by_side
 from base_setup.lora_setup import adapters_merged
+from base_setup.plain import speed_tricks
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
@@ -129,8 +131,10 @@ def sample_responses(
     A LoRA policy on a float32 base samples with its adapters merged into the base weights
     (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
     step instead of three. The sampling log-probs then differ from the loss's recomputation by
-    float32 rounding, as a decoding step's (one query against a KV cache) already do."""
-    with generation_buffer_cache(), adapters_merged(policy.model):
+    float32 rounding, as a decoding step's (one query against a KV cache) already do. Not under
+    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`)."""
+    merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
+    with generation_buffer_cache(), merged:
         return generate(
             policy,
             prompt_ids,

@@ -228,7 +228,7 @@ class TrainingRun:
             mine, theirs = worker_blas_threads(t.blas_threads)
         if mine is not None and mine != t.blas_threads:
             t.blas_threads = run_blas_threads(mine)
-        spec = WorkerSpec(cfg.model_config(), t.sampling, theirs)
+        spec = WorkerSpec(cfg.model_config(), t.sampling, theirs, cfg.plain_mlx)
         return RolloutWorker(spec, t.run_dir)
 
     def _record(

@@ -26,7 +26,7 @@ from training.checkpoint import (
     save_training_state,
     warn_changed_settings,
 )
-from training.optimizer import AdamW, SchedulePlan, resumed_plan
+from training.optimizer import SchedulePlan, make_adamw, resumed_plan
 
 if TYPE_CHECKING:
     from ppo_trainer.ppo_trainer import PPOTrainer
@@ -78,11 +78,12 @@ def build_optimizers(
     previous = previous or {}
 
     def adamw(lr: Any) -> optim.Optimizer:
-        return AdamW(
-            learning_rate=lr,
+        return make_adamw(
+            lr,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
             bias_correction=config.adam_bias_correction,
+            plain=config.plain_mlx,
         )
 
     policy_optimizer = adamw(schedule)
