@@ -1,8 +1,10 @@
-"""What a PPO run keeps across a restart and what it leaves behind: its optimisers and their
-schedule, the check that a checkpoint belongs to this run, and the trained models on disk."""
+"""A PPO run's state: what the loop and the step share while it runs (:class:`RunState`),
+what it keeps across a restart and what it leaves behind: its optimisers and their schedule,
+the check that a checkpoint belongs to this run, and the trained models on disk."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -28,8 +30,40 @@ from training.checkpoint import (
 )
 from training.optimizer import SchedulePlan, make_adamw, resumed_plan
 
+from training.run_control import StopSignals
+
 if TYPE_CHECKING:
+    from ppo_trainer.callbacks import TrainerCallback
     from ppo_trainer.ppo_trainer import PPOTrainer
+    from ppo_trainer.rollout_worker import RolloutWorker
+
+
+@dataclass
+class RunState:
+    """What a run in progress shares between its loop (:class:`ppo_trainer.run_loop.TrainingRun`,
+    which sets it up) and the trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and
+    :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.evaluate`, which read it: the trainer's ``run``
+    attribute. Outside :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.train` it is a fresh one (no
+    callbacks, no worker, no last step).
+
+    Attributes:
+        last_step: the run's last step (rollout records are written there too); None: no run.
+        callbacks: the run's callbacks.
+        stop: the run's stop request (Ctrl-C, SIGTERM, :meth:`PPOTrainer.request_stop`).
+        rollout_worker: the ``async_rollout`` generation worker, while the run has one.
+        record_eval: evaluations write rollout records (the run's periodic evaluations, on the
+            main process).
+        updating: the step is in its PPO epochs, its weights partly updated (a failure then
+            saves no checkpoint: ``training.run_control.save_after_failure``).
+    """
+
+    last_step: int | None = None
+    callbacks: list[TrainerCallback] = field(default_factory=list)
+    stop: StopSignals = field(default_factory=StopSignals)
+    rollout_worker: RolloutWorker | None = None
+    record_eval: bool = False
+    updating: bool = False
+
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
 #: responses, and the trained parameters (their set and shapes) depend on them.

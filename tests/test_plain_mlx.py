@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -87,9 +87,12 @@ def _run(
         )
         probe = _CacheProbe()
         history = trainer.train(PROMPTS, callbacks=[probe])
-    weights = {k: np.array(v) for k, v in tree_flatten(trainer.policy.trainable_parameters())}
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(trainer.policy.trainable_parameters()))
+    weights = {k: np.array(v) for k, v in flat}
     if trainer.value_model is not None:
-        value = tree_flatten(trainer.value_model.trainable_parameters())
+        value = cast(
+            list[tuple[str, mx.array]], tree_flatten(trainer.value_model.trainable_parameters())
+        )
         weights.update({f"value.{k}": np.array(v) for k, v in value})
     return history, weights, calls, probe.limits
 
