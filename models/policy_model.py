@@ -46,7 +46,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
 def resolve_model_path(path_or_hub_id: str | Path) -> Path:
-    """A local directory for ``path_or_hub_id``: the path itself, or the Hub snapshot mlx-lm fetches.
+    """A local directory for ``path_or_hub_id``: the path itself, or its Hub snapshot (the files
+    ``mlx_lm.load`` fetches: ``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``).
 
     Raises:
         FileNotFoundError: a local path that does not exist, a path without config.json, or a
@@ -64,11 +65,12 @@ def resolve_model_path(path_or_hub_id: str | Path) -> Path:
     if not _HUB_ID.match(text) or text.startswith("."):
         raise FileNotFoundError(f"model path {text} does not exist")
 
+    import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    from mlx_lm.utils import _download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    try:
-        return Path(_download(text))
+    try:  # the files mlx-lm's own loader fetches (its public list of them)
+        return Path(huggingface_hub.snapshot_download(text, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise FileNotFoundError(
