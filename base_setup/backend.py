@@ -315,10 +315,10 @@ def run_blas_threads(saved: int | None = None) -> int | None:
 
     A fresh run (``saved`` None) measures, over a quarter of a second, how many cores other
     processes keep busy and takes :func:`blas_threads_for_load` (every thread on a quiet machine,
-    with ``PPO_MLX_ADAPTIVE_BLAS=off``, or under plain MLX). A resumed run takes ``saved``, the count its
-    checkpoint records: the thread count changes the order of a matmul's sums, so this is what
-    makes a resumed run bit for bit the uninterrupted one, whatever the load now. Returns the count
-    (to record in checkpoints), or None without OpenBLAS.
+    with ``PPO_MLX_ADAPTIVE_BLAS=off``, or under plain MLX). A resumed run takes ``saved``, the
+    count its checkpoint records: the thread count changes the order of a matmul's sums, so this
+    is what makes a resumed run bit for bit the uninterrupted one, whatever the load now. Returns
+    the count (to record in checkpoints), or None without OpenBLAS.
     """
     lib = _OPENBLAS.get("lib")
     if lib is None:

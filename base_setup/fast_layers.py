@@ -199,8 +199,8 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     process changes: another model of the same architecture (e.g. one a user loads with
     ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
     device, with ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later
-    change of any is safe. Returns whether the model now uses any of them (False: ``enabled`` is False, fast
-    math is off, or the architecture uses none of the functions replaced).
+    change of any is safe. Returns whether the model now uses any of them (False: ``enabled`` is
+    False, fast math is off, or the architecture uses none of the functions replaced).
 
     Plain MLX (:mod:`base_setup.plain`) leaves the layers as they are, as fast math off does.
     Either way, one warning if MLX missed the fast BLAS because mlx was imported before

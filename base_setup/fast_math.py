@@ -631,8 +631,9 @@ _STATE: dict[str, bool | None] = {"enabled": None}
 
 def fast_math_enabled() -> bool:
     """Whether the fast functions replace MLX's: on the CPU device, unless ``PPO_MLX_FAST_MATH=0``
-    or plain MLX is asked for (:mod:`base_setup.plain`), and only if MLX can compile them here (checked once: ``mx.compile`` on the CPU builds its
-    kernels with the system C++ compiler, and a machine without one gets MLX's functions)."""
+    or plain MLX is asked for (:mod:`base_setup.plain`), and only if MLX can compile them here
+    (checked once: ``mx.compile`` on the CPU builds its kernels with the system C++ compiler,
+    and a machine without one gets MLX's functions)."""
     if os.environ.get(_ENV, "1") == "0" or not speed_tricks():
         return False
     if _STATE["enabled"] is None:

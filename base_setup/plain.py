@@ -5,16 +5,17 @@ Plain MLX is straightforward MLX and mlx-lm code: mlx-lm's own layers (``nn.Line
 gather, ``mlx.optimizers.AdamW`` uncompiled, one stream, MLX's own buffer cache. The tricks it
 turns off, each described with its own switch in docs/environment.md ("Speed tricks and how to
 turn them off"): fast CPU math and the fast layers, the untraced builder thread, the custom
-gradient of the log-softmax gather, blockwise LM-head log-probs, the compiled AdamW, merged LoRA
+gradient of the log-softmax gather, the split and blockwise LM head, the compiled AdamW, merged LoRA
 adapters for sampling, the scoring passes on two CPU streams, the run's buffer-cache policy and
 the adaptive BLAS thread count.
 
 Two ways to turn it on, either enough: ``PPO_MLX_PLAIN=1`` for the whole process (read at every
-check), or a trainer config's ``plain_mlx: true`` for one trainer's work (the trainer holds
-:func:`plain_mlx_scope` while it builds its models, steps, trains and evaluates).
+check), or a trainer config's ``plain_mlx: true`` for one trainer's work (its models are built
+with mlx-lm's layers, and it holds :func:`plain_mlx_scope` while it trains, steps and
+evaluates: ``base_setup.backend.run_scope``).
 
-The tricks were measured to pay on MLX's CPU device only, so off the CPU (a GPU) :func:`speed_tricks`
-is False whatever the switch says: the GPU path is the plain one.
+The tricks were measured to pay on MLX's CPU device only, so off the CPU (a GPU)
+:func:`speed_tricks` is False whatever the switch says: the GPU path is the plain one.
 
 This module imports no mlx at import time (``base_setup.setup_blas`` must run before mlx loads).
 """
