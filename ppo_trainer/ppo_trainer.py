@@ -223,7 +223,9 @@ class PPOTrainer:
             else None
         )
         self.stop_reason: str | None = None
-        self._schedule_plan: SchedulePlan | None = None
+        # The learning-rate schedule of the run, in optimiser updates (checkpoints record it);
+        # set when train() (or the first step()) builds the optimisers.
+        self.lr_plan: SchedulePlan | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         # What train()'s loop shares with step() and evaluate() (callbacks, the stop request,
         # the async_rollout worker ...): a fresh one outside train().

@@ -198,8 +198,8 @@ def ensure_optimizers(trainer: PPOTrainer, total_steps: int | None) -> None:
     """
     if trainer.policy_optimizer is not None and total_steps is None:
         return
-    trainer._schedule_plan = schedule_plan(trainer.config, total_steps)
-    rebuild_optimizers(trainer, trainer._schedule_plan.schedule())
+    trainer.lr_plan = schedule_plan(trainer.config, total_steps)
+    rebuild_optimizers(trainer, trainer.lr_plan.schedule())
 
 
 def rebuild_optimizers(trainer: PPOTrainer, schedule: Callable[[mx.array], mx.array]) -> None:
@@ -237,7 +237,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
     states, and the JSON state (counters, KL controller, history, config, number of processes,
     schedule, BLAS threads); returns its directory."""
-    plan = trainer._schedule_plan
+    plan = trainer.lr_plan
     state = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
@@ -269,10 +269,10 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.step_in_epoch = int(state["step_in_epoch"])
     trainer.history = list(state["history"])
     schedule_note = None
-    if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
+    if trainer.lr_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))
-        plan, schedule_note = resumed_plan(state.get("schedule"), trainer._schedule_plan, updates)
-        trainer._schedule_plan = plan  # its checkpoints record the schedule it follows
+        plan, schedule_note = resumed_plan(state.get("schedule"), trainer.lr_plan, updates)
+        trainer.lr_plan = plan  # its checkpoints record the schedule it follows
         rebuild_optimizers(trainer, plan.schedule())
     if trainer.is_main_process:
         warn_changed_settings(

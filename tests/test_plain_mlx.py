@@ -200,3 +200,13 @@ def test_building_a_model_leaves_mlx_settings_alone(tiny_model_dir: Path) -> Non
         assert mx.set_cache_limit(before) == backend.MLX_CPU_DEFAULT_CACHE_BYTES
     finally:
         mx.set_cache_limit(before)
+
+
+def test_off_the_cpu_no_trick_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tricks were measured on the CPU only: on another device (a GPU) the plain path runs,
+    whatever the switches say."""
+    monkeypatch.delenv("PPO_MLX_PLAIN", raising=False)
+    monkeypatch.delenv("PPO_MLX_FAST_MATH", raising=False)
+    assert plain.speed_tricks() == (mx.default_device().type == mx.DeviceType.cpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    assert not plain.speed_tricks() and not fast_math.fast_math_enabled()
