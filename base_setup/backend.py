@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from base_setup.plain import plain_mlx, plain_mlx_scope
+
 logger = logging.getLogger("ppo_mlx")
 
 # CPU flags (from /proc/cpuinfo) that each OpenBLAS core family executes.
@@ -313,10 +315,10 @@ def run_blas_threads(saved: int | None = None) -> int | None:
 
     A fresh run (``saved`` None) measures, over a quarter of a second, how many cores other
     processes keep busy and takes :func:`blas_threads_for_load` (every thread on a quiet machine,
-    or with ``PPO_MLX_ADAPTIVE_BLAS=off``). A resumed run takes ``saved``, the count its
-    checkpoint records: the thread count changes the order of a matmul's sums, so this is what
-    makes a resumed run bit for bit the uninterrupted one, whatever the load now. Returns the count
-    (to record in checkpoints), or None without OpenBLAS.
+    with ``PPO_MLX_ADAPTIVE_BLAS=off``, or under plain MLX). A resumed run takes ``saved``, the
+    count its checkpoint records: the thread count changes the order of a matmul's sums, so this
+    is what makes a resumed run bit for bit the uninterrupted one, whatever the load now. Returns
+    the count (to record in checkpoints), or None without OpenBLAS.
     """
     lib = _OPENBLAS.get("lib")
     if lib is None:
@@ -331,7 +333,7 @@ def run_blas_threads(saved: int | None = None) -> int | None:
                 saved,
                 max_threads,
             )
-    elif blas_mode() == "off":
+    elif blas_mode() == "off" or plain_mlx():
         wanted = max_threads
     else:
         first = _cpu_sample()
@@ -370,14 +372,14 @@ def adapt_blas_threads() -> int | None:
     the default.
 
     Returns the thread count now set, or None where it does not apply: no OpenBLAS loaded (macOS,
-    reference BLAS), a mode other than "step", no /proc/stat, or the first call (it only takes
+    reference BLAS), a mode other than "step", plain MLX, no /proc/stat, or the first call (it only takes
     the first sample). Calls closer together than ``_MIN_SAMPLE_SECONDS`` keep the count and
     the sample. Call it
     only while no MLX computation is running: ``openblas_set_num_threads`` is not safe during a
     matmul (the trainers call it at the start of each step, after the last step's evaluation).
     """
     lib = _OPENBLAS.get("lib")
-    if lib is None or blas_mode() != "step":
+    if lib is None or blas_mode() != "step" or plain_mlx():
         return None
     now = _cpu_sample()
     if now is None:
@@ -428,15 +430,18 @@ def side_by_side(count: int = 2) -> Iterator[list[Any]]:
     Where lanes cannot help, every lane is a no-op context (the default stream, the thread count
     untouched): MLX's default device is not the CPU (a GPU runs its queue in parallel already),
     OpenBLAS was not loaded (macOS's Accelerate, the reference BLAS: no thread control), the run
-    has one BLAS thread (a busy machine), or ``PPO_MLX_CPU_STREAMS=off``.
+    has one BLAS thread (a busy machine), ``PPO_MLX_CPU_STREAMS=off``, or plain MLX
+    (:mod:`base_setup.plain`).
     Nothing computed inside may change the thread count (:func:`adapt_blas_threads` runs
     between steps only).
     """
     import mlx.core as mx
 
+    from base_setup.plain import speed_tricks
+
     lib = _OPENBLAS.get("lib")
     threads = int(lib.openblas_get_num_threads()) if lib is not None else 1
-    if count < 2 or threads < 2 or cpu_streams_mode() == "off" or mx.default_device() != mx.cpu:
+    if count < 2 or threads < 2 or cpu_streams_mode() == "off" or not speed_tricks():
         yield [nullcontext() for _ in range(count)]
         return
     assert lib is not None
@@ -523,17 +528,21 @@ def setup_cpu_buffer_cache() -> int | None:
     phase's, which allocates different sizes (a cache kept across phases raises the peak
     resident memory).
 
-    Acts only when the default device is the CPU and the limit is still MLX's default (a limit
-    set by the caller is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets a
-    fixed limit in MiB instead (``32`` is MLX's default; phases still empty it). Returns the
-    limit now in force in bytes, or None where nothing was changed.
+    Acts only when the default device is the CPU, plain MLX is not asked for
+    (:mod:`base_setup.plain`), and the limit is still MLX's default (a limit set by the caller
+    is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets a fixed limit in MiB
+    instead (``32`` is MLX's default; phases still empty it). Returns the limit now in force in
+    bytes, or None where nothing was changed. A run sets it up and undoes it with
+    :func:`run_buffer_cache`.
     """
     if "limit" in _CACHE_STATE:
         return _CACHE_STATE["limit"]
     import mlx.core as mx
 
+    from base_setup.plain import speed_tricks
+
     limit: int | None = None
-    if mx.default_device().type == mx.DeviceType.cpu:
+    if speed_tricks():
         env = os.environ.get(_CACHE_ENV)
         if env is None:
             wanted = _default_cache_limit()
@@ -551,6 +560,7 @@ def setup_cpu_buffer_cache() -> int | None:
             mx.set_cache_limit(previous)  # the caller's own choice stands
         else:
             limit = wanted
+            _CACHE_STATE["previous"] = previous
             _CACHE_STATE["adaptive"] = int(env is None)
             logger.info("MLX CPU buffer cache limit: %d MiB", wanted >> 20)
     _CACHE_STATE["limit"] = limit
@@ -590,6 +600,36 @@ def generation_buffer_cache() -> Iterator[None]:
         yield
     finally:
         release_cached_buffers()
+
+
+@contextmanager
+def run_buffer_cache() -> Iterator[int | None]:
+    """The buffer-cache policy of one run (:func:`setup_cpu_buffer_cache`), undone on exit:
+    MLX's cache emptied and its limit put back to what it was, also on an exception. Yields
+    the limit in force (None: MLX's own, untouched). Nested blocks (a step inside a run) share
+    the outermost one's policy."""
+    if "limit" in _CACHE_STATE:  # an enclosing run's
+        yield _CACHE_STATE["limit"]
+        return
+    try:
+        yield setup_cpu_buffer_cache()
+    finally:
+        previous = _CACHE_STATE.get("previous")
+        _CACHE_STATE.clear()
+        if previous is not None:
+            import mlx.core as mx
+
+            mx.clear_cache()
+            mx.set_cache_limit(previous)
+
+
+@contextmanager
+def run_scope(plain: bool = False) -> Iterator[None]:
+    """What a trainer holds while it works (builds models, steps, trains, evaluates) and undoes
+    after: plain MLX when ``plain`` (its config's ``plain_mlx``; :mod:`base_setup.plain`), and
+    the run's buffer-cache policy (:func:`run_buffer_cache`; none under plain MLX)."""
+    with plain_mlx_scope(plain), run_buffer_cache():
+        yield
 
 
 def seed_everything(seed: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from base_setup.backend import blas_info, setup_cpu_buffer_cache
+from base_setup.backend import blas_info
 from base_setup import fast_math
 from base_setup.fast_math import _MIN_FAST_ATTENTION, fast_math_enabled, rms_norm, rope, swiglu
 
@@ -198,15 +198,15 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     settings and every other method stay, only ``__call__`` changes. Nothing else in the
     process changes: another model of the same architecture (e.g. one a user loads with
     ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
-    device and when ``PPO_MLX_FAST_MATH=0``, checked at each call, so a later change of either
-    is safe. Returns whether the model now uses any of them (False: ``enabled`` is False, fast
-    math is off, or the architecture uses none of the functions replaced).
+    device, with ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later
+    change of any is safe. Returns whether the model now uses any of them (False: ``enabled`` is
+    False, fast math is off, or the architecture uses none of the functions replaced).
 
-    Also the CPU set-up a model needs, either way: MLX's CPU buffer-cache limit
-    (:func:`base_setup.backend.setup_cpu_buffer_cache`), and one warning if MLX missed the fast
-    BLAS because mlx was imported before :func:`base_setup.backend.setup_blas` ran.
+    Plain MLX (:mod:`base_setup.plain`) leaves the layers as they are, as fast math off does.
+    Either way, one warning if MLX missed the fast BLAS because mlx was imported before
+    :func:`base_setup.backend.setup_blas` ran. Nothing process-wide changes (MLX's buffer-cache
+    limit belongs to a run: :func:`base_setup.backend.run_scope`).
     """
-    setup_cpu_buffer_cache()
     blas_info()  # the first call after a missed set-up logs the warning
     layers = [layer for _, layer in model.named_modules()]
     if not enabled:

@@ -47,6 +47,8 @@ from typing import Any, Callable, TypeVar, cast
 import mlx.core as mx
 import numpy as np
 
+from base_setup.plain import speed_tricks
+
 logger = logging.getLogger("ppo_mlx")
 
 _LOG2E = 1.4426950408889634
@@ -616,10 +618,6 @@ def _single(primals: Any) -> mx.array:
     return primals[0] if isinstance(primals, (tuple, list)) else primals
 
 
-def _on_cpu() -> bool:
-    return mx.default_device().type == mx.DeviceType.cpu
-
-
 def _float_dtype(x: mx.array) -> mx.Dtype:
     return x.dtype if mx.issubdtype(x.dtype, mx.floating) else mx.float32
 
@@ -628,10 +626,11 @@ _STATE: dict[str, bool | None] = {"enabled": None}
 
 
 def fast_math_enabled() -> bool:
-    """Whether the fast functions replace MLX's: on the CPU device, unless ``PPO_MLX_FAST_MATH=0``,
-    and only if MLX can compile them here (checked once: ``mx.compile`` on the CPU builds its
-    kernels with the system C++ compiler, and a machine without one gets MLX's functions)."""
-    if os.environ.get(_ENV, "1") == "0" or not _on_cpu():
+    """Whether the fast functions replace MLX's: on the CPU device, unless ``PPO_MLX_FAST_MATH=0``
+    or plain MLX is asked for (:mod:`base_setup.plain`), and only if MLX can compile them here
+    (checked once: ``mx.compile`` on the CPU builds its kernels with the system C++ compiler,
+    and a machine without one gets MLX's functions)."""
+    if os.environ.get(_ENV, "1") == "0" or not speed_tricks():
         return False
     if _STATE["enabled"] is None:
         _STATE["enabled"] = _probe()

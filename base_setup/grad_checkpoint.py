@@ -107,9 +107,11 @@ def _pinned_seed(block: nn.Module) -> int | None:
     and its recomputation both start from ``mx.random.seed(seed)``; the run stays deterministic
     for its seed (its random stream differs from the same run without checkpointing).
     """
+    # nn.Dropout keeps its keep-probability 1 - p only as the private `_p_1` (MLX has no public
+    # attribute for p); read it directly, so that a rename fails loudly here instead of
+    # silently leaving the recomputation unseeded (tests/test_backend.py has its canary).
     drops = any(
-        isinstance(m, nn.Dropout) and m.training and getattr(m, "_p_1", 1.0) < 1.0
-        for _, m in block.named_modules()
+        isinstance(m, nn.Dropout) and m.training and m._p_1 < 1.0 for _, m in block.named_modules()
     )
     if not drops:
         return None

@@ -98,7 +98,8 @@ class ModelConfig(LoraConfig):
         fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
             on a GPU); false = mlx-lm's own layers. The environment variable
-            PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
+            PPO_MLX_FAST_MATH=0 turns them off whatever this says, as does plain_mlx
+            (docs/environment.md).
     """
 
     model_name: str

@@ -27,7 +27,8 @@ class FineTuneConfig(OptimConfig):
         fast_math: Run the model's SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
             on a GPU); false = mlx-lm's own layers. The environment variable
-            PPO_MLX_FAST_MATH=0 turns them off whatever this says (docs/environment.md).
+            PPO_MLX_FAST_MATH=0 turns them off whatever this says, as does plain_mlx
+            (docs/environment.md).
         dataset: Training data: a local JSON Lines file, or a Hugging Face Hub dataset name
             (needs network or the datasets cache); None = the caller passes records to the
             trainer itself (run_sft / run_reward_training need it set).

@@ -62,6 +62,12 @@ class OptimConfig:
         log_with: Metrics backend besides metrics.jsonl: "none", "tensorboard" or "wandb".
         wandb_project: Weights & Biases project when log_with is "wandb"; None = wandb's default.
         progress_bar: Show a tqdm progress bar over the steps.
+        plain_mlx: Run on plain MLX: every speed trick of this project off at once (fast CPU
+            math and layers, compiled AdamW, blockwise LM-head log-probs, merged sampling
+            adapters, CPU streams, the buffer-cache policy, the adaptive BLAS threads), for
+            the trainer's work; the same results within float rounding. The environment
+            variable PPO_MLX_PLAIN=1 does the same for the whole process (docs/environment.md,
+            "Speed tricks and how to turn them off").
     """
 
     learning_rate: float = 1e-5
@@ -85,6 +91,7 @@ class OptimConfig:
     log_with: Logger = "none"
     wandb_project: str | None = None
     progress_bar: bool = True
+    plain_mlx: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, OptimConfig)

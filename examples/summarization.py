@@ -36,7 +36,7 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 import functools
 import logging
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -273,15 +273,23 @@ class SummarizationTrainer(PPOTrainer):
         query_responses: mx.array,
         sequence_lengths: mx.array,
         **columns: Any,
-    ) -> mx.array:
+    ) -> tuple[mx.array, dict[str, mx.array]]:
         """Quality (reward model or ROUGE, via :meth:`PPOTrainer.compute_scores`) minus the
-        length penalty against the ``references`` column; shape (B,)."""
+        length penalty against the ``references`` column, shape (B,), and the quality's metrics
+        with the mean penalty (``rewards/length_penalty``)."""
         references = _references(columns)
-        quality = super().compute_scores(
-            prompts, completions, query_responses, sequence_lengths, **columns
+        # The default returns (scores, metrics); overrides may return the scores alone.
+        quality, metrics = cast(
+            tuple[mx.array, dict[str, mx.array]],
+            super().compute_scores(
+                prompts, completions, query_responses, sequence_lengths, **columns
+            ),
         )
-        penalties = [self._penalty(c, refs) for c, refs in zip(completions, references)]
-        return quality.astype(mx.float32) - mx.array(penalties, dtype=mx.float32)  # (B,)
+        penalties = mx.array(
+            [self._penalty(c, refs) for c, refs in zip(completions, references)], dtype=mx.float32
+        )  # (B,)
+        metrics = {**metrics, "rewards/length_penalty": penalties.mean()}
+        return quality.astype(mx.float32) - penalties, metrics
 
     def _penalty(self, summary: str, references: Sequence[str]) -> float:
         return length_penalty(

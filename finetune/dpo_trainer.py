@@ -41,6 +41,7 @@ from finetune.sft_trainer import load_policy
 from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
+from training.run_control import in_run_scope
 from training.checkpoint import atomic_directory
 from training.preference_loss import answer_logps, preference_loss
 
@@ -158,14 +159,16 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
             cfg = self.config
             if cfg.ref_model_name is not None:
                 ref = ReferenceModel.from_pretrained(
-                    cfg.ref_model_name, dtype=cfg.dtype, fast_math=cfg.fast_math
+                    cfg.ref_model_name,
+                    dtype=cfg.dtype,
+                    fast_math=cfg.fast_math and not cfg.plain_mlx,
                 )
                 check_same_tokenizer(self.tokenizer, ref.tokenizer, cfg.ref_model_name)
             elif self.policy.lora is not None:
                 ref = ReferenceModel.from_policy(self.policy)  # adapters off: the base
             else:
                 ref = ReferenceModel.from_pretrained(
-                    cfg.model_name, dtype=cfg.dtype, fast_math=cfg.fast_math
+                    cfg.model_name, dtype=cfg.dtype, fast_math=cfg.fast_math and not cfg.plain_mlx
                 )
             self._reference = ref
         return self._reference
@@ -261,6 +264,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
             self._reference = None
         return super().step(examples)
 
+    @in_run_scope
     def evaluate(self, examples: Sequence[DPOExample]) -> dict[str, float]:
         """The loss and TRL's metrics on held-out pairs (means over pairs), as ``eval/...``."""
         if not examples:

@@ -36,6 +36,7 @@ from finetune.tokenize import (
     tokenize_preferences,
 )
 from training.checkpoint import atomic_directory
+from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
 
@@ -114,7 +115,7 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
                 head_init=config.head_init,
                 seed=config.seed,
                 dtype=config.dtype,
-                fast_math=config.fast_math,
+                fast_math=config.fast_math and not config.plain_mlx,
             )
         if tokenizer is None:
             tokenizer = load_tokenizer(resolve_model_path(config.model_name))
@@ -145,6 +146,7 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
             r_chosen, r_rejected, batch.margins, self.config.center_rewards_coefficient
         )
 
+    @in_run_scope
     def evaluate(self, examples: Sequence[PreferenceExample]) -> dict[str, float]:
         """Loss, accuracy, mean reward gap, and the rewards' mean and spread on held-out pairs."""
         if not examples:

@@ -32,6 +32,7 @@ from models.policy_model import PolicyModel
 from finetune.records import load_sft_data
 from finetune.tokenize import SFTBatch, SFTExample, collate_sft, tokenize_sft
 from training.checkpoint import atomic_directory
+from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
 
@@ -79,7 +80,10 @@ def load_policy(config: SFTConfig | DPOConfig, model: PolicyModel | None = None)
                 keys=config.lora_keys,
             )
         model = PolicyModel.from_pretrained(
-            config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
+            config.model_name,
+            dtype=config.dtype,
+            lora=lora,
+            fast_math=config.fast_math and not config.plain_mlx,
         )
     elif (model.lora is not None) != config.use_lora:
         has = "has" if model.lora is not None else "has no"
@@ -134,6 +138,7 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
         metrics["sft/tokens"] = float(sum(e.num_targets for e in examples))
         return metrics
 
+    @in_run_scope
     def evaluate(self, examples: Sequence[SFTExample]) -> dict[str, float]:
         """Token-weighted cross-entropy, perplexity and token accuracy on held-out examples."""
         if not examples:

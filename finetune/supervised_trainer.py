@@ -53,13 +53,14 @@ from training.checkpoint import (
 )
 from finetune.records import train_eval_split
 from finetune.tokenize import length_bucketed_batches
-from training.optimizer import AdamW, SchedulePlan, optimizer_step, resumed_plan
+from training.optimizer import SchedulePlan, make_adamw, optimizer_step, resumed_plan
 from training.run_control import (
     RunLog,
     StopSignals,
     TrainingStopped,
     check_resume_source,
     continue_timeline,
+    in_run_scope,
     prepare_run_dir,
     remove_run_leftovers,
     save_after_failure,
@@ -229,6 +230,7 @@ class SupervisedTrainer(Generic[E, B]):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop
+    @in_run_scope
     def train(
         self,
         train_data: Iterable[Mapping[str, Any]],
@@ -358,6 +360,7 @@ class SupervisedTrainer(Generic[E, B]):
             raise ValueError("request_stop() stops a running train(); call it from a callback")
         self._stop.request(reason)
 
+    @in_run_scope
     def step(self, examples: Sequence[E]) -> dict[str, float]:
         """One optimiser step on ``examples`` (one batch); returns its metrics."""
         cfg = self.config
@@ -394,11 +397,12 @@ class SupervisedTrainer(Generic[E, B]):
     def _make_optimizer(self, plan: SchedulePlan) -> optim.Optimizer:
         """AdamW following ``plan``'s learning-rate schedule."""
         cfg = self.config
-        return AdamW(
-            learning_rate=plan.schedule(),
+        return make_adamw(
+            plan.schedule(),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
             bias_correction=cfg.adam_bias_correction,
+            plain=cfg.plain_mlx,
         )
 
     def eval_chunks(self, examples: Sequence[E]) -> list[list[E]]:

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup.fast_layers import accelerate_model
+from base_setup.plain import speed_tricks
 from base_setup.lora_setup import (
     LoraSettings,
     adapters_fused,
@@ -45,7 +46,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
 def resolve_model_path(path_or_hub_id: str | Path) -> Path:
-    """A local directory for ``path_or_hub_id``: the path itself, or the Hub snapshot mlx-lm fetches.
+    """A local directory for ``path_or_hub_id``: the path itself, or its Hub snapshot (the files
+    ``mlx_lm.load`` fetches: ``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``).
 
     Raises:
         FileNotFoundError: a local path that does not exist, a path without config.json, or a
@@ -63,11 +65,12 @@ def resolve_model_path(path_or_hub_id: str | Path) -> Path:
     if not _HUB_ID.match(text) or text.startswith("."):
         raise FileNotFoundError(f"model path {text} does not exist")
 
+    import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    from mlx_lm.utils import _download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    try:
-        return Path(_download(text))
+    try:  # the files mlx-lm's own loader fetches (its public list of them)
+        return Path(huggingface_hub.snapshot_download(text, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
         first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise FileNotFoundError(
@@ -85,9 +88,10 @@ def lm_logits_at(lm: nn.Module, input_ids: mx.array, positions: mx.array) -> mx.
     of a (B, L, V) one (the vocabulary is usually far wider than the hidden size). That takes the
     mlx-lm layout ``lm(x) = head(lm.model(x))``, with ``head`` the ``lm_head`` or the tied
     embedding; it is checked once per model on a 3-token input, and a model that computes its
-    logits some other way (soft-capping, scaling) gets the full forward pass and the gather.
+    logits some other way (soft-capping, scaling) gets the full forward pass and the gather, as
+    does every model under plain MLX and off the CPU (:func:`base_setup.plain.speed_tricks`).
     """
-    head = lm_head(lm)
+    head = lm_head(lm) if speed_tricks() else None
     if head is None:
         logits = lm(input_ids)  # (B, L, V)
         return mx.take_along_axis(logits, positions[..., None], axis=1)  # (B, T, V)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 if TYPE_CHECKING:
     from experience_buffer.buffer import RolloutBatch
     from ppo_trainer.ppo_trainer import PPOTrainer
+    from ppo_trainer.rollout import Rollout
 
 Metrics = dict[str, float]
 EpochEndFunction = Callable[[int, Metrics], Any]
@@ -21,6 +22,12 @@ class TrainerCallback:
 
     def on_train_begin(self, trainer: PPOTrainer) -> None:
         """Called once before the first step (after a resume has restored the state)."""
+
+    def on_rollout_scored(self, trainer: PPOTrainer, step: int, rollout: Rollout) -> None:
+        """Called after generation, log-probs, values and scores of ``step`` (phases 1-3) with
+        the :class:`~ppo_trainer.rollout.Rollout`: the prompt texts, completions, token ids,
+        log-probs, scores and the score function's ``reward_metrics`` (in a data-parallel run,
+        this rank's share)."""
 
     def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
         """Called after generation, scoring and advantages, before the PPO epochs of ``step``."""

@@ -63,13 +63,14 @@ def load_function(spec: str) -> Callable[..., Any]:
     return cast(Callable[..., Any], fn)
 
 
-def load_policy(config: ModelConfig) -> PolicyModel:
+def load_policy(config: ModelConfig, *, plain: bool = False) -> PolicyModel:
     """The policy as a run builds it from its config: ``config.model_name`` in ``config.dtype``,
     with fresh LoRA adapters when ``use_lora`` (the trainer, and the asynchronous rollout worker
-    that then receives the trainer's trainable weights)."""
+    that then receives the trainer's trainable weights); mlx-lm's own layers when ``plain``
+    (the run's ``plain_mlx``) or ``fast_math`` is off."""
     lora = LoraSettings.from_model_config(config) if config.use_lora else None
     return PolicyModel.from_pretrained(
-        config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math
+        config.model_name, dtype=config.dtype, lora=lora, fast_math=config.fast_math and not plain
     )
 
 
@@ -106,8 +107,8 @@ def build_models(
             "to the rollout's log-probs must start at 1); it acts in SFT and reward training",
             config.lora_dropout,
         )
-    fast = config.fast_math
-    policy = policy or load_policy(config)
+    fast = config.fast_math and not config.plain_mlx
+    policy = policy or load_policy(config, plain=config.plain_mlx)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
     if ref_model is None:
         if config.use_lora and config.ref_model_name == config.model_name:

@@ -42,7 +42,7 @@ def evaluate_rollouts(
     lengths: list[float] = []
     samples: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
-    record = trainer._record_eval
+    record = trainer.run.record_eval
     for start in range(0, len(prompts), cfg.rollout_batch_size):
         stop = min(start + cfg.rollout_batch_size, len(prompts))
         texts, ids, columns = trainer._prepare_prompts(prompts, start, stop)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,7 +60,7 @@ from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
-from ppo_trainer.callbacks import CallbackLike, TrainerCallback
+from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.components import (
     build_models,
     check_data_parallel_config,
@@ -99,13 +100,13 @@ from ppo_trainer.rollout_records import (
 )
 from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
+    RunState,
     ensure_optimizers,
     load_models,
     load_trainer_state,
     save_models,
     save_trainer_state,
 )
-from ppo_trainer.rollout_worker import RolloutWorker
 from ppo_trainer.run_loop import TrainingRun
 from ppo_trainer.update import (
     Learner,
@@ -118,7 +119,7 @@ from training.checkpoint import (
     CheckpointManager,
 )
 from training.optimizer import SchedulePlan
-from training.run_control import StopSignals, prepare_run_dir
+from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -199,7 +200,6 @@ class PPOTrainer:
         )
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
-        self._reward_metrics: dict[str, mx.array] = {}
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
@@ -222,16 +222,14 @@ class PPOTrainer:
             if self.value_model is not None
             else None
         )
-        self._stop = StopSignals()
         self.stop_reason: str | None = None
-        self._updating = False
-        self._callbacks: list[TrainerCallback] = []
-        self._schedule_plan: SchedulePlan | None = None
-        self._last_step: int | None = None  # the run's last step, while train() runs
-        self._record_eval = False  # evaluate() writes rollout records (periodic evaluations)
+        # The learning-rate schedule of the run, in optimiser updates (checkpoints record it);
+        # set when train() (or the first step()) builds the optimisers.
+        self.lr_plan: SchedulePlan | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
-        # The generation worker of async_rollout, while train() runs (see rollout_worker).
-        self._rollout_worker: RolloutWorker | None = None
+        # What train()'s loop shares with step() and evaluate() (callbacks, the stop request,
+        # the async_rollout worker ...): a fresh one outside train().
+        self.run = RunState()
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -260,24 +258,28 @@ class PPOTrainer:
         query_responses: mx.array,
         sequence_lengths: mx.array,
         **columns: list[Any],
-    ) -> mx.array:
-        """One scalar score per completion, shape (B,).
+    ) -> mx.array | tuple[mx.array, dict[str, mx.array]]:
+        """One scalar score per completion, shape (B,), and the metrics that go with them.
 
         ``prompts`` are the formatted prompt texts; ``columns`` the other fields of prompt
         records, each a list aligned with ``completions``. An override receives the columns it
         names as parameters, or all of them with ``**columns`` (none if it names none).
+
+        Returns ``(scores, metrics)``, ``metrics`` named scalars logged with the step's (the
+        per-reward ``rewards/<name>/mean`` and ``/std`` of several ``reward_funcs``, else
+        empty). An override may return the pair or the scores alone (an array or a list of
+        floats); one that calls this method gets the pair and passes the metrics on (a run
+        with several rewards warns when they go missing).
 
         Default: the reward model scores the token ids at each sequence's last token (prompt +
         response up to and including the stop token), or the reward function scores the texts
         (with the columns it accepts). Override to compute a task's own reward (see
         ``examples/``).
         """
-        scores, self._reward_metrics = self.rewards.score(
-            prompts, completions, query_responses, sequence_lengths, columns
-        )
-        return scores
+        return self.rewards.score(prompts, completions, query_responses, sequence_lengths, columns)
 
     # ------------------------------------------------------------------ one iteration
+    @in_run_scope
     def step(
         self,
         prompts: Sequence[PromptInput],
@@ -324,24 +326,33 @@ class PPOTrainer:
             generation=generation,
         )
         t_rollout = time.perf_counter()
+        if self.rewards.funcs and not rollout.reward_metrics:
+            warnings.warn(
+                f"{self._score_source()} returned no metrics, so the per-reward metrics of "
+                "reward_funcs are not logged: return (scores, metrics) with the metrics of "
+                "PPOTrainer.compute_scores",
+                stacklevel=2,
+            )
+        for cb in self.run.callbacks:
+            cb.on_rollout_scored(self, step, rollout)
 
         # 4. Per-token KL and rewards, advantages and returns.
         batch, stats = make_experience(
             rollout, self.experience, self.kl_ctl.value, step=step, group=self.group
         )
         t_advantages = time.perf_counter()
-        if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self._last_step):
+        if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self.run.last_step):
             log_rollouts(
                 self.run_dir,
                 rollout_arrays(rollout, batch, stats, step, cfg.algorithm, cfg.group_size),
                 self.tokenizer,
                 cfg.rollout_records_per_step,
             )
-        for cb in self._callbacks:
+        for cb in self.run.callbacks:
             cb.on_rollout_end(self, step, batch)
 
         # 5. PPO epochs over shuffled minibatches (the order is a function of seed and step).
-        self._updating = True
+        self.run.updating = True
         update_metrics = ppo_epochs(
             batch,
             self._learners(),
@@ -353,14 +364,13 @@ class PPOTrainer:
             step=step,
             group=self.group,
         )
-        self._updating = False
+        self.run.updating = False
         t_update = time.perf_counter()
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
         metrics = iteration_metrics(rollout, batch, stats, update_metrics, self.group)
-        if self._reward_metrics:  # several rewards: each one's mean and spread
-            metrics.update(reduce_over_ranks(self._reward_metrics, {}, self.group))
-            self._reward_metrics = {}
+        if rollout.reward_metrics:  # several rewards: each one's mean and spread
+            metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
         if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()
@@ -379,7 +389,6 @@ class PPOTrainer:
             }
         )
         self.global_step = step
-        self.last_rollout = (rollout, batch, stats)
         return metrics
 
     def _overlap_generation(
@@ -391,7 +400,7 @@ class PPOTrainer:
         them (else None: :meth:`_rollout` generates), and the next step's batch asked of it with
         the policy's weights as they are now, before this step's update (one step off-policy).
         Returns the responses and the seconds spent waiting for them (None without a worker)."""
-        worker = self._rollout_worker
+        worker = self.run.rollout_worker
         if worker is None:
             return None, None
         cfg = self.config
@@ -510,6 +519,7 @@ class PPOTrainer:
         return self.rewards.fn
 
     # ------------------------------------------------------------------ the loop
+    @in_run_scope
     def train(
         self,
         prompts: Sequence[PromptInput],
@@ -538,9 +548,10 @@ class PPOTrainer:
     def request_stop(self, reason: str = "requested by a callback") -> None:
         """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
         does); callbacks use it for early stopping."""
-        self._stop.request(reason)
+        self.run.stop.request(reason)
 
     # ------------------------------------------------------------------ evaluation
+    @in_run_scope
     def evaluate(
         self,
         prompts: Sequence[PromptInput],
@@ -579,7 +590,7 @@ class PPOTrainer:
         if not self.is_main_process:
             return self.checkpoints.root / f"step_{self.global_step:06d}"
         path = save_trainer_state(self)
-        for cb in self._callbacks:
+        for cb in self.run.callbacks:
             cb.on_save(self, self.global_step, path)
         return path
 

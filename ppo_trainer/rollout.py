@@ -13,8 +13,9 @@ Every array it returns is a constant for the losses that follow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence, cast
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ from mlx.utils import tree_flatten
 
 from base_setup.backend import generation_buffer_cache, release_cached_buffers, side_by_side
 from base_setup.lora_setup import adapters_merged
+from base_setup.plain import speed_tricks
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
@@ -35,8 +37,8 @@ from token_attribution.sequences import (
     scoring_inputs,
 )
 
-#: ``score(completions, query_responses, sequence_lengths) -> (B,)``: the trainer's reward, with
-#: the prompts and their columns bound.
+#: ``score(completions, query_responses, sequence_lengths) -> (B,)`` or ``((B,), metrics)``
+#: (:func:`split_scores`): the trainer's reward, with the prompts and their columns bound.
 ScoreFn = Callable[[list[str], mx.array, mx.array], Any]
 
 
@@ -99,6 +101,9 @@ class Rollout:
     entropy: mx.array  # (B, T) of the rollout policy's distribution
     values: mx.array | None  # (B, T) value model (PPO)
     scores: mx.array  # (B,) float32, finite
+    #: What the score function returned beside the scores (scalar arrays; the default
+    #: ``compute_scores``: each of several rewards' ``rewards/<name>/mean`` and ``/std``).
+    reward_metrics: dict[str, mx.array] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""
@@ -129,8 +134,10 @@ def sample_responses(
     A LoRA policy on a float32 base samples with its adapters merged into the base weights
     (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
     step instead of three. The sampling log-probs then differ from the loss's recomputation by
-    float32 rounding, as a decoding step's (one query against a KV cache) already do."""
-    with generation_buffer_cache(), adapters_merged(policy.model):
+    float32 rounding, as a decoding step's (one query against a KV cache) already do. Not under
+    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`)."""
+    merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
+    with generation_buffer_cache(), merged:
         return generate(
             policy,
             prompt_ids,
@@ -239,6 +246,7 @@ def collect_rollout(
     # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
     if not reward_in_lane:
         raw = score(completions, query_responses, sequence_lengths)
+    raw, reward_metrics = split_scores(raw, score_source)
     mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
     scores = check_scores(raw, len(texts), score_source)
     release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
@@ -255,6 +263,7 @@ def collect_rollout(
         entropy,
         values,
         scores,
+        reward_metrics,
     )
 
 
@@ -289,6 +298,25 @@ def decode_completions(gen: GenerationOutput, decode: Callable[[Sequence[int]], 
     ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()
     rows = np.array(gen.responses).tolist()
     return [decode(row[:end]) for row, end in zip(rows, ends)]
+
+
+def split_scores(out: Any, source: str) -> tuple[Any, dict[str, mx.array]]:
+    """A score function's result as ``(scores, metrics)``: it returns the scores alone (an array
+    or a list of floats, one per completion) or the pair ``(scores, metrics)``, ``metrics`` a
+    dict of scalars (arrays or floats) logged with the step's metrics."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)):
+        return out, {}
+    scores, metrics = out
+    checked: dict[str, mx.array] = {}
+    for key, value in metrics.items():
+        array = value if isinstance(value, mx.array) else mx.array(value)
+        if not isinstance(key, str) or array.size != 1:
+            raise ValueError(
+                f"{source} returned the metric {key!r} of shape {tuple(array.shape)}: metrics "
+                "must be named scalars, e.g. {'rewards/mine/mean': scores.mean()}"
+            )
+        checked[key] = array.reshape(())
+    return scores, checked
 
 
 def check_scores(scores: Any, expected: int, source: str) -> mx.array:

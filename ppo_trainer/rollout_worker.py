@@ -68,11 +68,13 @@ class RolloutWorkerError(RuntimeError):
 @dataclass(frozen=True)
 class WorkerSpec:
     """What the worker needs: the policy's model settings (model_name, dtype, LoRA, fast_math),
-    the rollout sampling, and its OpenBLAS thread count (None: OpenBLAS's default)."""
+    the rollout sampling, its OpenBLAS thread count (None: OpenBLAS's default), and whether
+    the run is on plain MLX (its config's ``plain_mlx``)."""
 
     model_config: ModelConfig
     sampling: SamplingSettings
     blas_threads: int | None
+    plain_mlx: bool = False
 
 
 def worker_blas_threads(threads: int | None) -> tuple[int | None, int | None]:
@@ -247,6 +249,14 @@ def worker_main(conn: Connection, spec: bytes) -> None:
 
 
 def _serve(conn: Connection, spec: WorkerSpec) -> None:
+    """The worker's whole life holds the run's scope (plain MLX or not, the buffer cache)."""
+    from base_setup.backend import run_scope
+
+    with run_scope(spec.plain_mlx):
+        _serve_in_scope(conn, spec)
+
+
+def _serve_in_scope(conn: Connection, spec: WorkerSpec) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -256,7 +266,7 @@ def _serve(conn: Connection, spec: WorkerSpec) -> None:
 
     if spec.blas_threads is not None:
         run_blas_threads(spec.blas_threads)
-    policy = load_policy(spec.model_config)
+    policy = load_policy(spec.model_config, plain=spec.plain_mlx)
     flat: dict[str, Any] = dict(tree_flatten(policy.trainable_parameters()))
     trainable = {k: v.shape for k, v in flat.items()}
     conn.send(("ready", os.getpid(), blas_info().name))

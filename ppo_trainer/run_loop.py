@@ -4,7 +4,9 @@
 checkpoint to resume), then repeats :meth:`PPOTrainer.step` on the epoch's next batch; after each
 step: an evaluation when due, the history, ``metrics.jsonl``, callbacks, the progress bar, a
 checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). The counters
-and the history live on the trainer, which its checkpoints hold.
+and the history live on the trainer, which its checkpoints hold; what the loop shares with the
+step (callbacks, the stop request, the worker) is the trainer's ``run``, a
+:class:`~ppo_trainer.run_state.RunState` it sets up.
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
-from ppo_trainer.run_state import check_same_weights, ensure_optimizers
+from ppo_trainer.run_state import RunState, check_same_weights, ensure_optimizers
 from training.checkpoint import STATE_FILE, named_write
 from training.run_control import (
     RunLog,
-    StopSignals,
     check_resume_source,
     continue_timeline,
     prepare_run_dir,
@@ -65,8 +66,7 @@ class TrainingRun:
         cfg = t.config
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
-        t._last_step = total
-        t._callbacks = self.callbacks
+        t.run = state = RunState(last_step=total, callbacks=self.callbacks)
         self._check_run_dir(resuming=resume_from is not None)
         ensure_optimizers(t, total_steps=total)
         resume_step = self._resume(resume_from) if resume_from is not None else None
@@ -85,14 +85,14 @@ class TrainingRun:
             writes=t.is_main_process,
             resume_step=resume_step,
         )
-        t._stop = stop = StopSignals()
+        stop = state.stop
         worker = (
             self._start_worker(resume_step is not None)
             if cfg.async_rollout
             else contextlib.nullcontext()
         )
         with stop, run_log, worker:
-            t._rollout_worker = worker if isinstance(worker, RolloutWorker) else None
+            state.rollout_worker = worker if isinstance(worker, RolloutWorker) else None
             try:
                 while t.global_step < total and not stop.requested:
                     metrics = t.step(
@@ -110,11 +110,11 @@ class TrainingRun:
                 if last_saved != t.global_step:
                     t.save_checkpoint()
             except BaseException as err:
-                if save_after_failure(err, t._updating, t.global_step, last_saved):
+                if save_after_failure(err, state.updating, t.global_step, last_saved):
                     t.save_checkpoint()
                 raise
             finally:
-                t._rollout_worker = None  # the with block ends the worker process
+                state.rollout_worker = None  # the with block ends the worker process
         t.stop_reason = stop.reason
         check_same_weights(t, "at the end of training")
         if self.eval_prompts and not stop.requested:
@@ -228,7 +228,7 @@ class TrainingRun:
             mine, theirs = worker_blas_threads(t.blas_threads)
         if mine is not None and mine != t.blas_threads:
             t.blas_threads = run_blas_threads(mine)
-        spec = WorkerSpec(cfg.model_config(), t.sampling, theirs)
+        spec = WorkerSpec(cfg.model_config(), t.sampling, theirs, cfg.plain_mlx)
         return RolloutWorker(spec, t.run_dir)
 
     def _record(
@@ -269,11 +269,11 @@ class TrainingRun:
         method record too, without a parameter to pass along)."""
         t = self.trainer
         assert self.eval_prompts is not None
-        t._record_eval = t.is_main_process
+        t.run.record_eval = t.is_main_process
         try:
             result = t.evaluate(self.eval_prompts)
         finally:
-            t._record_eval = False
+            t.run.record_eval = False
         scalars: dict[str, Any] = {k: v for k, v in result.items() if isinstance(v, float)}
         for cb in self.callbacks:
             cb.on_evaluate(t, t.global_step, scalars)

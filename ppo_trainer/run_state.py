@@ -1,8 +1,10 @@
-"""What a PPO run keeps across a restart and what it leaves behind: its optimisers and their
-schedule, the check that a checkpoint belongs to this run, and the trained models on disk."""
+"""A PPO run's state: what the loop and the step share while it runs (:class:`RunState`),
+what it keeps across a restart and what it leaves behind: its optimisers and their schedule,
+the check that a checkpoint belongs to this run, and the trained models on disk."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -26,10 +28,42 @@ from training.checkpoint import (
     save_training_state,
     warn_changed_settings,
 )
-from training.optimizer import AdamW, SchedulePlan, resumed_plan
+from training.optimizer import SchedulePlan, make_adamw, resumed_plan
+
+from training.run_control import StopSignals
 
 if TYPE_CHECKING:
+    from ppo_trainer.callbacks import TrainerCallback
     from ppo_trainer.ppo_trainer import PPOTrainer
+    from ppo_trainer.rollout_worker import RolloutWorker
+
+
+@dataclass
+class RunState:
+    """What a run in progress shares between its loop (:class:`ppo_trainer.run_loop.TrainingRun`,
+    which sets it up) and the trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and
+    :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.evaluate`, which read it: the trainer's ``run``
+    attribute. Outside :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.train` it is a fresh one (no
+    callbacks, no worker, no last step).
+
+    Attributes:
+        last_step: the run's last step (rollout records are written there too); None: no run.
+        callbacks: the run's callbacks.
+        stop: the run's stop request (Ctrl-C, SIGTERM, :meth:`PPOTrainer.request_stop`).
+        rollout_worker: the ``async_rollout`` generation worker, while the run has one.
+        record_eval: evaluations write rollout records (the run's periodic evaluations, on the
+            main process).
+        updating: the step is in its PPO epochs, its weights partly updated (a failure then
+            saves no checkpoint: ``training.run_control.save_after_failure``).
+    """
+
+    last_step: int | None = None
+    callbacks: list[TrainerCallback] = field(default_factory=list)
+    stop: StopSignals = field(default_factory=StopSignals)
+    rollout_worker: RolloutWorker | None = None
+    record_eval: bool = False
+    updating: bool = False
+
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
 #: responses, and the trained parameters (their set and shapes) depend on them.
@@ -78,11 +112,12 @@ def build_optimizers(
     previous = previous or {}
 
     def adamw(lr: Any) -> optim.Optimizer:
-        return AdamW(
-            learning_rate=lr,
+        return make_adamw(
+            lr,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
             bias_correction=config.adam_bias_correction,
+            plain=config.plain_mlx,
         )
 
     policy_optimizer = adamw(schedule)
@@ -163,8 +198,8 @@ def ensure_optimizers(trainer: PPOTrainer, total_steps: int | None) -> None:
     """
     if trainer.policy_optimizer is not None and total_steps is None:
         return
-    trainer._schedule_plan = schedule_plan(trainer.config, total_steps)
-    rebuild_optimizers(trainer, trainer._schedule_plan.schedule())
+    trainer.lr_plan = schedule_plan(trainer.config, total_steps)
+    rebuild_optimizers(trainer, trainer.lr_plan.schedule())
 
 
 def rebuild_optimizers(trainer: PPOTrainer, schedule: Callable[[mx.array], mx.array]) -> None:
@@ -202,7 +237,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
     states, and the JSON state (counters, KL controller, history, config, number of processes,
     schedule, BLAS threads); returns its directory."""
-    plan = trainer._schedule_plan
+    plan = trainer.lr_plan
     state = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
@@ -234,10 +269,10 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.step_in_epoch = int(state["step_in_epoch"])
     trainer.history = list(state["history"])
     schedule_note = None
-    if trainer._schedule_plan is not None and trainer.policy_optimizer is not None:
+    if trainer.lr_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))
-        plan, schedule_note = resumed_plan(state.get("schedule"), trainer._schedule_plan, updates)
-        trainer._schedule_plan = plan  # its checkpoints record the schedule it follows
+        plan, schedule_note = resumed_plan(state.get("schedule"), trainer.lr_plan, updates)
+        trainer.lr_plan = plan  # its checkpoints record the schedule it follows
         rebuild_optimizers(trainer, plan.schedule())
     if trainer.is_main_process:
         warn_changed_settings(

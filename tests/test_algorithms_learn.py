@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
+from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 
 #: Ids of tokens the random tiny model samples often (" h", "Î", " T", "²"): as stop tokens they
@@ -123,15 +124,48 @@ def test_several_rewards_are_weighted_and_logged(tiny_model_dir: Path, tmp_path:
     )
     trainer = PPOTrainer(cfg)
     prompts = review_prompts(cfg.batch_size, seed=0)
-    metrics = trainer.step(prompts)
+    seen: list[Any] = []
+
+    class Keep(TrainerCallback):
+        def on_rollout_scored(self, trainer: PPOTrainer, step: int, rollout: Any) -> None:
+            seen.append(rollout)
+
+    (metrics,) = trainer.train(prompts, num_epochs=1, callbacks=[Keep()])
     for name in ("brevity", "mentions_camera"):
         assert f"rewards/{name}/mean" in metrics
-    completions = trainer.last_rollout[0].completions
-    texts = trainer.last_rollout[0].texts
+        assert f"rewards/{name}/mean" in seen[0].reward_metrics
+    completions, texts = seen[0].completions, seen[0].texts
     expected = np.array(brevity(texts, completions))
     camera = mentions_camera(texts, completions)
     expected += 0.5 * np.array([0.0 if c is None else c for c in camera])
-    np.testing.assert_allclose(np.array(trainer.last_rollout[1].scores), expected, rtol=1e-5)
+    np.testing.assert_allclose(np.array(seen[0].scores), expected, rtol=1e-5)
+
+
+def test_an_override_that_drops_the_reward_metrics_is_warned(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """compute_scores may return the scores alone; with several rewards whose metrics it
+    dropped, the run says so instead of logging less in silence."""
+
+    class ScoresOnly(PPOTrainer):
+        def compute_scores(self, *args: Any, **kwargs: Any) -> Any:
+            scores, _ = super().compute_scores(*args, **kwargs)
+            return scores
+
+    cfg = config(
+        tiny_model_dir,
+        tmp_path / "run",
+        algorithm="grpo",
+        group_size=2,
+        reward_funcs=[
+            "tests.test_algorithms_learn:brevity",
+            "tests.test_algorithms_learn:mentions_camera",
+        ],
+    )
+    trainer = ScoresOnly(cfg)
+    with pytest.warns(UserWarning, match="ScoresOnly.compute_scores returned no metrics"):
+        metrics = trainer.step(review_prompts(cfg.batch_size, seed=0))
+    assert not any(k.startswith("rewards/") for k in metrics)
 
 
 def mentions_camera(prompts: list[str], completions: list[str]) -> list[float | None]:

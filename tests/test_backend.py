@@ -124,6 +124,10 @@ def test_a_model_built_without_setup_blas_warns_once(tiny_model_dir: Path) -> No
     assert "from base_setup import setup_blas; setup_blas()" in out.stderr
 
 
+def backend_info_name() -> str:
+    return blas_info().name
+
+
 def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     """No system libgfortran and a NumPy that bundles none (>= 2.5): the reference BLAS, with a
     warning that says how to get the fast one, instead of an import error."""
@@ -141,6 +145,34 @@ def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyP
     info = backend._load_openblas()
     assert info.name == "reference"
     assert "apt install libgfortran5" in info.detail and "numpy<2.5" in info.detail
+
+
+@pytest.mark.skipif(backend_info_name() != "openblas", reason="OpenBLAS is not loaded here")
+def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The libgfortran-from-memfd loader is a fallback: where OpenBLAS loads on its own (the
+    system's libgfortran.so.5, here the one already loaded), it is never used; where the
+    dynamic linker cannot find libgfortran, it is, and the log line says so."""
+    from base_setup import backend
+
+    def never() -> str:
+        raise AssertionError("NumPy's libgfortran was loaded although OpenBLAS loaded on its own")
+
+    monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", never)
+    assert "libgfortran from" not in backend._load_openblas().detail
+
+    real_cdll, failures = backend.ctypes.CDLL, [1]
+
+    def cdll_without_gfortran(path: str, mode: int = 0) -> Any:
+        if failures:
+            failures.pop()
+            raise OSError("libgfortran.so.5: cannot open shared object file")
+        return real_cdll(path, mode)
+
+    monkeypatch.setattr(backend.ctypes, "CDLL", cdll_without_gfortran)
+    monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", lambda: "/numpy.libs/gf.so")
+    assert "libgfortran from /numpy.libs/gf.so" in backend._load_openblas().detail
 
 
 def test_blas_info_is_a_dataclass() -> None:
@@ -1238,15 +1270,36 @@ def test_fast_layers_of_each_architecture_match_mlx_lm(
         assert float(mx.abs(fast_flat[name] - g).max()) / scale < 1e-4, f"{arch}: {name}"
 
 
-def test_private_mlx_lm_function_the_models_use_still_works() -> None:
-    """models/backbone.py and fixtures/checkpoint_families.py build an architecture's classes
-    from a config with mlx-lm's private ``mlx_lm.utils._get_classes`` (mlx-lm has no public
-    equivalent): it must still map a config to ``(Model, ModelArgs)``."""
+# ------------------------------------------------------------------ canaries of private names
+# The private MLX / mlx-lm names the library still uses (none has a public equivalent), each
+# with a canary that fails, naming the versions it was checked on, when a new release changes it.
+CHECKED_ON = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    now = {name: md.version(name) for name in CHECKED_ON}
+    return f"checked on {CHECKED_ON}, installed {now}"
+
+
+def test_canary_mlx_lm_get_classes() -> None:
+    """models/backbone_loading.py (and fixtures/checkpoint_families.py, benchmarks/) build an
+    architecture's classes from a config with mlx-lm's private ``mlx_lm.utils._get_classes``
+    (its public ``load_model`` also reads the weights from disk): it must still map a config to
+    ``(Model, ModelArgs)``, with mlx-lm's remapping of model types."""
     from mlx_lm.models import llama, qwen3
     from mlx_lm.utils import _get_classes
 
-    assert _get_classes({"model_type": "qwen3"}) == (qwen3.Model, qwen3.ModelArgs)
-    assert _get_classes({"model_type": "mistral"}) == (llama.Model, llama.ModelArgs)
+    assert _get_classes({"model_type": "qwen3"}) == (qwen3.Model, qwen3.ModelArgs), _versions()
+    assert _get_classes({"model_type": "mistral"}) == (llama.Model, llama.ModelArgs), _versions()
+
+
+def test_canary_mlx_dropout_keep_probability() -> None:
+    """base_setup/grad_checkpoint.py tells whether a block draws random numbers from
+    ``nn.Dropout``'s private ``_p_1`` (1 - p; MLX keeps no public p): it must still be that."""
+    assert nn.Dropout(0.25)._p_1 == 0.75, _versions()
+    assert nn.Dropout(0.0)._p_1 == 1.0, _versions()
 
 
 # ------------------------------------------------------------------ gradient checkpointing

@@ -403,9 +403,10 @@ def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
         prompt_ids, padded, trainer.pad_token_id
     )
     lengths = prompt_lengths + mx.array([len(r) for r in responses])
-    scores = trainer.compute_scores(
+    scores, metrics = trainer.compute_scores(
         [prompt] * 2, completions, query_responses, lengths, references=[record["references"]] * 2
     )
+    assert float(metrics["rewards/length_penalty"]) == pytest.approx(0.375 / 2)
     # reference: 8 words -> budget 12 words; 15 words -> penalty (15 - 12) / 8 = 0.375
     expected = np.array(rm.score(query_responses, lengths)) - np.array([0.0, 0.375])
     np.testing.assert_allclose(np.array(scores), expected, rtol=1e-5, atol=1e-6)

@@ -149,17 +149,20 @@ def test_missing_model_path_and_bad_arguments(tmp_path: Path, tiny_model_dir: Pa
 
 
 def test_hub_id_that_cannot_be_fetched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hub id goes through mlx-lm's downloader; its offline failure becomes a clear error."""
-    import mlx_lm.utils
+    """A hub id goes through the Hub's snapshot download of the files mlx-lm loads; its offline
+    failure becomes a clear error."""
+    import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     asked: list[str] = []
 
     def offline(repo: str, *args: Any, **kwargs: Any) -> Path:
+        assert kwargs.get("allow_patterns") == DEFAULT_ALLOW_PATTERNS
         asked.append(repo)
         raise LocalEntryNotFoundError("Cannot reach the Hub: no network\nmore detail")
 
-    monkeypatch.setattr(mlx_lm.utils, "_download", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match="some-org/some-model.*Cannot reach the Hub"):
         PolicyModel.from_pretrained("some-org/some-model")
     assert asked == ["some-org/some-model"]

@@ -484,3 +484,18 @@ def test_lora_dropout_is_named_as_unused_by_ppo(
         trainer = PPOTrainer(config, reward_model=e_rate)
     assert "lora_dropout 0.1 is not used by PPO / GRPO" in caplog.text
     assert not trainer.policy.model.training
+
+
+def test_split_scores_takes_the_scores_alone_or_with_their_metrics() -> None:
+    """compute_scores may return the scores (an array or a list) or (scores, metrics)."""
+    from ppo_trainer.rollout import split_scores
+
+    scores = mx.array([0.5, 1.0])
+    assert split_scores(scores, "f") == (scores, {})
+    assert split_scores([0.5, 1.0], "f") == ([0.5, 1.0], {})
+    assert split_scores((0.5, 1.0), "f") == ((0.5, 1.0), {})  # two scores, not a pair
+    got, metrics = split_scores((scores, {"rewards/a/mean": 0.75, "b": mx.array([2.0])}), "f")
+    assert got is scores and set(metrics) == {"rewards/a/mean", "b"}
+    assert float(metrics["rewards/a/mean"]) == 0.75 and metrics["b"].shape == ()
+    with pytest.raises(ValueError, match=r"f returned the metric 'c' of shape \(2,\)"):
+        split_scores((scores, {"c": scores}), "f")

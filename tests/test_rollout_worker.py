@@ -45,13 +45,15 @@ class Watch(TrainerCallback):
 
     def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: Any) -> None:
         self.weights_before[step] = trainable(trainer.policy)
-        worker = trainer._rollout_worker
+        worker = trainer.run.rollout_worker
         if worker is not None and worker.process not in self.processes:
             self.processes.append(worker.process)
 
+    def on_rollout_scored(self, trainer: PPOTrainer, step: int, rollout: Any) -> None:
+        self.rollouts[step] = rollout
+
     def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
-        self.rollouts[step] = trainer.last_rollout[0]
-        worker = trainer._rollout_worker
+        worker = trainer.run.rollout_worker
         if step == 2 and worker is not None:  # it sent its "ready" before step 2's batch
             self.worker_blas.append(worker.worker_blas)
 
@@ -122,7 +124,7 @@ def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Pa
 def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
     class KillWorker(Watch):
         def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
-            worker = trainer._rollout_worker
+            worker = trainer.run.rollout_worker
             assert worker is not None and worker.process.pid is not None
             os.kill(worker.process.pid, signal.SIGKILL)
 
@@ -131,7 +133,7 @@ def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Pat
     with pytest.raises(RolloutWorkerError, match="exited with code -9"):
         trainer.train(PROMPTS, num_epochs=1, callbacks=[watch])
     assert not watch.processes[0].is_alive()
-    assert trainer._rollout_worker is None
+    assert trainer.run.rollout_worker is None
 
 
 def test_signals_to_the_process_group_leave_the_worker_to_the_trainer(
@@ -143,7 +145,7 @@ def test_signals_to_the_process_group_leave_the_worker_to_the_trainer(
     class SignalWorker(Watch):
         def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
             super().on_step_end(trainer, step, metrics)
-            worker = trainer._rollout_worker
+            worker = trainer.run.rollout_worker
             if step == 2 and worker is not None and worker.process.pid is not None:
                 os.kill(worker.process.pid, signal.SIGINT)
                 os.kill(worker.process.pid, signal.SIGTERM)

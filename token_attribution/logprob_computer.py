@@ -11,6 +11,7 @@ from typing import cast
 import mlx.core as mx
 
 from base_setup import fast_math
+from base_setup.plain import speed_tricks
 from token_attribution.extractor import check_ndim
 
 _HALF_DTYPES = (mx.float16, mx.bfloat16)
@@ -76,7 +77,9 @@ def selective_log_softmax(logits: mx.array, tokens: mx.array) -> mx.array:
     hand-written gradient ``cot * (onehot(tokens) - softmax(logits))``. float32 logits are
     handled in one shot; float16/bfloat16 logits are upcast to float32 one row (T, V) at a time,
     so the float32 copy never exceeds one sequence (logsumexp in half precision loses too much,
-    as TRL notes). Temperature is the caller's job: pass ``logits / temperature``.
+    as TRL notes). Under plain MLX and off the CPU (:func:`base_setup.plain.speed_tricks`) it is
+    the naive equivalent, in float32. Temperature is the caller's job: pass
+    ``logits / temperature``.
 
     Args:
         logits: (B, T, V) logits (any float dtype) at the positions that predict ``tokens``.
@@ -87,6 +90,10 @@ def selective_log_softmax(logits: mx.array, tokens: mx.array) -> mx.array:
         (B, T) float32 log-probabilities. Differentiable w.r.t. ``logits``.
     """
     _check_logits_tokens(logits, tokens)
+    if not speed_tricks():  # plain MLX, a GPU: log_softmax, gather, autodiff's gradient
+        x = logits.astype(mx.float32)  # (B, T, V)
+        logp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return mx.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]  # (B, T)
     if logits.dtype in _HALF_DTYPES:
         rows = [_row_log_softmax_gather(logits[b], tokens[b]) for b in range(logits.shape[0])]
         return mx.stack(rows, axis=0)  # (B, T)

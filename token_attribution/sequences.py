@@ -15,6 +15,7 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
+from base_setup.plain import speed_tricks
 from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
@@ -117,9 +118,10 @@ def scoring_inputs(
 ) -> ScoringInputs:
     """The first half of :func:`response_logprobs`: the model's pass over the sequences, up to
     the hidden states where its LM head is a frozen linear or tied-embedding layer (float or
-    quantized), else up to the logits. A caller can evaluate it apart from the head's work (the
-    rollout runs it beside other models' passes)."""
-    head = model.output_head()
+    quantized), else up to the logits (always under plain MLX and off the CPU:
+    :func:`base_setup.plain.speed_tricks`). A caller can evaluate it apart from the head's work
+    (the rollout runs it beside other models' passes)."""
+    head = model.output_head() if speed_tricks() else None  # plain MLX, a GPU: the logits
     frozen = None if head is None else FrozenHead.of(head, require_frozen=differentiable)
     if frozen is None:
         return ScoringInputs(model.logits_at(query_responses, positions), None)

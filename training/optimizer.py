@@ -23,6 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from base_setup.backend import evaluate_in_groups, release_cached_buffers
+from base_setup.plain import speed_tricks
 
 
 @mx.compile
@@ -83,7 +84,8 @@ def _adamw_update_corrected(
 
 class AdamW(optim.AdamW):
     """``mlx.optimizers.AdamW`` with a compiled per-parameter update (see the module docstring),
-    with and without bias correction.
+    with and without bias correction; ``mlx.optimizers.AdamW``'s own update under plain MLX and
+    off the CPU (:func:`base_setup.plain.speed_tricks`, checked at each update).
 
     Note MLX's default is ``bias_correction=False``, while PyTorch's ``torch.optim.AdamW`` (which
     TRL and published PPO/GRPO learning rates assume) corrects: uncorrected, the first updates
@@ -92,6 +94,8 @@ class AdamW(optim.AdamW):
     """
 
     def apply_single(self, gradient: mx.array, parameter: mx.array, state: dict) -> mx.array:
+        if not speed_tricks():  # plain MLX, or a GPU: mlx.optimizers.AdamW's own update
+            return cast(mx.array, super().apply_single(gradient, parameter, state))
         lr = self.learning_rate.astype(gradient.dtype)
         b1, b2 = self.betas
         hyper = mx.array([b1, 1 - b1, b2, 1 - b2, self.eps, self.weight_decay], dtype=mx.float32)
@@ -115,6 +119,25 @@ class AdamW(optim.AdamW):
             gradient, parameter, state["m"], state["v"], lr, hyper
         )
         return new_parameter
+
+
+def make_adamw(
+    learning_rate: float | Callable[[mx.array], mx.array],
+    *,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    plain: bool = False,
+) -> optim.Optimizer:
+    """The trainers' AdamW: :class:`AdamW`, or ``mlx.optimizers.AdamW`` itself when ``plain``
+    (a config's ``plain_mlx``). Both have the same arguments, state and results."""
+    cls = optim.AdamW if plain else AdamW
+    return cls(
+        learning_rate=learning_rate,
+        eps=eps,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction,
+    )
 
 
 def lr_schedule(

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -26,7 +27,9 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from base_setup.backend import run_scope
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -449,3 +452,19 @@ def save_after_failure(err: BaseException, updating: bool, step: int, last_saved
     what = "interrupted" if isinstance(err, KeyboardInterrupt) else "stopped by an error"
     logger.error("training %s; saving the state after step %d", what, step)
     return True
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def in_run_scope(method: _Method) -> _Method:
+    """Decorator for a trainer's methods that compute (train, step, evaluate): the call holds
+    :func:`base_setup.backend.run_scope` with the trainer's ``config.plain_mlx``, so plain MLX
+    and the buffer-cache policy apply to that work only and are undone when it returns."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with run_scope(self.config.plain_mlx):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
