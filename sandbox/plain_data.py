@@ -23,7 +23,6 @@ from typing import Any
 
 from sandbox.runner import MAX_DEPTH
 
-
 #: Most elements of one set or dict that may share a hash (honest values almost never share one).
 MAX_SHARED_HASH = 8
 

@@ -164,9 +164,7 @@ def summarize(
         return records.launch_error
     total = len(checks)
     budget = Budget(JUDGE_BUDGET_S)  # one allowance for all of this candidate's values
-    outcomes = [
-        judge_test(i, test_checks, records, budget) for i, test_checks in enumerate(checks)
-    ]
+    outcomes = [judge_test(i, test_checks, records, budget) for i, test_checks in enumerate(checks)]
     passed = sum(1 for outcome in outcomes if outcome is None)
     notes = []
     if output.dropped:
