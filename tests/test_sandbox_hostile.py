@@ -118,3 +118,452 @@ def test_judging_stops_at_its_cpu_budget() -> None:
     with pytest.raises(WireError, match="budget"):
         strict_equal(value, value, Budget(0.0))
     assert strict_equal(value, value, Budget(10.0))
+
+
+# --------------------------------------------------------------------------- hostile candidates
+
+# Imports for the sandbox runs (kept here so the parser tests above read on their own).
+import dataclasses  # noqa: E402
+import secrets  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from sandbox import (  # noqa: E402
+    Isolation,
+    SandboxLimits,
+    TestResult,
+    detect_isolation,
+    run_tests,
+    run_tests_many,
+)
+from sandbox import launcher  # noqa: E402
+from sandbox import run as sandbox_run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = REPO / "examples" / "data" / "code_tasks.jsonl"
+LIMITS = SandboxLimits(timeout_s=4.0, cpu_time_s=3, memory_mb=256, isolation="weak")
+
+
+def _modes() -> dict[str, Isolation]:
+    """Each isolation mode this machine runs: "root" (a fresh uid and namespaces), "userns" (a
+    user namespace, as a user without CAP_SYS_ADMIN gets), "weak" (no namespaces: seccomp and
+    Landlock where the kernel has them, and the audit hook)."""
+    if os.name != "posix":
+        return {}
+    modes = {}
+    for isolation in sandbox_run.candidate_isolations():
+        if sandbox_run.probe_isolation(isolation) is not None:
+            continue
+        name = (
+            "root" if isolation.separate_uid else "userns" if isolation.user_namespace else "weak"
+        )
+        if isolation.separate_uid and not isolation.strong:
+            name = "root-weak"
+        modes.setdefault(name, isolation)
+    return modes
+
+
+MODES = _modes()
+ALL_MODES = pytest.mark.parametrize("mode", sorted(MODES))
+
+# Turns the audit hook off (its closure's reentrancy list, reached through gc): every hostile
+# candidate below starts with it, so the weak mode is tested on its kernel layers alone.
+PRELUDE = """
+import gc, os, sys
+for _o in gc.get_objects():
+    if type(_o).__name__ == "function" and _o.__name__ == "hook" and _o.__closure__:
+        for _n, _c in zip(_o.__code__.co_freevars, _o.__closure__):
+            if _n == "busy":
+                _c.cell_contents.append(1)
+
+def attempt(fn):
+    try:
+        return fn()
+    except BaseException as exc:
+        return "failed: " + type(exc).__name__
+"""
+LIBC = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {table!r}
+def syscall(name, *args):
+    rc = libc.syscall(NR[name], *args)
+    return rc if rc >= 0 else "failed: errno %d" % ctypes.get_errno()
+"""
+
+
+def _libc() -> str:
+    return LIBC.format(table=launcher.SYSCALLS.get(launcher.machine(), {}))
+
+
+def hostile(mode: str, code: str, tests: list[str]) -> TestResult:
+    """``PRELUDE + code`` under ``mode``; checks the run ended in bounded time."""
+    start = time.monotonic()
+    result = run_tests(PRELUDE + code, tests, LIMITS, MODES[mode])
+    assert time.monotonic() - start < LIMITS.timeout_s + 10.0, "hang guard"
+    return result
+
+
+def _failed(value: object) -> bool:
+    return isinstance(value, str) and value.startswith("failed")
+
+
+@ALL_MODES
+def test_a_forged_record_with_index_minus_minus_one_scores_zero(mode: str) -> None:
+    code = """
+def f():
+    frame = sys._getframe()
+    while "nonce" not in frame.f_locals:
+        frame = frame.f_back
+    os.write(frame.f_locals["fd"], f"{frame.f_locals['nonce']} value --1 0 3\\n".encode())
+    return 0
+"""
+    result = hostile(mode, code, ["assert f() == 3"])
+    assert (result.status, result.passed) == ("ok", 0), result.detail
+    assert "malformed" in result.detail
+
+
+@ALL_MODES
+def test_values_built_to_collide_in_hash_score_zero(mode: str) -> None:
+    code = "def f():\n    return {k * (2**61 - 1) for k in range(1, 2500)}\n"
+    result = hostile(mode, code, ["assert f() == {1, 2}", "assert f() != {1, 2}"])
+    assert result.passed == 0, result.detail
+    assert "share a hash" in result.detail
+
+
+@pytest.fixture
+def host_files() -> Iterator[dict[str, Path]]:
+    """A world-readable "home directory" file and a file in the host's /tmp, deleted after."""
+    home = Path(tempfile.mkdtemp(prefix="sbx_home_"))
+    home.chmod(0o755)
+    bashrc = home / ".bashrc"
+    bashrc.write_text("# keep me\n")
+    bashrc.chmod(0o666)
+    fd, tmp_name = tempfile.mkstemp(prefix="sbx_host_tmp_")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    tmp.write_text("host tmp\n")
+    tmp.chmod(0o666)
+    yield {"home": home, "bashrc": bashrc, "tmp": tmp}
+    for path in (bashrc, tmp):
+        path.unlink(missing_ok=True)
+    for extra in home.iterdir():
+        extra.unlink()
+    home.rmdir()
+
+
+@ALL_MODES
+def test_the_answers_and_the_host_files_are_not_readable(
+    mode: str, host_files: dict[str, Path]
+) -> None:
+    paths = [str(TASKS), str(REPO / "README.md"), str(host_files["bashrc"]), str(host_files["tmp"])]
+    paths += ["/etc/passwd", "/etc/hostname", f"/proc/{os.getpid()}/cmdline"]
+    code = f"""
+PATHS = {paths!r}
+def readable():
+    found = []
+    for path in PATHS:
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+            found.append(path)
+        except OSError:
+            pass
+    return found
+
+def listed():
+    return [d for d in ("/run", "/sys", "/home", "/work") if attempt(lambda: os.listdir(d)) and not _failed(d)]
+
+def _failed(d):
+    return isinstance(attempt(lambda: os.listdir(d)), str)
+
+def answer():
+    text = open(PATHS[0]).read()
+    return 3 if "assert add(1, 2) == 3" in text else 0
+"""
+    result = hostile(
+        mode, code, ["assert readable() == []", "assert listed() == []", "assert answer() == 3"]
+    )
+    assert result.passed == 2, result.detail
+    assert "test 2" in result.detail  # the answer lookup failed
+
+
+@ALL_MODES
+def test_files_of_the_trainers_user_are_not_written_or_deleted(
+    mode: str, host_files: dict[str, Path]
+) -> None:
+    home, bashrc, tmp = host_files["home"], host_files["bashrc"], host_files["tmp"]
+    code = f"""
+def escapes():
+    done = []
+    def through_dir_fd():
+        fd = os.open({str(home)!r}, os.O_RDONLY)
+        out = os.open(".bashrc", os.O_WRONLY | os.O_APPEND, dir_fd=fd)
+        os.write(out, b"echo pwned\\n")
+        return "appended"
+    def delete():
+        fd = os.open({str(home)!r}, os.O_RDONLY)
+        os.unlink(".bashrc", dir_fd=fd)
+        return "deleted"
+    def new_file():
+        open({str(home / "new")!r}, "w").write("x")
+        return "created"
+    def overwrite_tmp():
+        open({str(tmp)!r}, "r+").write("x")  # "r+": the host's file, not a new one of its own
+        return "overwritten"
+    def fill(directory):
+        def go():
+            with open(directory + "/sbx_fill_{secrets.token_hex(4)}", "wb") as f:
+                f.write(b"x" * 100_000)
+            return "filled " + directory
+        return go
+    for fn in (through_dir_fd, delete, new_file, overwrite_tmp):
+        outcome = attempt(fn)
+        if not _failed(outcome):
+            done.append(outcome)
+    for directory in ("/dev/shm", "/run/lock", "/var/tmp"):  # its own, or denied: host checks
+        attempt(fill(directory))
+    return done
+
+def _failed(value):
+    return isinstance(value, str) and value.startswith("failed")
+"""
+    before = {p: 0 for p in (Path("/dev/shm"), Path("/run/lock"), Path("/var/tmp")) if p.exists()}
+    result = hostile(mode, code, ["assert escapes() == []"])
+    assert result.passed == 1, result.detail
+    assert bashrc.read_text() == "# keep me\n" and tmp.read_text() == "host tmp\n"
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc"]
+    for directory in before:
+        assert not [p for p in directory.iterdir() if p.name.startswith("sbx_fill_")]
+
+
+@pytest.fixture
+def listeners() -> Iterator[dict[str, object]]:
+    """A Unix socket in a world-writable directory of the host's /tmp, an abstract Unix socket,
+    and a TCP socket on 127.0.0.1, all listening (non-blocking)."""
+    directory = Path(tempfile.mkdtemp(prefix="sbx_sock_"))
+    directory.chmod(0o777)
+    path = str(directory / "host.sock")
+    tag = secrets.token_hex(6)
+    sockets = [socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX), socket.socket()]
+    sockets[0].bind(path)
+    os.chmod(path, 0o777)
+    sockets[1].bind("\0sbx_" + tag)
+    sockets[2].bind(("127.0.0.1", 0))
+    for s in sockets:
+        s.listen(4)
+        s.setblocking(False)
+    yield {
+        "path": path,
+        "abstract": "\0sbx_" + tag,
+        "port": sockets[2].getsockname()[1],
+        "all": sockets,
+    }
+    for s in sockets:
+        s.close()
+    os.unlink(path)
+    directory.rmdir()
+
+
+@ALL_MODES
+def test_no_socket_reaches_the_host(mode: str, listeners: dict) -> None:
+    targets = [
+        ("AF_UNIX", listeners["path"]),
+        ("AF_UNIX", listeners["abstract"]),
+        ("AF_INET", ("127.0.0.1", listeners["port"])),
+    ]
+    code = f"""
+import socket
+TARGETS = {targets!r}
+def connected():
+    done = []
+    for family, address in TARGETS:
+        def go():
+            s = socket.socket(getattr(socket, family), socket.SOCK_STREAM)
+            s.settimeout(1)
+            s.connect(address)
+            return "connected %r" % (address,)
+        outcome = attempt(go)
+        if not outcome.startswith("failed"):
+            done.append(outcome)
+    for family in ("AF_NETLINK", "AF_INET6"):
+        outcome = attempt(lambda: socket.socket(getattr(socket, family), socket.SOCK_DGRAM) and family)
+        if not outcome.startswith("failed"):
+            done.append(outcome)
+    return done
+"""
+    result = hostile(mode, code, ["assert connected() == []"])
+    assert result.passed == 1, result.detail
+    for s in listeners["all"]:
+        with pytest.raises(BlockingIOError):
+            s.accept()  # nothing ever connected
+
+
+def _host_shm_segments() -> set[str]:
+    with open("/proc/sysvipc/shm") as f:
+        return {line.split()[1] for line in f.readlines()[1:]}
+
+
+@pytest.mark.skipif(not LINUX, reason="kernel keys and SysV IPC are Linux's")
+@ALL_MODES
+def test_kernel_keys_and_shared_memory_are_denied_and_nothing_outlives_the_run(mode: str) -> None:
+    tag = "sbx_key_" + secrets.token_hex(4)
+    code = _libc() + f"""
+def key():
+    # add_key("user", tag, "secret", 6, KEY_SPEC_SESSION_KEYRING), then make it world-readable
+    rc = syscall("add_key", b"user", {tag.encode()!r}, b"secret", 6, -3)
+    if not isinstance(rc, str):
+        syscall("keyctl", 5, rc, 0x3f3f3f3f)  # KEYCTL_SETPERM
+    return rc
+
+def shm():
+    # shmget(IPC_PRIVATE, 64 MB, IPC_CREAT | 0o666), then attach and touch it
+    return syscall("shmget", 0, 64 << 20, 0o1000 | 0o666)
+
+def memfd():
+    return attempt(lambda: os.memfd_create("x"))
+
+def posix_shm():
+    def go():
+        with open("/dev/shm/sbx_big", "wb") as f:
+            for _ in range(64):
+                f.write(b"x" * (1 << 20))
+        return "64 MB in /dev/shm"
+    return attempt(go)
+
+def escaped():
+    outcomes = {{"key": key(), "shm": shm(), "memfd": memfd(), "posix_shm": posix_shm()}}
+    return sorted(name for name, value in outcomes.items() if not str(value).startswith("failed"))
+"""
+    shm_before = _host_shm_segments()
+    result = hostile(mode, code, ["assert escaped() == []"])
+    assert result.passed == 1, result.detail
+    assert _host_shm_segments() <= shm_before
+    with open("/proc/keys") as f:
+        assert tag not in f.read()
+    assert not Path("/dev/shm/sbx_big").exists()
+
+
+@pytest.mark.skipif(not LINUX, reason="pidfds, ptrace and /proc are Linux's")
+@ALL_MODES
+def test_the_trainer_cannot_be_signalled_traced_or_read(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "sbx_secret_" + secrets.token_hex(6)
+    monkeypatch.setenv("PPO_SBX_SECRET", secret)  # /proc/<pid>/environ shows the initial one:
+    trainer = os.getpid()  # the memory read below is the check that matters for the secret
+    code = _libc() + f"""
+import signal
+TRAINER = {trainer}
+def escaped():
+    outcomes = {{
+        "kill": attempt(lambda: os.kill(TRAINER, 0) or "sent"),
+        "kill -1": attempt(lambda: os.kill(-1, 0) or "sent"),
+        "pidfd": attempt(lambda: signal.pidfd_send_signal(os.pidfd_open(TRAINER), 0) or "sent"),
+        "ptrace": syscall("ptrace", 16, TRAINER, 0, 0),  # PTRACE_ATTACH
+        "environ": attempt(lambda: open(f"/proc/{{TRAINER}}/environ", "rb").read()[:10]),
+        "mem": attempt(lambda: open(f"/proc/{{TRAINER}}/mem", "rb") and "opened"),
+        "parent environ": attempt(lambda: open(f"/proc/{{os.getppid()}}/environ", "rb").read()[:10]),
+        "unshare": syscall("unshare", 0x10000000),  # CLONE_NEWUSER
+    }}
+    return sorted(name for name, value in outcomes.items() if not str(value).startswith("failed"))
+"""
+    result = hostile(mode, code, ["assert escaped() == []"])
+    assert result.passed == 1, result.detail
+    assert secret not in result.output
+
+
+def _processes_with(tag: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if tag.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not LINUX, reason="the process check reads /proc")
+@ALL_MODES
+def test_a_setsid_daemon_does_not_outlive_the_run(mode: str) -> None:
+    tag = "sbx_daemon_" + secrets.token_hex(6)
+    code = f"""
+import time
+def daemon():
+    def go():
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", {tag!r}])
+            os._exit(0)
+        time.sleep(0.3)
+        return "started"
+    return attempt(go)
+"""
+    hostile(mode, code, ["assert daemon() == 'x'"])
+    assert _processes_with(tag) == []
+
+
+@ALL_MODES
+def test_a_neighbour_in_the_batch_is_neither_read_nor_sabotaged(mode: str) -> None:
+    victim = """
+import time
+open("mine.txt", "w").write("mine")
+def untouched():
+    time.sleep(1.0)
+    return sorted(os.listdir(".")) == ["mine.txt"] and open("mine.txt").read() == "mine"
+"""
+    attacker = """
+import glob
+def sabotaged():
+    done = []
+    for mine in glob.glob("/tmp/*/mine.txt") + glob.glob("/proc/*/cwd/mine.txt"):
+        outcome = attempt(lambda: open(mine, "w").write("gone"))
+        if not str(outcome).startswith("failed"):
+            done.append(mine)
+    return done
+"""
+    sandbox_run._detected = MODES[mode]  # run_tests_many uses the detected isolation
+    try:
+        codes = [PRELUDE + victim, PRELUDE + "import time\ntime.sleep(0.3)\n" + attacker]
+        results = run_tests_many(
+            codes, [["assert untouched()"], ["assert sabotaged() == []"]], LIMITS, max_workers=2
+        )
+    finally:
+        sandbox_run._detected = None
+    assert [r.passed for r in results] == [1, 1], [r.detail for r in results]
+
+
+def test_weak_isolation_is_refused_unless_the_user_opts_in() -> None:
+    weak = Isolation(False, False, False, False, audit_hook=True)
+    with pytest.raises(RuntimeError, match='isolation="weak"'):
+        run_tests("def f():\n    return 1\n", ["assert f() == 1"], SandboxLimits(), weak)
+    opted_in = SandboxLimits(isolation="weak")
+    assert run_tests("def f():\n    return 1\n", ["assert f() == 1"], opted_in, weak).passed == 1
+    assert sandbox_run.weak_isolation_gaps(weak)
+    assert all(
+        sandbox_run.weak_isolation_gaps(m) == []
+        for n, m in MODES.items()
+        if n in ("root", "userns")
+    )
+
+
+@pytest.mark.skipif(not LINUX, reason="the namespaces are Linux's")
+def test_a_strong_isolation_is_detected_here() -> None:
+    """Root, or a kernel with user namespaces (this suite's machines), gets a strong mode."""
+    assert detect_isolation().strong
+    assert {"root", "userns"} & set(MODES) if os.geteuid() == 0 else "userns" in MODES
+
+
+@ALL_MODES
+def test_an_honest_solution_still_scores_full_marks(mode: str) -> None:
+    import json
+
+    task = json.loads(TASKS.read_text().splitlines()[0])
+    result = run_tests(task["prompt"] + task["solution"], task["tests"], LIMITS, MODES[mode])
+    assert (result.status, result.fraction) == ("ok", 1.0), result.detail
