@@ -106,6 +106,13 @@ def main(cfg: dict[str, Any]) -> None:
     step = "start"
     try:
         libc = Libc() if LINUX else None
+        if cfg["separate_uid"] and cfg["user_namespace"]:
+            # Root without CAP_SYS_ADMIN: become the fresh uid first, so that it owns the user
+            # namespace (RLIMIT_NPROC then counts its processes; root's are never counted).
+            step = "drop privileges"
+            assert libc is not None
+            drop_privileges(cfg["uid"])
+            libc.prctl(4, 1, "PR_SET_DUMPABLE")  # setuid cleared it: /proc/self was root's
         outer_uid, outer_gid = os.getuid(), os.getgid()  # unmapped once the user namespace exists
         flags = 0
         if cfg["user_namespace"]:
@@ -123,6 +130,9 @@ def main(cfg: dict[str, Any]) -> None:
         if cfg["user_namespace"]:
             step = "user namespace ids"
             map_ids(outer_uid, outer_gid)
+        if cfg["private_mounts"]:
+            step = "allowlisted root"
+            sources = open_sources(cfg["read_paths"])
         if cfg["pid_namespace"]:
             step = "pid namespace"
             assert libc is not None
@@ -136,19 +146,18 @@ def main(cfg: dict[str, Any]) -> None:
             no_shared_memory()  # through the host's /proc, which shows our IPC namespace
             step = "allowlisted root"
             assert libc is not None
-            build_root(cfg, libc)
+            build_root(cfg, sources, libc)
             os.makedirs(workdir, mode=0o700)
-        if cfg["separate_uid"]:
+        late_drop = cfg["separate_uid"] and not cfg["user_namespace"]
+        if late_drop:
             os.chown(workdir, cfg["uid"], cfg["uid"])
         os.chdir(workdir)
         step = "rlimits"
         set_rlimits(cfg["rlimits"])
         os.nice(cfg["niceness"])
-        if cfg["separate_uid"]:
+        if late_drop:
             step = "drop privileges"
-            os.setgroups([])
-            os.setgid(cfg["uid"])
-            os.setuid(cfg["uid"])
+            drop_privileges(cfg["uid"])
         if libc is not None:
             step = "prctl"
             libc.prctl(PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
@@ -176,6 +185,13 @@ def main(cfg: dict[str, Any]) -> None:
         os.execve(interp, argv, cfg["env"])
     except (OSError, ValueError) as exc:
         fail(step, exc)
+
+
+def drop_privileges(uid: int) -> None:
+    """Become ``uid`` (and gid ``uid``), with no supplementary groups."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
 
 
 def map_ids(outer_uid: int, outer_gid: int) -> None:
@@ -244,7 +260,20 @@ def run_init(runner: int) -> None:
             os._exit(exit_code(status))
 
 
-def build_root(cfg: dict[str, Any], libc: Libc) -> None:
+def open_sources(paths: list[str]) -> dict[str, tuple[str, Any]]:
+    """Each path of the allowlist as ``("link", target)`` or ``("bind", O_PATH fd)``, opened in
+    the new mount namespace before the new root's tmpfs covers /tmp (which may hold some of
+    them); missing (or unreachable) paths are left out."""
+    sources: dict[str, tuple[str, Any]] = {}
+    for path in paths:
+        if os.path.islink(path):
+            sources[path] = ("link", os.readlink(path))
+        elif os.path.exists(path):
+            sources[path] = ("bind", os.open(path, os.O_PATH | os.O_CLOEXEC))
+    return sources
+
+
+def build_root(cfg: dict[str, Any], sources: dict[str, tuple[str, Any]], libc: Libc) -> None:
     """Make the candidate's root file system from an allowlist, and switch to it.
 
     A fresh tmpfs becomes ``/``, holding only: ``cfg["read_paths"]`` (the interpreter's prefix
@@ -257,13 +286,6 @@ def build_root(cfg: dict[str, Any], libc: Libc) -> None:
     """
     mount = libc.mount
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # Open every source first: the new root's tmpfs goes over /tmp, which may hold some of them.
-    sources = {}
-    for path in cfg["read_paths"]:
-        if os.path.islink(path):
-            sources[path] = ("link", os.readlink(path))
-        elif os.path.exists(path):
-            sources[path] = ("bind", os.open(path, os.O_PATH | os.O_CLOEXEC))
     devices = {d: os.open(f"/dev/{d}", os.O_PATH | os.O_CLOEXEC) for d in DEVICES}
     root = "/tmp"
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")

@@ -207,9 +207,13 @@ def candidate_isolations() -> list[Isolation]:
     layers = {"seccomp": kernel, "landlock": landlock}
     candidates = []
     if IS_LINUX:
+        namespaces = {"network_namespace": True, "private_mounts": True, "pid_namespace": True}
         if root:
-            candidates.append(Isolation(True, True, True, True, False, **layers))
-        candidates.append(Isolation(False, True, True, True, False, user_namespace=True, **layers))
+            candidates.append(Isolation(True, audit_hook=False, **namespaces, **layers))
+        # Root without CAP_SYS_ADMIN (a container) owns a user namespace as a fresh uid, which
+        # must be able to reach the interpreter (not under /root); a user owns one as itself.
+        owner = {"separate_uid": root, "user_namespace": True}
+        candidates.append(Isolation(**owner, audit_hook=False, **namespaces, **layers))
     if root:
         candidates.append(Isolation(True, False, False, False, True, **layers))
     candidates.append(Isolation(False, False, False, False, True, **layers))

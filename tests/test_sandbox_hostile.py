@@ -148,22 +148,26 @@ LIMITS = SandboxLimits(timeout_s=4.0, cpu_time_s=3, memory_mb=256, isolation="we
 
 
 def _modes() -> dict[str, Isolation]:
-    """Each isolation mode this machine runs: "root" (a fresh uid and namespaces), "userns" (a
-    user namespace, as a user without CAP_SYS_ADMIN gets), "weak" (no namespaces: seccomp and
-    Landlock where the kernel has them, and the audit hook)."""
+    """Each isolation mode this machine runs: "root" (a fresh uid and namespaces, root with
+    CAP_SYS_ADMIN), "root-userns" (a fresh uid owning a user namespace: root without
+    CAP_SYS_ADMIN, where the interpreter is reachable by other users), "userns" (a user
+    namespace owned by the trainer's uid, as a user without root gets; run here even as root),
+    "weak" (no namespaces: seccomp and Landlock where the kernel has them, and the audit hook)."""
     if os.name != "posix":
         return {}
+    candidates = sandbox_run.candidate_isolations()
     modes = {}
-    for isolation in sandbox_run.candidate_isolations():
-        if sandbox_run.probe_isolation(isolation) is not None:
-            continue
-        name = (
-            "root" if isolation.separate_uid else "userns" if isolation.user_namespace else "weak"
-        )
-        if isolation.separate_uid and not isolation.strong:
-            name = "root-weak"
-        modes.setdefault(name, isolation)
-    return modes
+    for isolation in candidates:
+        if isolation.strong:
+            name = "root-userns" if isolation.user_namespace else "root"
+            if not isolation.separate_uid:
+                name = "userns"
+        else:
+            name = "weak-root" if isolation.separate_uid else "weak"
+        modes[name] = isolation
+    if LINUX and "userns" not in modes:
+        modes["userns"] = dataclasses.replace(modes["root-userns"], separate_uid=False)
+    return {name: i for name, i in modes.items() if sandbox_run.probe_isolation(i) is None}
 
 
 MODES = _modes()
@@ -567,3 +571,29 @@ def test_an_honest_solution_still_scores_full_marks(mode: str) -> None:
     task = json.loads(TASKS.read_text().splitlines()[0])
     result = run_tests(task["prompt"] + task["solution"], task["tests"], LIMITS, MODES[mode])
     assert (result.status, result.fraction) == ("ok", 1.0), result.detail
+
+
+@ALL_MODES
+def test_a_fork_bomb_gets_at_most_max_processes(mode: str) -> None:
+    if mode == "userns" and os.geteuid() == 0:
+        pytest.skip("RLIMIT_NPROC never counts uid 0: root gets the root or root-userns mode")
+    code = """
+import time
+def forks():
+    count = 0
+    for _ in range(60):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            time.sleep(3)
+            os._exit(0)
+        count += 1
+    return count
+"""
+    result = hostile(mode, code, ["assert forks() > 100"])
+    assert result.passed == 0
+    assert "forks() gave" in result.detail, result.detail
+    count = int(result.detail.split("forks() gave ")[1].split(";")[0].split(" ")[0])
+    assert count < LIMITS.max_processes, result.detail
