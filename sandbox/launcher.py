@@ -85,13 +85,13 @@ class Libc:
 
     def load_seccomp(self, program: bytes) -> None:
         """Install a seccomp BPF filter on this thread (inherited by exec and every child)."""
-        ct = self.ctypes
+        import ctypes
 
-        class Fprog(ct.Structure):
-            _fields_ = [("len", ct.c_ushort), ("filter", ct.c_char_p)]
+        class Fprog(ctypes.Structure):  # struct sock_fprog
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
         fprog = Fprog(len(program) // 8, program)
-        rc = self.lib.prctl(PR_SET_SECCOMP, 2, ct.byref(fprog), 0, 0)  # SECCOMP_MODE_FILTER
+        rc = self.lib.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0)  # SECCOMP_MODE_FILTER
         self.check(rc, "PR_SET_SECCOMP")
 
     def prctl(self, option: int, arg: int, what: str) -> None:

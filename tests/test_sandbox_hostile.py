@@ -139,6 +139,7 @@ from sandbox import (  # noqa: E402
     run_tests,
     run_tests_many,
 )
+from sandbox import isolation as sandbox_host  # noqa: E402
 from sandbox import launcher  # noqa: E402
 from sandbox import run as sandbox_run  # noqa: E402
 
@@ -597,3 +598,142 @@ def forks():
     assert "forks() gave" in result.detail, result.detail
     count = int(result.detail.split("forks() gave ")[1].split(";")[0].split(" ")[0])
     assert count < LIMITS.max_processes, result.detail
+
+
+# --------------------------------------------------------------------------- as a non-root user
+
+NON_ROOT_SCRIPT = r"""
+import json, os, socket, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox import SandboxLimits, detect_isolation, run_tests
+from sandbox.launcher import SYSCALLS, machine
+PRELUDE, LIBC, TASKS, HOME_FILE, TAG = sys.argv[2:7]
+LIBC = LIBC.format(table=SYSCALLS.get(machine(), {}))
+isolation = detect_isolation()
+trainer = os.getpid()
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(1)
+port = server.getsockname()[1]
+ESCAPED = "def escaped():\n    return sorted(k for k, v in OUT.items() if not str(v).startswith('failed'))\n"
+cases = {
+    "answers": f"OUT = {{'read': attempt(lambda: open({TASKS!r}).read(5))}}\n",
+    "home": f"OUT = {{'append': attempt(lambda: open({HOME_FILE!r}, 'a').write('x'))}}\n",
+    "trainer": LIBC + "import signal\n" + f"T = {trainer}\n" + (
+        "OUT = {'kill': attempt(lambda: os.kill(T, 0) or 'sent'),\n"
+        " 'pidfd': attempt(lambda: signal.pidfd_send_signal(os.pidfd_open(T), 0) or 'sent'),\n"
+        " 'ptrace': syscall('ptrace', 16, T, 0, 0),\n"
+        " 'mem': attempt(lambda: open(f'/proc/{T}/mem', 'rb') and 'opened'),\n"
+        " 'environ': attempt(lambda: open(f'/proc/{T}/environ', 'rb').read(5))}\n"
+    ),
+    "kernel": LIBC + (
+        "OUT = {'key': syscall('add_key', b'user', b'sbx', b'secret', 6, -3),\n"
+        " 'shm': syscall('shmget', 0, 1 << 20, 0o1666)}\n"
+    ),
+    "sockets": "import socket\n" + (
+        f"OUT = {{'tcp': attempt(lambda: socket.create_connection(('127.0.0.1', {port}), 1) and 'connected'),\n"
+        " 'abstract': attempt(lambda: socket.socket(socket.AF_UNIX).bind('\\0sbx') or 'bound')}\n"
+    ),
+    "daemon": (
+        "import time\n"
+        "def go():\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {TAG!r}])\n"
+        "    time.sleep(0.3)\n"
+        "    return 'started'\n"
+        "OUT = {}\n"
+        "attempt(go)\n"
+    ),
+}
+out = {"strong": isolation.strong, "isolation": isolation.describe(), "uid": os.getuid()}
+limits = SandboxLimits(timeout_s=4.0)
+for name, code in cases.items():
+    result = run_tests(PRELUDE + code + ESCAPED, ["assert escaped() == []"], limits)
+    out[name] = [result.passed, result.detail]
+server.setblocking(False)
+try:
+    server.accept()
+    out["accepted"] = True
+except BlockingIOError:
+    out["accepted"] = False
+print(json.dumps(out))
+"""
+
+
+def _world_readable(path: Path) -> bool:
+    """Other users may read ``path`` and enter every directory above it."""
+    return bool(path.stat().st_mode & 0o004) and all(p.stat().st_mode & 0o001 for p in path.parents)
+
+
+@pytest.mark.skipif(
+    not (LINUX and os.name == "posix" and os.geteuid() == 0), reason="creates a user: needs root"
+)
+def test_as_a_non_root_user_every_case_is_contained(tmp_path: Path) -> None:
+    """A user created for the test runs the sandbox as a user without root does (a user
+    namespace of its own), with a world-readable interpreter (the system's python3)."""
+    import json
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if not (shutil.which("useradd") and shutil.which("setpriv") and python):
+        pytest.skip("needs useradd, setpriv and a system python3")
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+        capture_output=True,
+        text=True,
+    )
+    if version.stdout.strip() != "True" or not _world_readable(REPO / "sandbox" / "run.py"):
+        pytest.skip("the system python3 is older than 3.10, or the checkout is not world-readable")
+    user = "sbx" + secrets.token_hex(4)
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", user], check=True
+    )
+    uid = None
+    try:
+        uid = int(
+            subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout
+        )
+        home = tmp_path / "home"
+        home.mkdir()
+        home_file = home / ".bashrc"
+        home_file.write_text("# keep me\n")
+        for path in (tmp_path, home, home_file):
+            os.chown(path, uid, uid)
+        tag = "sbx_daemon_" + secrets.token_hex(6)
+        run = subprocess.run(
+            [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--reset-env",
+                python,
+                "-I",
+                "-c",
+                NON_ROOT_SCRIPT,
+                str(REPO),
+                PRELUDE,
+                LIBC,
+                str(TASKS),
+                str(home_file),
+                tag,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        out = json.loads(run.stdout.splitlines()[-1])
+        assert out["uid"] == uid and out["strong"], out
+        for name in ("answers", "home", "trainer", "kernel", "sockets", "daemon"):
+            assert out[name][0] == 1, (name, out[name][1])
+        assert out["accepted"] is False
+        assert home_file.read_text() == "# keep me\n"
+        assert _processes_with(tag) == []
+    finally:
+        if uid is not None:
+            sandbox_host.kill_processes_of_uid(uid)  # after a failure above: leave none behind
+        subprocess.run(["userdel", user], check=False)
