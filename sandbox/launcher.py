@@ -17,6 +17,7 @@ import json
 import os
 import re
 import resource
+import signal
 import sys
 from typing import Any, Callable
 
@@ -137,9 +138,14 @@ def main(cfg: dict[str, Any]) -> None:
             step = "pid namespace"
             assert libc is not None
             libc.die_with_parent()
+            # SIGTERM (the trainer's cleanup) waits until the handler that passes it on to
+            # pid 1 is in place; pid 1 unblocks it at once.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             init = os.fork()
             if init:
                 wait_for_init(init)
+            libc.die_with_parent()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         workdir = cfg["workdir"]
         if cfg["private_mounts"]:
             step = "ipc limits"
@@ -209,12 +215,12 @@ def wait_for_init(init: int) -> None:
     """The launcher, outside the PID namespace: wait for its pid 1 and pass its status on. On
     SIGTERM (the trainer's cleanup) kill pid 1 first, which makes the kernel kill every process
     of the namespace before pid 1's exit is reported: when the launcher exits, none is left."""
-    import signal
 
     def kill_init(_signum: int, _frame: object) -> None:
         os.kill(init, signal.SIGKILL)
 
     signal.signal(signal.SIGTERM, kill_init)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os._exit(exit_code(os.waitpid(init, 0)[1]))
 
 
@@ -244,8 +250,6 @@ def exit_code(status: int) -> int:
 def run_init(runner: int) -> None:
     """Pid 1 of the sandbox: reap every orphan; exit with the runner's status, which makes the
     kernel kill and reap whatever is left in the namespace."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals
     os.close(RESULT_FD)
     null = os.open(os.devnull, os.O_RDWR)

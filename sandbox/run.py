@@ -471,7 +471,8 @@ def _cleanup(
             proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             pass
-    kill_uid()  # the candidate's processes, wherever they moved (new sessions, daemons)
+    if not (isolation.pid_namespace and proc is not None and proc.returncode is not None):
+        kill_uid()  # the candidate's processes, wherever they moved (new sessions, daemons)
     if proc is not None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -483,6 +484,7 @@ def _cleanup(
     if workdir is not None:
         host.force_rmtree(workdir)
     if uid is not None:
-        host.sweep_world_writable(uid)
+        if not isolation.private_mounts:  # else it never saw the host's /tmp
+            host.sweep_world_writable(uid)
         host.release_uid(uid)
     return stray
