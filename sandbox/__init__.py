@@ -22,7 +22,7 @@ call to :func:`run_tests` therefore:
 
 Reading the result channel never raises because of the candidate: each record is matched by a
 strict grammar (:data:`sandbox.records.RECORD`), anything else is counted as forged, and a value
-that cannot be decoded or judged within its budget fails its check with the reason.
+that cannot be decoded or judged within its budget scores the program 0, with the reason.
 
 Modes (see :class:`Isolation`, :func:`detect_isolation` for the one in use, and
 docs/reliability.md for the table of what each guarantees):

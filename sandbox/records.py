@@ -107,13 +107,21 @@ def parse_records(data: bytes, nonce: str, checks: list[tuple[Check, ...]]) -> R
     return records
 
 
+class Unjudgeable(Exception):
+    """A value that could not be judged: not plain data, over the judging budget, or one that
+    made comparing fail. The runner never writes one: it is a forged record or a value built
+    against the judge, and the whole candidate scores 0."""
+
+
 def judge_test(
     test: int, checks: tuple[Check, ...], records: Records, budget: Budget | None = None
 ) -> str | None:
     """None when every check of the test holds, else why not ("" when it was not reported).
 
-    Never raises because of the value: one that is not plain data, over ``budget``, or that
-    makes comparing fail, fails its check with the reason."""
+    Raises:
+        Unjudgeable: a value is not plain data, goes over ``budget``, or makes comparing fail;
+            the message names the check and the reason.
+    """
     budget = Budget(JUDGE_BUDGET_S) if budget is None else budget
     for index, check in enumerate(checks):
         key = (test, index)
@@ -126,13 +134,14 @@ def judge_test(
         try:
             value = from_wire(records.values[key], budget)
         except WireError as exc:
-            return f"{check.source}: the value is not plain data ({exc})"
+            raise Unjudgeable(f"{check.source}: the value is not plain data ({exc})") from None
         try:
             if check.judge(value, budget):
                 continue
             shown = repr(value)
-        except JUDGING_ERRORS as exc:
-            return f"{check.source}: judging the value failed ({type(exc).__name__}: {exc})"
+        except JUDGING_ERRORS as exc:  # WireError (over budget) included
+            reason = f"{type(exc).__name__}: {exc}"
+            raise Unjudgeable(f"{check.source}: judging the value failed ({reason})") from None
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         return f"{check.source}: {check.expression} gave {shown}"
     return None
@@ -164,7 +173,13 @@ def summarize(
         return records.launch_error
     total = len(checks)
     budget = Budget(JUDGE_BUDGET_S)  # one allowance for all of this candidate's values
-    outcomes = [judge_test(i, test_checks, records, budget) for i, test_checks in enumerate(checks)]
+    unjudgeable = None
+    outcomes: list[str | None]
+    try:
+        outcomes = [judge_test(i, tc, records, budget) for i, tc in enumerate(checks)]
+    except Unjudgeable as exc:
+        unjudgeable = str(exc)
+        outcomes = [unjudgeable] * total
     passed = sum(1 for outcome in outcomes if outcome is None)
     notes = []
     if output.dropped:
@@ -179,6 +194,9 @@ def summarize(
     if records.code_error is not None:
         status, passed = "error", 0
         detail = f"the code raised before any test ran: {records.code_error}"
+    elif unjudgeable is not None:
+        status = "ok" if records.done else "timeout" if timed_out else "crashed"
+        detail = f"0/{total}: a value could not be judged, so the program scores 0: {unjudgeable}"
     elif records.done:
         status = "ok"
         failures = [

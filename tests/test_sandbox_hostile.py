@@ -15,7 +15,9 @@ import pytest
 
 from sandbox import parse_tests
 from sandbox.plain_data import MAX_SHARED_HASH, Budget, WireError, from_wire, strict_equal
-from sandbox.records import RECORD, Records, judge_test, parse_records
+from sandbox.limits import SandboxLimits as Limits
+from sandbox.records import RECORD, Channel, Records, Unjudgeable, judge_test, parse_records
+from sandbox.records import summarize
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs a POSIX system")
 
@@ -82,10 +84,19 @@ def test_fuzzed_records_never_raise_and_judging_fails_or_passes() -> None:
     rng = random.Random(1234)
     for _ in range(3000):
         lines = [_hostile_line(rng) for _ in range(rng.randrange(1, 6))]
-        records = parse_records(b"\n".join(lines) + b"\n", NONCE, CHECKS)
+        data = b"\n".join(lines) + b"\n"
+        records = parse_records(data, NONCE, CHECKS)
         for test, checks in enumerate(CHECKS):
-            outcome = judge_test(test, checks, records)
+            try:
+                outcome = judge_test(test, checks, records)
+            except Unjudgeable as exc:  # the one exception judging raises: scored 0 above
+                outcome = str(exc)
             assert outcome is None or isinstance(outcome, str)
+        # What run_tests does with them: a result, never an exception.
+        results, output = Channel(-1, 1 << 20), Channel(-1, 100)
+        results.data = bytearray(f"{NONCE} start -1 -1 \n".encode() + data)
+        result = summarize(output, results, NONCE, CHECKS, Limits(), False, 0, [])
+        assert not isinstance(result, str) and 0 <= result.passed <= result.total
 
 
 def _colliding_ints(n: int) -> list[int]:
@@ -106,11 +117,17 @@ def test_values_built_to_collide_in_hash_are_rejected_before_they_are_built(tag:
     assert from_wire('{"set": [%s]}' % ",".join(map(str, few))) == set(few)
 
 
-def test_colliding_values_fail_their_check_with_a_reason() -> None:
-    text = '{"set": [%s]}' % ",".join(map(str, _colliding_ints(3000)))
+def test_colliding_values_score_the_program_zero_with_a_reason() -> None:
+    text = '{"set": [%s]}' % ",".join(map(str, _colliding_ints(2500)))
     records = Records(values={(1, 0): text})
-    outcome = judge_test(1, CHECKS[1], records)
-    assert outcome is not None and "share a hash" in outcome
+    with pytest.raises(Unjudgeable, match="share a hash"):
+        judge_test(1, CHECKS[1], records)
+    # The whole program scores 0, even with a right answer to the other test.
+    results, output = Channel(-1, 1 << 20), Channel(-1, 1)
+    lines = ["start -1 -1 ", "value 0 0 3", "value 1 0 " + text, "done -1 -1 "]
+    results.data = bytearray("".join(f"{NONCE} {line}\n" for line in lines).encode())
+    result = summarize(output, results, NONCE, CHECKS, Limits(), False, 0, [])
+    assert result.passed == 0 and "share a hash" in result.detail
 
 
 def test_judging_stops_at_its_cpu_budget() -> None:
