@@ -60,7 +60,7 @@ def main() -> None:
             packages["baseline"] = load_baseline(args.baseline, Path(scratch))
         for name, package in packages.items():
             isolation = package.detect_isolation()
-            print(f"{name}: {Path(package.__file__).parent}: {isolation.describe()}")
+            print(f"{name}: {Path(str(package.__file__)).parent}: {isolation.describe()}")
             package.run_tests(*programs[0], package.SandboxLimits())  # warm-up
         times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "CPU": []} for n in packages}
         for round_ in range(args.rounds):

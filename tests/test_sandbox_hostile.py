@@ -127,6 +127,7 @@ def test_colliding_values_score_the_program_zero_with_a_reason() -> None:
     lines = ["start -1 -1 ", "value 0 0 3", "value 1 0 " + text, "done -1 -1 "]
     results.data = bytearray("".join(f"{NONCE} {line}\n" for line in lines).encode())
     result = summarize(output, results, NONCE, CHECKS, Limits(), False, 0, [])
+    assert not isinstance(result, str)
     assert result.passed == 0 and "share a hash" in result.detail
 
 
