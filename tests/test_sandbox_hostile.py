@@ -755,3 +755,27 @@ def test_as_a_non_root_user_every_case_is_contained(tmp_path: Path) -> None:
         if uid is not None:
             sandbox_host.kill_processes_of_uid(uid)  # after a failure above: leave none behind
         subprocess.run(["userdel", user], check=False)
+
+
+@pytest.mark.parametrize("arch", sorted(launcher.SYSCALLS))
+def test_the_seccomp_program_is_well_formed_on_every_architecture(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every named call has a number, every jump lands inside the program, and every path ends in
+    a return (checked for the architectures this machine cannot run too)."""
+    import struct
+
+    monkeypatch.setattr(launcher, "machine", lambda: arch)
+    table = launcher.SYSCALLS[arch]
+    assert set(launcher.DENIED) | {"kill", "tgkill", "clone", "clone3"} <= set(table)
+    for allow_fork in (True, False):
+        program = launcher.seccomp_program(own_pid=2, allow_fork=allow_fork)
+        instructions = [
+            struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)
+        ]
+        assert 0 < len(instructions) < 4096 and instructions[-1][0] == 0x06  # ends in a return
+        for index, (code, jt, jf, _) in enumerate(instructions):
+            if code & 0x07 == 0x05:  # a jump: both targets inside the program
+                assert index + 1 + max(jt, jf) < len(instructions)
+        denied = {k for code, _, _, k in instructions if code == 0x15}
+        assert {table[name] for name in launcher.DENIED} <= denied
