@@ -304,6 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-style", choices=("completion", "chat"), default="completion")
     parser.add_argument("--workers", type=int, help="sandboxes run at once (default: cores / 2)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per program")
+    parser.add_argument(
+        "--sandbox-isolation",
+        choices=("strong", "weak"),
+        default="strong",
+        help="'weak' also runs where the kernel gives no namespaces (macOS, user namespaces "
+        "disabled); it warns what it does not protect (docs/reliability.md)",
+    )
     args = parser.parse_args(argv)
     return run_task_cli(
         args,
@@ -317,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         build=lambda config: CodeGenerationTrainer(
             config,
             prompt_style=args.prompt_style,
-            limits=SandboxLimits(timeout_s=args.timeout),
+            limits=SandboxLimits(timeout_s=args.timeout, isolation=args.sandbox_isolation),
             max_workers=args.workers,
         ),
     )

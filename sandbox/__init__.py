@@ -20,32 +20,31 @@ fool a test. Each call to :func:`run_tests` therefore:
    stderr are read into a buffer capped at ``max_output_bytes`` and never parsed;
 4. kills every process the run left behind and deletes its files, whatever the outcome.
 
-Layers, by platform (see :class:`Isolation`, and :func:`detect_isolation` for the one in use):
+Reading the result channel never raises because of the candidate: each record is matched by a
+strict grammar (:data:`sandbox.records.RECORD`), anything else is counted as forged, and a value
+that cannot be decoded or judged within its budget scores the program 0, with the reason.
 
-===========================  ===================================  ==============================
-protection                   Linux as root (CAP_SYS_ADMIN)        fallback (macOS, non-root)
-===========================  ===================================  ==============================
-wall-clock timeout           SIGKILL of every process             SIGKILL of the process group
-CPU, memory, file size       RLIMIT_CPU / AS / FSIZE              same, where the OS enforces it
-processes (fork bomb)        RLIMIT_NPROC on a fresh uid          audit hook blocks fork/exec
-signals to the trainer       invisible (PID namespace) and EPERM  audit hook blocks ``os.kill``
-network                      empty network namespace              userns+netns if allowed, else
-                                                                  the audit hook
-files outside its directory  every mount read-only; /tmp,         audit hook blocks writes
-                             /var/tmp, /dev/shm one private       outside its directory
-                             tmpfs that vanishes with the run
-SysV / POSIX IPC objects     private IPC namespace                RLIMIT_MSGQUEUE = 0
-leftover processes           PID namespace dies with its pid 1;   process-group kill
-                             /proc sweep of the uid
-trainer killed mid-run       PDEATHSIG chain kills everything     the direct child dies (Linux)
-===========================  ===================================  ==============================
+Modes (see :class:`Isolation`, :func:`detect_isolation` for the one in use, and
+docs/reliability.md for the table of what each guarantees):
 
-Root without ``CAP_SYS_ADMIN`` (a plain container) gets the fresh uid with the audit hook, if
-the interpreter is readable by other users (the strongest mode also works when it is not, e.g.
-under ``/root/.pyenv``: it binds the interpreter's prefix into its own mount namespace). The
-audit hook (PEP 578) is not a security boundary: it stops naive hostile code, not a determined
-attacker (``ctypes`` and ``_posixsubprocess`` cannot be imported, so neither can modules that need
-them, such as ``subprocess`` and ``asyncio``; other bypasses exist).
+* **root**: Linux as root with CAP_SYS_ADMIN. A fresh uid; mount, PID, IPC and network
+  namespaces; an allowlisted root file system (the interpreter's installation and the shared
+  libraries read-only, a private tmpfs at /tmp, /var/tmp and /dev/shm, a minimal /dev, a
+  private /proc; no repository, task file, home directory, /etc, /run, /sys or host /tmp);
+  a seccomp filter (no signals to other processes, ptrace, keyrings, namespaces, SysV IPC,
+  sockets, mounts); Landlock on writes where the kernel has it; SysV shared memory sysctls 0.
+* **user namespace**: the same layers, owned by a user namespace: a user without root gets it
+  as itself, root without CAP_SYS_ADMIN (a container) as a fresh uid.
+* **weak**: no namespaces (user namespaces disabled, macOS): rlimits, the audit hook and, on
+  Linux, the seccomp filter (threads only, no new processes) and Landlock (reads and writes
+  limited to the interpreter, the libraries and the run's directory). Refused unless
+  ``SandboxLimits(isolation="weak")``, which logs what it does not protect.
+
+In every mode: RLIMIT_CPU / AS / FSIZE / NPROC / NOFILE, a wall-clock deadline, every process of
+the run killed and its files deleted whatever the outcome, and a trainer marked non-dumpable (no
+process of its user reads its memory or environment). The audit hook (PEP 578) is not a
+boundary: a candidate turns it off from Python in a few lines; it is kept only where nothing
+stronger exists.
 
 The candidate gets the standard library only (``-S``), runs with ``__name__ == "__sandbox__"``
 (so an ``if __name__ == "__main__":`` block does not run), and its tests run in order in the
@@ -69,31 +68,28 @@ Residual risks, stated honestly:
   ``assert same(f(1), 2)``) is decided by the candidate and shows it the expected value. The
   parser rejects comparisons inside the evaluated expression, not inside helpers; keep every
   comparison in the assert itself.
-* The candidate can read world-readable files: a task file that holds the tests or reference
-  solutions, readable by the sandbox's uid, gives the answers away to a program that finds it (a
-  checkout's ``examples/data/code_tasks.jsonl`` is world-readable unless you change its mode).
-  With a fresh uid (running as root) keep such files unreadable to other users; in the fallback
-  modes the candidate runs as the trainer's user and can read whatever the trainer can, and, where
-  the kernel lets a process trace its parent (Yama ``ptrace_scope`` 0), the trainer's memory.
-  (It has no network to send anything anywhere in the Linux root mode; it can print into its
-  captured output.)
+* In the weak mode without Landlock (macOS, old kernels) the candidate reads whatever the
+  trainer's user can read, the task file with the tests included, and writes its files.
 * Up to ``max_processes`` processes each get ``memory_mb`` of address space.
-* Without the PID namespace, processes a candidate forks and that are killed are reparented to
-  the host's init, which must reap them; and a trainer killed mid-run leaves grandchildren alive
-  until their CPU limit.
+* Without the PID namespace (weak mode) a trainer killed mid-run leaves the run's process
+  alive until its CPU limit.
+* The per-run memory limit is per process (RLIMIT_AS): no cgroup is used. SysV shared memory and
+  ``memfd_create`` are denied and the tmpfs is sized, so no memory escapes it through them.
 * Kernel exploits are out of scope: the layers are ordinary kernel features, not a VM.
 """
 
-from sandbox.limits import Isolation, SandboxLimits, Status, TestResult
+from sandbox.limits import Isolation, IsolationLevel, SandboxLimits, Status, TestResult
 from sandbox.plain_data import strict_equal
 from sandbox.run import (
     WORKDIR_PREFIX,
+    candidate_isolations,
     detect_isolation,
     extract_code,
     probe_isolation,
     run_tests,
     run_tests_many,
     score_completions,
+    weak_isolation_gaps,
 )
 from sandbox.tests_spec import ACCEPTED_FORMS, Check, parse_tests
 
@@ -101,10 +97,12 @@ __all__ = [
     "ACCEPTED_FORMS",
     "Check",
     "Isolation",
+    "IsolationLevel",
     "SandboxLimits",
     "Status",
     "TestResult",
     "WORKDIR_PREFIX",
+    "candidate_isolations",
     "detect_isolation",
     "extract_code",
     "parse_tests",
@@ -113,4 +111,5 @@ __all__ = [
     "run_tests_many",
     "score_completions",
     "strict_equal",
+    "weak_isolation_gaps",
 ]

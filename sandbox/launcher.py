@@ -2,8 +2,9 @@
 ``python -I -S -B -c <this file's text> <config JSON>`` (see :mod:`sandbox.run`).
 
 It runs as the trainer's user (root in the strongest mode), sets up the isolation layers the
-config names (namespaces, private mounts, rlimits, niceness, a pid 1 that reaps orphans), drops
-privileges and ``exec``s the runner (:mod:`sandbox.runner`, whose source text is in the config).
+config names (namespaces, an allowlisted root file system, rlimits, niceness, a pid 1 that reaps
+orphans), drops privileges, restricts itself with Landlock and a seccomp filter, and ``exec``s the
+runner (:mod:`sandbox.runner`, whose source text is in the config).
 A separate interpreter rather than a ``preexec_fn``, because ``preexec_fn`` is unsafe in a
 threaded parent (the trainer is threaded).
 
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import resource
+import signal
 import sys
 from typing import Any, Callable
 
@@ -25,10 +27,16 @@ RESULT_FD = 3
 # Linux constants (linux/sched.h, linux/mount.h, linux/prctl.h)
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWTIME, CLONE_THREAD = 0x02000000, 0x04000000, 0x80, 0x10000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+#: The candidate's uid inside a user namespace (any non-zero id: it keeps no capability at exec).
+INNER_ID = 1000
+#: Device nodes of the candidate's /dev (bound from the host's).
+DEVICES = ("null", "zero", "full", "random", "urandom")
 
 Mount = Callable[..., None]
 
@@ -65,6 +73,28 @@ class Libc:
     def unshare(self, flags: int) -> None:
         self.check(self.lib.unshare(flags), "unshare")
 
+    def umount(self, target: str, flags: int) -> None:
+        self.check(self.lib.umount2(target.encode(), flags), "umount " + target)
+
+    def syscall(self, name: str, *args: Any) -> int:
+        """A raw system call, by name (:data:`SYSCALLS` of this machine's architecture)."""
+        rc = self.lib.syscall(syscall_table()[name], *args)
+        if rc < 0:
+            err = self.ctypes.get_errno()
+            raise OSError(err, f"{name}: {os.strerror(err)}")
+        return int(rc)
+
+    def load_seccomp(self, program: bytes) -> None:
+        """Install a seccomp BPF filter on this thread (inherited by exec and every child)."""
+        import ctypes
+
+        class Fprog(ctypes.Structure):  # struct sock_fprog
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+        fprog = Fprog(len(program) // 8, program)
+        rc = self.lib.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0)  # SECCOMP_MODE_FILTER
+        self.check(rc, "PR_SET_SECCOMP")
+
     def prctl(self, option: int, arg: int, what: str) -> None:
         self.check(self.lib.prctl(option, arg, 0, 0, 0), what)
 
@@ -77,11 +107,19 @@ def main(cfg: dict[str, Any]) -> None:
     step = "start"
     try:
         libc = Libc() if LINUX else None
+        if cfg["separate_uid"] and cfg["user_namespace"]:
+            # Root without CAP_SYS_ADMIN: become the fresh uid first, so that it owns the user
+            # namespace (RLIMIT_NPROC then counts its processes; root's are never counted).
+            step = "drop privileges"
+            assert libc is not None
+            drop_privileges(cfg["uid"])
+            libc.prctl(4, 1, "PR_SET_DUMPABLE")  # setuid cleared it: /proc/self was root's
+        outer_uid, outer_gid = os.getuid(), os.getgid()  # unmapped once the user namespace exists
         flags = 0
+        if cfg["user_namespace"]:
+            flags |= CLONE_NEWUSER  # lets a user without CAP_SYS_ADMIN own the namespaces below
         if cfg["network_namespace"]:
             flags |= CLONE_NEWNET
-            if not cfg["separate_uid"]:
-                flags |= CLONE_NEWUSER  # lets a non-root user own a network namespace
         if cfg["private_mounts"]:
             flags |= CLONE_NEWNS | CLONE_NEWIPC
         if cfg["pid_namespace"]:
@@ -90,34 +128,42 @@ def main(cfg: dict[str, Any]) -> None:
             step = "unshare"
             assert libc is not None  # the namespace layers are only chosen on Linux
             libc.unshare(flags)
+        if cfg["user_namespace"]:
+            step = "user namespace ids"
+            map_ids(outer_uid, outer_gid)
         if cfg["private_mounts"]:
-            step = "private mounts"
+            step = "allowlisted root"
+            sources = open_sources(cfg["read_paths"])
+        if cfg["pid_namespace"]:
+            step = "pid namespace"
             assert libc is not None
-            private_mounts(cfg, libc.mount)
+            libc.die_with_parent()
+            # SIGTERM (the trainer's cleanup) waits until the handler that passes it on to
+            # pid 1 is in place; pid 1 unblocks it at once.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            init = os.fork()
+            if init:
+                wait_for_init(init)
+            libc.die_with_parent()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         workdir = cfg["workdir"]
         if cfg["private_mounts"]:
+            step = "ipc limits"
+            no_shared_memory()  # through the host's /proc, which shows our IPC namespace
+            step = "allowlisted root"
+            assert libc is not None
+            build_root(cfg, sources, libc)
             os.makedirs(workdir, mode=0o700)
-        if cfg["separate_uid"]:
+        late_drop = cfg["separate_uid"] and not cfg["user_namespace"]
+        if late_drop:
             os.chown(workdir, cfg["uid"], cfg["uid"])
         os.chdir(workdir)
         step = "rlimits"
         set_rlimits(cfg["rlimits"])
         os.nice(cfg["niceness"])
-        if cfg["pid_namespace"]:
-            step = "pid namespace"
-            assert libc is not None
-            libc.die_with_parent()
-            init = os.fork()
-            if init:
-                # The launcher (still root, outside the namespace the candidate can see) waits
-                # and passes the status on; when init exits the kernel kills the namespace.
-                os._exit(exit_code(os.waitpid(init, 0)[1]))
-            libc.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
-        if cfg["separate_uid"]:
+        if late_drop:
             step = "drop privileges"
-            os.setgroups([])
-            os.setgid(cfg["uid"])
-            os.setuid(cfg["uid"])
+            drop_privileges(cfg["uid"])
         if libc is not None:
             step = "prctl"
             libc.prctl(PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
@@ -129,6 +175,15 @@ def main(cfg: dict[str, Any]) -> None:
                 run_init(runner)
             assert libc is not None
             libc.die_with_parent()
+        if cfg["landlock"]:
+            step = "landlock"
+            assert libc is not None
+            restrict_files(libc, cfg)
+        if cfg["seccomp"]:
+            step = "seccomp"
+            assert libc is not None
+            program = seccomp_program(os.getpid(), allow_fork=cfg["pid_namespace"])
+            libc.load_seccomp(program)
         step = "exec"
         interp = cfg["interpreter"]
         hook = str(int(cfg["audit_hook"]))
@@ -136,6 +191,37 @@ def main(cfg: dict[str, Any]) -> None:
         os.execve(interp, argv, cfg["env"])
     except (OSError, ValueError) as exc:
         fail(step, exc)
+
+
+def drop_privileges(uid: int) -> None:
+    """Become ``uid`` (and gid ``uid``), with no supplementary groups."""
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def map_ids(outer_uid: int, outer_gid: int) -> None:
+    """In a fresh user namespace: the trainer's uid and gid become ``INNER_ID``, the only ids
+    mapped (the kernel lets a process map its own ids without privilege)."""
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{INNER_ID} {outer_uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{INNER_ID} {outer_gid} 1")
+
+
+def wait_for_init(init: int) -> None:
+    """The launcher, outside the PID namespace: wait for its pid 1 and pass its status on. On
+    SIGTERM (the trainer's cleanup) kill pid 1 first, which makes the kernel kill every process
+    of the namespace before pid 1's exit is reported: when the launcher exits, none is left."""
+
+    def kill_init(_signum: int, _frame: object) -> None:
+        os.kill(init, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, kill_init)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os._exit(exit_code(os.waitpid(init, 0)[1]))
 
 
 def set_rlimits(rlimits: dict[str, list[int]]) -> None:
@@ -164,8 +250,6 @@ def exit_code(status: int) -> int:
 def run_init(runner: int) -> None:
     """Pid 1 of the sandbox: reap every orphan; exit with the runner's status, which makes the
     kernel kill and reap whatever is left in the namespace."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals
     os.close(RESULT_FD)
     null = os.open(os.devnull, os.O_RDWR)
@@ -180,60 +264,363 @@ def run_init(runner: int) -> None:
             os._exit(exit_code(status))
 
 
-def private_mounts(cfg: dict[str, Any], mount: Mount) -> None:
-    """Every host mount read-only (keeping its nosuid/nodev/noexec/atime flags); /tmp, /var/tmp
-    and /dev/shm one private tmpfs of ``disk_mb``; the interpreter's prefix reachable."""
-    keep = {
-        "nosuid": MS_NOSUID,
-        "nodev": MS_NODEV,
-        "noexec": MS_NOEXEC,
-        "noatime": MS_NOATIME,
-        "nodiratime": MS_NODIRATIME,
-        "relatime": MS_RELATIME,
-        "strictatime": MS_STRICTATIME,
-    }
+def open_sources(paths: list[str]) -> dict[str, tuple[str, Any]]:
+    """Each path of the allowlist as ``("link", target)`` or ``("bind", O_PATH fd)``, opened in
+    the new mount namespace before the new root's tmpfs covers /tmp (which may hold some of
+    them); missing (or unreachable) paths are left out."""
+    sources: dict[str, tuple[str, Any]] = {}
+    for path in paths:
+        if os.path.islink(path):
+            sources[path] = ("link", os.readlink(path))
+        elif os.path.exists(path):
+            sources[path] = ("bind", os.open(path, os.O_PATH | os.O_CLOEXEC))
+    return sources
+
+
+def build_root(cfg: dict[str, Any], sources: dict[str, tuple[str, Any]], libc: Libc) -> None:
+    """Make the candidate's root file system from an allowlist, and switch to it.
+
+    A fresh tmpfs becomes ``/``, holding only: ``cfg["read_paths"]`` (the interpreter's prefix
+    and the shared-library directories) bound read-only at their own paths (a symbolic link,
+    such as Debian's ``/lib -> usr/lib``, is recreated as a link); a writable tmpfs of
+    ``disk_mb`` at ``/tmp``, also seen at ``/var/tmp`` and ``/dev/shm``; a ``/dev`` of
+    :data:`DEVICES` bound from the host; and, in a PID namespace, a fresh ``/proc``. The host's
+    root is then detached: no repository, home directory, ``/etc``, ``/run``, ``/sys``, host
+    ``/tmp`` or socket is reachable by any path. Then ``/`` is made read-only.
+    """
+    mount = libc.mount
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # The interpreter may live under a directory other users cannot enter (/root/.pyenv): keep
-    # an O_PATH handle on its prefix, to bind it back under a world-readable tmpfs below.
-    prefix = cfg["prefix"]
-    hidden = None
-    parts = prefix.strip("/").split("/")
-    for i in range(1, len(parts) + 1):
-        path = "/" + "/".join(parts[:i])
-        if not os.stat(path).st_mode & 0o001:
-            hidden = path
-            break
-    prefix_fd = os.open(prefix, os.O_PATH | os.O_DIRECTORY) if hidden else None
-    seen = set()
-    with open("/proc/self/mountinfo") as f:
-        mountinfo = f.read().splitlines()
-    for line in mountinfo:
-        fields = line.split()
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if point in seen:
+    devices = {d: os.open(f"/dev/{d}", os.O_PATH | os.O_CLOEXEC) for d in DEVICES}
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=1024,mode=755")
+    bound: list[str] = []
+    for path in sorted(sources):
+        if any(path == b or path.startswith(b + "/") for b in bound):
+            continue  # inside a directory already bound
+        kind, value = sources[path]
+        target = root + path
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        if kind == "link":
+            os.symlink(value, target)
             continue
-        seen.add(point)
-        extra = 0
-        for opt in fields[5].split(","):
-            extra |= keep.get(opt, 0)
-        try:
-            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra)
-        except OSError as exc:
-            if exc.errno not in (2, 13):  # ENOENT, EACCES: a mount point hidden from us
-                raise
+        bind_read_only(libc, value, target)
+        bound.append(path)
+    os.makedirs(root + "/tmp", mode=0o755)
     size = cfg["disk_mb"]
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,nr_inodes=4096,mode=1777")
-    for other in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(other):
-            mount("/tmp", other, None, MS_BIND)
-    if hidden:
-        assert prefix_fd is not None
-        mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=64,mode=755")
-        os.makedirs(prefix, mode=0o755)
-        mount(f"/proc/self/fd/{prefix_fd}", prefix, None, MS_BIND | MS_REC)
-        mount(None, prefix, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
-        mount(None, hidden, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-        os.close(prefix_fd)
+    flags = MS_NOSUID | MS_NODEV
+    mount("tmpfs", root + "/tmp", "tmpfs", flags, f"size={size}m,nr_inodes=4096,mode=1777")
+    os.makedirs(root + "/dev/shm", mode=0o755)
+    os.makedirs(root + "/var/tmp", mode=0o755)
+    for other in ("/dev/shm", "/var/tmp"):
+        mount(root + "/tmp", root + other, None, MS_BIND)
+    for name, fd in devices.items():
+        os.close(os.open(root + "/dev/" + name, os.O_CREAT | os.O_WRONLY, 0o666))
+        mount(f"/proc/self/fd/{fd}", root + "/dev/" + name, None, MS_BIND)
+        os.close(fd)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
+        os.symlink(target, root + "/dev/" + name)
+    os.symlink("/proc/self/fd/1", root + "/dev/stdout")
+    os.symlink("/proc/self/fd/2", root + "/dev/stderr")
+    os.makedirs(root + "/proc", mode=0o755)
+    if cfg["pid_namespace"]:
+        mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+    os.chdir(root)
+    libc.syscall("pivot_root", b".", b".")  # the old root now sits on top of the new one
+    libc.umount(".", MNT_DETACH)  # and is gone
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def bind_read_only(libc: Libc, fd: int, target: str) -> None:
+    """Bind the directory or file open as ``fd`` at ``target``, read-only, keeping the flags
+    the source mount has (a user namespace may not clear them)."""
+    if os.path.isdir(f"/proc/self/fd/{fd}"):
+        os.makedirs(target, mode=0o755, exist_ok=True)
+    else:
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    libc.mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+    source_flags = os.statvfs(target).f_flag
+    keep = 0
+    for st, ms in ((2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, MS_NOATIME)):
+        keep |= ms if source_flags & st else 0
+    keep |= MS_NODIRATIME if source_flags & 2048 else 0
+    keep |= MS_RELATIME if source_flags & 4096 else 0
+    libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep)
+    os.close(fd)
+
+
+def no_shared_memory() -> None:
+    """No SysV shared memory in this IPC namespace, where the kernel lets us say so (seccomp
+    denies the SysV IPC calls anyway; this is the second line)."""
+    for name in ("shmmax", "shmall", "shmmni"):
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write("0")
+        except OSError as exc:
+            if exc.errno in (1, 13, 30):  # EPERM, EACCES, EROFS: not ours to set here
+                return
+            raise
+
+
+# --------------------------------------------------------------------------- seccomp
+
+#: System call numbers of the calls the filter names, per architecture (linux/unistd.h).
+SYSCALLS: dict[str, dict[str, int]] = {
+    "x86_64": {
+        "kill": 62,
+        "tkill": 200,
+        "tgkill": 234,
+        "rt_sigqueueinfo": 129,
+        "rt_tgsigqueueinfo": 297,
+        "pidfd_send_signal": 424,
+        "pidfd_getfd": 438,
+        "ptrace": 101,
+        "process_vm_readv": 310,
+        "process_vm_writev": 311,
+        "add_key": 248,
+        "request_key": 249,
+        "keyctl": 250,
+        "unshare": 272,
+        "setns": 308,
+        "clone": 56,
+        "clone3": 435,
+        "fork": 57,
+        "vfork": 58,
+        "shmget": 29,
+        "shmat": 30,
+        "shmctl": 31,
+        "shmdt": 67,
+        "msgget": 68,
+        "msgsnd": 69,
+        "msgrcv": 70,
+        "msgctl": 71,
+        "semget": 64,
+        "semop": 65,
+        "semctl": 66,
+        "semtimedop": 220,
+        "socket": 41,
+        "mount": 165,
+        "umount2": 166,
+        "pivot_root": 155,
+        "chroot": 161,
+        "bpf": 321,
+        "perf_event_open": 298,
+        "userfaultfd": 323,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "memfd_create": 319,
+        "open_tree": 428,
+        "move_mount": 429,
+        "fsopen": 430,
+        "fsconfig": 431,
+        "fsmount": 432,
+        "fspick": 433,
+        "mount_setattr": 442,
+        "kcmp": 312,
+        "process_madvise": 440,
+        "landlock_create_ruleset": 444,
+        "landlock_add_rule": 445,
+        "landlock_restrict_self": 446,
+    },
+    "aarch64": {
+        "kill": 129,
+        "tkill": 130,
+        "tgkill": 131,
+        "rt_sigqueueinfo": 138,
+        "rt_tgsigqueueinfo": 240,
+        "pidfd_send_signal": 424,
+        "pidfd_getfd": 438,
+        "ptrace": 117,
+        "process_vm_readv": 270,
+        "process_vm_writev": 271,
+        "add_key": 217,
+        "request_key": 218,
+        "keyctl": 219,
+        "unshare": 97,
+        "setns": 268,
+        "clone": 220,
+        "clone3": 435,
+        "shmget": 194,
+        "shmat": 196,
+        "shmctl": 195,
+        "shmdt": 197,
+        "msgget": 186,
+        "msgsnd": 189,
+        "msgrcv": 188,
+        "msgctl": 187,
+        "semget": 190,
+        "semop": 193,
+        "semctl": 191,
+        "semtimedop": 192,
+        "socket": 198,
+        "mount": 40,
+        "umount2": 39,
+        "pivot_root": 41,
+        "chroot": 51,
+        "bpf": 280,
+        "perf_event_open": 241,
+        "userfaultfd": 282,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "memfd_create": 279,
+        "open_tree": 428,
+        "move_mount": 429,
+        "fsopen": 430,
+        "fsconfig": 431,
+        "fsmount": 432,
+        "fspick": 433,
+        "mount_setattr": 442,
+        "kcmp": 272,
+        "process_madvise": 440,
+        "landlock_create_ruleset": 444,
+        "landlock_add_rule": 445,
+        "landlock_restrict_self": 446,
+    },
+}
+#: AUDIT_ARCH_* of each architecture (linux/audit.h), checked first by the filter.
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+#: Calls denied outright (EPERM): signals by thread id or pidfd, tracing and other processes'
+#: memory, the kernel keyring, namespaces, SysV IPC, sockets, mounts, and the kernel
+#: interfaces a Python program has no use for (BPF, perf, userfaultfd, io_uring, memfd).
+DENIED = (
+    "tkill", "pidfd_send_signal", "pidfd_getfd", "ptrace", "process_vm_readv",
+    "process_vm_writev", "add_key", "request_key", "keyctl", "unshare", "setns", "shmget",
+    "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+    "semctl", "semtimedop", "socket", "mount", "umount2", "pivot_root", "chroot", "bpf",
+    "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "memfd_create", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+    "mount_setattr", "kcmp", "process_madvise",
+)  # fmt: skip
+NAMESPACE_FLAGS = (
+    CLONE_NEWNS
+    | CLONE_NEWIPC
+    | CLONE_NEWUSER
+    | CLONE_NEWPID
+    | CLONE_NEWNET
+    | CLONE_NEWCGROUP
+    | CLONE_NEWUTS
+    | CLONE_NEWTIME
+)
+EPERM, ENOSYS = 1, 38
+
+
+def machine() -> str:
+    return os.uname().machine
+
+
+def syscall_table() -> dict[str, int]:
+    table = SYSCALLS.get(machine())
+    if table is None:
+        raise ValueError(f"no system call table for the {machine()} architecture")
+    return table
+
+
+def seccomp_program(own_pid: int, allow_fork: bool) -> bytes:
+    """A seccomp BPF program (``struct sock_filter`` array) for this architecture.
+
+    Kills the process on another architecture's calls (x86's 32-bit ABI); returns EPERM for
+    :data:`DENIED`, for ``kill``/``rt_sigqueueinfo`` to any pid but ``own_pid`` and 0 (its
+    process group), for ``tgkill``/``rt_tgsigqueueinfo`` to another thread group, and for
+    ``clone`` with a namespace flag; ENOSYS for ``clone3`` (its flags are out of the filter's
+    reach; the C library falls back to ``clone``). With ``allow_fork=False`` (no PID namespace
+    to hold its processes) ``clone`` without ``CLONE_THREAD``, ``fork`` and ``vfork`` are denied
+    too: threads only. Everything else is allowed.
+    """
+    import struct
+
+    table, arch = syscall_table(), AUDIT_ARCH[machine()]
+    ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
+    deny, nosys = 0x00050000 | EPERM, 0x00050000 | ENOSYS  # SECCOMP_RET_ERRNO
+    nr, arch_offset, arg0 = 0, 4, 16  # offsets in struct seccomp_data (low word of args[0])
+
+    def block(name: str, body: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """``if nr == name: body`` (every body ends in a ret); the caller has nr loaded."""
+        return [(jeq, 0, len(body), table[name])] + body
+
+    program = [(ld, 0, 0, arch_offset), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, nr)]
+    if machine() == "x86_64":
+        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # the x32 ABI
+    for name in DENIED:
+        program += block(name, [(ret, 0, 0, deny)])
+    program += block("clone3", [(ret, 0, 0, nosys)])
+    for name in ("kill", "rt_sigqueueinfo"):
+        program += block(
+            name,
+            [(ld, 0, 0, arg0), (jeq, 2, 0, own_pid), (jeq, 1, 0, 0), (ret, 0, 0, deny)]
+            + [(ret, 0, 0, allow)],
+        )
+    for name in ("tgkill", "rt_tgsigqueueinfo"):
+        program += block(
+            name, [(ld, 0, 0, arg0), (jeq, 1, 0, own_pid), (ret, 0, 0, deny), (ret, 0, 0, allow)]
+        )
+    clone = [(ld, 0, 0, arg0), (jset, 0, 1, NAMESPACE_FLAGS), (ret, 0, 0, deny)]
+    if not allow_fork:
+        clone += [(jset, 1, 0, CLONE_THREAD), (ret, 0, 0, deny)]
+        for name in ("fork", "vfork"):
+            if name in table and machine() == "x86_64":
+                program += block(name, [(ret, 0, 0, deny)])
+    program += block("clone", clone + [(ret, 0, 0, allow)])
+    program.append((ret, 0, 0, allow))
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+
+
+# --------------------------------------------------------------------------- landlock
+
+#: Landlock file-system rights (linux/landlock.h) and the ABI version that added each.
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
+LL_WRITES = 16 | 32 | 64 | 128 | 256 | 512 | 1024 | 2048 | 4096  # remove, make *
+LL_REFER, LL_TRUNCATE, LL_IOCTL_DEV = 8192, 16384, 32768
+
+
+def landlock_abi(libc: Libc) -> int:
+    """The kernel's Landlock ABI version (0 when it has none)."""
+    try:
+        return libc.syscall("landlock_create_ruleset", None, 0, 1)  # _VERSION
+    except OSError:
+        return 0
+
+
+def restrict_files(libc: Libc, cfg: dict[str, Any]) -> None:
+    """Landlock: writes anywhere but beneath ``cfg["write_paths"]`` (and to the harmless
+    devices) are denied; with ``cfg["landlock_reads"]`` reads are allowed beneath
+    ``cfg["read_paths"]`` only (the allowlisted root of the modes without a mount namespace)."""
+    import struct
+
+    ct = libc.ctypes
+    abi = landlock_abi(libc)
+    if abi < 1:
+        raise OSError(95, "this kernel has no Landlock")
+    writes = LL_WRITE_FILE | LL_WRITES
+    writes |= (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+    reads = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
+    handled = writes | (reads if cfg["landlock_reads"] else 0)
+    attr = struct.pack("Q", handled)
+    fd = libc.syscall("landlock_create_ruleset", attr, len(attr), 0)
+
+    def allow(path: str, rights: int) -> None:
+        if not os.path.lexists(path):
+            return
+        target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        if not os.path.isdir(path):
+            rights &= LL_EXECUTE | LL_WRITE_FILE | LL_READ_FILE | LL_TRUNCATE
+        rule = struct.pack("=Qi", rights & handled, target)
+        try:
+            libc.syscall("landlock_add_rule", fd, 1, ct.c_char_p(rule), 0)  # PATH_BENEATH
+        finally:
+            os.close(target)
+
+    if cfg["landlock_reads"]:
+        for path in cfg["read_paths"]:
+            allow(os.path.realpath(path), reads)
+    for path in cfg["write_paths"]:
+        allow(path, handled)
+    for name in DEVICES:
+        allow("/dev/" + name, reads | writes)
+    libc.syscall("landlock_restrict_self", fd, 0)
+    os.close(fd)
 
 
 def start() -> None:

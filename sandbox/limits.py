@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Status = Literal["ok", "error", "timeout", "crashed"]
+IsolationLevel = Literal["strong", "weak"]
 
 
 @dataclass
@@ -23,6 +24,11 @@ class SandboxLimits:
         max_disk_mb: size of the private tmpfs holding its directory and /tmp (Linux root mode).
         max_output_bytes: stdout+stderr bytes kept; the rest is read and discarded.
         niceness: added scheduling niceness, so that scoring yields the CPU to training.
+        isolation: ``"strong"`` (default) runs only where the kernel gives the candidate an
+            allowlisted root in its own mount, PID, IPC and network namespaces (Linux, as root or
+            with user namespaces), and raises otherwise; ``"weak"`` also runs without them
+            (macOS, user namespaces disabled), after a warning of what is then not protected
+            (see docs/reliability.md, "Code sandbox").
     """
 
     timeout_s: float = 5.0
@@ -33,6 +39,7 @@ class SandboxLimits:
     max_disk_mb: int = 16
     max_output_bytes: int = 64_000
     niceness: int = 10
+    isolation: IsolationLevel = "strong"
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,6 +51,7 @@ class SandboxLimits:
             (self.max_disk_mb >= self.max_file_size_mb, "max_disk_mb", ">= max_file_size_mb"),
             (self.max_output_bytes >= 0, "max_output_bytes", ">= 0"),
             (0 <= self.niceness <= 19, "niceness", "in [0, 19]"),
+            (self.isolation in ("strong", "weak"), "isolation", '"strong" or "weak"'),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -54,21 +62,32 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class Isolation:
-    """Which isolation layers a run uses (see :mod:`sandbox` for what each one stops).
+    """Which isolation layers a run uses (see :mod:`sandbox` and docs/reliability.md for what
+    each one stops).
 
     Attributes:
         separate_uid: run as a fresh unprivileged uid/gid (needs root); NPROC then counts only
-            the run's own processes, the trainer cannot be signalled, root files are read-only,
-            and every leftover process is found by its uid.
-        network_namespace: an empty network namespace (Linux; as non-root via a user namespace).
-        private_mounts: a mount namespace in which every host mount is read-only and /tmp,
-            /var/tmp and /dev/shm are one private tmpfs of ``max_disk_mb`` (Linux root), plus
-            a private IPC namespace.
+            the run's own processes, the trainer cannot be signalled, and every leftover
+            process is found by its uid.
+        network_namespace: an empty network namespace (Linux).
+        private_mounts: a mount namespace whose root is built from an allowlist (the
+            interpreter's prefix and shared libraries read-only, a private tmpfs of
+            ``max_disk_mb`` at /tmp, /var/tmp and /dev/shm, a minimal /dev, a private /proc),
+            plus a private IPC namespace (Linux; needs ``separate_uid`` or ``user_namespace``).
         pid_namespace: a PID namespace whose pid 1 reaps orphans; the candidate sees none of
             the host's processes, and when it ends the kernel kills everything it started, even
-            if the trainer itself was killed (Linux root, with ``private_mounts``).
+            if the trainer itself was killed (needs ``private_mounts``).
         audit_hook: in-interpreter blocks (PEP 578) on sockets, fork/exec, ctypes, signals to
-            other processes and writes outside the working directory; a best-effort layer.
+            other processes and writes outside the working directory; a best-effort layer, not
+            a boundary.
+        user_namespace: the namespaces above are owned by a fresh user namespace, in which the
+            candidate is an unprivileged uid (Linux without root or CAP_SYS_ADMIN).
+        seccomp: a seccomp filter (:func:`sandbox.launcher.seccomp_program`): no signals to
+            other processes, ptrace, other processes' memory, keyrings, namespaces, SysV IPC,
+            sockets or mounts; without a PID namespace, no new processes either (Linux).
+        landlock: Landlock denies writes outside the run's directory; without
+            ``private_mounts`` it also denies reads outside the interpreter's prefix and shared
+            libraries (Linux 5.13+).
     """
 
     separate_uid: bool
@@ -76,25 +95,43 @@ class Isolation:
     private_mounts: bool
     pid_namespace: bool
     audit_hook: bool
+    user_namespace: bool = False
+    seccomp: bool = False
+    landlock: bool = False
 
     def __post_init__(self) -> None:
-        if self.private_mounts and not self.separate_uid:
+        owner = self.separate_uid or self.user_namespace
+        if self.private_mounts and not owner:
             raise ValueError(
-                "Isolation.private_mounts needs separate_uid=True: a process that keeps root "
-                "could remount the file system writable"
+                "Isolation.private_mounts needs separate_uid=True or user_namespace=True: a "
+                "process that keeps root could remount the file system writable"
+            )
+        if self.network_namespace and not owner:
+            raise ValueError(
+                "Isolation.network_namespace needs separate_uid=True (root) or "
+                "user_namespace=True (which lets a user own a network namespace)"
             )
         if self.pid_namespace and not self.private_mounts:
             raise ValueError(
                 "Isolation.pid_namespace needs private_mounts=True (to mount its own /proc)"
             )
 
+    @property
+    def strong(self) -> bool:
+        """The kernel layers that make the sandbox a boundary are all on (see
+        :attr:`SandboxLimits.isolation`)."""
+        return self.private_mounts and self.pid_namespace and self.network_namespace
+
     def describe(self) -> str:
         """One line naming the active layers, for logs."""
         names = [
             ("separate_uid", self.separate_uid),
+            ("user_namespace", self.user_namespace),
             ("network_namespace", self.network_namespace),
             ("private_mounts", self.private_mounts),
             ("pid_namespace", self.pid_namespace),
+            ("seccomp", self.seccomp),
+            ("landlock", self.landlock),
             ("audit_hook", self.audit_hook),
         ]
         return "rlimits, process group, " + ", ".join(n for n, on in names if on)

@@ -4,15 +4,28 @@ the verdict, each test judged here from the plain values the sandbox returned.""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 
 from sandbox.limits import SandboxLimits, Status, TestResult
-from sandbox.plain_data import WireError, from_wire
+from sandbox.plain_data import Budget, WireError, from_wire
+from sandbox.runner import MAX_VALUE_BYTES
 from sandbox.tests_spec import Check
 
 LAUNCH_ERROR = b"LAUNCH_ERROR "
 _SHOWN_FAILURES = 3
+#: CPU seconds the trusted process spends decoding and judging one candidate's values.
+JUDGE_BUDGET_S = 1.0
+#: One record, as the runner writes it: ``<nonce> <kind> <test> <check> <text>``, the nonce 32
+#: lower-case hex digits, each index -1 or a non-negative decimal without leading zeros, the text
+#: printable ASCII (the runner writes ``ascii()`` and JSON with ASCII escapes) of bounded length.
+RECORD = re.compile(
+    rb"([0-9a-f]{32}) (start|value|fail|error|done) (-1|0|[1-9][0-9]{0,8}) (-1|0|[1-9][0-9]{0,8}) "
+    rb"([\x20-\x7e]{0,%d})" % MAX_VALUE_BYTES
+)
+#: Errors that decoding or judging a candidate's value may raise; each fails that check.
+JUDGING_ERRORS = (ValueError, TypeError, ArithmeticError, RecursionError)
 
 
 class Channel:
@@ -69,19 +82,13 @@ def parse_records(data: bytes, nonce: str, checks: list[tuple[Check, ...]]) -> R
         records.launch_error = lines[0][len(LAUNCH_ERROR) :].decode("ascii", "replace")
         return records
     for line in lines:
-        parts = line.decode("ascii", "replace").split(" ", 4)
-        if (
-            len(parts) < 4
-            or parts[0] != nonce
-            or not all(p.lstrip("-").isdigit() and len(p) < 10 for p in parts[2:4])
-        ):
+        match = RECORD.fullmatch(line)
+        if match is None or match.group(1).decode() != nonce:
             records.forged += 1
             continue
-        kind, key, text = (
-            parts[1],
-            (int(parts[2]), int(parts[3])),
-            parts[4] if len(parts) > 4 else "",
-        )
+        kind = match.group(2).decode()
+        key = (int(match.group(3)), int(match.group(4)))
+        text = match.group(5).decode()
         if kind == "start":
             records.started = True
         elif kind in ("value", "fail"):
@@ -100,8 +107,22 @@ def parse_records(data: bytes, nonce: str, checks: list[tuple[Check, ...]]) -> R
     return records
 
 
-def judge_test(test: int, checks: tuple[Check, ...], records: Records) -> str | None:
-    """None when every check of the test holds, else why not ("" when it was not reported)."""
+class Unjudgeable(Exception):
+    """A value that could not be judged: not plain data, over the judging budget, or one that
+    made comparing fail. The runner never writes one: it is a forged record or a value built
+    against the judge, and the whole candidate scores 0."""
+
+
+def judge_test(
+    test: int, checks: tuple[Check, ...], records: Records, budget: Budget | None = None
+) -> str | None:
+    """None when every check of the test holds, else why not ("" when it was not reported).
+
+    Raises:
+        Unjudgeable: a value is not plain data, goes over ``budget``, or makes comparing fail;
+            the message names the check and the reason.
+    """
+    budget = Budget(JUDGE_BUDGET_S) if budget is None else budget
     for index, check in enumerate(checks):
         key = (test, index)
         if key in records.repeated:
@@ -111,13 +132,18 @@ def judge_test(test: int, checks: tuple[Check, ...], records: Records) -> str | 
         if key not in records.values:
             return ""
         try:
-            value = from_wire(records.values[key])
+            value = from_wire(records.values[key], budget)
         except WireError as exc:
-            return f"{check.source}: the value is not plain data ({exc})"
-        if not check.judge(value):
+            raise Unjudgeable(f"{check.source}: the value is not plain data ({exc})") from None
+        try:
+            if check.judge(value, budget):
+                continue
             shown = repr(value)
-            shown = shown if len(shown) <= 80 else shown[:77] + "..."
-            return f"{check.source}: {check.expression} gave {shown}"
+        except JUDGING_ERRORS as exc:  # WireError (over budget) included
+            reason = f"{type(exc).__name__}: {exc}"
+            raise Unjudgeable(f"{check.source}: judging the value failed ({reason})") from None
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        return f"{check.source}: {check.expression} gave {shown}"
     return None
 
 
@@ -146,7 +172,14 @@ def summarize(
     if records.launch_error is not None:
         return records.launch_error
     total = len(checks)
-    outcomes = [judge_test(i, test_checks, records) for i, test_checks in enumerate(checks)]
+    budget = Budget(JUDGE_BUDGET_S)  # one allowance for all of this candidate's values
+    unjudgeable = None
+    outcomes: list[str | None]
+    try:
+        outcomes = [judge_test(i, tc, records, budget) for i, tc in enumerate(checks)]
+    except Unjudgeable as exc:
+        unjudgeable = str(exc)
+        outcomes = [unjudgeable] * total
     passed = sum(1 for outcome in outcomes if outcome is None)
     notes = []
     if output.dropped:
@@ -161,6 +194,9 @@ def summarize(
     if records.code_error is not None:
         status, passed = "error", 0
         detail = f"the code raised before any test ran: {records.code_error}"
+    elif unjudgeable is not None:
+        status = "ok" if records.done else "timeout" if timed_out else "crashed"
+        detail = f"0/{total}: a value could not be judged, so the program scores 0: {unjudgeable}"
     elif records.done:
         status = "ok"
         failures = [

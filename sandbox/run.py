@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import secrets
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox import isolation as host
+from sandbox import launcher
 from sandbox.isolation import IS_LINUX, LaunchError
 from sandbox.limits import Isolation, SandboxLimits, TestResult, rlimits
 from sandbox.records import Channel, summarize
@@ -40,6 +42,19 @@ from sandbox.tests_spec import Check, parse_tests
 WORKDIR_PREFIX = f"code_sandbox_{os.getpid()}_"
 _WORKDIR_IN_PRIVATE_TMP = "/tmp/sandbox"
 _LAUNCH_RETRIES = 2
+#: What the candidate's root holds besides its scratch space (the strong modes), or the only
+#: places it may read (the weak mode, through Landlock): the interpreter's installation and the
+#: system's shared libraries, read-only. A symbolic link among them is recreated as a link.
+_SYSTEM_LIBRARIES = (
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/usr/lib",
+    "/usr/lib32",
+    "/usr/lib64",
+    "/etc/ld.so.cache",
+)
+logger = logging.getLogger(__name__)
 
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -93,7 +108,7 @@ def run_tests(
     """
     limits = SandboxLimits() if limits is None else limits
     checks = _checked_inputs(code, tests)
-    isolation = detect_isolation() if isolation is None else isolation
+    isolation = _allowed(detect_isolation() if isolation is None else isolation, limits)
     return _run_with_retries(code, checks, limits, isolation)
 
 
@@ -134,7 +149,7 @@ def run_tests_many(
     workers = max(1, (os.cpu_count() or 2) // 2) if max_workers is None else max_workers
     if workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    isolation = detect_isolation()
+    isolation = _allowed(detect_isolation(), limits)
     if not codes:
         return []
     with ThreadPoolExecutor(max_workers=min(workers, len(codes))) as pool:
@@ -161,10 +176,12 @@ _detected: Isolation | None = None
 
 def detect_isolation(refresh: bool = False) -> Isolation:
     """The strongest :class:`Isolation` that works here, found once by running a canary program
-    under each candidate in turn (cached; ``refresh=True`` probes again).
+    under each candidate in turn (cached; ``refresh=True`` probes again). Weak candidates (no
+    namespaces) are tried last; :func:`run_tests` refuses them unless
+    ``SandboxLimits.isolation == "weak"``.
 
     Raises:
-        RuntimeError: not even the fallback works (e.g. not a POSIX system).
+        RuntimeError: not even the weakest works (e.g. not a POSIX system).
     """
     global _detected
     with _detect_lock:
@@ -172,17 +189,8 @@ def detect_isolation(refresh: bool = False) -> Isolation:
             return _detected
         if os.name != "posix":
             raise RuntimeError("the code sandbox needs a POSIX system (Linux or macOS)")
-        root = os.geteuid() == 0
-        candidates = []
-        if root:
-            if IS_LINUX:
-                candidates.append(Isolation(True, True, True, True, False))
-            candidates.append(Isolation(True, False, False, False, True))
-        elif IS_LINUX:
-            candidates.append(Isolation(False, True, False, False, True))
-        candidates.append(Isolation(False, False, False, False, True))
         failures = []
-        for candidate in candidates:
+        for candidate in candidate_isolations():
             reason = probe_isolation(candidate)
             if reason is None:
                 _detected = candidate
@@ -191,10 +199,95 @@ def detect_isolation(refresh: bool = False) -> Isolation:
         raise RuntimeError("no code sandbox configuration works here:\n" + "\n".join(failures))
 
 
+def candidate_isolations() -> list[Isolation]:
+    """Every isolation this machine might offer, strongest first."""
+    root = os.geteuid() == 0
+    kernel = IS_LINUX and launcher.machine() in launcher.SYSCALLS  # seccomp's tables
+    landlock = kernel and launcher.landlock_abi(launcher.Libc()) >= 1
+    layers = {"seccomp": kernel, "landlock": landlock}
+    candidates = []
+    if IS_LINUX:
+        namespaces = {"network_namespace": True, "private_mounts": True, "pid_namespace": True}
+        if root:
+            candidates.append(Isolation(True, audit_hook=False, **namespaces, **layers))
+        # Root without CAP_SYS_ADMIN (a container) owns a user namespace as a fresh uid, which
+        # must be able to reach the interpreter (not under /root); a user owns one as itself.
+        owner = {"separate_uid": root, "user_namespace": True}
+        candidates.append(Isolation(**owner, audit_hook=False, **namespaces, **layers))
+    if root:
+        candidates.append(Isolation(True, False, False, False, True, **layers))
+    candidates.append(Isolation(False, False, False, False, True, **layers))
+    return candidates
+
+
+def weak_isolation_gaps(isolation: Isolation) -> list[str]:
+    """What a candidate can still do under ``isolation`` (empty for a strong one)."""
+    if isolation.strong:
+        return []
+    gaps = []
+    if not isolation.landlock:
+        gaps.append(
+            "read every file the sandbox's user can read (the task file with the tests, "
+            "SSH keys, tokens) and, without a separate uid, write and delete the trainer "
+            "user's files"
+        )
+    if not isolation.seccomp:
+        gaps += [
+            "signal, trace or read the memory of other processes of the same user (the trainer)",
+            "open network and Unix sockets, create kernel keys and SysV IPC objects that "
+            "outlive the run, and start processes that outlive it (a new session)",
+        ]
+    gaps.append(
+        "see the host's processes and mounts, and fill the working directory's file system "
+        f"with files of up to max_file_size_mb each"
+    )
+    gaps.append("the audit hook it runs under is turned off from Python in a few lines")
+    return gaps
+
+
+_warned: set[Isolation] = set()
+
+
+def _allowed(isolation: Isolation, limits: SandboxLimits) -> Isolation:
+    """``isolation``, if ``limits`` allows it; warn once per weak isolation used."""
+    gaps = weak_isolation_gaps(isolation)
+    if not gaps:
+        _harden_trainer()
+        return isolation
+    if limits.isolation != "weak":
+        raise RuntimeError(
+            f"the code sandbox can only run with weak isolation here ({isolation.describe()}: "
+            "no user or mount namespaces), where untrusted code can "
+            + "; ".join(gaps)
+            + ". Run as root or enable user namespaces (sysctl kernel.unprivileged_userns_clone=1"
+            ", user.max_user_namespaces > 0), or accept this with SandboxLimits(isolation="
+            '"weak") (--sandbox-isolation weak)'
+        )
+    _harden_trainer()
+    if isolation not in _warned:
+        _warned.add(isolation)
+        logger.warning(
+            "code sandbox: weak isolation (%s) accepted; untrusted code can %s",
+            isolation.describe(),
+            "; ".join(gaps),
+        )
+    return isolation
+
+
+@functools.cache
+def _harden_trainer() -> None:
+    """Mark the trainer non-dumpable (Linux): no process of its user can read its memory or
+    environment through /proc or ptrace (a candidate of the weak modes runs as that user)."""
+    if IS_LINUX:
+        libc = launcher.Libc()
+        libc.prctl(4, 0, "PR_SET_DUMPABLE")
+
+
 def probe_isolation(isolation: Isolation) -> str | None:
     """None if a canary program runs correctly under ``isolation``, else the reason it does not."""
     code = "import os\ndef uid():\n    return os.getuid()\n"
-    tests = ["assert uid() != 0"] if isolation.separate_uid else ["assert uid() is not None"]
+    separate = isolation.separate_uid or isolation.user_namespace
+    tests = ["assert uid() != 0"] if separate else ["assert uid() is not None"]
     try:
         result = _run_once(code, parse_tests(tests), SandboxLimits(timeout_s=20.0), isolation)
     except LaunchError as exc:
@@ -210,6 +303,17 @@ def _checked_inputs(code: str, tests: Sequence[str]) -> list[tuple[Check, ...]]:
     if isinstance(tests, str) or len(tests) == 0:
         raise ValueError("tests must be a non-empty list of test snippets (one str per test)")
     return parse_tests(tuple(tests))
+
+
+@functools.cache
+def _read_paths(interpreter: str) -> list[str]:
+    """The interpreter's installation and the shared-library directories (see
+    :data:`_SYSTEM_LIBRARIES`)."""
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    paths = sorted(prefixes) + [p for p in _SYSTEM_LIBRARIES if os.path.lexists(p)]
+    if not any(interpreter.startswith(p + os.sep) for p in prefixes):
+        paths.append(interpreter)
+    return paths
 
 
 def _run_once(
@@ -241,8 +345,13 @@ def _run_once(
             "private_mounts": isolation.private_mounts,
             "pid_namespace": isolation.pid_namespace,
             "audit_hook": isolation.audit_hook,
+            "user_namespace": isolation.user_namespace,
+            "seccomp": isolation.seccomp,
+            "landlock": isolation.landlock,
+            "landlock_reads": not isolation.private_mounts,
+            "read_paths": _read_paths(interpreter),
+            "write_paths": [os.path.dirname(workdir) if isolation.private_mounts else workdir],
             "workdir": workdir,
-            "prefix": os.path.realpath(sys.base_prefix),
             "interpreter": interpreter,
             "rlimits": rlimits(limits, isolation),
             "niceness": limits.niceness,
@@ -354,15 +463,17 @@ def _cleanup(
         host.kill_uid_portable(uid, interpreter)
         return []
 
-    kill_uid()  # the candidate's processes, wherever they moved (new sessions, daemons)
+    if proc is not None and isolation.pid_namespace and proc.poll() is None:
+        # The launcher kills its pid 1 on SIGTERM and exits once the kernel has killed every
+        # process of the namespace (wherever they moved: new sessions, daemons).
+        proc.terminate()
+        try:
+            proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pass
+    if not (isolation.pid_namespace and proc is not None and proc.returncode is not None):
+        kill_uid()  # the candidate's processes, wherever they moved (new sessions, daemons)
     if proc is not None:
-        if isolation.pid_namespace:
-            # Its pid 1 is dead now: let the launcher reap it and exit, rather than orphan a
-            # zombie on a host init that may never reap it.
-            try:
-                proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -373,6 +484,7 @@ def _cleanup(
     if workdir is not None:
         host.force_rmtree(workdir)
     if uid is not None:
-        host.sweep_world_writable(uid)
+        if not isolation.private_mounts:  # else it never saw the host's /tmp
+            host.sweep_world_writable(uid)
         host.release_uid(uid)
     return stray

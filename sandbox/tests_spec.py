@@ -36,7 +36,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sandbox.plain_data import is_number, strict_equal
+from sandbox.plain_data import Budget, canonical, is_number, strict_equal
 from sandbox.runner import MAX_VALUE_BYTES, NotPlainData, make_encoder
 
 ACCEPTED_FORMS = (
@@ -85,18 +85,23 @@ class Check:
     tolerance: tuple[float, ...] = ()
     source: str = ""
 
-    def judge(self, value: Any) -> bool:
-        """True when the (decoded, plain) ``value`` satisfies the check."""
+    def judge(self, value: Any, budget: Budget | None = None) -> bool:
+        """True when the (decoded, plain) ``value`` satisfies the check.
+
+        Raises:
+            WireError: comparing went over ``budget`` (see :class:`sandbox.plain_data.Budget`).
+        """
         op, expected = self.op, self.expected
         if op == "==":
-            return strict_equal(value, expected)
+            return strict_equal(value, expected, budget)
         if op == "!=":
-            return not strict_equal(value, expected)
+            return not strict_equal(value, expected, budget)
         if op in ("in", "not in"):
             if isinstance(expected, str):
                 found = type(value) is str and value in expected
             else:
-                found = any(strict_equal(value, item) for item in expected)
+                key = canonical(value, budget)  # once, not once per item
+                found = any(key == canonical(item) for item in expected)
             return found == (op == "in")
         if op in ("<", "<=", ">", ">="):
             both_numbers = is_number(value) and is_number(expected)

@@ -44,7 +44,9 @@ ISOLATION = detect_isolation() if os.name == "posix" else FALLBACK
 LINUX = sys.platform.startswith("linux")
 REPO = Path(__file__).resolve().parents[1]
 
-LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=3, memory_mb=256)
+# isolation="weak" lets the FALLBACK (audit hook only) runs below run; the detected isolation is
+# strong wherever the machine allows it (tests/test_sandbox_hostile.py checks the refusal).
+LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=3, memory_mb=256, isolation="weak")
 GOOD = "def f(x):\n    return 2 * x\n"
 TESTS = ["assert f(2) == 4", "assert f(0) == 0"]
 
@@ -385,7 +387,8 @@ def test_parallel_scoring_of_mixed_completions() -> None:
     reason="the full isolation needs root with CAP_SYS_ADMIN on Linux",
 )
 def test_linux_root_gets_every_kernel_layer() -> None:
-    assert ISOLATION == Isolation(True, True, True, True, False)
+    landlock = ISOLATION.landlock  # where the kernel has it
+    assert ISOLATION == Isolation(True, True, True, True, False, seccomp=True, landlock=landlock)
     code = "import os\nuid = os.getuid()\ncwd = os.getcwd()\n"
     code += "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
     tests = ["assert uid >= 1000", "assert cwd == '/tmp/sandbox'", "assert pids == [1, 2]"]

@@ -21,7 +21,9 @@ from sandbox.runner import NotPlainData, make_encoder
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs a POSIX system")
 
-LIMITS = SandboxLimits(timeout_s=3.0, cpu_time_s=3, memory_mb=256)
+# isolation="weak" lets the FALLBACK runs below run (tests/test_sandbox_hostile.py checks that a
+# weak isolation is refused without it).
+LIMITS = SandboxLimits(timeout_s=3.0, cpu_time_s=3, memory_mb=256, isolation="weak")
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(20, 22) == 42"]
 # The weakest layers (no fresh uid, no namespaces): scoring must not depend on the isolation.
 FALLBACK = Isolation(False, False, False, False, audit_hook=True)
