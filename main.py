@@ -6,6 +6,7 @@ The only place that parses files and flags; everything else receives a config ob
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -125,15 +126,27 @@ def _run_config(args: argparse.Namespace, cls: type[Any]) -> Any:
     return resumed if resumed is not None else load_config(args.config, overrides, cls=cls)
 
 
-def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, list[Any]]:
+def _build_trainer(
+    args: argparse.Namespace, *, resuming: bool, held: contextlib.ExitStack | None = None
+) -> tuple[Any, list[Any]]:
     """The trainer and the prompts; the config, the prompt file and the run folder are checked
-    before any model is loaded."""
+    before any model is loaded. ``held``: where the run folder's lock is kept (a run)."""
     from config.ppo_config import PPOConfig
-    from training.run_control import check_run_dir
+    from training.run_control import check_run_dir, run_lock
 
     config = _run_config(args, PPOConfig)
     reward = load_function(args.reward_fn) if args.reward_fn else None
     prompts = read_prompts(args.prompts)
+    if held is not None:  # one writer per run folder (rank 0 writes): up to the saved final/
+        from base_setup import distributed as dist
+
+        error = None
+        if dist.is_main_process():
+            try:
+                held.enter_context(run_lock(config.output_dir))
+            except ValueError as err:
+                error = err
+        dist.raise_if_any_rank_failed(error, f"locking output_dir {config.output_dir}")
     check_run_dir(config.output_dir, resuming=resuming, overwrite=config.overwrite_output_dir)
     from ppo_trainer.ppo_trainer import PPOTrainer
 
@@ -144,18 +157,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from training.run_control import stop_exit_code
 
     eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else None
-    trainer, prompts = _build_trainer(args, resuming=args.resume is not None)
-    history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
-    if trainer.stop_reason is not None:
-        # A signal (or a callback) stopped it: the state is saved, the run is not finished.
-        if trainer.is_main_process:
-            print(
-                f"stopped ({trainer.stop_reason}) after step {trainer.global_step}; the "
-                f"checkpoint is saved: continue with --resume latest",
-                file=sys.stderr,
-            )
-        return stop_exit_code(trainer.stop_reason)
-    out = trainer.save_model(Path(trainer.config.output_dir) / "final")
+    with contextlib.ExitStack() as held:
+        trainer, prompts = _build_trainer(args, resuming=args.resume is not None, held=held)
+        history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
+        if trainer.stop_reason is not None:
+            # A signal (or a callback) stopped it: the state is saved, the run is not finished.
+            if trainer.is_main_process:
+                print(
+                    f"stopped ({trainer.stop_reason}) after step {trainer.global_step}; the "
+                    f"checkpoint is saved: continue with --resume latest",
+                    file=sys.stderr,
+                )
+            return stop_exit_code(trainer.stop_reason)
+        out = trainer.save_model(Path(trainer.config.output_dir) / "final")
     if not trainer.is_main_process:
         return 0
     last = history[-1] if history else {}

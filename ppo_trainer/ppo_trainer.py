@@ -53,7 +53,7 @@ from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.ppo_config import PPOConfig
+from config.ppo_config import PPOConfig, is_reward_function_spec
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -100,6 +100,7 @@ from ppo_trainer.rollout_records import (
 from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
     ensure_optimizers,
+    run_inputs,
     load_models,
     load_trainer_state,
     save_models,
@@ -116,8 +117,10 @@ from ppo_trainer.update import (
 )
 from training.checkpoint import (
     CheckpointManager,
+    check_save_target,
 )
 from training.optimizer import SchedulePlan
+from training.fingerprints import model_fingerprint
 from training.run_control import StopSignals, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
@@ -232,6 +235,9 @@ class PPOTrainer:
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         # The generation worker of async_rollout, while train() runs (see rollout_worker).
         self._rollout_worker: RolloutWorker | None = None
+        # What the run reads besides its settings, recorded in its checkpoints and compared on
+        # resume (train() adds the prompts).
+        self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -494,6 +500,23 @@ class PPOTrainer:
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
+    def _reward_description(self) -> str | None:
+        """What scores the responses, as a resume compares it: the function's import path, the
+        reward model's folder and fingerprint, or the overriding method (None: a reward model
+        passed as an object)."""
+        if type(self).compute_scores is not PPOTrainer.compute_scores:
+            return f"{type(self).__module__}.{type(self).__qualname__}.compute_scores"
+        fn = self.rewards.fn
+        if fn is not None:
+            return f"function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+        if self.config.reward_funcs:
+            return "reward_funcs " + ", ".join(
+                spec if is_reward_function_spec(spec) else f"{spec} ({model_fingerprint(spec)})"
+                for spec in self.config.reward_funcs
+            )
+        name = self.config.reward_model_name
+        return f"reward model {name} ({model_fingerprint(name)})" if name else None
+
     def _score_source(self) -> str:
         if type(self).compute_scores is not PPOTrainer.compute_scores:
             return f"{type(self).__name__}.compute_scores"
@@ -593,12 +616,18 @@ class PPOTrainer:
         """
         load_trainer_state(self, path)
 
-    def save_model(self, path: str | Path) -> Path:
+    def save_model(self, path: str | Path, overwrite: bool = False) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for
         PPO, the value model under ``<path>/value_model``, all or nothing. Only rank 0 of a
-        data-parallel run writes (the weights are the same on every rank)."""
+        data-parallel run writes (the weights are the same on every rank).
+
+        Raises:
+            ValueError: ``path`` is a file, or a non-empty directory and not ``overwrite``
+                (the run's own ``<output_dir>/final`` is replaced).
+        """
         if not self.is_main_process:
             return Path(path)
+        check_save_target(path, overwrite=overwrite, own=self.run_dir / "final")
         return save_models(self.policy, self.value_model, path)
 
     def load_model(self, path: str | Path) -> None:

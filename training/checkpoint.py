@@ -154,6 +154,21 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def check_save_target(path: str | Path, *, overwrite: bool, own: Path | None = None) -> None:
+    """Raise ``ValueError`` if saving a model directory at ``path`` would destroy what is
+    there: a file, or (without ``overwrite``) a non-empty directory. ``own``: the directory the
+    run writes its model to (``<output_dir>/final``), which it replaces as its own."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cannot save a model to {path}: it is a file; give a directory path")
+    is_own = own is not None and path.resolve() == Path(own).resolve()
+    if path.is_dir() and any(path.iterdir()) and not (overwrite or is_own):
+        raise ValueError(
+            f"cannot save a model to {path}: the directory is not empty; choose a new "
+            "directory or pass overwrite=True to replace it"
+        )
+
+
 @contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Write a directory (a final model, an export) all or nothing.

@@ -12,11 +12,17 @@
   Resuming keeps one timeline too: :func:`check_resume_source` refuses another folder's
   checkpoint into a folder that holds a run, and :func:`continue_timeline` removes the
   checkpoints after the one resumed from.
+* :func:`run_lock`: one writer per run folder. A run holds an ``fcntl`` lock on
+  ``<output_dir>/.run.lock`` from before it checks (or clears) the folder until its model is
+  saved; a second process gets a ``ValueError`` naming the first's pid. The kernel releases the
+  lock when the process dies, so a killed run never leaves the folder locked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import io
 import logging
 import os
@@ -44,6 +50,95 @@ RUN_ARTIFACTS: tuple[str, ...] = (
     "config.yaml",
     "tensorboard",
 )
+
+
+#: The lock file of a run folder (:func:`run_lock`).
+LOCK_FILE = ".run.lock"
+# The run folders this process holds locked: resolved path -> (file descriptor, depth).
+_HELD_LOCKS: dict[Path, tuple[int, int]] = {}
+
+
+def _lock_holder(lock: Path) -> str:
+    """Who holds ``lock``, as its file says (the pid the holder wrote)."""
+    try:
+        pid = lock.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+def _acquire(run_dir: Path) -> int:
+    """Lock ``run_dir`` for this process (non-blocking); returns the lock file's descriptor."""
+    lock = run_dir / LOCK_FILE
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise ValueError(
+                f"output_dir {run_dir} is in use: {_lock_holder(lock)} is writing a run there "
+                f"({lock}). Wait for it to end (or stop it), or choose another output_dir"
+            ) from None
+        # The holder before us may have removed the file between our open and our lock: then
+        # the lock is on a file nobody else sees; take the one at the path instead.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[None]:
+    """Within the block this process is the only writer of the run folder ``run_dir``
+    (created if needed). Re-entrant within a process (the command line holds it around a
+    trainer that takes it again); the lock file is removed when the outermost block ends, and
+    the kernel drops the lock of a process that dies.
+
+    Raises:
+        ValueError: another process holds the folder (its pid is named), or the folder cannot
+            be created.
+    """
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"output_dir {run_dir} cannot be created ({type(err).__name__}: "
+            f"{err.strerror or err}): choose a folder you can write to"
+        ) from None
+    key = run_dir.resolve()
+    if key in _HELD_LOCKS:
+        fd, depth = _HELD_LOCKS[key]
+        _HELD_LOCKS[key] = (fd, depth + 1)
+    else:
+        try:
+            fd = _acquire(run_dir)
+        except PermissionError as err:
+            raise ValueError(
+                f"output_dir {run_dir} is not writable ({err.strerror or err}): choose a folder "
+                "you can write to"
+            ) from None
+        _HELD_LOCKS[key] = (fd, 1)
+    try:
+        yield
+    finally:
+        fd, depth = _HELD_LOCKS[key]
+        if depth > 1:
+            _HELD_LOCKS[key] = (fd, depth - 1)
+        else:
+            del _HELD_LOCKS[key]
+            # Removed while still locked: a process that opened it meanwhile sees the file gone
+            # and takes a new one (_acquire), never a second lock on this one.
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
+            os.close(fd)
 
 
 class Interrupted(KeyboardInterrupt):
