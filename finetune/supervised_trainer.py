@@ -132,6 +132,7 @@ def run_stage(
             config.output_dir,
             resuming=resume_from is not None,
             overwrite=config.overwrite_output_dir,
+            log_with=config.log_with,
         )
         trainer = trainer_class(config)
         trainer.train(train_records, eval_records, resume_from=resume_from)
@@ -239,7 +240,10 @@ class SupervisedTrainer(Generic[E, B]):
                 "build a new trainer"
             )
         prepare_run_dir(
-            self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
+            self.run_dir,
+            resuming=resume_from is not None,
+            overwrite=cfg.overwrite_output_dir,
+            log_with=cfg.log_with,
         )
         remove_run_leftovers(self.run_dir)
         # 1. Tokenise (every record is checked before any training).

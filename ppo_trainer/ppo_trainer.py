@@ -66,12 +66,14 @@ from ppo_trainer.components import (
     context_length,
     kl_controller,
     stop_token_ids,
+    vocab_size,
 )
 from ppo_trainer.experience import (
     KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
 )
+from ppo_trainer.memory_estimate import check_memory
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
     Columns,
@@ -178,6 +180,8 @@ class PPOTrainer:
                 "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
                 "trainer: pass no policy=, or set async_rollout: false"
             )
+        if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
+            check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
         if self.is_main_process:  # before any model loads: a folder we cannot write is named
             prepare_run_dir(self.run_dir, resuming=True, overwrite=False)
@@ -206,7 +210,7 @@ class PPOTrainer:
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.stop_token_ids = stop_token_ids(config, self.tokenizer)
+        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
         self.kl_ctl = kl_controller(config)
@@ -321,14 +325,17 @@ class PPOTrainer:
         keys = keys[first * group : (first + local) * group]
         sequence_ids = [p for p in prompt_ids for _ in range(group)]
         generation, waited = self._overlap_generation(sequence_ids, next_prompts)
-        rollout = self._rollout(
-            [t for t in texts for _ in range(group)],
-            sequence_ids,
-            repeat_columns(columns, group),
-            self.sampling,
-            keys,
-            generation=generation,
-        )
+        try:
+            rollout = self._rollout(
+                [t for t in texts for _ in range(group)],
+                sequence_ids,
+                repeat_columns(columns, group),
+                self.sampling,
+                keys,
+                generation=generation,
+            )
+        except ValueError as err:  # a reward that is NaN or not numbers: name the step
+            raise ValueError(f"step {step}: {err}") from err
         t_rollout = time.perf_counter()
 
         # 4. Per-token KL and rewards, advantages and returns.
@@ -553,7 +560,7 @@ class PPOTrainer:
             eval_prompts: evaluated every ``config.eval_every`` steps (and at the end) if given.
             resume_from: a checkpoint directory or ``"latest"``: continue exactly where it stopped.
 
-        Ctrl-C or SIGTERM stops after the current step and saves a checkpoint
+        Ctrl-C, SIGTERM or SIGHUP stops after the current step and saves a checkpoint
         (:attr:`stop_reason` says which); a second one interrupts at once.
         """
         return TrainingRun(self, prompts, num_epochs, callbacks, eval_prompts).run(resume_from)

@@ -173,7 +173,10 @@ class TrainingRun:
             try:
                 self._held.enter_context(run_lock(t.run_dir))  # before anything is removed
                 prepare_run_dir(
-                    t.run_dir, resuming=resuming, overwrite=t.config.overwrite_output_dir
+                    t.run_dir,
+                    resuming=resuming,
+                    overwrite=t.config.overwrite_output_dir,
+                    log_with=t.config.log_with,
                 )
                 remove_run_leftovers(t.run_dir)
             except ValueError as err:

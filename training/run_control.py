@@ -166,8 +166,14 @@ def raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+#: What a run stops on (after the step, saving): Ctrl-C, a scheduler's SIGTERM, and SIGHUP (the
+#: terminal or SSH session that started it closed).
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class StopSignals:
-    """Within the block, SIGINT and SIGTERM request a stop instead of killing the process.
+    """Within the block, SIGINT, SIGTERM and SIGHUP request a stop instead of killing the
+    process.
 
     ``requested`` turns true at the first signal (or :meth:`request`); the loop checks it between
     steps, saves and returns. A second signal raises :class:`Interrupted` (a
@@ -198,7 +204,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -227,10 +233,10 @@ class TrainingStopped(Exception):
 
 def stop_exit_code(reason: str | None) -> int:
     """The exit code of a run stopped for ``reason``: the shell's code for a signal (130 for
-    SIGINT, 143 for SIGTERM), 1 for another stop, 0 for none."""
+    SIGINT, 143 for SIGTERM, 129 for SIGHUP), 1 for another stop, 0 for none."""
     if reason is None:
         return 0
-    return {"SIGINT": 130, "SIGTERM": 143}.get(reason, 1)
+    return {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}.get(reason, 1)
 
 
 def holds_a_run(run_dir: Path) -> list[str]:
@@ -248,9 +254,15 @@ def holds_a_run(run_dir: Path) -> list[str]:
     return found
 
 
-def check_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+def check_run_dir(
+    run_dir: str | Path, *, resuming: bool, overwrite: bool, log_with: str = "none"
+) -> None:
     """Raise ``ValueError`` if a fresh run (not ``resuming``, no ``overwrite``) would reuse a
-    folder that holds another run; changes nothing (see :func:`prepare_run_dir`)."""
+    folder that holds another run, or if the tracker ``log_with`` is not installed; changes
+    nothing (see :func:`prepare_run_dir`)."""
+    from training.metrics_logger import check_tracker
+
+    check_tracker(log_with)  # before anything is removed: the run would fail at its start
     run_dir = Path(run_dir)
     earlier = holds_a_run(run_dir)
     if earlier and not resuming and not overwrite:
@@ -261,18 +273,22 @@ def check_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> No
         )
 
 
-def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+def prepare_run_dir(
+    run_dir: str | Path, *, resuming: bool, overwrite: bool, log_with: str = "none"
+) -> None:
     """Check ``run_dir`` before a run starts (before models load when called early).
 
     A fresh run (not ``resuming``) into a folder that holds another run raises ``ValueError``
     naming what is there, unless ``overwrite``, which removes the earlier run's files
-    (:data:`RUN_ARTIFACTS`, nothing else). The folder must be writable.
+    (:data:`RUN_ARTIFACTS`, nothing else). The folder must be writable, and the tracker
+    ``log_with`` installed (checked first).
 
     Raises:
-        ValueError: the folder holds another run (and no overwrite), or is not writable.
+        ValueError: the folder holds another run (and no overwrite), is not writable, or the
+            tracker is missing.
     """
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, resuming=resuming, overwrite=overwrite)
+    check_run_dir(run_dir, resuming=resuming, overwrite=overwrite, log_with=log_with)
     earlier = holds_a_run(run_dir)
     if earlier and not resuming:
         logger.warning("overwriting the earlier run in %s (%s)", run_dir, ", ".join(earlier))
@@ -348,6 +364,20 @@ def resumed_run_config(run_dir: str | Path, resume_from: str | Path) -> dict[str
     if not isinstance(config, dict):
         return None
     return {k: v for k, v in config.items() if k != "overwrite_output_dir"}
+
+
+def check_resume_target(resume_from: str | Path, run_dir: str | Path) -> None:
+    """Raise ``FileNotFoundError`` saying so if there is no checkpoint to resume: for
+    ``"latest"``, no complete one under ``<run_dir>/checkpoints``; else ``resume_from`` is not
+    a checkpoint directory (what a resume checks before it needs the run's settings)."""
+    from training.checkpoint import CheckpointManager
+
+    if str(resume_from) != "latest" and not Path(resume_from).exists():
+        raise FileNotFoundError(
+            f"--resume {resume_from}: no such checkpoint; checkpoints are the step_NNNNNN "
+            f"directories under {Path(run_dir) / 'checkpoints'}, or pass --resume latest"
+        )
+    CheckpointManager(Path(run_dir) / "checkpoints").resolve(resume_from)
 
 
 def load_resumed_config(
