@@ -241,6 +241,14 @@ class TrainingRun:
         at most half the cores."""
         t = self.trainer
         cfg = t.config
+        if resumed:
+            logger.warning(
+                "async_rollout: this resumed run is not bit for bit the uninterrupted one: its "
+                "first step generates with the weights after update %d, where the worker would "
+                "have used those of before it (one step off-policy); set async_rollout: false "
+                "for exact resumes",
+                t.global_step,
+            )
         if resumed:  # the checkpoint's count (perhaps of a synchronous run) stays the trainer's
             mine = t.blas_threads
             half = max(1, (os.cpu_count() or 1) // 2)
