@@ -33,9 +33,9 @@ def read_prompts(path: str | Path) -> list[Any]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
+        bad_line = data[: err.start].count(b"\n") + 1
         raise ValueError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}): save the file as "
+            f"{path}:{bad_line}: not UTF-8 text (byte 0x{data[err.start]:02x}): save the file as "
             "UTF-8"
         ) from None
     prompts: list[Any] = []

@@ -91,7 +91,7 @@ def test_train_says_what_a_prompt_must_be(tiny_model_dir: Path, tmp_path: Path) 
     with pytest.raises(ValueError, match="prompt 0 is int 1: a prompt must be text, chat messages"):
         trainer.train([1, 2, 3])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="prompt 1 has message 0 with no 'content'"):
-        trainer.train(["a", [{"role": "user"}]])  # type: ignore[list-item]
+        trainer.train(["a", [{"role": "user"}]])
 
 
 @pytest.mark.parametrize("damage", ["config", "weights"])

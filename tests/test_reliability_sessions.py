@@ -1,11 +1,13 @@
 """Long sessions: a chat that outgrows the model's context (it took 12 minutes and 5.3 GB past
-2,048 tokens, without a word), a line longer than the context, a closed terminal (SIGHUP)."""
+2,048 tokens, without a word), a line longer than the context, a closed terminal (SIGHUP), the
+way out of a full disk."""
 
 from __future__ import annotations
 
 import io
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,43 @@ def test_sighup_finishes_the_step_and_saves_like_sigterm(
     assert trainer.stop_reason == "SIGHUP" and trainer.global_step == 1
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "manifest.json").is_file()
     assert stop_exit_code("SIGHUP") == 129
+
+
+def test_after_a_full_disk_before_any_checkpoint_the_way_out_it_names_works(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It said "start the run again", which was refused (the folder held the run's metrics),
+    while --resume latest found no checkpoint: no way out but deleting files by hand."""
+    import mlx.core as mx
+
+    from training.checkpoint import CheckpointWriteError
+
+    def full(path: str, arrays: Any, metadata: Any = None) -> None:
+        raise RuntimeError("[write] Unable to write 8391 bytes to file.")  # what MLX raises
+
+    config = PPOConfig(
+        model_name=str(tiny_model_dir),
+        max_new_tokens=4,
+        batch_size=2,
+        num_ppo_epochs=1,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        total_steps=2,
+    )
+    reward = length_reward
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    with pytest.raises(CheckpointWriteError) as info:
+        PPOTrainer(config, reward_model=reward).train(review_prompts(8, seed=0))
+    assert "start the run again with --overwrite" in str(info.value)
+    monkeypatch.undo()  # space freed
+    with pytest.raises(FileNotFoundError, match="with --overwrite if the folder holds"):
+        PPOTrainer(config, reward_model=reward).train(
+            review_prompts(8, seed=0), resume_from="latest"
+        )
+    again = PPOTrainer(replace(config, overwrite_output_dir=True), reward_model=reward)
+    again.train(review_prompts(8, seed=0))
+    assert again.global_step == 2
+
+
+def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    return [float(len(c)) for c in completions]

@@ -86,7 +86,11 @@ def write_failure(
     if saved:
         then = f"resume with --resume latest (the checkpoints up to {saved[-1].name} are intact)"
     else:
-        then = "start the run again: it has no checkpoint to resume from yet"
+        # Its metrics of unsaved steps are there: a fresh start must replace them.
+        then = (
+            "start the run again with --overwrite (overwrite_output_dir: true): it has no "
+            "checkpoint to resume from yet"
+        )
     return CheckpointWriteError(
         f"could not write {path} ({type(err).__name__}: {err}). The file system has "
         f"{free / 2**20:.1f} MB free{need}: free some space (or point output_dir elsewhere) and "
@@ -268,8 +272,8 @@ class CheckpointManager:
             if latest is None:
                 raise FileNotFoundError(
                     f"resume_from='latest' but there is no complete checkpoint under "
-                    f"{self.root}: start without resume_from, or point it at a checkpoint "
-                    "directory"
+                    f"{self.root}: start the run again without --resume (with --overwrite if "
+                    "the folder holds its metrics), or point it at a checkpoint directory"
                 )
             return latest
         path = Path(path_or_latest)

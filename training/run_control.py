@@ -89,8 +89,15 @@ def _acquire(run_dir: Path) -> int:
         except FileNotFoundError:
             same = False
         if same:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+            from training.checkpoint import named_write
+
+            try:
+                with named_write(lock):  # a full disk: named, with the way out
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                os.close(fd)
+                raise
             return fd
         os.close(fd)
 
