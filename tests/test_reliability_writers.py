@@ -173,3 +173,70 @@ def test_train_called_again_with_overwrite_keeps_the_run(
         trainer.train(PROMPTS)
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
     assert (run / "checkpoints" / "step_000002").is_dir()
+
+
+_HELD_RUN = """
+from base_setup import setup_blas; setup_blas()
+import os, sys, time, json
+from config.ppo_config import PPOConfig
+from fixtures.tiny_corpus import review_prompts
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.callbacks import TrainerCallback
+
+class Held(TrainerCallback):  # after step 2, waits until the test says go on
+    def on_step_end(self, trainer, step, metrics):
+        print(f"step {step}", flush=True)
+        while step == 2 and not os.path.exists(sys.argv[2]):
+            time.sleep(0.1)
+
+config = PPOConfig(**json.loads(sys.argv[1]))
+trainer = PPOTrainer(config, reward_model=lambda p, c: [float(len(x)) for x in c])
+trainer.train(review_prompts(8, seed=0), callbacks=[Held()])
+"""
+
+
+@pytest.mark.slow
+def test_a_second_resume_while_the_run_goes_on_is_refused(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two processes resuming one folder both exited 0, with interleaved steps in metrics.jsonl."""
+    import json
+
+    run = tmp_path / "run"
+    settings = dict(
+        model_name=str(tiny_model_dir),
+        max_new_tokens=4,
+        batch_size=2,
+        num_ppo_epochs=1,
+        output_dir=str(run),
+        progress_bar=False,
+        total_steps=4,
+        save_every=1,
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", _HELD_RUN, json.dumps(settings), str(tmp_path / "go_on")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "step 1\n"
+        assert first.stdout.readline() == "step 2\n"  # step 1's checkpoint is saved
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("Review of the camera:\n")
+        second = subprocess.run(
+            [sys.executable, "main.py", "train", "--prompts", str(prompts), "--resume", "latest"]
+            + ["--set", f"output_dir={run}", "--set", f"model_name={tiny_model_dir}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr
+        assert f"process {first.pid} is writing a run there" in second.stderr
+    finally:
+        (tmp_path / "go_on").touch()
+        first.wait(timeout=120)
+    assert first.returncode == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not (run / LOCK_FILE).exists()
