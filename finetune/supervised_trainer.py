@@ -247,10 +247,11 @@ class SupervisedTrainer(Generic[E, B]):
         )
         remove_run_leftovers(self.run_dir)
         # 1. Tokenise (every record is checked before any training).
-        examples = self.prepare(train_data)
+        records = [dict(r) for r in train_data]  # read once: fingerprinted, then tokenised
+        self.inputs["data"] = data_fingerprint(records)  # the records, not settings' effects
+        examples = self.prepare(records)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []
         self._num_train_examples = len(examples)
-        self.inputs["data"] = data_fingerprint(examples)
         lengths = [len(e) for e in examples]
         steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
         total = cfg.num_epochs * steps_per_epoch

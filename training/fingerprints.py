@@ -12,6 +12,7 @@ Face repository, content-addressed by its revision) has no fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -54,9 +55,18 @@ def model_fingerprint(name_or_path: str | Path | None) -> str | None:
     return f"sha256 {digest.hexdigest()[:16]}"
 
 
+def _plain(value: Any) -> Any:
+    """A JSON stand-in for what ``json`` cannot write: arrays as lists, dataclasses as dicts."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return repr(value)
+
+
 def data_fingerprint(records: Sequence[Any]) -> str:
-    """``"<n> records, sha256 <hash>"`` of ``records`` (prompts, examples) as JSON."""
-    text = json.dumps(list(records), sort_keys=True, default=repr)
+    """``"<n> records, sha256 <hash>"`` of ``records`` (prompts, data records) as JSON."""
+    text = json.dumps(list(records), sort_keys=True, default=_plain)
     return f"{len(records)} records, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
