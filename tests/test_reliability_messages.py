@@ -165,7 +165,7 @@ def test_resuming_a_checkpoint_that_does_not_exist_says_so(
     missing = tmp_path / "run" / "checkpoints" / "step_000007"
     base = ["train", "--prompts", str(prompts), "--set", f"output_dir={tmp_path / 'run'}"]
     code, err = run_cli(capsys, *base, "--resume", str(missing))
-    assert code == 2 and f"--resume {missing}: no such checkpoint" in err
+    assert code == 2 and f"there is no checkpoint at {missing}" in err
     code, err = run_cli(capsys, *base, "--resume", "latest")
     assert code == 2 and "no complete checkpoint under" in err
     code, err = run_cli(capsys, "sft", "--data", str(prompts), "--resume", "latest")

@@ -381,8 +381,8 @@ def check_resume_target(resume_from: str | Path, run_dir: str | Path) -> None:
 
     if str(resume_from) != "latest" and not Path(resume_from).exists():
         raise FileNotFoundError(
-            f"--resume {resume_from}: no such checkpoint; checkpoints are the step_NNNNNN "
-            f"directories under {Path(run_dir) / 'checkpoints'}, or pass --resume latest"
+            f"there is no checkpoint at {resume_from}: checkpoints are the step_NNNNNN "
+            f"directories under {Path(run_dir) / 'checkpoints'} (or resume 'latest')"
         )
     CheckpointManager(Path(run_dir) / "checkpoints").resolve(resume_from)
 
