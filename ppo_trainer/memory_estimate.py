@@ -1,7 +1,9 @@
 """A lower bound on the memory a PPO configuration needs, checked before any model is built.
 
-From the policy's ``config.json`` and weight files (local folders only) and the run's sizes:
+From the run's sizes and the policy's ``config.json`` and weight files (local folders only):
 
+* the rollout's arrays: response ids, mask and three log-probs, ``B * T_new`` 4-byte values
+  each (whatever the model);
 * weights: the policy's files, twice without LoRA (the frozen reference is a second copy);
 * KV cache of one rollout: ``2 * L * B * T_new * H_kv * d_head`` values in the weights' dtype
   (``B`` sequences of this process, ``T_new = max_new_tokens``: prompts only add to it);
@@ -56,17 +58,25 @@ def _model_shape(model_dir: Path) -> dict[str, Any] | None:
 
 
 def memory_lower_bound(config: PPOConfig, world_size: int = 1) -> list[tuple[str, int]]:
-    """``[(what, bytes), ...]``: the parts of the bound (see the module docstring); empty when
-    the policy is not a local folder with a readable config."""
+    """``[(what, bytes), ...]``: the parts of the bound (see the module docstring); only the
+    rollout's arrays when the policy is not a local folder with a readable config."""
+    local = max(config.rollout_batch_size // world_size, 1)
+    micro = max(config.micro_batch_size // world_size, 1)
+    # Whatever the model: the rollout's response ids, mask, and sampling, policy and reference
+    # log-probs, (B, T_new) 4-byte values each.
+    parts = [
+        (
+            f"rollout arrays (5 x {local} sequences x {config.max_new_tokens} tokens)",
+            5 * local * config.max_new_tokens * 4,
+        )
+    ]
     model_dir = Path(config.model_name)
     shape = _model_shape(model_dir) if model_dir.is_dir() else None
     if shape is None:
-        return []
+        return parts
     value_bytes = _DTYPE_BYTES.get(str(config.dtype), 2)
-    local = max(config.rollout_batch_size // world_size, 1)
-    micro = max(config.micro_batch_size // world_size, 1)
     copies = 1 if config.use_lora else 2
-    return [
+    return parts + [
         (
             f"weights ({copies} x {shape['weight_bytes'] / GB:.2f} GB)",
             copies * shape["weight_bytes"],

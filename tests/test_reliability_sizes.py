@@ -30,11 +30,17 @@ def test_the_bound_counts_weights_kv_cache_and_logits_by_hand(tiny_model_dir: Pa
     weights = (tiny_model_dir / "model.safetensors").stat().st_size
     parts = dict(memory_lower_bound(config))
     assert list(parts.values()) == [
+        5 * 8 * 10 * 4,  # ids, mask, 3 log-probs of 4 x 2 sequences, 10 tokens, 4 bytes
         2 * weights,  # policy and a frozen reference copy
         2 * 2 * 8 * 10 * (2 * 16) * 4,  # K and V, layers, sequences, tokens, kv dims, bytes
         4 * 10 * 512 * 4,  # a micro-batch of 8 / 2 sequences, tokens, vocabulary, float32
     ]
-    assert memory_lower_bound(PPOConfig(model_name="Qwen/Qwen3-0.6B")) == []  # not local
+    hub = PPOConfig(model_name="Qwen/Qwen3-0.6B", batch_size=10**9)  # not local: no model part
+    assert [what for what, _ in memory_lower_bound(hub)] == [
+        "rollout arrays (5 x 1000000000 sequences x 64 tokens)"
+    ]
+    with pytest.raises(ValueError, match="needs at least 1192.1 GB"):
+        check_memory(hub, available=16 * GB)
 
 
 def test_a_batch_that_cannot_fit_is_refused_with_the_estimate(
