@@ -147,7 +147,9 @@ class PPOTrainer:
     Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
     group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
     ``stop_reason``: after :meth:`train`, why it stopped early ("SIGINT", "SIGTERM", or a
-    callback's reason), None when it ran to the end.
+    callback's reason), None when it ran to the end. ``inputs``: fingerprints of the models,
+    prompts and reward the run reads (:mod:`training.fingerprints`), which its checkpoints record
+    and a resume compares.
     """
 
     def __init__(
