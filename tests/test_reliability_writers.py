@@ -240,3 +240,15 @@ def test_a_second_resume_while_the_run_goes_on_is_refused(
     assert first.returncode == 0
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
     assert not (run / LOCK_FILE).exists()
+
+
+def test_a_command_that_fails_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """Taking the lock creates the run folder; a run refused before writing removes it again."""
+    run = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="refused"):
+        with run_lock(run):
+            raise ValueError("refused")
+    assert not run.exists()
+    with run_lock(run):
+        (run / "metrics.jsonl").write_text("")
+    assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]

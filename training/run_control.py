@@ -106,14 +106,16 @@ def _acquire(run_dir: Path) -> int:
 def run_lock(run_dir: str | Path) -> Iterator[None]:
     """Within the block this process is the only writer of the run folder ``run_dir``
     (created if needed). Re-entrant within a process (the command line holds it around a
-    trainer that takes it again); the lock file is removed when the outermost block ends, and
-    the kernel drops the lock of a process that dies.
+    trainer that takes it again); the lock file is removed when the outermost block ends (and
+    the folder, if the block created it and nothing was written), and the kernel drops the lock
+    of a process that dies.
 
     Raises:
         ValueError: another process holds the folder (its pid is named), or the folder cannot
             be created.
     """
     run_dir = Path(run_dir)
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -146,6 +148,8 @@ def run_lock(run_dir: str | Path) -> Iterator[None]:
             # and takes a new one (_acquire), never a second lock on this one.
             (run_dir / LOCK_FILE).unlink(missing_ok=True)
             os.close(fd)
+            if created and not any(run_dir.iterdir()):  # a command that failed leaves nothing
+                run_dir.rmdir()
 
 
 class Interrupted(KeyboardInterrupt):
