@@ -6,6 +6,7 @@ The only place that parses files and flags; everything else receives a config ob
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
@@ -23,11 +24,22 @@ def read_prompts(path: str | Path) -> list[Any]:
     """Prompts from a ``.txt`` file (one per line) or ``.jsonl`` (``prompt`` text or chat
     ``messages`` per line; the line's other fields come along as a prompt record's columns,
     which reach the reward function). Errors name the file and line."""
+    from ppo_trainer.prompt_records import prompt_problem
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad_line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{bad_line}: not UTF-8 text (byte 0x{data[err.start]:02x}): save the file as "
+            "UTF-8"
+        ) from None
     prompts: list[Any] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if path.suffix != ".jsonl":
@@ -43,6 +55,9 @@ def read_prompts(path: str | Path) -> list[Any]:
             prompt, key = record["messages"], "messages"
         else:
             raise ValueError(f"{path}:{lineno}: expected an object with 'prompt' or 'messages'")
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise ValueError(f"{path}:{lineno}: {key!r} {problem}")
         columns = {k: v for k, v in record.items() if k != key}
         prompts.append({"prompt": prompt, **columns} if columns else prompt)
     if not prompts:
@@ -116,26 +131,45 @@ def _run_config(args: argparse.Namespace, cls: type[Any]) -> Any:
     ``--resume``, over the resumed run's own config instead (as its checkpoint recorded it), so
     that a setting not given again keeps the run's value rather than its default. ``output_dir``
     (where ``latest`` is looked for) comes from ``--config`` / ``--set`` as for a fresh run."""
-    from config.loading import load_config
-    from training.run_control import load_resumed_config
+    from config.loading import given_value, load_config
+    from training.run_control import check_resume_target, load_resumed_config
 
     overrides = _overrides(args)
     resume = getattr(args, "resume", None)
     resumed = None if resume is None else load_resumed_config(args.config, overrides, resume, cls)
+    if resume is not None and resumed is None:
+        check_resume_target(resume, given_value("output_dir", args.config, overrides, cls))
     # Without a recorded config the resume itself fails, naming what is missing.
     return resumed if resumed is not None else load_config(args.config, overrides, cls=cls)
 
 
-def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, list[Any]]:
+def _build_trainer(
+    args: argparse.Namespace, *, resuming: bool, held: contextlib.ExitStack | None = None
+) -> tuple[Any, list[Any]]:
     """The trainer and the prompts; the config, the prompt file and the run folder are checked
-    before any model is loaded."""
+    before any model is loaded. ``held``: where the run folder's lock is kept (a run)."""
     from config.ppo_config import PPOConfig
-    from training.run_control import check_run_dir
+    from training.run_control import check_run_dir, run_lock
 
     config = _run_config(args, PPOConfig)
     reward = load_function(args.reward_fn) if args.reward_fn else None
     prompts = read_prompts(args.prompts)
-    check_run_dir(config.output_dir, resuming=resuming, overwrite=config.overwrite_output_dir)
+    if held is not None:  # one writer per run folder (rank 0 writes): up to the saved final/
+        from base_setup import distributed as dist
+
+        error = None
+        if dist.is_main_process():
+            try:
+                held.enter_context(run_lock(config.output_dir))
+            except ValueError as err:
+                error = err
+        dist.raise_if_any_rank_failed(error, f"locking output_dir {config.output_dir}")
+    check_run_dir(
+        config.output_dir,
+        resuming=resuming,
+        overwrite=config.overwrite_output_dir,
+        log_with=config.log_with,
+    )
     from ppo_trainer.ppo_trainer import PPOTrainer
 
     return PPOTrainer(config, reward_model=reward), prompts
@@ -145,18 +179,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from training.run_control import stop_exit_code
 
     eval_prompts = read_prompts(args.eval_prompts) if args.eval_prompts else None
-    trainer, prompts = _build_trainer(args, resuming=args.resume is not None)
-    history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
-    if trainer.stop_reason is not None:
-        # A signal (or a callback) stopped it: the state is saved, the run is not finished.
-        if trainer.is_main_process:
-            print(
-                f"stopped ({trainer.stop_reason}) after step {trainer.global_step}; the "
-                f"checkpoint is saved: continue with --resume latest",
-                file=sys.stderr,
-            )
-        return stop_exit_code(trainer.stop_reason)
-    out = trainer.save_model(Path(trainer.config.output_dir) / "final")
+    with contextlib.ExitStack() as held:
+        trainer, prompts = _build_trainer(args, resuming=args.resume is not None, held=held)
+        history = trainer.train(prompts, eval_prompts=eval_prompts, resume_from=args.resume)
+        if trainer.stop_reason is not None:
+            # A signal (or a callback) stopped it: the state is saved, the run is not finished.
+            if trainer.is_main_process:
+                print(
+                    f"stopped ({trainer.stop_reason}) after step {trainer.global_step}; the "
+                    f"checkpoint is saved: continue with --resume latest",
+                    file=sys.stderr,
+                )
+            return stop_exit_code(trainer.stop_reason)
+        out = trainer.save_model(Path(trainer.config.output_dir) / "final")
     if not trainer.is_main_process:
         return 0
     last = history[-1] if history else {}
@@ -238,16 +273,26 @@ def _load_policy(path: str) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from ppo_trainer.chat import generate_text
+    from ppo_trainer.components import context_length
 
     settings = _sampling_settings(args)  # checked before the model is loaded
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     policy = _load_policy(args.model)
-    generate_text(policy.model, policy.tokenizer, prompt, settings, chat=args.chat, out=sys.stdout)
+    generate_text(
+        policy.model,
+        policy.tokenizer,
+        prompt,
+        settings,
+        chat=args.chat,
+        out=sys.stdout,
+        context=context_length(policy),
+    )
     print()
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from ppo_trainer.chat import chat_session
+    from ppo_trainer.components import context_length
 
     settings = _sampling_settings(args)
     policy = _load_policy(args.model)
@@ -260,6 +305,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             stdout=sys.stdout,
             system=args.system,
             show_prompt=args.show_prompt,
+            context=context_length(policy),
         )
     except KeyboardInterrupt as err:
         if getattr(err, "reason", "SIGINT") != "SIGINT":
@@ -456,6 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a scheduler, docker stop) as Ctrl-C: within the training loop it finishes the
     # step and saves (StopSignals); outside it the command ends with a message, not silently.
     previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)
+    previous_sighup = signal.signal(signal.SIGHUP, raise_interrupted)  # the terminal closed
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError) as err:
@@ -473,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop_exit_code(stopped.reason)
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
+        signal.signal(signal.SIGHUP, previous_sighup)
     return int(code or 0)
 
 

@@ -42,7 +42,7 @@ from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_st
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
 from training.run_control import in_run_scope
-from training.checkpoint import atomic_directory
+from training.checkpoint import atomic_directory, check_save_target
 from training.preference_loss import answer_logps, preference_loss
 
 logger = logging.getLogger("ppo_mlx")
@@ -285,9 +285,11 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         keys.update({"eval_loss": "eval/loss", "eval_acc": "eval/rewards/accuracies"})
         return {short: f"{record[key]:.3f}" for short, key in keys.items() if key in record}
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that ``generate``,
-        ``chat``, ``export``, ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read."""
+        ``chat``, ``export``, ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read. A file,
+        or a non-empty directory without ``overwrite``, is refused (``ValueError``)."""
+        check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.policy.save_pretrained(tmp, merged=True)
         return Path(path)

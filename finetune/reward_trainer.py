@@ -35,7 +35,7 @@ from finetune.tokenize import (
     collate_preferences,
     tokenize_preferences,
 )
-from training.checkpoint import atomic_directory
+from training.checkpoint import atomic_directory, check_save_target
 from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
@@ -181,9 +181,10 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
             "eval/reward_std": float(mx.sqrt(mx.var(both))),
         }
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """The one-label ``*ForSequenceClassification`` layout with the tokenizer, which
         ``RewardModel.from_pretrained`` and ``ValueModel.from_pretrained`` load."""
+        check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.reward_model.save_pretrained(tmp, tokenizer=self.tokenizer)
         return Path(path)

@@ -31,7 +31,7 @@ from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from finetune.records import load_sft_data
 from finetune.tokenize import SFTBatch, SFTExample, collate_sft, tokenize_sft
-from training.checkpoint import atomic_directory
+from training.checkpoint import atomic_directory, check_save_target
 from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
@@ -162,9 +162,10 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
             "eval/token_accuracy": correct_sum / count,
         }
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that
         ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read: PPO's policy and reference."""
+        check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.policy.save_pretrained(tmp, merged=True)
         return Path(path)

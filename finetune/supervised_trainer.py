@@ -52,6 +52,7 @@ from training.checkpoint import (
     warn_changed_settings,
 )
 from finetune.records import train_eval_split
+from training.fingerprints import check_same_inputs, data_fingerprint, model_fingerprint
 from finetune.tokenize import length_bucketed_batches
 from training.optimizer import SchedulePlan, make_adamw, optimizer_step, resumed_plan
 from training.run_control import (
@@ -63,6 +64,7 @@ from training.run_control import (
     in_run_scope,
     prepare_run_dir,
     remove_run_leftovers,
+    run_lock,
     save_after_failure,
 )
 
@@ -126,15 +128,19 @@ def run_stage(
         TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
     """
     train_records, eval_records = load_run_data(config, load)
-    # Before the model loads: a folder that holds another run, or that cannot be written.
-    prepare_run_dir(
-        config.output_dir, resuming=resume_from is not None, overwrite=config.overwrite_output_dir
-    )
-    trainer = trainer_class(config)
-    trainer.train(train_records, eval_records, resume_from=resume_from)
-    if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run, not a model
-        raise TrainingStopped(trainer.stop_reason, trainer.global_step)
-    return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR)
+    with run_lock(config.output_dir):  # one writer, from the folder check to the saved model
+        # Before the model loads: a folder that holds another run, or that cannot be written.
+        prepare_run_dir(
+            config.output_dir,
+            resuming=resume_from is not None,
+            overwrite=config.overwrite_output_dir,
+            log_with=config.log_with,
+        )
+        trainer = trainer_class(config)
+        trainer.train(train_records, eval_records, resume_from=resume_from)
+        if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run
+            raise TrainingStopped(trainer.stop_reason, trainer.global_step)
+        return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR, overwrite=True)
 
 
 class StageCallback:
@@ -206,6 +212,9 @@ class SupervisedTrainer(Generic[E, B]):
         self.callbacks: list[StageCallback] = []  # those of the current train() call
         self._stop: StopSignals | None = None  # the current train() call's
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
+        # What the run reads besides its settings, recorded and compared on resume (train() adds
+        # the data's).
+        self.inputs: dict[str, str | None] = {"model": model_fingerprint(config.model_name)}
 
     # ------------------------------------------------------------------ task seams
     def prepare(self, data: Iterable[Mapping[str, Any]]) -> list[E]:
@@ -225,8 +234,9 @@ class SupervisedTrainer(Generic[E, B]):
         """Metrics (``eval/...``) on held-out examples, without gradients."""
         raise NotImplementedError
 
-    def save_pretrained(self, path: str | Path) -> Path:
-        """Save the trained model where the next stage loads it; returns the directory."""
+    def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Save the trained model where the next stage loads it; returns the directory.
+        A file, or a non-empty directory without ``overwrite``, is refused (``ValueError``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop
@@ -248,14 +258,35 @@ class SupervisedTrainer(Generic[E, B]):
                 ``<output_dir>/checkpoints``): continue where it stopped.
             callbacks: :class:`StageCallback` objects whose hooks the loop calls.
         """
+        with run_lock(self.run_dir):  # one writer per run folder, before anything is removed
+            return self._train(train_data, eval_data, resume_from, callbacks)
+
+    def _train(
+        self,
+        train_data: Iterable[Mapping[str, Any]],
+        eval_data: Iterable[Mapping[str, Any]] | None,
+        resume_from: str | Path | None,
+        callbacks: Sequence[StageCallback],
+    ) -> list[dict[str, Any]]:
         cfg = self.config
+        if resume_from is None and self.global_step > 0:  # would empty the folder, train nothing
+            raise ValueError(
+                f"this trainer has already trained {self.global_step} steps: to go on, call "
+                "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
+                "build a new trainer"
+            )
         self.callbacks = list(callbacks)
         prepare_run_dir(
-            self.run_dir, resuming=resume_from is not None, overwrite=cfg.overwrite_output_dir
+            self.run_dir,
+            resuming=resume_from is not None,
+            overwrite=cfg.overwrite_output_dir,
+            log_with=cfg.log_with,
         )
         remove_run_leftovers(self.run_dir)
         # 1. Tokenise (every record is checked before any training).
-        examples = self.prepare(train_data)
+        records = [dict(r) for r in train_data]  # read once: fingerprinted, then tokenised
+        self.inputs["data"] = data_fingerprint(records)  # the records, not settings' effects
+        examples = self.prepare(records)
         eval_examples = self.prepare(eval_data) if eval_data is not None else []
         self._num_train_examples = len(examples)
         lengths = [len(e) for e in examples]
@@ -431,6 +462,7 @@ class SupervisedTrainer(Generic[E, B]):
             "schedule": self._schedule_plan.to_dict() if self._schedule_plan else None,
             "history": self.history,
             "config": config_to_dict(self.config),
+            "inputs": self.inputs,
         }
         path = save_training_state(
             self.checkpoints,
@@ -455,6 +487,7 @@ class SupervisedTrainer(Generic[E, B]):
         check_resume_config(
             path, state["config"], config_to_dict(self.config), _RESUME_KEYS + self._resume_keys()
         )
+        check_same_inputs(path, state.get("inputs"), self.inputs)
         if state["num_train_examples"] != self._num_train_examples:
             raise ValueError(
                 f"checkpoint {path} was trained on {state['num_train_examples']} examples but "

@@ -15,6 +15,7 @@ import glob
 import json
 import logging
 import re
+import struct
 from pathlib import Path
 from typing import Any, Mapping, Union, cast
 
@@ -78,6 +79,7 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
                 f"model path {str(path)!r} is a file; pass the checkpoint directory (the one "
                 "holding config.json and the *.safetensors weights)"
             )
+        check_model_files(path)
         return path
     name = str(path_or_repo)
     if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", name):
@@ -96,6 +98,50 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
             "or download it first where there is network"
         ) from e
     return Path(snapshot)
+
+
+def check_model_files(path: Path) -> None:
+    """Raise ``ValueError`` naming the file if the model folder ``path`` has a ``config.json``
+    that is not JSON, or a ``*.safetensors`` file shorter than its header says (a download or
+    copy that did not finish). Reads only the headers."""
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"{config} is not valid JSON ({err}): restore the model's config.json (copy or "
+                "download it again)"
+            ) from None
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        problem = None
+        with open(file, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or 8 + length > size:
+                problem = "its header is cut short"
+            else:
+                try:
+                    header = json.loads(f.read(length))
+                    end = max(
+                        (
+                            int(v["data_offsets"][1])
+                            for k, v in header.items()
+                            if k != "__metadata__"
+                        ),
+                        default=0,
+                    )
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+                    problem = f"its header is not readable ({type(err).__name__})"
+                else:
+                    if 8 + length + end > size:
+                        problem = f"it has {size} bytes, its header needs {8 + length + end}"
+        if problem is not None:
+            raise ValueError(
+                f"{file} is damaged or incomplete ({problem}): the download or copy did not "
+                "finish; copy or download the model again"
+            )
 
 
 def read_checkpoint_weights(path: Path) -> dict[str, mx.array]:

@@ -32,6 +32,7 @@ from base_setup.lora_setup import (
     save_adapters,
 )
 from base_setup.tokenizer_setup import load_tokenizer
+from models.backbone_loading import check_model_files
 from models.checkpoint_config import check_config_is_read, config_updates
 
 logger = logging.getLogger("ppo_mlx")
@@ -52,6 +53,7 @@ def resolve_model_path(path_or_hub_id: str | Path) -> Path:
     Raises:
         FileNotFoundError: a local path that does not exist, a path without config.json, or a
             hub id that cannot be fetched (offline and not in the local cache, or unknown).
+        ValueError: a local config.json that is not JSON, or a weights file cut short.
     """
     path = Path(path_or_hub_id)
     if path.exists():
@@ -60,6 +62,7 @@ def resolve_model_path(path_or_hub_id: str | Path) -> Path:
                 f"{path} exists but holds no config.json; pass the directory of a Hugging Face "
                 "or mlx-lm checkpoint"
             )
+        check_model_files(path)  # a config.json that is not JSON, a cut weights file: named
         return path
     text = str(path_or_hub_id)
     if not _HUB_ID.match(text) or text.startswith("."):

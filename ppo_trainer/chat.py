@@ -107,10 +107,19 @@ def generate_text(
     *,
     chat: bool | None = None,
     out: TextIO | None = None,
+    context: int | None = None,
 ) -> str:
     """The completion of ``prompt`` (the chat rule of the module docstring); with ``out``, each
-    piece is also written there as it comes."""
+    piece is also written there as it comes. A prompt beyond :func:`prompt_budget` of the
+    model's ``context`` raises ``ValueError``."""
     ids = encode_prompt(tokenizer, prompt, chat=use_chat_template(tokenizer, chat))
+    budget = prompt_budget(context, settings.max_tokens)
+    if budget is not None and len(ids) > budget:
+        raise ValueError(
+            f"the prompt is {len(ids)} tokens; the model's context of {context} tokens leaves "
+            f"{budget} for it beside a reply of up to {settings.max_tokens}: shorten it, or "
+            "lower --max-tokens"
+        )
     if settings.seed is not None:
         mx.random.seed(settings.seed)
     pieces = []
@@ -120,6 +129,15 @@ def generate_text(
             out.write(piece)
             out.flush()
     return "".join(pieces)
+
+
+def prompt_budget(context: int | None, max_tokens: int) -> int | None:
+    """Most prompt tokens beside a reply of ``max_tokens`` in a ``context``-token window:
+    ``context - max_tokens``, at least half the context (a reply longer than that is cut by
+    the window, not the prompt); None when the context is unknown."""
+    if context is None:
+        return None
+    return max(context - max_tokens, context // 2)
 
 
 CHAT_HELP = (
@@ -136,6 +154,7 @@ def chat_session(
     stdout: TextIO,
     system: str | None = None,
     show_prompt: bool = False,
+    context: int | None = None,
 ) -> list[dict[str, str]]:
     """An interactive chat on ``stdin`` / ``stdout``: every line is a user turn, answered with
     the whole conversation so far through the chat template, the reply streamed token by token.
@@ -143,6 +162,10 @@ def chat_session(
     ``/reset`` starts a new conversation (the system message stays), ``/exit`` or end of input
     (Ctrl-D) ends the session. With ``show_prompt`` the full prompt text (template applied) is
     written before each reply. Returns the conversation at the end.
+
+    ``context``: the model's context length in tokens. The prompt is kept within
+    :func:`prompt_budget` by dropping the oldest turns (said each time); a message that does not
+    fit even alone is refused, with its length, and the session goes on.
 
     Raises:
         ValueError: the tokenizer has no chat template.
@@ -170,9 +193,29 @@ def chat_session(
         if not text:
             continue
         messages.append({"role": "user", "content": text})
+        ids = apply_chat_template(tokenizer, messages)
+        budget = prompt_budget(context, settings.max_tokens)
+        dropped = 0
+        while budget is not None and len(ids) > budget and len(messages) > len(start) + 1:
+            # The oldest exchange goes: a user turn and the reply that followed it.
+            del messages[len(start) : len(start) + 2]
+            dropped += 1
+            ids = apply_chat_template(tokenizer, messages)
+        if budget is not None and len(ids) > budget:
+            messages.pop()
+            stdout.write(
+                f"(this message is {len(ids)} tokens with the template; the model's context of "
+                f"{context} tokens leaves {budget} for the prompt beside a reply of up to "
+                f"{settings.max_tokens}: shorten it, or lower --max-tokens)\n"
+            )
+            continue
+        if dropped:
+            stdout.write(
+                f"(the conversation outgrew the model's context of {context} tokens: dropped "
+                f"the {dropped} oldest exchange(s))\n"
+            )
         if show_prompt:
             stdout.write(f"[prompt]\n{chat_template_text(tokenizer, messages)}[/prompt]\n")
-        ids = apply_chat_template(tokenizer, messages)
         pieces = []
         for piece in stream_reply(model, tokenizer, ids, settings):
             pieces.append(piece)

@@ -173,10 +173,17 @@ def build_models(
     )
 
 
-def stop_token_ids(config: PPOConfig, tokenizer: Any) -> list[int]:
+def stop_token_ids(config: PPOConfig, tokenizer: Any, vocab: int | None = None) -> list[int]:
     """The ids that end a response: ``config.stop_token_ids``, else the tokenizer's end ids (its
-    EOS ids and the chat template's end-of-turn token)."""
+    EOS ids and the chat template's end-of-turn token). Ids the policy cannot produce (``>=
+    vocab``, its output size) are refused: the run would never stop early."""
     if config.stop_token_ids is not None:  # [] = never stop early
+        outside = [t for t in config.stop_token_ids if vocab is not None and t >= vocab]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids {outside} are outside the policy's vocabulary (ids 0 to "
+                f"{vocab - 1 if vocab else 0}): give ids the tokenizer has (e.g. its EOS id)"
+            )
         return list(config.stop_token_ids)
     ids = eos_token_ids(tokenizer)
     if not ids:
@@ -193,6 +200,13 @@ def kl_controller(config: PPOConfig) -> FixedKLController | AdaptiveKLController
     if config.adaptive_kl:
         return AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
     return FixedKLController(config.kl_coef)
+
+
+def vocab_size(policy: PolicyModel) -> int | None:
+    """The number of ids the policy's head scores (its config's ``vocab_size``), or None."""
+    args = getattr(policy.model, "args", None)
+    value = getattr(args, "vocab_size", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def context_length(policy: PolicyModel) -> int | None:

@@ -130,19 +130,52 @@ def export_model(
         logger.info("--dequantize: the weights are not quantized, nothing to dequantize")
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_exports(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     if partial.exists():
         shutil.rmtree(partial)
-    partial.mkdir()
     try:
+        partial.mkdir()
         layout = _write_export(policy, partial, fuse=fuse, dequantize=dequantize)
         _write_model_card(partial / "README.md", found, out, layout, config_of=partial)
         _move_into_place(partial, out)
+    except (OSError, RuntimeError) as err:  # MLX reports a failed write as RuntimeError
+        shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written export
+        free = shutil.disk_usage(out.parent).free
+        raise OSError(
+            f"could not write the export {out} ({type(err).__name__}: {err}). The file system "
+            f"has {free / 2**20:.1f} MB free: free some space (or choose another --out) and "
+            "export again"
+        ) from None
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # never leave a half-written export
         raise
     logger.info("exported %s to %s", found.describe(), out)
     return out
+
+
+def remove_stale_exports(out: Path) -> None:
+    """Delete the hidden ``.<out>.partial-<pid>`` / ``.<out>.old-<pid>`` siblings of ``out``
+    that exports killed before their cleanup left (their process is gone); those of a running
+    export stay."""
+    for leftover in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
+        kind, _, pid = leftover.name[len(out.name) + 2 :].rpartition("-")
+        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        logger.info("removing %s, left by an export that was killed", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _write_export(

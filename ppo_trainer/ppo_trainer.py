@@ -54,7 +54,7 @@ from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.ppo_config import PPOConfig
+from config.ppo_config import PPOConfig, is_reward_function_spec
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -67,12 +67,14 @@ from ppo_trainer.components import (
     context_length,
     kl_controller,
     stop_token_ids,
+    vocab_size,
 )
 from ppo_trainer.experience import (
     KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
 )
+from ppo_trainer.memory_estimate import check_memory
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
     Columns,
@@ -102,6 +104,7 @@ from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
     RunState,
     ensure_optimizers,
+    run_inputs,
     load_models,
     load_trainer_state,
     save_models,
@@ -117,8 +120,10 @@ from ppo_trainer.update import (
 )
 from training.checkpoint import (
     CheckpointManager,
+    check_save_target,
 )
 from training.optimizer import SchedulePlan
+from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
@@ -143,7 +148,9 @@ class PPOTrainer:
     Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
     group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
     ``stop_reason``: after :meth:`train`, why it stopped early ("SIGINT", "SIGTERM", or a
-    callback's reason), None when it ran to the end.
+    callback's reason), None when it ran to the end. ``inputs``: fingerprints of the models,
+    prompts and reward the run reads (:mod:`training.fingerprints`), which its checkpoints record
+    and a resume compares.
     """
 
     def __init__(
@@ -176,6 +183,8 @@ class PPOTrainer:
                 "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
                 "trainer: pass no policy=, or set async_rollout: false"
             )
+        if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
+            check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
         if self.is_main_process:  # before any model loads: a folder we cannot write is named
             prepare_run_dir(self.run_dir, resuming=True, overwrite=False)
@@ -203,7 +212,7 @@ class PPOTrainer:
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        self.stop_token_ids = stop_token_ids(config, self.tokenizer)
+        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
         self.kl_ctl = kl_controller(config)
@@ -230,6 +239,9 @@ class PPOTrainer:
         # What train()'s loop shares with step() and evaluate() (callbacks, the stop request,
         # the async_rollout worker ...): a fresh one outside train().
         self.run = RunState()
+        # What the run reads besides its settings, recorded in its checkpoints and compared on
+        # resume (train() adds the prompts).
+        self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -317,14 +329,17 @@ class PPOTrainer:
         keys = keys[first * group : (first + local) * group]
         sequence_ids = [p for p in prompt_ids for _ in range(group)]
         generation, waited = self._overlap_generation(sequence_ids, next_prompts)
-        rollout = self._rollout(
-            [t for t in texts for _ in range(group)],
-            sequence_ids,
-            repeat_columns(columns, group),
-            self.sampling,
-            keys,
-            generation=generation,
-        )
+        try:
+            rollout = self._rollout(
+                [t for t in texts for _ in range(group)],
+                sequence_ids,
+                repeat_columns(columns, group),
+                self.sampling,
+                keys,
+                generation=generation,
+            )
+        except ValueError as err:  # a reward that is NaN or not numbers: name the step
+            raise ValueError(f"step {step}: {err}") from err
         t_rollout = time.perf_counter()
         if self.rewards.funcs and not rollout.reward_metrics:
             warnings.warn(
@@ -503,6 +518,23 @@ class PPOTrainer:
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
+    def _reward_description(self) -> str | None:
+        """What scores the responses, as a resume compares it: the function's import path, the
+        reward model's folder and fingerprint, or the overriding method (None: a reward model
+        passed as an object)."""
+        if type(self).compute_scores is not PPOTrainer.compute_scores:
+            return f"{type(self).__module__}.{type(self).__qualname__}.compute_scores"
+        fn = self.rewards.fn
+        if fn is not None:
+            return f"function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+        if self.config.reward_funcs:
+            return "reward_funcs " + ", ".join(
+                spec if is_reward_function_spec(spec) else f"{spec} ({model_fingerprint(spec)})"
+                for spec in self.config.reward_funcs
+            )
+        name = self.config.reward_model_name
+        return f"reward model {name} ({model_fingerprint(name)})" if name else None
+
     def _score_source(self) -> str:
         if type(self).compute_scores is not PPOTrainer.compute_scores:
             return f"{type(self).__name__}.compute_scores"
@@ -540,7 +572,7 @@ class PPOTrainer:
             eval_prompts: evaluated every ``config.eval_every`` steps (and at the end) if given.
             resume_from: a checkpoint directory or ``"latest"``: continue exactly where it stopped.
 
-        Ctrl-C or SIGTERM stops after the current step and saves a checkpoint
+        Ctrl-C, SIGTERM or SIGHUP stops after the current step and saves a checkpoint
         (:attr:`stop_reason` says which); a second one interrupts at once.
         """
         return TrainingRun(self, prompts, num_epochs, callbacks, eval_prompts).run(resume_from)
@@ -604,12 +636,18 @@ class PPOTrainer:
         """
         load_trainer_state(self, path)
 
-    def save_model(self, path: str | Path) -> Path:
+    def save_model(self, path: str | Path, overwrite: bool = False) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for
         PPO, the value model under ``<path>/value_model``, all or nothing. Only rank 0 of a
-        data-parallel run writes (the weights are the same on every rank)."""
+        data-parallel run writes (the weights are the same on every rank).
+
+        Raises:
+            ValueError: ``path`` is a file, or a non-empty directory and not ``overwrite``
+                (the run's own ``<output_dir>/final`` is replaced).
+        """
         if not self.is_main_process:
             return Path(path)
+        check_save_target(path, overwrite=overwrite, own=self.run_dir / "final")
         return save_models(self.policy, self.value_model, path)
 
     def load_model(self, path: str | Path) -> None:

@@ -46,17 +46,44 @@ Columns = dict[str, list[Any]]
 """Column name -> one value per prompt (or per completion, after :func:`repeat_columns`)."""
 
 
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with ``prompt`` as a :data:`Prompt` (text, or chat messages each a
+    mapping with a text ``"role"`` and ``"content"``), or None when it is one."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list):
+        return (
+            f"is {type(prompt).__name__} {prompt!r:.40}: a prompt must be text, chat messages "
+            '[{"role": ..., "content": ...}, ...], or a record {"prompt": ..., <column>: ...}'
+        )
+    if not prompt:
+        return "is an empty list of chat messages"
+    for k, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f'has message {k} of type {type(message).__name__}, not {{"role", "content"}}'
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                found = "no" if key not in message else f"a {type(message[key]).__name__}"
+                return f"has message {k} with {found} {key!r}: every message needs text there"
+    return None
+
+
 def split_records(items: Sequence[PromptInput]) -> tuple[list[Prompt], Columns]:
     """The prompts of ``items`` and their columns, aligned with them: ``"prompt"`` (the prompts
     themselves) and every other field of the records.
 
     Raises:
-        ValueError: a record without ``"prompt"``, records with different fields (or plain
+        ValueError: a prompt that is not text or chat messages (:func:`prompt_problem`), a
+            record without ``"prompt"``, records with different fields (or plain
             prompts mixed with records that have other fields), or a field named like a
             positional argument of the reward (:data:`RESERVED_COLUMNS`).
     """
     rows: list[Mapping[str, Any]] = []
     for i, item in enumerate(items):
+        given = item if not isinstance(item, Mapping) else item.get(PROMPT_KEY, "")
+        problem = prompt_problem(given)
+        if problem is not None:
+            raise ValueError(f"prompt {i} {problem}")
         if not isinstance(item, Mapping):
             rows.append({PROMPT_KEY: item})
         elif PROMPT_KEY not in item:
@@ -102,14 +129,22 @@ def columns_for(
     arguments: every column if it takes ``**kwargs``, else those it names as parameters.
 
     Raises:
-        ValueError: ``fn`` has a parameter without a default (after the positional ones) that no
-            column fills.
+        ValueError: ``fn`` takes fewer than ``positional`` positional arguments, or has a
+            parameter without a default (after the positional ones) that no column fills.
     """
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (ValueError, TypeError):
         # Some builtins have no inspectable signature: call them the classic way.
         return {}
+    takes = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(takes) < positional and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(
+            f"{name}{inspect.signature(fn)} takes {len(takes)} positional argument(s) but is "
+            f"called with {positional}: a reward function is fn(prompts, completions, "
+            "**columns) -> list[float]"
+        )
     rest = params
     for _ in range(positional):
         if not rest or rest[0].kind not in (rest[0].POSITIONAL_ONLY, rest[0].POSITIONAL_OR_KEYWORD):

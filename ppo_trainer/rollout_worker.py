@@ -12,7 +12,7 @@ of a run (and of a resumed run) generates in the trainer itself.
 Why a process and not a thread: MLX's CPU element-wise ops run on one thread per process, so a
 second process is what lets generation and the update use two cores at once.
 
-The child is started with the "spawn" context; it ignores SIGINT and SIGTERM (a Ctrl-C or a
+The child is started with the "spawn" context; it ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C or a
 scheduler's SIGTERM reaches the whole process group: the trainer finishes its step, saves, and ends
 the worker, with SIGKILL if it is busy) and calls :func:`base_setup.setup_blas` before it
 imports mlx. It builds the policy as the trainer does (:func:`ppo_trainer.components.load_policy`)
@@ -233,6 +233,7 @@ def worker_main(conn: Connection, spec: bytes) -> None:
     # act on: it finishes its step, saves, and ends this process (SIGKILL when it is busy).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the trainer's too
     from base_setup import setup_blas
 
     setup_blas()  # before mlx is imported in this process

@@ -27,13 +27,15 @@ from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
 from ppo_trainer.run_state import RunState, check_same_weights, ensure_optimizers
-from training.checkpoint import STATE_FILE, named_write
+from training.checkpoint import STATE_FILE, CheckpointManager, named_write
+from training.fingerprints import check_same_inputs, data_fingerprint
 from training.run_control import (
     RunLog,
     check_resume_source,
     continue_timeline,
     prepare_run_dir,
     remove_run_leftovers,
+    run_lock,
     save_after_failure,
 )
 
@@ -61,9 +63,22 @@ class TrainingRun:
         self.eval_prompts = eval_prompts
 
     def run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
-        """The whole run; returns the trainer's per-step history."""
+        """The whole run; returns the trainer's per-step history. Rank 0 holds the run folder's
+        lock throughout (:func:`~training.run_control.run_lock`)."""
+        with contextlib.ExitStack() as self._held:
+            return self._run(resume_from)
+
+    def _run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
         t = self.trainer
         cfg = t.config
+        if resume_from is None and t.global_step > 0:
+            # A fresh run (and with overwrite_output_dir its folder emptied) on weights already
+            # trained to its last step would train nothing.
+            raise ValueError(
+                f"this trainer has already trained {t.global_step} steps: to go on, call "
+                "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
+                "build a new PPOTrainer"
+            )
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
         t.run = state = RunState(last_step=total, callbacks=self.callbacks)
@@ -145,6 +160,7 @@ class TrainingRun:
             "give every rank the same prompt file: each rank takes its slice of the same order",
             t.group,
         )
+        t.inputs["prompts"] = data_fingerprint(self.prompts)  # checked on resume, recorded
         steps_per_epoch = math.ceil(len(self.prompts) / cfg.batch_size)
         total = epochs * steps_per_epoch
         return (min(total, cfg.total_steps) if cfg.total_steps else total), steps_per_epoch
@@ -155,8 +171,12 @@ class TrainingRun:
         error: ValueError | None = None
         if t.is_main_process:
             try:
+                self._held.enter_context(run_lock(t.run_dir))  # before anything is removed
                 prepare_run_dir(
-                    t.run_dir, resuming=resuming, overwrite=t.config.overwrite_output_dir
+                    t.run_dir,
+                    resuming=resuming,
+                    overwrite=t.config.overwrite_output_dir,
+                    log_with=t.config.log_with,
                 )
                 remove_run_leftovers(t.run_dir)
             except ValueError as err:
@@ -182,6 +202,7 @@ class TrainingRun:
             t.group,
         )
         check_resume_source(t.run_dir, path)
+        check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), t.inputs)
         t.load_checkpoint(path)
         if t.is_main_process:
             continue_timeline(t.checkpoints, t.global_step)
@@ -220,6 +241,14 @@ class TrainingRun:
         at most half the cores."""
         t = self.trainer
         cfg = t.config
+        if resumed:
+            logger.warning(
+                "async_rollout: this resumed run is not bit for bit the uninterrupted one: its "
+                "first step generates with the weights after update %d, where the worker would "
+                "have used those of before it (one step off-policy); set async_rollout: false "
+                "for exact resumes",
+                t.global_step,
+            )
         if resumed:  # the checkpoint's count (perhaps of a synchronous run) stays the trainer's
             mine = t.blas_threads
             half = max(1, (os.cpu_count() or 1) // 2)

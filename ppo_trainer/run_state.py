@@ -28,8 +28,8 @@ from training.checkpoint import (
     save_training_state,
     warn_changed_settings,
 )
-from training.optimizer import SchedulePlan, make_adamw, resumed_plan
-
+from training.fingerprints import model_fingerprint
+from training.optimizer import AdamW, SchedulePlan, make_adamw, resumed_plan
 from training.run_control import StopSignals
 
 if TYPE_CHECKING:
@@ -86,6 +86,17 @@ RESUME_KEYS: tuple[str, ...] = (
     "dtype",
     "adam_bias_correction",
 )
+
+
+def run_inputs(config: PPOConfig, reward: str | None) -> dict[str, str | None]:
+    """The fingerprints of the models a run starts from (local folders) and its ``reward``
+    description, as its checkpoints record them (:mod:`training.fingerprints`)."""
+    return {
+        "model": model_fingerprint(config.model_name),
+        "ref_model": model_fingerprint(config.sft_model_name),
+        "value_model": model_fingerprint(config.value_model_name),
+        "reward": reward,
+    }
 
 
 def schedule_plan(config: PPOConfig, total_steps: int | None) -> SchedulePlan:
@@ -248,6 +259,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
         "world_size": trainer.world_size,
         "schedule": plan.to_dict() if plan else None,
         "blas_threads": trainer.blas_threads,
+        "inputs": trainer.inputs,
     }
     return save_training_state(
         trainer.checkpoints, trainer.global_step, *checkpointed(trainer), state

@@ -36,6 +36,7 @@ from base_setup.lora_setup import (
     LoraSettings,
     adapter_base_model,
 )
+from models.backbone_loading import check_model_files
 from models.policy_model import PolicyModel
 from training.checkpoint import STATE_FILE, CheckpointManager
 from training.metrics_logger import METRICS_FILE
@@ -280,6 +281,7 @@ def _resolve_checkpoint(path: Path) -> TrainedModel:
 
 
 def _resolve_model_dir(path: Path) -> TrainedModel:
+    check_model_files(path)  # a config.json that is not JSON, a cut weights file: named
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     architectures = config.get("architectures") or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):

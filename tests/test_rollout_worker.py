@@ -193,9 +193,13 @@ def test_a_failing_worker_sends_its_traceback(tiny_model_dir: Path, tmp_path: Pa
     assert not worker.process.is_alive()
 
 
-def test_resume_starts_with_a_synchronous_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_resume_starts_with_a_synchronous_step(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A checkpoint holds no pending batch: the resumed run generates its first step with the
-    checkpoint's policy (as a synchronous run resumed there does), then goes on asynchronously."""
+    checkpoint's policy (as a synchronous run resumed there does), then goes on asynchronously.
+    So it is not the uninterrupted run, and it says so (it did not, under a promise of bit-exact
+    resumes)."""
     first = PPOTrainer(
         make_config(tiny_model_dir, tmp_path / "first", total_steps=4, save_every=2),
         reward_model=e_rate,
@@ -209,8 +213,11 @@ def test_resume_starts_with_a_synchronous_step(tiny_model_dir: Path, tmp_path: P
             tiny_model_dir, tmp_path / f"resumed_{mode}", total_steps=4, async_rollout=mode
         )
         trainer = PPOTrainer(config, reward_model=e_rate)
-        resumed[mode] = trainer.train(PROMPTS, num_epochs=1, resume_from=checkpoint)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ppo_mlx"):
+            resumed[mode] = trainer.train(PROMPTS, num_epochs=1, resume_from=checkpoint)
         assert trainer.global_step == 4
+        assert ("async_rollout: this resumed run is not bit for bit" in caplog.text) == mode
     assert len(resumed[True]) == 4
     assert without_times(resumed[True][2]) == without_times(resumed[False][2])
 

@@ -86,7 +86,11 @@ def write_failure(
     if saved:
         then = f"resume with --resume latest (the checkpoints up to {saved[-1].name} are intact)"
     else:
-        then = "start the run again: it has no checkpoint to resume from yet"
+        # Its metrics of unsaved steps are there: a fresh start must replace them.
+        then = (
+            "start the run again with --overwrite (overwrite_output_dir: true): it has no "
+            "checkpoint to resume from yet"
+        )
     return CheckpointWriteError(
         f"could not write {path} ({type(err).__name__}: {err}). The file system has "
         f"{free / 2**20:.1f} MB free{need}: free some space (or point output_dir elsewhere) and "
@@ -152,6 +156,21 @@ def _fsync_tree(root: Path) -> None:
         for name in filenames:
             _fsync_file(Path(dirpath) / name)
         _fsync_dir(Path(dirpath))
+
+
+def check_save_target(path: str | Path, *, overwrite: bool, own: Path | None = None) -> None:
+    """Raise ``ValueError`` if saving a model directory at ``path`` would destroy what is
+    there: a file, or (without ``overwrite``) a non-empty directory. ``own``: the directory the
+    run writes its model to (``<output_dir>/final``), which it replaces as its own."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"cannot save a model to {path}: it is a file; give a directory path")
+    is_own = own is not None and path.resolve() == Path(own).resolve()
+    if path.is_dir() and any(path.iterdir()) and not (overwrite or is_own):
+        raise ValueError(
+            f"cannot save a model to {path}: the directory is not empty; choose a new "
+            "directory or pass overwrite=True to replace it"
+        )
 
 
 @contextmanager
@@ -253,8 +272,8 @@ class CheckpointManager:
             if latest is None:
                 raise FileNotFoundError(
                     f"resume_from='latest' but there is no complete checkpoint under "
-                    f"{self.root}: start without resume_from, or point it at a checkpoint "
-                    "directory"
+                    f"{self.root}: start the run again without --resume (with --overwrite if "
+                    "the folder holds its metrics), or point it at a checkpoint directory"
                 )
             return latest
         path = Path(path_or_latest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -70,19 +71,14 @@ class MetricsLogger:
         os.replace(tmp, self.path)
         self._tb: Any = None
         self._wandb: Any = None
+        check_tracker(log_with)
         if log_with == "tensorboard":
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError as err:
-                raise ImportError(
-                    "log_with='tensorboard' needs tensorboardX: pip install tensorboardX"
-                ) from err
+            from tensorboardX import SummaryWriter
+
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         elif log_with == "wandb":
-            try:
-                import wandb
-            except ImportError as err:
-                raise ImportError("log_with='wandb' needs wandb: pip install wandb") from err
+            import wandb
+
             self._wandb = wandb.init(project=project or "ppo-mlx", config=config or {})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -108,6 +104,21 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+#: The package each tracker of ``log_with`` needs.
+_TRACKERS = {"tensorboard": "tensorboardX", "wandb": "wandb"}
+
+
+def check_tracker(log_with: str) -> None:
+    """Raise ``ValueError`` (with the install command) if the tracker ``log_with`` names is not
+    installed: what a run checks before it touches its folder."""
+    package = _TRACKERS.get(log_with)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"log_with={log_with!r} needs {package}, which is not installed: pip install "
+            f"{package} (or set log_with: none)"
+        )
 
 
 def _append_line(path: Path, line: str) -> None:

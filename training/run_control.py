@@ -12,11 +12,17 @@
   Resuming keeps one timeline too: :func:`check_resume_source` refuses another folder's
   checkpoint into a folder that holds a run, and :func:`continue_timeline` removes the
   checkpoints after the one resumed from.
+* :func:`run_lock`: one writer per run folder. A run holds an ``fcntl`` lock on
+  ``<output_dir>/.run.lock`` from before it checks (or clears) the folder until its model is
+  saved; a second process gets a ``ValueError`` naming the first's pid. The kernel releases the
+  lock when the process dies, so a killed run never leaves the folder locked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import functools
 import io
 import logging
@@ -50,6 +56,106 @@ RUN_ARTIFACTS: tuple[str, ...] = (
 )
 
 
+#: The lock file of a run folder (:func:`run_lock`).
+LOCK_FILE = ".run.lock"
+# The run folders this process holds locked: resolved path -> (file descriptor, depth).
+_HELD_LOCKS: dict[Path, tuple[int, int]] = {}
+
+
+def _lock_holder(lock: Path) -> str:
+    """Who holds ``lock``, as its file says (the pid the holder wrote)."""
+    try:
+        pid = lock.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+def _acquire(run_dir: Path) -> int:
+    """Lock ``run_dir`` for this process (non-blocking); returns the lock file's descriptor."""
+    lock = run_dir / LOCK_FILE
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise ValueError(
+                f"output_dir {run_dir} is in use: {_lock_holder(lock)} is writing a run there "
+                f"({lock}). Wait for it to end (or stop it), or choose another output_dir"
+            ) from None
+        # The holder before us may have removed the file between our open and our lock: then
+        # the lock is on a file nobody else sees; take the one at the path instead.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            from training.checkpoint import named_write
+
+            try:
+                with named_write(lock):  # a full disk: named, with the way out
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:
+                os.close(fd)
+                raise
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | Path) -> Iterator[None]:
+    """Within the block this process is the only writer of the run folder ``run_dir``
+    (created if needed). Re-entrant within a process (the command line holds it around a
+    trainer that takes it again); the lock file is removed when the outermost block ends (and
+    the folder, if the block created it and nothing was written), and the kernel drops the lock
+    of a process that dies.
+
+    Raises:
+        ValueError: another process holds the folder (its pid is named), or the folder cannot
+            be created.
+    """
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"output_dir {run_dir} cannot be created ({type(err).__name__}: "
+            f"{err.strerror or err}): choose a folder you can write to"
+        ) from None
+    key = run_dir.resolve()
+    if key in _HELD_LOCKS:
+        fd, depth = _HELD_LOCKS[key]
+        _HELD_LOCKS[key] = (fd, depth + 1)
+    else:
+        try:
+            fd = _acquire(run_dir)
+        except PermissionError as err:
+            raise ValueError(
+                f"output_dir {run_dir} is not writable ({err.strerror or err}): choose a folder "
+                "you can write to"
+            ) from None
+        _HELD_LOCKS[key] = (fd, 1)
+    try:
+        yield
+    finally:
+        fd, depth = _HELD_LOCKS[key]
+        if depth > 1:
+            _HELD_LOCKS[key] = (fd, depth - 1)
+        else:
+            del _HELD_LOCKS[key]
+            # Removed while still locked: a process that opened it meanwhile sees the file gone
+            # and takes a new one (_acquire), never a second lock on this one.
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
+            os.close(fd)
+            if created and not any(run_dir.iterdir()):  # a command that failed leaves nothing
+                run_dir.rmdir()
+
+
 class Interrupted(KeyboardInterrupt):
     """Stop at once: a second Ctrl-C or SIGTERM during a run, or SIGTERM before or after its
     loop (where the command line turns it into this, as Python turns Ctrl-C into
@@ -75,8 +181,14 @@ def raise_interrupted(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signal.Signals(signum).name)
 
 
+#: What a run stops on (after the step, saving): Ctrl-C, a scheduler's SIGTERM, and SIGHUP (the
+#: terminal or SSH session that started it closed).
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class StopSignals:
-    """Within the block, SIGINT and SIGTERM request a stop instead of killing the process.
+    """Within the block, SIGINT, SIGTERM and SIGHUP request a stop instead of killing the
+    process.
 
     ``requested`` turns true at the first signal (or :meth:`request`); the loop checks it between
     steps, saves and returns. A second signal raises :class:`Interrupted` (a
@@ -107,7 +219,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -136,10 +248,10 @@ class TrainingStopped(Exception):
 
 def stop_exit_code(reason: str | None) -> int:
     """The exit code of a run stopped for ``reason``: the shell's code for a signal (130 for
-    SIGINT, 143 for SIGTERM), 1 for another stop, 0 for none."""
+    SIGINT, 143 for SIGTERM, 129 for SIGHUP), 1 for another stop, 0 for none."""
     if reason is None:
         return 0
-    return {"SIGINT": 130, "SIGTERM": 143}.get(reason, 1)
+    return {"SIGINT": 130, "SIGTERM": 143, "SIGHUP": 129}.get(reason, 1)
 
 
 def holds_a_run(run_dir: Path) -> list[str]:
@@ -157,9 +269,15 @@ def holds_a_run(run_dir: Path) -> list[str]:
     return found
 
 
-def check_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+def check_run_dir(
+    run_dir: str | Path, *, resuming: bool, overwrite: bool, log_with: str = "none"
+) -> None:
     """Raise ``ValueError`` if a fresh run (not ``resuming``, no ``overwrite``) would reuse a
-    folder that holds another run; changes nothing (see :func:`prepare_run_dir`)."""
+    folder that holds another run, or if the tracker ``log_with`` is not installed; changes
+    nothing (see :func:`prepare_run_dir`)."""
+    from training.metrics_logger import check_tracker
+
+    check_tracker(log_with)  # before anything is removed: the run would fail at its start
     run_dir = Path(run_dir)
     earlier = holds_a_run(run_dir)
     if earlier and not resuming and not overwrite:
@@ -170,18 +288,22 @@ def check_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> No
         )
 
 
-def prepare_run_dir(run_dir: str | Path, *, resuming: bool, overwrite: bool) -> None:
+def prepare_run_dir(
+    run_dir: str | Path, *, resuming: bool, overwrite: bool, log_with: str = "none"
+) -> None:
     """Check ``run_dir`` before a run starts (before models load when called early).
 
     A fresh run (not ``resuming``) into a folder that holds another run raises ``ValueError``
     naming what is there, unless ``overwrite``, which removes the earlier run's files
-    (:data:`RUN_ARTIFACTS`, nothing else). The folder must be writable.
+    (:data:`RUN_ARTIFACTS`, nothing else). The folder must be writable, and the tracker
+    ``log_with`` installed (checked first).
 
     Raises:
-        ValueError: the folder holds another run (and no overwrite), or is not writable.
+        ValueError: the folder holds another run (and no overwrite), is not writable, or the
+            tracker is missing.
     """
     run_dir = Path(run_dir)
-    check_run_dir(run_dir, resuming=resuming, overwrite=overwrite)
+    check_run_dir(run_dir, resuming=resuming, overwrite=overwrite, log_with=log_with)
     earlier = holds_a_run(run_dir)
     if earlier and not resuming:
         logger.warning("overwriting the earlier run in %s (%s)", run_dir, ", ".join(earlier))
@@ -257,6 +379,20 @@ def resumed_run_config(run_dir: str | Path, resume_from: str | Path) -> dict[str
     if not isinstance(config, dict):
         return None
     return {k: v for k, v in config.items() if k != "overwrite_output_dir"}
+
+
+def check_resume_target(resume_from: str | Path, run_dir: str | Path) -> None:
+    """Raise ``FileNotFoundError`` saying so if there is no checkpoint to resume: for
+    ``"latest"``, no complete one under ``<run_dir>/checkpoints``; else ``resume_from`` is not
+    a checkpoint directory (what a resume checks before it needs the run's settings)."""
+    from training.checkpoint import CheckpointManager
+
+    if str(resume_from) != "latest" and not Path(resume_from).exists():
+        raise FileNotFoundError(
+            f"there is no checkpoint at {resume_from}: checkpoints are the step_NNNNNN "
+            f"directories under {Path(run_dir) / 'checkpoints'} (or resume 'latest')"
+        )
+    CheckpointManager(Path(run_dir) / "checkpoints").resolve(resume_from)
 
 
 def load_resumed_config(
