@@ -94,9 +94,11 @@ def _add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
 def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reward-fn",
-        help="a reward function 'module:function' (prompts, completions, **columns) -> "
-        "list[float] (columns: the other fields of the prompt file's JSONL lines), used instead "
-        "of the config's reward_model_name",
+        help="a reward function 'module:function' or 'path/to/file.py:function' (a module "
+        "file in the working directory is loaded from there), called by keyword as in TRL: "
+        "f(completions, **kwargs) or f(prompts, completions, <column>...) -> list[float] "
+        "(kwargs: prompts, completions, completion_ids and the other fields of the prompt "
+        "file's JSONL lines), used instead of the config's reward_model_name",
     )
 
 
@@ -134,6 +136,10 @@ def _build_trainer(args: argparse.Namespace, *, resuming: bool) -> tuple[Any, li
     config = _run_config(args, PPOConfig)
     reward = load_function(args.reward_fn) if args.reward_fn else None
     prompts = read_prompts(args.prompts)
+    if reward is not None:  # a signature the call cannot satisfy fails before the model loads
+        from ppo_trainer.prompt_records import check_reward_function, split_records
+
+        check_reward_function(reward, list(split_records(prompts)[1]))
     check_run_dir(config.output_dir, resuming=resuming, overwrite=config.overwrite_output_dir)
     from ppo_trainer.ppo_trainer import PPOTrainer
 

@@ -20,13 +20,15 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 #: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
 GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
-# "package.module:function": a reward function; anything else in reward_funcs is a model.
-_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# "package.module:function" or "path/to/file.py:function": a reward function; anything else in
+# reward_funcs is a model.
+_FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
 def is_reward_function_spec(spec: str) -> bool:
-    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``)
-    rather than a reward model (a local directory or a Hugging Face repo id)."""
+    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``
+    or ``"path/to/file.py:function"``) rather than a reward model (a local directory or a
+    Hugging Face repo id)."""
     return bool(_FUNCTION_SPEC.match(spec.strip()))
 
 

@@ -74,6 +74,7 @@ from ppo_trainer.experience import (
 )
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
+    COMPLETION_IDS,
     Columns,
     Prompt,
     PromptInput,
@@ -440,12 +441,17 @@ class PPOTrainer:
         """Phases 1-3 with this trainer's models and reward (training and evaluation)."""
 
         def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
+            # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
+            rows = np.asarray(query_responses).tolist()
+            ends = np.asarray(lengths).tolist()
+            ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
+            all_columns = {**columns, COMPLETION_IDS: ids}
             return self.compute_scores(
                 texts,
                 completions,
                 query_responses,
                 lengths,
-                **columns_for(self.compute_scores, columns, positional=4),
+                **columns_for(self.compute_scores, all_columns, positional=4),
             )
 
         return collect_rollout(
@@ -491,6 +497,7 @@ class PPOTrainer:
     def _check_columns(self, columns: Columns) -> None:
         """Raise ValueError before any generation if the reward needs a column that the
         prompts do not carry."""
+        columns = {**columns, COMPLETION_IDS: []}
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
