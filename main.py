@@ -173,17 +173,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    from config.ppo_config import PPOConfig
+
     if args.checkpoint:
         # The checkpoint's own config is the base (as for --resume): its model, reward and
         # sampling settings, so that nothing need be given again and nothing reads as changed.
         args.resume = args.checkpoint
-    trainer, prompts = _build_trainer(args, resuming=True)
-    if args.checkpoint:
-        trainer.load_checkpoint(args.checkpoint)
-    elif args.model:
-        trainer.load_model(args.model)
-    result = trainer.evaluate(prompts, num_samples=args.samples)
+    run_dir = Path(_run_config(args, PPOConfig).output_dir)
+    fresh = not run_dir.exists()
+    try:
+        trainer, prompts = _build_trainer(args, resuming=True)
+        if args.checkpoint:
+            trainer.load_checkpoint(args.checkpoint)
+        elif args.model:
+            trainer.load_model(args.model)
+        result = trainer.evaluate(prompts, num_samples=args.samples)
+    finally:
+        if fresh:  # the trainer made output_dir; an evaluation leaves no empty run folder
+            _remove_empty_folders(run_dir)
     print(json.dumps(result, indent=1))
+
+
+def _remove_empty_folders(root: Path) -> None:
+    """Remove ``root`` and the folders under it that hold no file (deepest first)."""
+    if not root.is_dir():
+        return
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True) + [root]:
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -325,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log debug lines too (e.g. which BLAS)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="SFT -> reward model -> PPO on the embedded tiny model")
@@ -440,9 +460,12 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     blas = setup_blas()  # first, before anything imports mlx (commands import it lazily)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logger.info(blas.describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose:
+        logger.setLevel(logging.DEBUG)
+    # A problem with the BLAS was a warning already; a working one is said at debug level.
+    logger.debug(blas.describe())
     # SIGTERM (a scheduler, docker stop) as Ctrl-C: within the training loop it finishes the
     # step and saves (StopSignals); outside it the command ends with a message, not silently.
     previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)

@@ -30,7 +30,7 @@ def test_demo_runs_every_stage_and_reuses_cached_stages(tmp_path: Path) -> None:
         "After PPO",
     ):
         assert marker in first.stdout, marker
-    assert "BLAS: " in first.stderr  # the backend says which BLAS it uses
+    assert "BLAS: " not in first.stderr  # a working BLAS is said at debug level only (-v)
     assert (out / "ppo" / "metrics.jsonl").read_text().count("\n") == 2
     assert (out / "ppo" / "training_curves.png").stat().st_size > 10_000
     assert (out / "ppo" / "final" / "adapters.safetensors").is_file()
@@ -104,3 +104,27 @@ def test_load_function_names_what_is_wrong(tmp_path: Path, monkeypatch: pytest.M
         load_function("mine:f")
     # a module the import system finds at the same file is imported as usual
     assert load_function("json:dumps") is __import__("json").dumps
+
+
+def test_help_is_quiet_and_a_missing_model_names_the_flag(tmp_path: Path) -> None:
+    help_run = run_main("--help")
+    assert help_run.returncode == 0 and "BLAS: " not in help_run.stdout + help_run.stderr
+    (tmp_path / "prompts.txt").write_text("Review of the lamp:\n")
+    missing = run_main("train", "--prompts", str(tmp_path / "prompts.txt"))
+    assert missing.returncode == 2 and "BLAS: " not in missing.stderr
+    assert "--set model_name=..." in missing.stderr
+    verbose = run_main("-v", "config")
+    assert "BLAS: " in verbose.stderr  # said when asked for
+
+
+def test_evaluate_leaves_no_empty_run_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "prompts.txt").write_text("Review of the lamp:\nReview of the park:\n")
+    (tmp_path / "rewards.py").write_text(USER_REWARDS)
+    command = [sys.executable, str(ROOT / "main.py"), "evaluate", "--prompts", "prompts.txt"]
+    command += ["--reward-fn", "rewards:brevity"]
+    command += ["--set", f"model_name={tiny_model_dir}", "--set", "max_new_tokens=4"]
+    command += ["--set", "output_dir=runs/eval", "--samples", "1"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert '"eval/mean_reward"' in result.stdout
+    assert not (tmp_path / "runs" / "eval").exists()
