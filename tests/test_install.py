@@ -109,3 +109,32 @@ def test_every_package_folder_is_declared() -> None:
         if (p / "__init__.py").is_file() and not p.name.startswith(".")
     }
     assert folders - {"tests", "benchmarks"} == set(PACKAGES)
+
+
+def test_ci_runs_the_readmes_test_line_in_its_own_virtual_environment() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    demo, tests = quick.strip().splitlines()
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+    venvs = [line.split("python3 -m venv ", 1)[1].split()[0] for line in (demo, tests)]
+    assert venvs[0] != venvs[1], venvs  # the editable install and the dev tools apart
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for venv_dir in venvs:
+        assert f"{venv_dir}/" in ignored
+        assert venv_dir.replace(".", "\\.") in pyproject.split("[tool.black]")[1]  # black, mypy
+
+
+def test_the_readmes_reward_moves_on_the_demo_model() -> None:
+    from fixtures.demo_data import sft_records
+
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    source = snippet[snippet.index("def reward(") :].split("\n\n", 1)[0]
+    namespace: dict[str, object] = {}
+    exec(source, namespace)
+    reward = namespace["reward"]
+    assert callable(reward)
+    completions = [r["completion"] for r in sft_records(32)]  # what the demo's policy writes
+    scores = reward(completions=completions, prompts=["p"] * len(completions))
+    assert len(set(scores)) > 3  # varies over the demo's reviews: something to learn from
