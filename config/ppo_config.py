@@ -67,6 +67,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
             subtracted first). See docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
         max_prompt_length: Most tokens in a prompt.
+        use_chat_template: Whether a plain-text prompt goes through the tokenizer's chat template
+            (as one user message, ending with the assistant's header) before generation: "auto"
+            = when the tokenizer has one, the rule of mlx_lm.generate and of this package's
+            generate and chat commands, so that training and generation agree; false = the text
+            as it is (models trained on plain prompts, like the demo's); true = required. Chat
+            messages always use it; a trainer that overrides format_prompt decides itself.
         temperature: Sampling temperature of the rollouts (> 0).
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
@@ -145,6 +151,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     algorithm: Algorithm = "ppo"
     max_new_tokens: int = 64
     max_prompt_length: int = 512
+    use_chat_template: bool | Literal["auto"] = "auto"
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0

@@ -60,6 +60,7 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.callbacks import CallbackLike, TrainerCallback
+from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
     build_models,
     check_data_parallel_config,
@@ -91,6 +92,7 @@ from ppo_trainer.rollout import (
     check_prompts,
     collect_rollout,
     decode_completions,
+    ended_at_once,
     rollout_keys,
 )
 from ppo_trainer.rollout_records import (
@@ -122,6 +124,22 @@ from training.optimizer import SchedulePlan
 from training.run_control import StopSignals, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
+
+
+def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
+    """Whether plain-text prompts go through the chat template: ``config.use_chat_template``,
+    ``"auto"`` meaning when the tokenizer has one (as ``mlx_lm.generate`` decides).
+
+    Raises:
+        ValueError: ``use_chat_template`` is true and the tokenizer has no chat template.
+    """
+    has = has_chat_template(tokenizer)
+    if setting is True and not has:
+        raise ValueError(
+            "use_chat_template is true but the tokenizer of model_name has no chat template: "
+            "set use_chat_template to false (prompts as they are) or auto"
+        )
+    return has if setting == "auto" else bool(setting)
 
 
 class PPOTrainer:
@@ -205,6 +223,18 @@ class PPOTrainer:
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer)
+        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
+        self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
+        if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:
+            logger.info(
+                "plain-text prompts %s (use_chat_template=%s)",
+                (
+                    "go through the tokenizer's chat template"
+                    if self.chat_prompts
+                    else "are used as they are, without a chat template"
+                ),
+                str(config.use_chat_template).lower(),
+            )
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
         self.kl_ctl = kl_controller(config)
@@ -238,11 +268,15 @@ class PPOTrainer:
     def format_prompt(self, prompt: Prompt) -> str:
         """Turn one dataset prompt into the text the policy continues.
 
-        Default: text is used as is; chat messages go through the tokenizer's chat template with a
-        generation prompt. Override for a task-specific prompt format.
+        Default: chat messages go through the tokenizer's chat template with a generation
+        prompt; text too, as one user message, when ``config.use_chat_template`` says so
+        (:attr:`chat_prompts`), else it is used as is. Override for a task-specific prompt
+        format.
         """
         if isinstance(prompt, str):
-            return prompt
+            if not self.chat_prompts:
+                return prompt
+            prompt = [{"role": "user", "content": prompt}]
         return chat_template_text(self.tokenizer, prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -324,6 +358,15 @@ class PPOTrainer:
             keys,
             generation=generation,
         )
+        if ended_at_once(rollout.generation):
+            logger.warning(
+                "step %d: every response ended at once with a stop token (empty completions); "
+                "PPO learns nothing from them but to stop. Plain prompts to a chat model "
+                "without its chat template do this: check use_chat_template (now %s) and the "
+                "prompt format",
+                step,
+                str(cfg.use_chat_template).lower(),
+            )
         t_rollout = time.perf_counter()
 
         # 4. Per-token KL and rewards, advantages and returns.

@@ -7,6 +7,7 @@ turn."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -493,3 +494,61 @@ def test_gpt2_reward_model_exports_in_transformers_layout(
         ours,
         atol=1e-5,
     )
+
+
+# --------------------------------------------------------------------------- plain prompts
+
+
+def test_plain_prompts_get_the_chat_template_as_generate_gives_it(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ppo_trainer.chat import encode_prompt, use_chat_template
+
+    def brevity(completions: list[str], **kwargs: Any) -> list[float]:
+        return [-float(len(c.split())) for c in completions]
+
+    settings: dict[str, Any] = dict(
+        model_name=str(family_dirs["smollm2"]),
+        batch_size=2,
+        max_new_tokens=4,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    with caplog.at_level(logging.INFO, logger="ppo_mlx"):
+        trainer = PPOTrainer(PPOConfig(**settings), reward_model=brevity)
+    assert "plain-text prompts go through the tokenizer's chat template" in caplog.text
+    tokenizer = trainer.tokenizer
+    text = trainer.format_prompt("Review of the lamp:")
+    assert text.startswith("<|im_start|>user\nReview of the lamp:<|im_end|>")
+    # the ids `generate` and `chat` send for the same prompt
+    generate_ids = encode_prompt(
+        tokenizer, "Review of the lamp:", chat=use_chat_template(tokenizer, None)
+    )
+    assert trainer.encode_prompt(text) == generate_ids
+
+    plain = PPOTrainer(PPOConfig(**settings, use_chat_template=False), reward_model=brevity)
+    assert plain.format_prompt("Review of the lamp:") == "Review of the lamp:"
+    gpt2 = {**settings, "model_name": str(family_dirs["gpt2"])}
+    assert PPOTrainer(PPOConfig(**gpt2), reward_model=brevity).chat_prompts is False
+    with pytest.raises(ValueError, match="use_chat_template is true but the tokenizer"):
+        PPOTrainer(PPOConfig(**gpt2, use_chat_template=True), reward_model=brevity)
+
+
+def test_a_rollout_of_only_empty_responses_is_named(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model_dir = family_dirs["smollm2"]
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    config = PPOConfig(
+        model_name=str(model_dir),
+        batch_size=2,
+        max_new_tokens=4,
+        stop_token_ids=list(range(vocab)),  # every first token ends the response
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    trainer = PPOTrainer(config, reward_model=lambda p, c: [0.0] * len(c))
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        trainer.step(["Review of the lamp:", "Review of the park:"])
+    assert "step 1: every response ended at once with a stop token" in caplog.text
+    assert "use_chat_template (now auto)" in caplog.text

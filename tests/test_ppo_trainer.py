@@ -484,3 +484,36 @@ def test_lora_dropout_is_named_as_unused_by_ppo(
         trainer = PPOTrainer(config, reward_model=e_rate)
     assert "lora_dropout 0.1 is not used by PPO / GRPO" in caplog.text
     assert not trainer.policy.model.training
+
+
+# --------------------------------------------------------------------------- steps and schedules
+
+
+def test_a_binding_total_steps_is_named(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = make_config(tiny_model_dir, tmp_path, total_steps=1, num_epochs=5, max_new_tokens=2)
+    with caplog.at_level("INFO", logger="ppo_mlx"):
+        history = PPOTrainer(config, reward_model=e_rate).train(PROMPTS[:4])
+    assert len(history) == 1
+    assert "total_steps=1 caps the run at 1 steps (num_epochs=5 x 1 steps per epoch" in caplog.text
+
+
+def test_extending_a_finished_run_starts_a_new_schedule_segment(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from training.metrics_logger import read_metrics
+
+    settings: dict[str, Any] = dict(
+        lr_scheduler="linear", num_ppo_epochs=1, num_mini_batches=1, max_new_tokens=2
+    )
+    first = make_config(tiny_model_dir, tmp_path, num_epochs=1, **settings)
+    PPOTrainer(first, reward_model=e_rate).train(PROMPTS[:8])  # 2 steps, decayed to ~0
+    longer = make_config(tiny_model_dir, tmp_path, num_epochs=2, **settings)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        PPOTrainer(longer, reward_model=e_rate).train(PROMPTS[:8], resume_from="latest")
+    assert "had finished its schedule of 2 updates" in caplog.text
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(lrs) == 4
+    # the new segment: the configured peak, decaying linearly to 0 at update 4 (not ~1e-11)
+    assert lrs[2:] == pytest.approx([1e-3, 5e-4], rel=1e-5)
