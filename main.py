@@ -20,12 +20,17 @@ logger = logging.getLogger("ppo_mlx")
 
 
 def read_prompts(path: str | Path) -> list[Any]:
-    """Prompts from a ``.txt`` file (one per line) or ``.jsonl`` (``prompt`` text or chat
-    ``messages`` per line; the line's other fields come along as a prompt record's columns,
-    which reach the reward function). Errors name the file and line."""
+    """Prompts from a ``.txt`` file (one per line), a ``.jsonl`` file or a Hugging Face Hub
+    dataset ("owner/name", its train split) (``prompt`` text or chat ``messages`` per line or
+    row; the other fields come along as a prompt record's columns, which reach the reward
+    function). Errors name the file and line, or the dataset and row."""
+    text = str(path)
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        looks_local = path.suffix in (".txt", ".jsonl", ".json") or text.startswith((".", "/", "~"))
+        if path.exists() or looks_local:
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        return _hub_prompts(text)
     prompts: list[Any] = []
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -37,17 +42,30 @@ def read_prompts(path: str | Path) -> list[Any]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompt, key = record["prompt"], "prompt"
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            prompt, key = record["messages"], "messages"
-        else:
-            raise ValueError(f"{path}:{lineno}: expected an object with 'prompt' or 'messages'")
-        columns = {k: v for k, v in record.items() if k != key}
-        prompts.append({"prompt": prompt, **columns} if columns else prompt)
+        prompts.append(_prompt_of(record, f"{path}:{lineno}"))
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def _prompt_of(record: Any, where: str) -> Any:
+    """A prompt record's prompt (text or chat messages), with its other fields as columns."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        prompt, key = record["prompt"], "prompt"
+    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        prompt, key = record["messages"], "messages"
+    else:
+        raise ValueError(f"{where}: expected an object with 'prompt' or 'messages'")
+    columns = {k: v for k, v in record.items() if k != key}
+    return {"prompt": prompt, **columns} if columns else prompt
+
+
+def _hub_prompts(name: str) -> list[Any]:
+    """The prompts of the Hub dataset ``name`` (train split), loaded as SFT data is."""
+    from finetune.records import load_records
+
+    dataset = load_records(name, lambda record, where: None)
+    return [_prompt_of(dict(row), f"{name}[train] row {i}") for i, row in enumerate(dataset)]
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -300,7 +318,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "checkpoint step_NNNNNN, or a model directory",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="most new tokens per reply")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy, the default (as mlx_lm.generate)",
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 
@@ -365,7 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(train)
     _add_reward_arg(train)
-    train.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
+    train.add_argument(
+        "--prompts",
+        required=True,
+        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
+    )
     train.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
     train.add_argument("--resume", help=RESUME_HELP)
     _add_overwrite_arg(train)
@@ -374,7 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
     _add_config_args(evaluate)
     _add_reward_arg(evaluate)
-    evaluate.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
+    evaluate.add_argument(
+        "--prompts",
+        required=True,
+        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
+    )
     group = evaluate.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="a training checkpoint directory (step_NNNNNN)")
     group.add_argument("--model", help="a directory written by save_model")

@@ -111,6 +111,15 @@ class PPOConfig(ModelConfig, TrainingConfig):
         num_ppo_epochs: Optimisation passes over each rollout batch.
         whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
         whiten_advantages: Whiten the advantages over the batch (PPO).
+        normalize_reward: Normalise the scores by their running mean and standard deviation
+            over every batch so far, (score - mean) / std, before they make rewards and
+            advantages (OpenRLHF's normalize_reward, TRL's use_score_norm): learning then does
+            not depend on the reward's scale or offset (a reward around -20 leaves a value model
+            that starts near 0 far behind). The statistics are checkpointed; metrics report the
+            raw scores. Every algorithm.
+        value_warmup_steps: Steps at the start of a PPO run in which only the value model
+            trains (the policy keeps its weights), so that its values catch up with the returns
+            before they shape the policy's advantages; 0 = none. "ppo" only.
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
             token (>= 0); None = no penalty.
         reward_funcs: Several rewards, summed with reward_weights (TRL's GRPO reward_funcs): each
@@ -172,6 +181,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     num_ppo_epochs: int = 4
     whiten_rewards: bool = False
     whiten_advantages: bool = True
+    normalize_reward: bool = False
+    value_warmup_steps: int = 0
     missing_eos_penalty: float | None = None
     reward_funcs: list[str] | None = None
     reward_weights: list[float] | None = None
@@ -290,6 +301,18 @@ class PPOConfig(ModelConfig, TrainingConfig):
         require(
             self.num_ppo_epochs >= 1, "num_ppo_epochs", self.num_ppo_epochs, ">= 1", "set e.g. 4"
         )
+        require(
+            self.value_warmup_steps >= 0,
+            "value_warmup_steps",
+            self.value_warmup_steps,
+            ">= 0",
+            "set the steps in which only the value model trains, or 0",
+        )
+        if self.value_warmup_steps and self.algorithm != "ppo":
+            raise ValueError(
+                f"value_warmup_steps={self.value_warmup_steps} needs a value model: it is for "
+                f'algorithm "ppo" ({self.algorithm!r} has none); set it to 0'
+            )
         if self.missing_eos_penalty is not None:
             require(
                 is_non_negative(self.missing_eos_penalty),

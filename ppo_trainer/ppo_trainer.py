@@ -72,6 +72,7 @@ from ppo_trainer.experience import (
     KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
+    penalized_scores,
 )
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
@@ -121,6 +122,7 @@ from training.checkpoint import (
     CheckpointManager,
 )
 from training.optimizer import SchedulePlan
+from reward_kl.reward_normalization import RunningMoments, update_moments
 from training.run_control import StopSignals, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
@@ -240,6 +242,8 @@ class PPOTrainer:
         self.kl_ctl = kl_controller(config)
         self.global_step = 0
         self.epoch = 0
+        #: The running statistics of the scores (``normalize_reward``), checkpointed.
+        self.reward_moments = RunningMoments()
         self.step_in_epoch = 0
         self.history: list[dict[str, float]] = []
         self.checkpoints = CheckpointManager(
@@ -369,9 +373,19 @@ class PPOTrainer:
             )
         t_rollout = time.perf_counter()
 
-        # 4. Per-token KL and rewards, advantages and returns.
+        # 4. Per-token KL and rewards, advantages and returns (from normalised scores with
+        # normalize_reward: the running statistics take this batch in first).
+        moments = None
+        if cfg.normalize_reward:
+            scores = penalized_scores(rollout, self.experience)
+            self.reward_moments = moments = update_moments(self.reward_moments, scores, self.group)
         batch, stats = make_experience(
-            rollout, self.experience, self.kl_ctl.value, step=step, group=self.group
+            rollout,
+            self.experience,
+            self.kl_ctl.value,
+            step=step,
+            group=self.group,
+            score_moments=moments,
         )
         t_advantages = time.perf_counter()
         if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self._last_step):
@@ -520,7 +534,8 @@ class PPOTrainer:
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
-        that overflows (huge rewards) then stops the step before the policy has moved."""
+        that overflows (huge rewards) then stops the step before the policy has moved. During
+        the first ``value_warmup_steps`` steps, the value model alone."""
         assert self.policy_optimizer is not None
         learners = [
             Learner(
@@ -534,6 +549,8 @@ class PPOTrainer:
         if self.value_model is not None:
             assert self.value_optimizer is not None and self._value_grad is not None
             value = Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
+            if self.global_step < self.config.value_warmup_steps:
+                return [value]
             learners.insert(0, value)
         return learners
 

@@ -31,7 +31,7 @@ from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quan
 from models.checkpoint_config import check_config_is_read, config_updates
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
-from fixtures.tiny_corpus import lexicon_score, review_corpus
+from fixtures.tiny_corpus import lexicon_score, review_corpus, review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 from finetune.tokenize import tokenize_preferences
@@ -552,3 +552,46 @@ def test_a_rollout_of_only_empty_responses_is_named(
         trainer.step(["Review of the lamp:", "Review of the park:"])
     assert "step 1: every response ended at once with a stop token" in caplog.text
     assert "use_chat_template (now auto)" in caplog.text
+
+
+@pytest.mark.slow
+def test_ppo_learns_a_reward_of_scale_minus_twenty_on_a_chat_checkpoint(
+    family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The first hour on a real chat checkpoint (pad == EOS, ChatML, plain prompts through the
+    template): a reward of minus the length, around -20, that PPO without normalisation leaves
+    flat (the value model starts near 0, the returns near -20). With normalize_reward and a
+    value warm-up, the mean score of the last 4 steps beats the first 4 by 1.5 for one of three
+    seeds (a trainer that does not learn fails all three)."""
+
+    def shorter(completions: list[str], **kwargs: Any) -> list[float]:
+        return [-len(c) / 2.5 for c in completions]  # about -20 at 32 random tokens
+
+    results = []
+    for seed in (0, 1, 2):
+        config = PPOConfig(
+            model_name=str(family_dirs["smollm2"]),
+            max_new_tokens=32,
+            batch_size=8,
+            learning_rate=1e-2,
+            kl_coef=0.01,
+            temperature=1.0,
+            normalize_reward=True,
+            value_warmup_steps=1,
+            total_steps=20,
+            seed=seed,
+            output_dir=str(tmp_path / f"seed{seed}"),
+            progress_bar=False,
+            log_rollouts_every=0,
+            save_every=0,
+        )
+        trainer = PPOTrainer(config, reward_model=shorter)
+        assert trainer.chat_prompts  # the checkpoint's template, by default
+        history = trainer.train(review_prompts(8 * 20, seed=seed))
+        scores = [h["objective/scores"] for h in history]
+        first, last = np.mean(scores[:4]), np.mean(scores[-4:])
+        assert first < -15  # the scale of the real task
+        results.append((seed, round(float(first), 2), round(float(last), 2)))
+        if last > first + 1.5:
+            return
+    raise AssertionError(f"no seed raised the mean score by 1.5: {results}")

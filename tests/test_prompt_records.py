@@ -32,6 +32,7 @@ def make_config(tiny_model_dir: Path, tmp_path: Path, **overrides: Any) -> PPOCo
         learning_rate=1e-3,
         output_dir=str(tmp_path / "run"),
         progress_bar=False,
+        use_chat_template=False,  # the prompts reach the reward as they are
     )
     settings.update(overrides)
     return PPOConfig(**settings)
