@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import mlx.core as mx
+import numpy as np
 
 from base_setup.distributed import Group, all_sum
 
@@ -53,13 +54,13 @@ def update_moments(
     values = scores.astype(mx.float32).reshape(-1)
     local = mx.stack([mx.array(float(values.size)), values.sum()])
     totals = local if group is None else all_sum(local, group)
-    n, total_sum = (float(x) for x in totals.tolist())
+    n, total_sum = (float(x) for x in np.asarray(totals))
     if n == 0:
         return moments
     batch_mean = total_sum / n
     squares = mx.square(values - batch_mean).sum()  # two passes, as masked_var does
     squares = squares if group is None else all_sum(squares, group)
-    batch_var = float(squares.item()) / n
+    batch_var = float(np.asarray(squares)) / n
     total = moments.count + n
     delta = batch_mean - moments.mean
     mean = moments.mean + delta * n / total

@@ -559,10 +559,10 @@ def test_ppo_learns_a_reward_of_scale_minus_twenty_on_a_chat_checkpoint(
     family_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """The first hour on a real chat checkpoint (pad == EOS, ChatML, plain prompts through the
-    template): a reward of minus the length, around -20, that PPO without normalisation leaves
-    flat (the value model starts near 0, the returns near -20). With normalize_reward and a
-    value warm-up, the mean score of the last 4 steps beats the first 4 by 1.5 for one of three
-    seeds (a trainer that does not learn fails all three)."""
+    template): a reward of minus the length, around -20. With normalize_reward and a value
+    warm-up, the mean score of the last 4 of 24 steps beats the first 4 by 10 for one of three
+    seeds (seeds 0 and 1 gained about 20, seed 2 about 3; without normalize_reward one seed of
+    the three learned at these settings, and none gained 5 under a linear schedule)."""
 
     def shorter(completions: list[str], **kwargs: Any) -> list[float]:
         return [-len(c) / 2.5 for c in completions]  # about -20 at 32 random tokens
@@ -575,10 +575,12 @@ def test_ppo_learns_a_reward_of_scale_minus_twenty_on_a_chat_checkpoint(
             batch_size=8,
             learning_rate=1e-2,
             kl_coef=0.01,
+            lr_scheduler="constant",
+            num_ppo_epochs=4,
             temperature=1.0,
             normalize_reward=True,
             value_warmup_steps=1,
-            total_steps=20,
+            total_steps=24,
             seed=seed,
             output_dir=str(tmp_path / f"seed{seed}"),
             progress_bar=False,
@@ -587,11 +589,11 @@ def test_ppo_learns_a_reward_of_scale_minus_twenty_on_a_chat_checkpoint(
         )
         trainer = PPOTrainer(config, reward_model=shorter)
         assert trainer.chat_prompts  # the checkpoint's template, by default
-        history = trainer.train(review_prompts(8 * 20, seed=seed))
+        history = trainer.train(review_prompts(8 * 24, seed=0))
         scores = [h["objective/scores"] for h in history]
         first, last = np.mean(scores[:4]), np.mean(scores[-4:])
         assert first < -15  # the scale of the real task
         results.append((seed, round(float(first), 2), round(float(last), 2)))
-        if last > first + 1.5:
+        if last > first + 10:
             return
-    raise AssertionError(f"no seed raised the mean score by 1.5: {results}")
+    raise AssertionError(f"no seed raised the mean score by 10: {results}")

@@ -245,7 +245,7 @@ def test_a_prompt_files_other_fields_become_columns(tmp_path: Path) -> None:
 def test_reward_arguments_call_trl_style_functions_by_keyword() -> None:
     from ppo_trainer.prompt_records import reward_arguments
 
-    columns = {"prompt": ["q"], "answer": ["4"], "completion_ids": [[7, 2]]}
+    columns: dict[str, list[Any]] = {"prompt": ["q"], "answer": ["4"], "completion_ids": [[7, 2]]}
 
     def trl_style(completions: list[str], **kwargs: Any) -> list[float]:
         return [0.0]
