@@ -315,7 +315,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="RUN_OR_DIR",
         help="a run directory (final/, model/ or the newest checkpoint), LoRA adapters, a "
-        "checkpoint step_NNNNNN, or a model directory",
+        "checkpoint step_NNNNNN, a model directory, or a Hub repo id (owner/name) as train "
+        "takes for model_name",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="most new tokens per reply")
     parser.add_argument(
