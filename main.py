@@ -257,12 +257,24 @@ def _sampling_settings(args: argparse.Namespace) -> Any:
     )
 
 
-def _load_policy(path: str) -> Any:
+def _load_policy(path: str) -> tuple[Any, dict[str, Any] | None]:
+    """The policy at ``path`` (a run, adapters, checkpoint, model or Hub id) and the config of
+    the run it came from (None if none)."""
     from ppo_trainer.trained_model import load_trained_model, resolve_trained_model
 
     found = resolve_trained_model(path)
     logger.info("loading %s", found.describe())
-    return load_trained_model(found)
+    return load_trained_model(found), found.run_config
+
+
+def _chat_flag(flag: bool | None, run_config: dict[str, Any] | None) -> bool | None:
+    """``--chat`` / ``--no-chat`` if given, else the choice the model's training run made
+    (``use_chat_template`` true or false), so that generation sends prompts as training did;
+    None (the tokenizer decides) for "auto" or a model that is no run's."""
+    if flag is not None:
+        return flag
+    setting = (run_config or {}).get("use_chat_template")
+    return setting if isinstance(setting, bool) else None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -270,8 +282,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     settings = _sampling_settings(args)  # checked before the model is loaded
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    policy = _load_policy(args.model)
-    generate_text(policy.model, policy.tokenizer, prompt, settings, chat=args.chat, out=sys.stdout)
+    policy, run_config = _load_policy(args.model)
+    chat = _chat_flag(args.chat, run_config)
+    generate_text(policy.model, policy.tokenizer, prompt, settings, chat=chat, out=sys.stdout)
     print()
 
 
@@ -279,7 +292,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from ppo_trainer.chat import chat_session
 
     settings = _sampling_settings(args)
-    policy = _load_policy(args.model)
+    policy, _ = _load_policy(args.model)
     try:
         chat_session(
             policy.model,
@@ -431,9 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="apply the tokenizer's chat template (default: when the tokenizer has one, as "
-        "mlx_lm.generate does); --no-chat sends the text as it is (models trained on plain "
-        "prompts, like the demo's)",
+        help="apply the tokenizer's chat template (default: as the model's training run did "
+        "(use_chat_template), else when the tokenizer has one, as mlx_lm.generate does); "
+        "--no-chat sends the text as it is (models trained on plain prompts, like the demo's)",
     )
     generate.set_defaults(func=cmd_generate)
 

@@ -727,3 +727,12 @@ def test_train_prompts_from_a_hub_dataset(monkeypatch: pytest.MonkeyPatch) -> No
         main.read_prompts("someone/bad")
     with pytest.raises(FileNotFoundError, match="prompt file missing.jsonl does not exist"):
         main.read_prompts("missing.jsonl")
+
+
+def test_generate_sends_prompts_as_the_run_trained_on_them() -> None:
+    # --chat / --no-chat win; else the run's use_chat_template; "auto" or no run: the tokenizer
+    assert main._chat_flag(None, {"use_chat_template": False}) is False
+    assert main._chat_flag(None, {"use_chat_template": True}) is True
+    assert main._chat_flag(None, {"use_chat_template": "auto"}) is None
+    assert main._chat_flag(None, None) is None
+    assert main._chat_flag(True, {"use_chat_template": False}) is True
