@@ -78,6 +78,15 @@ def test_editable_install_imports_from_another_directory(source: Path, tmp_path:
     help_text = _run([str(env_dir / "bin" / "ppo-mlx"), "--help"], elsewhere).stdout
     assert "usage: ppo-mlx" in help_text and "demo" in help_text and "export" in help_text
 
+    # A reward file of the user's in the working directory loads by module path, even named
+    # like one of this package's folders (rewards, config).
+    (elsewhere / "config.py").write_text("def brevity(completions, **kwargs):\n    return []\n")
+    (elsewhere / "prompts.txt").write_text("Review of the lamp:\n")
+    train = [str(env_dir / "bin" / "ppo-mlx"), "train", "--prompts", "prompts.txt"]
+    train += ["--reward-fn", "config:brevity", "--set", "model_name=no-such-model-dir/x/y"]
+    result = subprocess.run(train, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert f"reward function brevity from {elsewhere.resolve() / 'config.py'}" in result.stderr
+
 
 def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheels"
