@@ -21,14 +21,17 @@ logger = logging.getLogger("ppo_mlx")
 
 
 def read_prompts(path: str | Path) -> list[Any]:
-    """Prompts from a ``.txt`` file (one per line) or ``.jsonl`` (``prompt`` text or chat
-    ``messages`` per line; the line's other fields come along as a prompt record's columns,
-    which reach the reward function). Errors name the file and line."""
-    from ppo_trainer.prompt_records import prompt_problem
-
+    """Prompts from a ``.txt`` file (one per line), a ``.jsonl`` file or a Hugging Face Hub
+    dataset ("owner/name", its train split) (``prompt`` text or chat ``messages`` per line or
+    row; the other fields come along as a prompt record's columns, which reach the reward
+    function). Errors name the file and line, or the dataset and row."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
+        name = str(path)
+        looks_local = path.suffix in (".txt", ".jsonl", ".json") or name.startswith((".", "/", "~"))
+        if path.exists() or looks_local:
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        return _hub_prompts(name)
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -49,20 +52,35 @@ def read_prompts(path: str | Path) -> list[Any]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-            prompt, key = record["prompt"], "prompt"
-        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-            prompt, key = record["messages"], "messages"
-        else:
-            raise ValueError(f"{path}:{lineno}: expected an object with 'prompt' or 'messages'")
-        problem = prompt_problem(prompt)
-        if problem is not None:
-            raise ValueError(f"{path}:{lineno}: {key!r} {problem}")
-        columns = {k: v for k, v in record.items() if k != key}
-        prompts.append({"prompt": prompt, **columns} if columns else prompt)
+        prompts.append(_prompt_of(record, f"{path}:{lineno}"))
     if not prompts:
         raise ValueError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def _prompt_of(record: Any, where: str) -> Any:
+    """A prompt record's prompt (text or chat messages), with its other fields as columns."""
+    from ppo_trainer.prompt_records import prompt_problem
+
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        prompt, key = record["prompt"], "prompt"
+    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+        prompt, key = record["messages"], "messages"
+    else:
+        raise ValueError(f"{where}: expected an object with 'prompt' or 'messages'")
+    problem = prompt_problem(prompt)
+    if problem is not None:
+        raise ValueError(f"{where}: {key!r} {problem}")
+    columns = {k: v for k, v in record.items() if k != key}
+    return {"prompt": prompt, **columns} if columns else prompt
+
+
+def _hub_prompts(name: str) -> list[Any]:
+    """The prompts of the Hub dataset ``name`` (train split), loaded as SFT data is."""
+    from finetune.records import load_records
+
+    dataset = load_records(name, lambda record, where: None)
+    return [_prompt_of(dict(row), f"{name}[train] row {i}") for i, row in enumerate(dataset)]
 
 
 def load_function(spec: str) -> Callable[..., Any]:
@@ -110,9 +128,11 @@ def _add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
 def _add_reward_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reward-fn",
-        help="a reward function 'module:function' (prompts, completions, **columns) -> "
-        "list[float] (columns: the other fields of the prompt file's JSONL lines), used instead "
-        "of the config's reward_model_name",
+        help="a reward function 'module:function' or 'path/to/file.py:function' (a module "
+        "file in the working directory is loaded from there), called by keyword as in TRL: "
+        "f(completions, **kwargs) or f(prompts, completions, <column>...) -> list[float] "
+        "(kwargs: prompts, completions, completion_ids and the other fields of the prompt "
+        "file's JSONL lines), used instead of the config's reward_model_name",
     )
 
 
@@ -164,6 +184,10 @@ def _build_trainer(
             except ValueError as err:
                 error = err
         dist.raise_if_any_rank_failed(error, f"locking output_dir {config.output_dir}")
+    if reward is not None:  # a signature the call cannot satisfy fails before the model loads
+        from ppo_trainer.prompt_records import check_reward_function, split_records
+
+        check_reward_function(reward, list(split_records(prompts)[1]))
     check_run_dir(
         config.output_dir,
         resuming=resuming,
@@ -203,17 +227,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    from config.ppo_config import PPOConfig
+
     if args.checkpoint:
         # The checkpoint's own config is the base (as for --resume): its model, reward and
         # sampling settings, so that nothing need be given again and nothing reads as changed.
         args.resume = args.checkpoint
-    trainer, prompts = _build_trainer(args, resuming=True)
-    if args.checkpoint:
-        trainer.load_checkpoint(args.checkpoint)
-    elif args.model:
-        trainer.load_model(args.model)
-    result = trainer.evaluate(prompts, num_samples=args.samples)
+    run_dir = Path(_run_config(args, PPOConfig).output_dir)
+    fresh = not run_dir.exists()
+    try:
+        trainer, prompts = _build_trainer(args, resuming=True)
+        if args.checkpoint:
+            trainer.load_checkpoint(args.checkpoint)
+        elif args.model:
+            trainer.load_model(args.model)
+        result = trainer.evaluate(prompts, num_samples=args.samples)
+    finally:
+        if fresh:  # the trainer made output_dir; an evaluation leaves no empty run folder
+            _remove_empty_folders(run_dir)
     print(json.dumps(result, indent=1))
+
+
+def _remove_empty_folders(root: Path) -> None:
+    """Remove ``root`` and the folders under it that hold no file (deepest first)."""
+    if not root.is_dir():
+        return
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True) + [root]:
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -263,12 +304,24 @@ def _sampling_settings(args: argparse.Namespace) -> Any:
     )
 
 
-def _load_policy(path: str) -> Any:
+def _load_policy(path: str) -> tuple[Any, dict[str, Any] | None]:
+    """The policy at ``path`` (a run, adapters, checkpoint, model or Hub id) and the config of
+    the run it came from (None if none)."""
     from ppo_trainer.trained_model import load_trained_model, resolve_trained_model
 
     found = resolve_trained_model(path)
     logger.info("loading %s", found.describe())
-    return load_trained_model(found)
+    return load_trained_model(found), found.run_config
+
+
+def _chat_flag(flag: bool | None, run_config: dict[str, Any] | None) -> bool | None:
+    """``--chat`` / ``--no-chat`` if given, else the choice the model's training run made
+    (``use_chat_template`` true or false), so that generation sends prompts as training did;
+    None (the tokenizer decides) for "auto" or a model that is no run's."""
+    if flag is not None:
+        return flag
+    setting = (run_config or {}).get("use_chat_template")
+    return setting if isinstance(setting, bool) else None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -277,13 +330,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     settings = _sampling_settings(args)  # checked before the model is loaded
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    policy = _load_policy(args.model)
+    policy, run_config = _load_policy(args.model)
     generate_text(
         policy.model,
         policy.tokenizer,
         prompt,
         settings,
-        chat=args.chat,
+        chat=_chat_flag(args.chat, run_config),
         out=sys.stdout,
         context=context_length(policy),
     )
@@ -295,7 +348,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from ppo_trainer.components import context_length
 
     settings = _sampling_settings(args)
-    policy = _load_policy(args.model)
+    policy, _ = _load_policy(args.model)
     try:
         chat_session(
             policy.model,
@@ -332,10 +385,16 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         metavar="RUN_OR_DIR",
         help="a run directory (final/, model/ or the newest checkpoint), LoRA adapters, a "
-        "checkpoint step_NNNNNN, or a model directory",
+        "checkpoint step_NNNNNN, a model directory, or a Hub repo id (owner/name) as train "
+        "takes for model_name",
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="most new tokens per reply")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy, the default (as mlx_lm.generate)",
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
 
@@ -377,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log debug lines too (e.g. which BLAS)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="SFT -> reward model -> PPO on the embedded tiny model")
@@ -400,7 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(train)
     _add_reward_arg(train)
-    train.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
+    train.add_argument(
+        "--prompts",
+        required=True,
+        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
+    )
     train.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
     train.add_argument("--resume", help=RESUME_HELP)
     _add_overwrite_arg(train)
@@ -409,7 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
     _add_config_args(evaluate)
     _add_reward_arg(evaluate)
-    evaluate.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl")
+    evaluate.add_argument(
+        "--prompts",
+        required=True,
+        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
+    )
     group = evaluate.add_mutually_exclusive_group()
     group.add_argument("--checkpoint", help="a training checkpoint directory (step_NNNNNN)")
     group.add_argument("--model", help="a directory written by save_model")
@@ -435,9 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="apply the tokenizer's chat template (default: when the tokenizer has one, as "
-        "mlx_lm.generate does); --no-chat sends the text as it is (models trained on plain "
-        "prompts, like the demo's)",
+        help="apply the tokenizer's chat template (default: as the model's training run did "
+        "(use_chat_template), else when the tokenizer has one, as mlx_lm.generate does); "
+        "--no-chat sends the text as it is (models trained on plain prompts, like the demo's)",
     )
     generate.set_defaults(func=cmd_generate)
 
@@ -496,9 +566,12 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     blas = setup_blas()  # first, before anything imports mlx (commands import it lazily)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logger.info(blas.describe())  # the backend line, now that logging is set up
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verbose:
+        logger.setLevel(logging.DEBUG)
+    # A problem with the BLAS was a warning already; a working one is said at debug level.
+    logger.debug(blas.describe())
     # SIGTERM (a scheduler, docker stop) as Ctrl-C: within the training loop it finishes the
     # step and saves (StopSignals); outside it the command ends with a message, not silently.
     previous_sigterm = signal.signal(signal.SIGTERM, raise_interrupted)

@@ -161,7 +161,6 @@ def _load_openblas() -> BlasInfo:
                 "slower matmuls). Fix: install the system library (Debian/Ubuntu: apt install "
                 "libgfortran5; Fedora: dnf install libgfortran) or pip install 'numpy<2.5'"
             )
-            logger.warning(message)
             return BlasInfo("reference", message)
         gfortran_note = f", libgfortran from {_load_libgfortran_from_numpy()}"
         lib = ctypes.CDLL(str(lib_path), os.RTLD_LOCAL)
@@ -198,13 +197,14 @@ def setup_blas() -> BlasInfo:
     """Give MLX a fast BLAS on Linux; idempotent, and a no-op on macOS.
 
     Must run before the first ``import mlx.core`` in the process. Logs one line saying which BLAS
-    is in use (logger ``ppo_mlx``) and returns it; where mlx was imported first, that line is a
-    warning that says how to fix the import order. Set ``PPO_MLX_BLAS=reference`` to opt out.
+    is in use (logger ``ppo_mlx``) and returns it: at debug level when all is as it should be, as
+    a warning that says what to do when the fast BLAS could not be used (mlx imported first, the
+    library missing or unusable). Set ``PPO_MLX_BLAS=reference`` to opt out.
     """
     global _BLAS_INFO
     if _BLAS_INFO is not None:
         return _BLAS_INFO
-    level = logging.INFO
+    level = logging.DEBUG
     if sys.platform == "darwin":
         info = BlasInfo("accelerate", "macOS: MLX uses Accelerate / Metal; nothing to load")
     elif os.environ.get("PPO_MLX_BLAS", "").lower() == "reference":
@@ -216,6 +216,8 @@ def setup_blas() -> BlasInfo:
         level = logging.WARNING
     else:
         info = _load_openblas()
+        if info.name == "reference":
+            level = logging.WARNING
     _BLAS_INFO = info
     logger.log(level, info.describe())
     return info
@@ -562,7 +564,7 @@ def setup_cpu_buffer_cache() -> int | None:
             limit = wanted
             _CACHE_STATE["previous"] = previous
             _CACHE_STATE["adaptive"] = int(env is None)
-            logger.info("MLX CPU buffer cache limit: %d MiB", wanted >> 20)
+            logger.debug("MLX CPU buffer cache limit: %d MiB", wanted >> 20)
     _CACHE_STATE["limit"] = limit
     return limit
 

@@ -79,6 +79,7 @@ def run_once(
         seed=seed,
         log_rollouts_every=0,
         save_every=0,
+        use_chat_template=False,  # the plain prompts of the figures recorded so far
     )
     eval_prompts: list[Any] | None = None
     if setup == "smoke":

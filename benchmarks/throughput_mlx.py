@@ -85,6 +85,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
         output_dir=output_dir,
         progress_bar=False,
         gradient_checkpointing=spec.gradient_checkpointing,
+        use_chat_template=False,  # the peers' prompt ids: plain text, no template
     )
     # stop_token_ids=[]: never stop before max_new_tokens (run_mlx checks every response has
     # max_new_tokens tokens).

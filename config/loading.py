@@ -149,7 +149,8 @@ def load_config(
         if required and field.name not in values and field.name not in bad_values:
             where = f"set it in {path}" if path is not None else "set it in a config file"
             problems.append(
-                f"{field.name} is required: {where} or pass the override {field.name}=..."
+                f"{field.name} is required: {where} (--config) or on the command line with "
+                f"--set {field.name}=..."
             )
 
     if problems:

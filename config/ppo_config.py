@@ -20,13 +20,15 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 #: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
 GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
-# "package.module:function": a reward function; anything else in reward_funcs is a model.
-_FUNCTION_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# "package.module:function" or "path/to/file.py:function": a reward function; anything else in
+# reward_funcs is a model.
+_FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
 def is_reward_function_spec(spec: str) -> bool:
-    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``)
-    rather than a reward model (a local directory or a Hugging Face repo id)."""
+    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``
+    or ``"path/to/file.py:function"``) rather than a reward model (a local directory or a
+    Hugging Face repo id)."""
     return bool(_FUNCTION_SPEC.match(spec.strip()))
 
 
@@ -65,6 +67,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
             subtracted first). See docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
         max_prompt_length: Most tokens in a prompt.
+        use_chat_template: Whether a plain-text prompt goes through the tokenizer's chat template
+            (as one user message, ending with the assistant's header) before generation: "auto"
+            = when the tokenizer has one, the rule of mlx_lm.generate and of this package's
+            generate and chat commands, so that training and generation agree; false = the text
+            as it is (models trained on plain prompts, like the demo's); true = required. Chat
+            messages always use it; a trainer that overrides format_prompt decides itself.
         temperature: Sampling temperature of the rollouts (> 0).
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
@@ -103,6 +111,15 @@ class PPOConfig(ModelConfig, TrainingConfig):
         num_ppo_epochs: Optimisation passes over each rollout batch.
         whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
         whiten_advantages: Whiten the advantages over the batch (PPO).
+        normalize_reward: Normalise the scores by their running mean and standard deviation
+            over every batch so far, (score - mean) / std, before they make rewards and
+            advantages (OpenRLHF's normalize_reward, TRL's use_score_norm): learning then does
+            not depend on the reward's scale or offset (a reward around -20 leaves a value model
+            that starts near 0 far behind). The statistics are checkpointed; metrics report the
+            raw scores. Every algorithm.
+        value_warmup_steps: Steps at the start of a PPO run in which only the value model
+            trains (the policy keeps its weights), so that its values catch up with the returns
+            before they shape the policy's advantages; 0 = none. "ppo" only.
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
             token (>= 0); None = no penalty.
         reward_funcs: Several rewards, summed with reward_weights (TRL's GRPO reward_funcs): each
@@ -143,6 +160,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     algorithm: Algorithm = "ppo"
     max_new_tokens: int = 64
     max_prompt_length: int = 512
+    use_chat_template: bool | Literal["auto"] = "auto"
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
@@ -163,6 +181,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     num_ppo_epochs: int = 4
     whiten_rewards: bool = False
     whiten_advantages: bool = True
+    normalize_reward: bool = False
+    value_warmup_steps: int = 0
     missing_eos_penalty: float | None = None
     reward_funcs: list[str] | None = None
     reward_weights: list[float] | None = None
@@ -281,6 +301,18 @@ class PPOConfig(ModelConfig, TrainingConfig):
         require(
             self.num_ppo_epochs >= 1, "num_ppo_epochs", self.num_ppo_epochs, ">= 1", "set e.g. 4"
         )
+        require(
+            self.value_warmup_steps >= 0,
+            "value_warmup_steps",
+            self.value_warmup_steps,
+            ">= 0",
+            "set the steps in which only the value model trains, or 0",
+        )
+        if self.value_warmup_steps and self.algorithm != "ppo":
+            raise ValueError(
+                f"value_warmup_steps={self.value_warmup_steps} needs a value model: it is for "
+                f'algorithm "ppo" ({self.algorithm!r} has none); set it to 0'
+            )
         if self.missing_eos_penalty is not None:
             require(
                 is_non_negative(self.missing_eos_penalty),

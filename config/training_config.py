@@ -25,8 +25,10 @@ class OptimConfig:
 
     Attributes:
         learning_rate: AdamW learning rate (peak value when a schedule is used).
-        batch_size: Examples per step (PPO: prompts per iteration, each sampled group_size
-            times).
+        batch_size: Examples per step. PPO / GRPO: prompts per iteration, each sampled
+            group_size times, so an iteration has batch_size * group_size completions (TRL's
+            GRPO counts completions: its batch of 16 with num_generations 4 is batch_size 4,
+            group_size 4 here).
         gradient_accumulation_steps: Micro-batches each batch (PPO: each minibatch) is split
             into; their gradients are accumulated before the one update (same update, less
             memory).

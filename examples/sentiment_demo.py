@@ -72,6 +72,7 @@ PPO_SETTINGS: dict[str, Any] = dict(
     lora_alpha=32.0,
     value_learning_rate=3e-4,
     save_every=10,
+    use_chat_template=False,  # the SFT stage taught plain "Review of ...:" prompts
 )
 DPO_SETTINGS: dict[str, Any] = dict(
     learning_rate=5e-4,

@@ -46,6 +46,11 @@ _DTYPES: dict[str, mx.Dtype] = {
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """Whether ``text``, which is no local path, has the shape of a Hub repo id ("owner/name")."""
+    return bool(_HUB_ID.match(text)) and text.count("/") == 1 and not text.startswith(".")
+
+
 def resolve_model_path(path_or_hub_id: str | Path) -> Path:
     """A local directory for ``path_or_hub_id``: the path itself, or its Hub snapshot (the files
     ``mlx_lm.load`` fetches: ``mlx_lm.utils.DEFAULT_ALLOW_PATTERNS``).

@@ -4,9 +4,14 @@ of a data-parallel run."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
+import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, cast
 
 from base_setup import distributed as dist
@@ -43,24 +48,90 @@ class RunModels:
 
 
 def load_function(spec: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function (``--reward-fn``, ``reward_funcs``).
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> the function
+    (``--reward-fn``, ``reward_funcs``).
+
+    A user's own file comes first: ``rewards:brevity`` loads ``./rewards.py`` of the working
+    directory by its path when importing ``rewards`` would find another module (this package has
+    top-level packages with generic names, ``config``, ``models``, ...) or none (the installed
+    ``ppo-mlx`` command does not put the working directory on ``sys.path``); a spec without such
+    a file is imported as usual. The file loaded is logged.
 
     Raises:
-        ValueError: a malformed spec, a module that cannot be imported, or no such function.
+        ValueError: a malformed spec, a file or module that cannot be loaded, or no such function.
     """
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
+    target, _, attr = spec.strip().rpartition(":")
+    if not target or not attr.isidentifier():
         raise ValueError(
-            f"a reward function must look like 'package.module:function', got {spec!r}"
+            "a reward function must look like 'module:function' or 'path/to/file.py:function', "
+            f"got {spec!r}"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"{spec}: cannot import {module_name} ({err})") from err
+    path = _user_file(target, spec)
+    if path is None:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ValueError(
+                f"{spec}: cannot import {target} ({err}); a file of yours can be given by its "
+                f"path, e.g. --reward-fn path/to/{target.rpartition('.')[2]}.py:{attr}"
+            ) from err
+    else:
+        module = _load_file(path, spec)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{spec}: {attr} is not a function in {module_name}")
+        raise ValueError(f"{spec}: {attr} is not a function in {module.__file__}")
+    logger.info("reward function %s from %s", attr, module.__file__)
     return cast(Callable[..., Any], fn)
+
+
+def _user_file(target: str, spec: str) -> Path | None:
+    """The file ``target`` names that must be loaded by its path: ``x.py`` itself, or the
+    ``a/b.py`` of module ``a.b`` in the working directory when importing ``a.b`` would not load
+    that file. None: import ``target`` as usual."""
+    if target.endswith(".py"):
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{spec}: there is no file {path.resolve()}")
+        return path
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise ValueError(
+            f"{spec}: {target!r} is neither a module path (package.module) nor a .py file"
+        )
+    path = Path.cwd().joinpath(*target.split(".")).with_name(target.rpartition(".")[2] + ".py")
+    if not path.is_file():
+        return None
+    try:
+        found = importlib.util.find_spec(target)
+    except ImportError:  # a parent package that is not there or not importable
+        found = None
+    origin = None if found is None or found.origin is None else Path(found.origin).resolve()
+    return None if origin == path.resolve() else path
+
+
+def _load_file(path: Path, spec: str) -> ModuleType:
+    """The module of the Python file ``path``, under a name of its own (so that a user's
+    ``rewards.py`` neither shadows nor is shadowed by a package of the same name); its folder
+    goes at the end of ``sys.path`` for the modules beside it that it imports."""
+    path = path.resolve()
+    name = "_user_module_" + re.sub(r"\W", "_", str(path.with_suffix("")))
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"{spec}: cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as err:
+        del sys.modules[name]
+        raise ValueError(f"{spec}: {path} cannot import what it needs ({err})") from err
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def load_policy(config: ModelConfig, *, plain: bool = False) -> PolicyModel:

@@ -23,6 +23,7 @@ from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator
 from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.rollout import Rollout
 from reward_kl.kl_divergence import kl_estimate
+from reward_kl.reward_normalization import RunningMoments, normalize_scores
 from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
 from token_attribution.extractor import mask_truncated_completions
 
@@ -74,6 +75,15 @@ def kl_per_token(rollout: Rollout, settings: ExperienceSettings) -> mx.array:
     return kl_estimate(rollout.logprobs, rollout.ref_logprobs, estimator) * rollout.mask
 
 
+def penalized_scores(rollout: Rollout, settings: ExperienceSettings) -> mx.array:
+    """The rollout's scores (B,) less ``missing_eos_penalty`` where a response has no stop token:
+    the scores the update learns from (and that ``normalize_reward``'s statistics follow)."""
+    if settings.missing_eos_penalty is None:
+        return rollout.scores
+    ended = rollout.generation.ended_with_stop
+    return apply_missing_eos_penalty(rollout.scores, ended, settings.missing_eos_penalty)
+
+
 def make_experience(
     rollout: Rollout,
     settings: ExperienceSettings,
@@ -81,11 +91,14 @@ def make_experience(
     *,
     step: int,
     group: Any = None,
+    score_moments: RunningMoments | None = None,
 ) -> tuple[RolloutBatch, dict[str, mx.array]]:
     """The rollout batch the update learns from, and per-token statistics for the metrics.
 
-    Scores first lose ``missing_eos_penalty`` for responses without a stop token; ``kl`` is
-    :func:`kl_per_token`. Then, by algorithm:
+    Scores first lose ``missing_eos_penalty`` for responses without a stop token and, with
+    ``score_moments`` (``normalize_reward``: the running statistics, this batch included), are
+    normalised by them for what follows (``batch.scores`` keeps them unnormalised, for the
+    metrics); ``kl`` is :func:`kl_per_token`. Then, by algorithm:
 
     * ``ppo``: per-token rewards ``-kl_coef * kl`` plus the score at the last token (optionally
       whitened), GAE advantages and returns over the values (advantages optionally whitened);
@@ -107,10 +120,10 @@ def make_experience(
             naming ``step``: no update is made from them.
     """
     r = rollout
-    scores = r.scores
     ended = r.generation.ended_with_stop
-    if settings.missing_eos_penalty is not None:
-        scores = apply_missing_eos_penalty(scores, ended, settings.missing_eos_penalty)
+    scores = raw_scores = penalized_scores(r, settings)  # (B,)
+    if score_moments is not None:
+        scores = normalize_scores(scores, score_moments)  # (B,)
     kl = kl_per_token(r, settings)  # (B, T)
     coef = settings.beta if settings.algorithm == "grpo" else kl_coef
     rewards, non_score = per_token_rewards(scores, kl, r.mask, coef)  # (B, T) each
@@ -150,7 +163,7 @@ def make_experience(
         mask=mask,
         logprobs=r.logprobs,
         ref_logprobs=r.ref_logprobs,
-        scores=scores,
+        scores=raw_scores,
         advantages=advantages,
         values=r.values,
         returns=returns,

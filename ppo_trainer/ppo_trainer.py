@@ -61,6 +61,7 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.callbacks import CallbackLike
+from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
     build_models,
     check_data_parallel_config,
@@ -73,10 +74,12 @@ from ppo_trainer.experience import (
     KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
+    penalized_scores,
 )
 from ppo_trainer.memory_estimate import check_memory
 from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
+    COMPLETION_IDS,
     Columns,
     Prompt,
     PromptInput,
@@ -93,6 +96,7 @@ from ppo_trainer.rollout import (
     check_prompts,
     collect_rollout,
     decode_completions,
+    ended_at_once,
     rollout_keys,
 )
 from ppo_trainer.rollout_records import (
@@ -123,10 +127,27 @@ from training.checkpoint import (
     check_save_target,
 )
 from training.optimizer import SchedulePlan
+from reward_kl.reward_normalization import RunningMoments, update_moments
 from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
+
+
+def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
+    """Whether plain-text prompts go through the chat template: ``config.use_chat_template``,
+    ``"auto"`` meaning when the tokenizer has one (as ``mlx_lm.generate`` decides).
+
+    Raises:
+        ValueError: ``use_chat_template`` is true and the tokenizer has no chat template.
+    """
+    has = has_chat_template(tokenizer)
+    if setting is True and not has:
+        raise ValueError(
+            "use_chat_template is true but the tokenizer of model_name has no chat template: "
+            "set use_chat_template to false (prompts as they are) or auto"
+        )
+    return has if setting == "auto" else bool(setting)
 
 
 class PPOTrainer:
@@ -213,11 +234,25 @@ class PPOTrainer:
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
+        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
+        self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
+        if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:
+            logger.info(
+                "plain-text prompts %s (use_chat_template=%s)",
+                (
+                    "go through the tokenizer's chat template"
+                    if self.chat_prompts
+                    else "are used as they are, without a chat template"
+                ),
+                str(config.use_chat_template).lower(),
+            )
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
         self.kl_ctl = kl_controller(config)
         self.global_step = 0
         self.epoch = 0
+        #: The running statistics of the scores (``normalize_reward``), checkpointed.
+        self.reward_moments = RunningMoments()
         self.step_in_epoch = 0
         self.history: list[dict[str, float]] = []
         self.checkpoints = CheckpointManager(
@@ -247,11 +282,15 @@ class PPOTrainer:
     def format_prompt(self, prompt: Prompt) -> str:
         """Turn one dataset prompt into the text the policy continues.
 
-        Default: text is used as is; chat messages go through the tokenizer's chat template with a
-        generation prompt. Override for a task-specific prompt format.
+        Default: chat messages go through the tokenizer's chat template with a generation
+        prompt; text too, as one user message, when ``config.use_chat_template`` says so
+        (:attr:`chat_prompts`), else it is used as is. Override for a task-specific prompt
+        format.
         """
         if isinstance(prompt, str):
-            return prompt
+            if not self.chat_prompts:
+                return prompt
+            prompt = [{"role": "user", "content": prompt}]
         return chat_template_text(self.tokenizer, prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -340,6 +379,15 @@ class PPOTrainer:
             )
         except ValueError as err:  # a reward that is NaN or not numbers: name the step
             raise ValueError(f"step {step}: {err}") from err
+        if ended_at_once(rollout.generation):
+            logger.warning(
+                "step %d: every response ended at once with a stop token (empty completions); "
+                "PPO learns nothing from them but to stop. Plain prompts to a chat model "
+                "without its chat template do this: check use_chat_template (now %s) and the "
+                "prompt format",
+                step,
+                str(cfg.use_chat_template).lower(),
+            )
         t_rollout = time.perf_counter()
         if self.rewards.funcs and not rollout.reward_metrics:
             warnings.warn(
@@ -351,9 +399,19 @@ class PPOTrainer:
         for cb in self.run.callbacks:
             cb.on_rollout_scored(self, step, rollout)
 
-        # 4. Per-token KL and rewards, advantages and returns.
+        # 4. Per-token KL and rewards, advantages and returns (from normalised scores with
+        # normalize_reward: the running statistics take this batch in first).
+        moments = None
+        if cfg.normalize_reward:
+            scores = penalized_scores(rollout, self.experience)
+            self.reward_moments = moments = update_moments(self.reward_moments, scores, self.group)
         batch, stats = make_experience(
-            rollout, self.experience, self.kl_ctl.value, step=step, group=self.group
+            rollout,
+            self.experience,
+            self.kl_ctl.value,
+            step=step,
+            group=self.group,
+            score_moments=moments,
         )
         t_advantages = time.perf_counter()
         if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self.run.last_step):
@@ -464,12 +522,17 @@ class PPOTrainer:
         """Phases 1-3 with this trainer's models and reward (training and evaluation)."""
 
         def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
+            # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
+            rows = np.asarray(query_responses).tolist()
+            ends = np.asarray(lengths).tolist()
+            ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
+            all_columns = {**columns, COMPLETION_IDS: ids}
             return self.compute_scores(
                 texts,
                 completions,
                 query_responses,
                 lengths,
-                **columns_for(self.compute_scores, columns, positional=4),
+                **columns_for(self.compute_scores, all_columns, positional=4),
             )
 
         return collect_rollout(
@@ -495,7 +558,8 @@ class PPOTrainer:
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
-        that overflows (huge rewards) then stops the step before the policy has moved."""
+        that overflows (huge rewards) then stops the step before the policy has moved. During
+        the first ``value_warmup_steps`` steps, the value model alone."""
         assert self.policy_optimizer is not None
         learners = [
             Learner(
@@ -509,12 +573,15 @@ class PPOTrainer:
         if self.value_model is not None:
             assert self.value_optimizer is not None and self._value_grad is not None
             value = Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
+            if self.global_step < self.config.value_warmup_steps:
+                return [value]
             learners.insert(0, value)
         return learners
 
     def _check_columns(self, columns: Columns) -> None:
         """Raise ValueError before any generation if the reward needs a column that the
         prompts do not carry."""
+        columns = {**columns, COMPLETION_IDS: []}
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 

@@ -10,10 +10,13 @@ with the completions (a prompt's entry repeated ``group_size`` times, like the p
 ``"prompt"`` column holds the prompts as given (before :meth:`PPOTrainer.format_prompt`), so
 even plain prompts have one.
 
-Which columns a function receives (:func:`columns_for`): all of them if it takes ``**kwargs``;
-otherwise those it names as parameters; none if it names none, so ``fn(prompts, completions)``
-keeps working. A parameter without a default that no column fills is an error raised before any
-generation. :meth:`PPOTrainer.compute_scores` and its overrides are called by the same rule after
+A reward function is called by keyword, as TRL calls one (:func:`reward_arguments`):
+``fn(prompts=..., completions=..., completion_ids=..., **columns)``, each argument passed if the
+function names it (all of them if it takes ``**kwargs``), so both ``fn(completions, **kwargs)``
+and ``fn(prompts, completions, answer)`` work. A function that names no ``completions`` parameter
+(``lambda p, c: ...``) is called the classic way, ``fn(prompts, completions, **columns)`` with the
+columns it names (:func:`columns_for`). A parameter without a default that nothing fills is an
+error raised before any generation. :meth:`PPOTrainer.compute_scores` and its overrides are called by the same rule after
 their four positional arguments.
 
 ::
@@ -30,8 +33,14 @@ from typing import Any, Callable, Mapping, Sequence, Union
 PROMPT_KEY = "prompt"
 """The record field that holds the prompt itself."""
 
-RESERVED_COLUMNS = frozenset({"prompts", "completions", "query_responses", "sequence_lengths"})
-"""Names of the positional arguments of rewards and ``compute_scores``: not usable as columns."""
+COMPLETION_IDS = "completion_ids"
+"""The column the trainer adds for the reward: each completion's token ids (the stop token
+included, no padding), as TRL passes ``completion_ids``."""
+
+RESERVED_COLUMNS = frozenset(
+    {"prompts", "completions", "query_responses", "sequence_lengths", COMPLETION_IDS}
+)
+"""Names of the arguments of rewards and ``compute_scores``: not usable as record fields."""
 
 Prompt = Union[str, list[dict[str, str]]]
 """A prompt: plain text, or chat messages ``[{"role": ..., "content": ...}, ...]``."""
@@ -104,8 +113,8 @@ def split_records(items: Sequence[PromptInput]) -> tuple[list[Prompt], Columns]:
     reserved = sorted(RESERVED_COLUMNS.intersection(names))
     if reserved:
         raise ValueError(
-            f"the prompt records have fields named {reserved}, which the reward receives as its "
-            "positional arguments: rename those fields"
+            f"the prompt records have fields named {reserved}, which the reward receives from "
+            "the trainer: rename those fields"
         )
     columns = {name: [row[name] for row in rows] for name in names}
     return list(columns[PROMPT_KEY]), columns
@@ -168,3 +177,58 @@ def columns_for(
             f'{{"{PROMPT_KEY}": ..., "{missing[0]}": ...}} or give the parameter a default'
         )
     return {p.name: columns[p.name] for p in named if p.name in columns}
+
+
+def reward_arguments(
+    fn: Callable[..., Any],
+    prompts: list[str],
+    completions: list[str],
+    columns: Mapping[str, list[Any]],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` to call the reward function ``fn`` with: by keyword, as TRL's trainers
+    call reward functions, when ``fn`` names a ``completions`` parameter or takes only
+    ``**kwargs`` (``prompts``, ``completions`` and every column, ``completion_ids`` included,
+    each passed if named, all with ``**kwargs``); otherwise the classic positional call
+    ``fn(prompts, completions, **columns_for(fn, columns, positional=2))``.
+
+    Raises:
+        ValueError: ``fn`` has a required parameter that nothing fills (a column the prompts do
+            not carry), so a wrong signature fails before any generation.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (ValueError, TypeError):
+        # Some builtins have no inspectable signature: call them the classic way.
+        return (prompts, completions), {}
+    named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    var_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+    only_kwargs = var_keyword and all(p.kind is p.VAR_KEYWORD for p in params)
+    if "completions" not in named and not only_kwargs:
+        return (prompts, completions), columns_for(fn, columns, positional=2)
+    available = {"prompts": prompts, "completions": completions, **columns}
+    missing = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in available)
+    ]
+    if missing:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(
+            f"{name} needs the column(s) {missing}, but a reward function receives prompts, "
+            f"completions and the columns {sorted(columns)}: pass prompt records "
+            f'{{"{PROMPT_KEY}": ..., "{missing[0]}": ...}} or give the parameter a default'
+        )
+    if var_keyword:
+        return (), dict(available)
+    return (), {name: value for name, value in available.items() if name in named}
+
+
+def check_reward_function(fn: Callable[..., Any], column_names: Sequence[str]) -> None:
+    """Raise ``ValueError`` now (before any model loads or generates) if the reward function
+    ``fn`` cannot be called with the prompts' columns ``column_names`` (plus
+    ``completion_ids``), by :func:`reward_arguments`'s rule."""
+    columns: dict[str, list[Any]] = {name: [] for name in column_names}
+    columns[COMPLETION_IDS] = []
+    reward_arguments(fn, [], [], columns)

@@ -12,7 +12,7 @@ import numpy as np
 
 from models.reward_model import RewardFunction, RewardModel
 from ppo_trainer.components import NamedReward
-from ppo_trainer.prompt_records import Columns, columns_for
+from ppo_trainer.prompt_records import Columns, check_reward_function, reward_arguments
 from ppo_trainer.rollout import check_scores
 from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
 
@@ -24,7 +24,8 @@ class Rewards:
 
     Attributes:
         model: a reward model.
-        fn: a function ``(prompts, completions, **columns) -> list[float]``.
+        fn: a function ``(prompts, completions, **columns) -> list[float]``, called by keyword
+            (:func:`ppo_trainer.prompt_records.reward_arguments`).
         funcs: several named rewards, summed with ``weights`` (None: 1 each).
     """
 
@@ -60,8 +61,8 @@ class Rewards:
                     scores = reward.score(query_responses, sequence_lengths)
                     values.append(np.asarray(scores).tolist())
                 else:
-                    out = reward(prompts, completions, **columns_for(reward, columns, positional=2))
-                    values.append(list(out))
+                    args, kwargs = reward_arguments(reward, prompts, completions, columns)
+                    values.append(list(reward(*args, **kwargs)))
             matrix = reward_matrix(values, names, len(completions))  # (K, B)
             weights = self.weights or [1.0] * len(names)
             return combine_rewards(matrix, weights), reward_metrics(matrix, names)
@@ -69,7 +70,8 @@ class Rewards:
             return self.model.score(query_responses, sequence_lengths), {}
         if self.fn is None:
             raise ValueError("no reward to score with: pass a reward model or function")
-        out = self.fn(prompts, completions, **columns_for(self.fn, columns, positional=2))
+        args, kwargs = reward_arguments(self.fn, prompts, completions, columns)
+        out = self.fn(*args, **kwargs)
         return check_scores(out, len(completions), self.source), {}
 
     def check_columns(self, columns: Columns) -> None:
@@ -78,4 +80,4 @@ class Rewards:
         functions: list[Any] = [self.fn] if self.fn is not None else []
         functions += [r for _, r in self.funcs if not isinstance(r, RewardModel)]
         for function in functions:
-            columns_for(function, columns, positional=2)
+            check_reward_function(function, list(columns))

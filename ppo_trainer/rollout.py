@@ -293,6 +293,13 @@ def rollout_keys(seed: int, step: int, n: int) -> mx.array:
     return mx.random.split(mx.random.key(key_seed), n)
 
 
+def ended_at_once(gen: GenerationOutput) -> bool:
+    """Whether every response of ``gen`` is its stop token alone (an empty completion): a sign
+    of prompts in the wrong format (a chat model given plain text without its template)."""
+    first_stop = (gen.lengths == 1) & gen.ended_with_stop  # (B,)
+    return bool(mx.all(first_stop).item())
+
+
 def decode_completions(gen: GenerationOutput, decode: Callable[[Sequence[int]], str]) -> list[str]:
     """Texts of the generated responses, each decoded without its stop token."""
     ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()

@@ -163,7 +163,19 @@ class TrainingRun:
         t.inputs["prompts"] = data_fingerprint(self.prompts)  # checked on resume, recorded
         steps_per_epoch = math.ceil(len(self.prompts) / cfg.batch_size)
         total = epochs * steps_per_epoch
-        return (min(total, cfg.total_steps) if cfg.total_steps else total), steps_per_epoch
+        if cfg.total_steps and cfg.total_steps < total:
+            if t.is_main_process:  # a cap that binds is said, not silent
+                logger.info(
+                    "total_steps=%d caps the run at %d steps (num_epochs=%d x %d steps per "
+                    "epoch would be %d)",
+                    cfg.total_steps,
+                    cfg.total_steps,
+                    epochs,
+                    steps_per_epoch,
+                    total,
+                )
+            return cfg.total_steps, steps_per_epoch
+        return total, steps_per_epoch
 
     def _check_run_dir(self, resuming: bool) -> None:
         """A fresh run must not reuse a folder that holds another run (collective)."""

@@ -20,6 +20,7 @@ from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
 from reward_kl.kl_divergence import AdaptiveKLController
+from reward_kl.reward_normalization import RunningMoments
 from training.checkpoint import (
     CheckpointManager,
     atomic_directory,
@@ -247,7 +248,8 @@ def check_same_weights(trainer: PPOTrainer, moment: str) -> None:
 def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
     states, and the JSON state (counters, KL controller, history, config, number of processes,
-    schedule, BLAS threads); returns its directory."""
+    schedule, BLAS threads, the run's inputs, the scores' running statistics); returns its directory.
+    """
     plan = trainer.lr_plan
     state = {
         "global_step": trainer.global_step,
@@ -260,6 +262,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
         "schedule": plan.to_dict() if plan else None,
         "blas_threads": trainer.blas_threads,
         "inputs": trainer.inputs,
+        "reward_moments": trainer.reward_moments.to_dict(),
     }
     return save_training_state(
         trainer.checkpoints, trainer.global_step, *checkpointed(trainer), state
@@ -280,6 +283,8 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.epoch = int(state["epoch"])
     trainer.step_in_epoch = int(state["step_in_epoch"])
     trainer.history = list(state["history"])
+    moments = state.get("reward_moments")  # normalize_reward's statistics (none: before them)
+    trainer.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
     schedule_note = None
     if trainer.lr_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))

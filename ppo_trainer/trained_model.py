@@ -11,7 +11,9 @@
 * a **checkpoint** ``step_NNNNNN/`` (``trainer_state.json`` holds the run's config, so the base
   model and the LoRA settings are known);
 * a **model directory** (config.json + weights), e.g. an SFT ``model/`` or an export; an
-  export's ``adapters/`` folder (``export`` without ``--fuse``) is applied on top.
+  export's ``adapters/`` folder (``export`` without ``--fuse``) is applied on top;
+* a **Hub repo id** ("owner/name") that is no local path: the snapshot, fetched or read from the
+  cache as ``train`` loads ``model_name`` (:func:`models.policy_model.resolve_model_path`).
 
 :func:`resolve_trained_model` only reads small files and says what it found, or why the path is
 none of these; :func:`load_trained_model` then loads the policy (a :class:`PolicyModel`).
@@ -37,7 +39,7 @@ from base_setup.lora_setup import (
     adapter_base_model,
 )
 from models.backbone_loading import check_model_files
-from models.policy_model import PolicyModel
+from models.policy_model import PolicyModel, looks_like_hub_id, resolve_model_path
 from training.checkpoint import STATE_FILE, CheckpointManager
 from training.metrics_logger import METRICS_FILE
 from finetune.supervised_trainer import MODEL_DIR
@@ -183,12 +185,16 @@ def resolve_trained_model(path: str | Path) -> TrainedModel:
     small files (configs, metrics), no weights.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist, or a run directory holds no model yet.
+        FileNotFoundError: ``path`` does not exist (nor names a Hub repo "owner/name" that
+            can be fetched), or a run directory holds no model yet.
         ValueError: ``path`` is none of the accepted kinds (the message lists what it holds and
             what is expected), a reward or value model (they do not generate), or adapters whose
             base model cannot be found.
     """
     path = Path(path)
+    if not path.exists() and looks_like_hub_id(str(path)):
+        # A Hub repo id, fetched (or read from the cache) as train loads model_name.
+        path = resolve_model_path(str(path))
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; expected {EXPECTED}")
     if not path.is_dir():

@@ -7,6 +7,7 @@ turn."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -30,7 +31,7 @@ from fixtures.checkpoint_families import FAMILIES, build_family_checkpoint, quan
 from models.checkpoint_config import check_config_is_read, config_updates
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
-from fixtures.tiny_corpus import lexicon_score, review_corpus
+from fixtures.tiny_corpus import lexicon_score, review_corpus, review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 from finetune.tokenize import tokenize_preferences
@@ -493,3 +494,106 @@ def test_gpt2_reward_model_exports_in_transformers_layout(
         ours,
         atol=1e-5,
     )
+
+
+# --------------------------------------------------------------------------- plain prompts
+
+
+def test_plain_prompts_get_the_chat_template_as_generate_gives_it(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ppo_trainer.chat import encode_prompt, use_chat_template
+
+    def brevity(completions: list[str], **kwargs: Any) -> list[float]:
+        return [-float(len(c.split())) for c in completions]
+
+    settings: dict[str, Any] = dict(
+        model_name=str(family_dirs["smollm2"]),
+        batch_size=2,
+        max_new_tokens=4,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    with caplog.at_level(logging.INFO, logger="ppo_mlx"):
+        trainer = PPOTrainer(PPOConfig(**settings), reward_model=brevity)
+    assert "plain-text prompts go through the tokenizer's chat template" in caplog.text
+    tokenizer = trainer.tokenizer
+    text = trainer.format_prompt("Review of the lamp:")
+    assert text.startswith("<|im_start|>user\nReview of the lamp:<|im_end|>")
+    # the ids `generate` and `chat` send for the same prompt
+    generate_ids = encode_prompt(
+        tokenizer, "Review of the lamp:", chat=use_chat_template(tokenizer, None)
+    )
+    assert trainer.encode_prompt(text) == generate_ids
+
+    plain = PPOTrainer(PPOConfig(**settings, use_chat_template=False), reward_model=brevity)
+    assert plain.format_prompt("Review of the lamp:") == "Review of the lamp:"
+    gpt2 = {**settings, "model_name": str(family_dirs["gpt2"])}
+    assert PPOTrainer(PPOConfig(**gpt2), reward_model=brevity).chat_prompts is False
+    with pytest.raises(ValueError, match="use_chat_template is true but the tokenizer"):
+        PPOTrainer(PPOConfig(**gpt2, use_chat_template=True), reward_model=brevity)
+
+
+def test_a_rollout_of_only_empty_responses_is_named(
+    family_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model_dir = family_dirs["smollm2"]
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    config = PPOConfig(
+        model_name=str(model_dir),
+        batch_size=2,
+        max_new_tokens=4,
+        stop_token_ids=list(range(vocab)),  # every first token ends the response
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    trainer = PPOTrainer(config, reward_model=lambda p, c: [0.0] * len(c))
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        trainer.step(["Review of the lamp:", "Review of the park:"])
+    assert "step 1: every response ended at once with a stop token" in caplog.text
+    assert "use_chat_template (now auto)" in caplog.text
+
+
+@pytest.mark.slow
+def test_ppo_learns_a_reward_of_scale_minus_twenty_on_a_chat_checkpoint(
+    family_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The first hour on a real chat checkpoint (pad == EOS, ChatML, plain prompts through the
+    template): a reward of minus the length, around -20. With normalize_reward and a value
+    warm-up, the mean score of the last 4 of 24 steps beats the first 4 by 10 for one of three
+    seeds (seeds 0 and 1 gained about 20, seed 2 about 3; without normalize_reward one seed of
+    the three learned at these settings, and none gained 5 under a linear schedule)."""
+
+    def shorter(completions: list[str], **kwargs: Any) -> list[float]:
+        return [-len(c) / 2.5 for c in completions]  # about -20 at 32 random tokens
+
+    results = []
+    for seed in (0, 1, 2):
+        config = PPOConfig(
+            model_name=str(family_dirs["smollm2"]),
+            max_new_tokens=32,
+            batch_size=8,
+            learning_rate=1e-2,
+            kl_coef=0.01,
+            lr_scheduler="constant",
+            num_ppo_epochs=4,
+            temperature=1.0,
+            normalize_reward=True,
+            value_warmup_steps=1,
+            total_steps=24,
+            seed=seed,
+            output_dir=str(tmp_path / f"seed{seed}"),
+            progress_bar=False,
+            log_rollouts_every=0,
+            save_every=0,
+        )
+        trainer = PPOTrainer(config, reward_model=shorter)
+        assert trainer.chat_prompts  # the checkpoint's template, by default
+        history = trainer.train(review_prompts(8 * 24, seed=0))
+        scores = [h["objective/scores"] for h in history]
+        first, last = np.mean(scores[:4]), np.mean(scores[-4:])
+        assert first < -15  # the scale of the real task
+        results.append((seed, round(float(first), 2), round(float(last), 2)))
+        if last > first + 10:
+            return
+    raise AssertionError(f"no seed raised the mean score by 10: {results}")

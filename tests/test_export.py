@@ -672,3 +672,67 @@ def test_export_refuses_to_overwrite_and_is_atomic(
     export_model(ppo_run, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --------------------------------------------------------------------------- as a TRL user expects
+
+
+def test_generate_chat_and_export_take_hub_repo_ids_as_train_does(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlx_lm.utils
+
+    from ppo_trainer.trained_model import resolve_trained_model
+
+    asked: list[str] = []
+
+    def fake_download(repo: str, *args: Any, **kwargs: Any) -> Path:  # no network in tests
+        asked.append(repo)
+        return tiny_model_dir
+
+    monkeypatch.setattr(mlx_lm.utils, "_download", fake_download)
+    found = resolve_trained_model("someone/tiny-chat")
+    assert asked == ["someone/tiny-chat"]
+    assert found.kind == "model" and found.path == tiny_model_dir
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_trained_model("runs/nothing/here")  # a path, not an id: no download
+    assert asked == ["someone/tiny-chat"]
+
+
+def test_generate_is_greedy_unless_a_temperature_is_given() -> None:
+    parser = main.build_parser()
+    for command in ("generate", "chat"):
+        extra = ["--prompt", "Hi"] if command == "generate" else []
+        args = parser.parse_args([command, "--model", "m", *extra])
+        assert args.temperature == 0.0  # as mlx_lm.generate
+        args = parser.parse_args([command, "--model", "m", "--temperature", "0.7", *extra])
+        assert args.temperature == 0.7
+
+
+def test_train_prompts_from_a_hub_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    rows = [
+        {"prompt": "Review of the lamp:", "answer": "4"},
+        {"messages": [{"role": "user", "content": "Hi"}]},
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows[:1])
+    assert main.read_prompts("someone/prompts") == [
+        {"prompt": "Review of the lamp:", "answer": "4"}
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: rows[1:])
+    assert main.read_prompts("someone/chats") == [[{"role": "user", "content": "Hi"}]]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: [{"text": "x"}])
+    with pytest.raises(ValueError, match="someone/bad\\[train\\] row 0: expected an object"):
+        main.read_prompts("someone/bad")
+    with pytest.raises(FileNotFoundError, match="prompt file missing.jsonl does not exist"):
+        main.read_prompts("missing.jsonl")
+
+
+def test_generate_sends_prompts_as_the_run_trained_on_them() -> None:
+    # --chat / --no-chat win; else the run's use_chat_template; "auto" or no run: the tokenizer
+    assert main._chat_flag(None, {"use_chat_template": False}) is False
+    assert main._chat_flag(None, {"use_chat_template": True}) is True
+    assert main._chat_flag(None, {"use_chat_template": "auto"}) is None
+    assert main._chat_flag(None, None) is None
+    assert main._chat_flag(True, {"use_chat_template": False}) is True

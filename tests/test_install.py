@@ -78,6 +78,15 @@ def test_editable_install_imports_from_another_directory(source: Path, tmp_path:
     help_text = _run([str(env_dir / "bin" / "ppo-mlx"), "--help"], elsewhere).stdout
     assert "usage: ppo-mlx" in help_text and "demo" in help_text and "export" in help_text
 
+    # A reward file of the user's in the working directory loads by module path, even named
+    # like one of this package's folders (rewards, config).
+    (elsewhere / "config.py").write_text("def brevity(completions, **kwargs):\n    return []\n")
+    (elsewhere / "prompts.txt").write_text("Review of the lamp:\n")
+    train = [str(env_dir / "bin" / "ppo-mlx"), "train", "--prompts", "prompts.txt"]
+    train += ["--reward-fn", "config:brevity", "--set", "model_name=no-such-model-dir/x/y"]
+    result = subprocess.run(train, cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert f"reward function brevity from {elsewhere.resolve() / 'config.py'}" in result.stderr
+
 
 def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheels"
@@ -109,3 +118,32 @@ def test_every_package_folder_is_declared() -> None:
         if (p / "__init__.py").is_file() and not p.name.startswith(".")
     }
     assert folders - {"tests", "benchmarks"} == set(PACKAGES)
+
+
+def test_ci_runs_the_readmes_test_line_in_its_own_virtual_environment() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    demo, tests = quick.strip().splitlines()
+    assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
+    venvs = [line.split("python3 -m venv ", 1)[1].split()[0] for line in (demo, tests)]
+    assert venvs[0] != venvs[1], venvs  # the editable install and the dev tools apart
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for venv_dir in venvs:
+        assert f"{venv_dir}/" in ignored
+        assert venv_dir.replace(".", "\\.") in pyproject.split("[tool.black]")[1]  # black, mypy
+
+
+def test_the_readmes_reward_moves_on_the_demo_model() -> None:
+    from fixtures.demo_data import sft_records
+
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    source = snippet[snippet.index("def reward(") :].split("\n\n", 1)[0]
+    namespace: dict[str, object] = {}
+    exec(source, namespace)
+    reward = namespace["reward"]
+    assert callable(reward)
+    completions = [r["completion"] for r in sft_records(32)]  # what the demo's policy writes
+    scores = reward(completions=completions, prompts=["p"] * len(completions))
+    assert len(set(scores)) > 3  # varies over the demo's reviews: something to learn from

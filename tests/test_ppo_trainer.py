@@ -383,24 +383,30 @@ def _comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
     ]
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"normalize_reward": True, "value_warmup_steps": 2}],
+    ids=["plain", "normalized-warmup"],
+)
 def test_stop_and_resume_equals_an_uninterrupted_run(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
 ) -> None:
     # Two fresh runs must start with the same BLAS threads whatever the load (a resumed run takes
     # its checkpoint's count by itself).
     monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
     prompts = PROMPTS[:12]
-    straight_cfg = make_config(tiny_model_dir, tmp_path / "a", save_every=100)
+    straight_cfg = make_config(tiny_model_dir, tmp_path / "a", save_every=100, **extra)
     straight = PPOTrainer(straight_cfg, reward_model=e_rate)
     straight_history = straight.train(prompts, num_epochs=2)
     assert len(straight_history) == 6
 
-    resumed_cfg = make_config(tiny_model_dir, tmp_path / "b", save_every=100)
+    resumed_cfg = make_config(tiny_model_dir, tmp_path / "b", save_every=100, **extra)
     first = PPOTrainer(resumed_cfg, reward_model=e_rate)
     first.train(prompts, num_epochs=2, callbacks=[Recorder(stop_at=4)])  # like Ctrl-C at step 4
     assert first.global_step == 4
     second = PPOTrainer(resumed_cfg, reward_model=e_rate)
     resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
+    assert second.reward_moments == straight.reward_moments  # normalize_reward's statistics
 
     assert _comparable(resumed_history) == _comparable(straight_history)
     for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
@@ -499,3 +505,54 @@ def test_split_scores_takes_the_scores_alone_or_with_their_metrics() -> None:
     assert float(metrics["rewards/a/mean"]) == 0.75 and metrics["b"].shape == ()
     with pytest.raises(ValueError, match=r"f returned the metric 'c' of shape \(2,\)"):
         split_scores((scores, {"c": scores}), "f")
+
+
+# --------------------------------------------------------------------------- steps and schedules
+
+
+def test_a_binding_total_steps_is_named(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = make_config(tiny_model_dir, tmp_path, total_steps=1, num_epochs=5, max_new_tokens=2)
+    with caplog.at_level("INFO", logger="ppo_mlx"):
+        history = PPOTrainer(config, reward_model=e_rate).train(PROMPTS[:4])
+    assert len(history) == 1
+    assert "total_steps=1 caps the run at 1 steps (num_epochs=5 x 1 steps per epoch" in caplog.text
+
+
+def test_extending_a_finished_run_starts_a_new_schedule_segment(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from training.metrics_logger import read_metrics
+
+    settings: dict[str, Any] = dict(
+        lr_scheduler="linear", num_ppo_epochs=1, num_mini_batches=1, max_new_tokens=2
+    )
+    first = make_config(tiny_model_dir, tmp_path, num_epochs=1, **settings)
+    PPOTrainer(first, reward_model=e_rate).train(PROMPTS[:8])  # 2 steps, decayed to ~0
+    longer = make_config(tiny_model_dir, tmp_path, num_epochs=2, **settings)
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        PPOTrainer(longer, reward_model=e_rate).train(PROMPTS[:8], resume_from="latest")
+    assert "had finished its schedule of 2 updates" in caplog.text
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(lrs) == 4
+    # the new segment: the configured peak, decaying linearly to 0 at update 4 (not ~1e-11)
+    assert lrs[2:] == pytest.approx([1e-3, 5e-4], rel=1e-5)
+
+
+def test_value_warmup_trains_the_value_model_alone_first(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = make_config(tiny_model_dir, tmp_path, value_warmup_steps=1, normalize_reward=True)
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    policy, value = trainable(trainer.policy), trainable(trainer.value_model)
+    metrics = trainer.step(PROMPTS[:4])
+    assert "loss/value" in metrics and "loss/policy" not in metrics
+    assert all(np.array_equal(policy[k], v) for k, v in trainable(trainer.policy).items())
+    assert_all_changed(value, trainable(trainer.value_model))
+    assert trainer.reward_moments.count == 4
+    trainer.step(PROMPTS[4:8])  # after the warm-up, the policy trains too
+    assert_all_changed(policy, trainable(trainer.policy))
+    assert trainer.reward_moments.count == 8
+    with pytest.raises(ValueError, match="value_warmup_steps=2 needs a value model"):
+        make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=2, value_warmup_steps=2)

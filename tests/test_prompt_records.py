@@ -32,6 +32,7 @@ def make_config(tiny_model_dir: Path, tmp_path: Path, **overrides: Any) -> PPOCo
         learning_rate=1e-3,
         output_dir=str(tmp_path / "run"),
         progress_bar=False,
+        use_chat_template=False,  # the prompts reach the reward as they are
     )
     settings.update(overrides)
     return PPOConfig(**settings)
@@ -236,3 +237,71 @@ def test_a_prompt_files_other_fields_become_columns(tmp_path: Path) -> None:
     assert split_records(prompts)[1]["letter"] == ["e", "o"]
     path.write_text(json.dumps({"prompt": "a"}) + "\n")
     assert read_prompts(path) == ["a"]  # no other field: a plain prompt
+
+
+# --------------------------------------------------------------------------- called by keyword
+
+
+def test_reward_arguments_call_trl_style_functions_by_keyword() -> None:
+    from ppo_trainer.prompt_records import reward_arguments
+
+    columns: dict[str, list[Any]] = {"prompt": ["q"], "answer": ["4"], "completion_ids": [[7, 2]]}
+
+    def trl_style(completions: list[str], **kwargs: Any) -> list[float]:
+        return [0.0]
+
+    def named(prompts: list[str], completions: list[str], answer: list[str]) -> list[float]:
+        return [0.0]
+
+    def needs_missing(completions: list[str], solution: list[str]) -> list[float]:
+        return [0.0]
+
+    args, kwargs = reward_arguments(trl_style, ["Q"], ["c"], columns)
+    assert args == () and kwargs == {"prompts": ["Q"], "completions": ["c"], **columns}
+    trl_style(*args, **kwargs)  # the call that raised TypeError when made positionally
+    args, kwargs = reward_arguments(named, ["Q"], ["c"], columns)
+    assert args == () and kwargs == {"prompts": ["Q"], "completions": ["c"], "answer": ["4"]}
+    # only **kwargs: everything by keyword
+    assert reward_arguments(lambda **kw: None, ["Q"], ["c"], columns)[1]["completions"] == ["c"]
+    # a function that names no `completions` keeps the classic positional call
+    assert reward_arguments(lambda p, c: None, ["Q"], ["c"], columns) == ((["Q"], ["c"]), {})
+    with pytest.raises(ValueError, match="needs_missing needs the column\\(s\\) \\['solution'\\]"):
+        reward_arguments(needs_missing, ["Q"], ["c"], columns)
+
+
+def test_a_trl_style_reward_trains_and_gets_the_completion_ids(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append({"completions": completions, **kwargs})
+        return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+    config = make_config(tiny_model_dir, tmp_path)
+    trainer = PPOTrainer(config, reward_model=length_reward)
+    before = trainable(trainer)
+    metrics = trainer.step(RECORDS[:2])
+    [call] = calls
+    assert call["prompts"] == PROMPTS[:2] and call["target"] == [0, 1]
+    for ids, text in zip(call["completion_ids"], call["completions"]):
+        assert 1 <= len(ids) <= 4 and all(isinstance(i, int) for i in ids)
+        assert trainer.tokenizer.decode(ids).startswith(text)  # the stop token may follow
+    assert metrics["objective/scores"] >= 1
+    after = trainable(trainer)
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_a_reward_with_a_wrong_signature_fails_before_any_generation(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def needs_solution(completions: list[str], solution: list[str]) -> list[float]:
+        return [0.0] * len(completions)
+
+    def no_generation(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("generated before checking the reward's signature")
+
+    monkeypatch.setattr(rollout_module, "sample_responses", no_generation)
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path), reward_model=needs_solution)
+    with pytest.raises(ValueError, match="needs the column\\(s\\) \\['solution'\\]"):
+        trainer.step(RECORDS[:2])

@@ -262,3 +262,25 @@ def test_reward_metrics_are_trls_nan_aware_mean_and_std():
     assert metrics["rewards/b/mean"].item() == pytest.approx(3.0)
     # Undefined statistics are left out, not logged as NaN.
     assert set(metrics) == {"rewards/a/mean", "rewards/a/std", "rewards/b/mean"}
+
+
+# --------------------------------------------------------------------------- reward normalisation
+
+
+def test_running_moments_equal_the_statistics_of_all_scores_at_once() -> None:
+    from reward_kl.reward_normalization import RunningMoments, normalize_scores, update_moments
+
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(-20, 3, size=n).astype(np.float32) for n in (4, 7, 1, 16)]
+    moments = RunningMoments()
+    for k, batch in enumerate(batches):
+        moments = update_moments(moments, mx.array(batch))
+        seen = np.concatenate(batches[: k + 1]).astype(np.float64)
+        assert moments.count == len(seen)
+        assert moments.mean == pytest.approx(seen.mean(), rel=1e-6)
+        assert moments.var == pytest.approx(seen.var(), rel=1e-5)  # population variance
+    scores = mx.array([-25.0, -20.0, -15.0])
+    expected = (np.array([-25.0, -20.0, -15.0]) - moments.mean) / np.sqrt(moments.var + 1e-8)
+    np.testing.assert_allclose(np.array(normalize_scores(scores, moments)), expected, rtol=1e-5)
+    # a round trip through the checkpoint's JSON is exact
+    assert RunningMoments.from_dict(moments.to_dict()) == moments

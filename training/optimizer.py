@@ -208,7 +208,9 @@ def resumed_plan(
     The same configuration continues exactly (a continuation recorded in the checkpoint
     included). A run whose length changed (``total_steps``, e.g. extended) continues from the
     learning rate it had reached and decays, in the plan's shape, to 0 at the new end, instead of
-    restarting its schedule (a jump of the learning rate); any other change (learning rate,
+    restarting its schedule (a jump of the learning rate). A run extended after it finished (its
+    schedule at its end, the learning rate decayed to about 0) starts a new segment instead: the
+    configured ``learning_rate`` decaying to 0 at the new end. Any other change (learning rate,
     scheduler, warm-up) applies as configured.
     """
     if saved is None:
@@ -217,7 +219,16 @@ def resumed_plan(
     if before.configured() == plan:
         return before, None
     lr_now = float(np.asarray(before.schedule()(mx.array(step))))
-    if dataclasses.replace(before.configured(), total_steps=plan.total_steps) == plan:
+    same_but_length = dataclasses.replace(before.configured(), total_steps=plan.total_steps)
+    if same_but_length == plan and step >= before.total_steps and plan.total_steps > step:
+        note = (
+            f"the run had finished its schedule of {before.total_steps} updates (learning rate "
+            f"{lr_now:.3g}) and is extended to {plan.total_steps}: a new segment starts at the "
+            f"configured learning_rate {plan.learning_rate:.3g} and decays ({plan.scheduler}) to "
+            f"0 at update {plan.total_steps}"
+        )
+        return dataclasses.replace(plan, continued_from=step, continued_lr=plan.learning_rate), note
+    if same_but_length == plan:
         note = (
             f"the run was planned for {before.total_steps} updates and now for "
             f"{plan.total_steps}: the learning rate continues from {lr_now:.3g} (update {step}) "
