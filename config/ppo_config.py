@@ -5,6 +5,7 @@ import copy
 import math
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
@@ -20,23 +21,35 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 #: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
 GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
-# "package.module:function" or "path/to/file.py:function": a reward function; anything else in
-# reward_funcs is a model.
+# "package.module:function" or "path/to/file.py:function": a reward function; a plain word that
+# is not a local directory: a reward of the registry (rewards/); anything else is a model.
 _FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
+_REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+#: A ``reward_funcs`` entry: a name or path, or ``{name: ..., <parameter>: ...}``.
+RewardSpec = str | dict[str, Any]
 
 
-def is_reward_function_spec(spec: str) -> bool:
-    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``
-    or ``"path/to/file.py:function"``) rather than a reward model (a local directory or a
-    Hugging Face repo id)."""
-    return bool(_FUNCTION_SPEC.match(spec.strip()))
-
-
-def reward_func_name(spec: str) -> str:
-    """The name a ``reward_funcs`` entry is logged under (``rewards/<name>/mean``), as TRL names
-    them: a function's name, or a model path's last component."""
+def is_reward_function_spec(spec: RewardSpec) -> bool:
+    """Whether a ``reward_funcs`` entry names a Python function rather than a reward model (a
+    local directory or a Hugging Face repo id): an entry with parameters, a
+    ``"package.module:function"`` or ``"path/to/file.py:function"``, or a plain word that is not
+    a local directory (a reward of the registry, ``python main.py rewards``)."""
+    if isinstance(spec, dict):
+        return True
     spec = spec.strip()
-    if is_reward_function_spec(spec):
+    if _FUNCTION_SPEC.match(spec):
+        return True
+    return bool(_REWARD_NAME.match(spec)) and not Path(spec).is_dir()
+
+
+def reward_func_name(spec: RewardSpec) -> str:
+    """The name a ``reward_funcs`` entry is logged under (``rewards/<name>/mean``), as TRL names
+    them: a function's or registered reward's name, or a model path's last component."""
+    if isinstance(spec, dict):
+        spec = str(spec.get("name", ""))
+    spec = spec.strip()
+    if _FUNCTION_SPEC.match(spec):
         return spec.rpartition(":")[2]
     return spec.rstrip("/\\").replace("\\", "/").rpartition("/")[2]
 
@@ -108,11 +121,14 @@ class PPOConfig(ModelConfig, TrainingConfig):
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
             token (>= 0); None = no penalty.
         reward_funcs: Several rewards, summed with reward_weights (TRL's GRPO reward_funcs): each
-            entry a Python function "package.module:function" (prompts, completions) ->
-            list[float | None] (None where the function does not apply), or a reward model
-            (local directory or repo id). Each is logged as rewards/<name>/mean and /std, name =
-            the function's name or the model path's last component. None = the single reward
-            of reward_model_name or the trainer's reward function.
+            entry a built-in reward by name (math_accuracy, think_format, ...: ``python main.py
+            rewards`` lists them and the record columns they read), a Python function
+            "package.module:function" or "path/to/file.py:function" (prompts, completions,
+            **columns) -> list[float | None] (None where it does not apply), a reward model
+            (local directory or repo id), or a reward with parameters ({name: soft_overlong,
+            max_length: 512, cache: 64}). Each is logged as rewards/<name>/mean and /std, name
+            = the reward's or function's name or the model path's last component. None = the
+            single reward of reward_model_name or the trainer's reward function.
         reward_weights: Weight of each of reward_funcs, in order (finite, not all 0); None = 1.0
             each.
         group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
@@ -166,7 +182,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     whiten_rewards: bool = False
     whiten_advantages: bool = True
     missing_eos_penalty: float | None = None
-    reward_funcs: list[str] | None = None
+    reward_funcs: list[RewardSpec] | None = None
     reward_weights: list[float] | None = None
     group_size: int = 1
     beta: float = 0.04
@@ -360,12 +376,14 @@ class PPOConfig(ModelConfig, TrainingConfig):
             )
             return
         require(
-            len(self.reward_funcs) > 0 and all(spec.strip() for spec in self.reward_funcs),
+            len(self.reward_funcs) > 0
+            and all(reward_func_name(spec) for spec in self.reward_funcs),
             "reward_funcs",
             self.reward_funcs,
-            "null or a non-empty list of non-empty entries",
-            'list "package.module:function" specs or reward model paths, or null for the '
-            "single reward of reward_model_name",
+            "null or a non-empty list of non-empty entries (an entry with parameters has a name)",
+            'list reward names (python main.py rewards), "package.module:function" specs, '
+            "reward model paths, or names with parameters such as {name: soft_overlong, "
+            "max_length: 512, cache: 64}; or null for the single reward of reward_model_name",
         )
         require(
             self.reward_model_name is None,

@@ -14,21 +14,25 @@ from rewards import builtin as builtin  # registers the built-ins
 from rewards.registry import (
     RewardFn,
     RewardInfo,
+    bind_reward,
     check_reward_columns,
     list_rewards,
     register_reward,
     required_columns,
     resolve_reward,
     reward_spec_name,
+    rewards_text,
 )
 
 __all__ = [
     "RewardFn",
     "RewardInfo",
+    "bind_reward",
     "check_reward_columns",
     "list_rewards",
     "register_reward",
     "required_columns",
     "resolve_reward",
     "reward_spec_name",
+    "rewards_text",
 ]

@@ -12,6 +12,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -76,6 +77,7 @@ def register_reward(
 def first_sentence(doc: str) -> str:
     """The first sentence of a docstring's first paragraph, on one line."""
     paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    paragraph = re.sub(r":\w+:`([^`]*)`", r"\1", paragraph).replace("``", "")
     end = paragraph.find(". ")
     return paragraph if end < 0 else paragraph[: end + 1]
 
@@ -125,7 +127,7 @@ def resolve_reward(spec: str | Mapping[str, Any], **params: Any) -> RewardFn:
             f"unknown reward {name!r}: {hint}the built-in rewards are {sorted(_REGISTRY)} "
             "(python main.py rewards lists them), or give a function as 'package.module:function'"
         )
-    return _bind(fn, label, params)
+    return bind_reward(fn, params, label)
 
 
 def required_columns(fn: Callable[..., Any]) -> tuple[str, ...]:
@@ -165,17 +167,28 @@ def _import_function(spec: str) -> RewardFn:
     return cast(RewardFn, fn)
 
 
-def _bind(fn: RewardFn, label: str, params: Mapping[str, Any]) -> RewardFn:
-    """``fn`` with ``params`` bound as keywords, after checking that it takes them and that no
-    required parameter other than the call's and the columns is left."""
-    signature = inspect.signature(fn)
-    takes = {
-        p.name: p
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in CALL_ARGUMENTS
-    }
+def settable_parameters(fn: Callable[..., Any]) -> list[str]:
+    """The parameters a config may set on ``fn`` (not the call's arguments, not its columns)."""
     columns = {c for needed in required_columns(fn) for c in needed.split("|")}
-    settable = sorted(n for n in takes if n not in columns)
+    return [
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in CALL_ARGUMENTS
+        and p.name not in columns
+    ]
+
+
+def bind_reward(fn: RewardFn, params: Mapping[str, Any], label: str) -> RewardFn:
+    """``fn`` with the config's ``params`` bound as keywords (``fn`` itself when there are none),
+    named ``label``, after checking that it takes them and that no required keyword-only
+    parameter is left unset.
+
+    Raises:
+        ValueError: a parameter ``fn`` does not take (or a column), or one it needs is missing.
+    """
+    takes = inspect.signature(fn).parameters
+    settable = sorted(settable_parameters(fn))
     unknown = sorted(set(params) - set(settable))
     if unknown:
         raise ValueError(
@@ -195,3 +208,19 @@ def _bind(fn: RewardFn, label: str, params: Mapping[str, Any]) -> RewardFn:
     bound.__qualname__ = label  # type: ignore[attr-defined]
     bound.reward_columns = required_columns(fn)  # type: ignore[attr-defined]
     return cast(RewardFn, bound)
+
+
+def rewards_text(infos: list[RewardInfo]) -> str:
+    """One line per reward: its name, the record columns it reads (and ``completion_ids`` when
+    it reads the token ids), its summary (``python main.py rewards``)."""
+    lines = []
+    width = max((len(info.name) for info in infos), default=0)
+    for info in infos:
+        reads = [c.replace("|", " or ") for c in info.columns]
+        if "completion_ids" in inspect.signature(info.fn).parameters:
+            reads.append("completion_ids (from the trainer)")
+        columns = f" [reads {', '.join(reads)}]" if reads else ""
+        params = settable_parameters(info.fn)
+        settings = f" [parameters: {', '.join(params)}]" if params else ""
+        lines.append(f"{info.name:<{width}}  {info.summary}{columns}{settings}")
+    return "\n".join(lines) + "\n"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import rewards
@@ -273,3 +275,116 @@ def test_code_tests_runs_the_sandbox() -> None:
     ]
     scores = resolve_reward("code_tests")(["p"] * 4, completions, tests=tests)
     assert scores == [1.0, 0.5, 0.0, 0.5]
+
+
+# --------------------------------------------------------------------------- in a config and a run
+
+
+def test_reward_funcs_in_a_config_file_mix_names_paths_and_parameters(tmp_path: Path) -> None:
+    from config.loading import load_config
+    from ppo_trainer.components import reward_function
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model_name: m\nalgorithm: grpo\ngroup_size: 2\n"
+        "reward_funcs:\n"
+        "  - think_format\n"
+        "  - {name: soft_overlong, max_length: 512, cache: 64}\n"
+        "  - rewards.builtin:math_accuracy\n"
+        "  - org/reward-model\n"
+        "reward_weights: [0.5, 1, 1, 1]\n"
+    )
+    cfg = load_config(path)
+    assert cfg.reward_func_names == [
+        "think_format",
+        "soft_overlong",
+        "math_accuracy",
+        "reward-model",
+    ]
+    assert cfg.reward_funcs is not None
+    assert cfg.reward_funcs[1] == {"name": "soft_overlong", "max_length": 512, "cache": 64}
+    overlong = reward_function(cfg.reward_funcs[1])
+    assert overlong(["p"], ["c"], completion_ids=[[1] * 464]) == [-0.25]
+    assert reward_function("rewards.builtin:math_accuracy") is rewards.builtin.math_accuracy
+    with pytest.raises(ValueError, match="unknown reward 'think_formt': did you mean think_format"):
+        reward_function("think_formt")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_name: m\nreward_funcs: [{name: x, p: {nested: 1}}]\n")
+    with pytest.raises(ValueError, match="reward_funcs must be"):
+        load_config(bad)
+
+
+def test_built_in_rewards_score_a_grpo_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.test_algorithms_learn import config
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    cfg = config(
+        tiny_model_dir,
+        tmp_path / "run",
+        algorithm="grpo",
+        group_size=2,
+        reward_funcs=[
+            {"name": "repetition_penalty", "ngram_size": 1},
+            {"name": "soft_overlong", "max_length": 12, "cache": 8},
+            "math_accuracy",
+        ],
+        reward_weights=[1.0, 0.5, 1.0],
+    )
+    trainer = PPOTrainer(cfg)
+    records = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    metrics = trainer.step(records)
+    for name in ("repetition_penalty", "soft_overlong", "math_accuracy"):
+        assert f"rewards/{name}/mean" in metrics
+    rollout = trainer.last_rollout[0]
+    # Each completion's ids, the stop token included (the mask's tokens after the prompt).
+    rows = np.asarray(rollout.query_responses).tolist()
+    starts = np.asarray(rollout.prompt_lengths).tolist()
+    counts = np.asarray(rollout.mask).sum(axis=1).astype(int).tolist()
+    ids = [row[s : s + n] for row, s, n in zip(rows, starts, counts)]
+    repeated = resolve_reward({"name": "repetition_penalty", "ngram_size": 1})
+    expected = np.array(repeated(rollout.texts, rollout.completions))
+    answers = [r["answer"] for r in records for _ in range(2)]
+    accuracy = resolve_reward("math_accuracy")(rollout.texts, rollout.completions, answer=answers)
+    expected += np.array([0.0 if a is None else a for a in accuracy])
+    overlong = resolve_reward({"name": "soft_overlong", "max_length": 12, "cache": 8})
+    expected += 0.5 * np.array(overlong(rollout.texts, rollout.completions, completion_ids=ids))
+    np.testing.assert_allclose(np.array(rollout.scores), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_column_fails_before_any_generation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.test_algorithms_learn import config
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    cfg = config(
+        tiny_model_dir,
+        tmp_path / "run",
+        algorithm="grpo",
+        group_size=2,
+        reward_funcs=["think_format", "math_accuracy"],
+    )
+    trainer = PPOTrainer(cfg)
+    rolled: list[Any] = []
+    original = trainer._rollout
+
+    def rollout(*args: Any, **kwargs: Any) -> Any:
+        rolled.append(args)
+        return original(*args, **kwargs)
+
+    trainer._rollout = rollout  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="reads the column 'answer' or 'solution'"):
+        trainer.step([{"prompt": "What is 1 + 1?", "question_id": 3}] * 4)
+    assert not rolled
+    trainer.step([{"prompt": "What is 1 + 1?", "answer": "2"}] * 4)
+    assert rolled  # the same step with the column runs
+
+
+def test_main_rewards_lists_every_built_in(capsys: pytest.CaptureFixture[str]) -> None:
+    import main
+
+    assert main.main(["rewards"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    by_name = {line.split()[0]: line for line in lines}
+    assert set(BUILT_INS) <= set(by_name)
+    assert "[reads answer or solution]" in by_name["math_accuracy"]
+    assert "[parameters: max_length, cache]" in by_name["soft_overlong"]
+    assert "completion_ids" in by_name["soft_overlong"]
