@@ -461,6 +461,16 @@ class PPOConfig(ModelConfig, TrainingConfig):
         return self.clip_epsilon
 
     @property
+    def uses_reference_model(self) -> bool:
+        """Whether the KL to the reference enters the run: ``beta > 0`` for "grpo" (its loss),
+        ``kl_coef > 0`` or ``adaptive_kl`` for the others (their reward). Without it no reference
+        model is loaded or run (TRL's ``beta: 0``), and the KL is measured against the rollout
+        policy (0 at each rollout)."""
+        if self.algorithm == "grpo":
+            return self.beta > 0
+        return self.kl_coef > 0 or self.adaptive_kl
+
+    @property
     def reward_func_names(self) -> list[str]:
         """The name of each entry of ``reward_funcs`` (see :func:`reward_func_name`); [] when
         unset."""

@@ -40,7 +40,7 @@ class RunModels:
     the reward (a model, a function, or several of them with weights), the tokenizer."""
 
     policy: PolicyModel
-    ref_model: ReferenceModel
+    ref_model: ReferenceModel | None  # None: no KL to a reference in this run
     reward_model: RewardModel | None
     reward_fn: RewardFunction | None
     value_model: ValueModel | None
@@ -175,7 +175,8 @@ def build_models(
 
     * policy: ``config.model_name`` (LoRA adapters if ``use_lora``; a quantized model only so);
     * reference: the policy's base weights with the adapters off (LoRA on the same model), else
-      a frozen copy of ``sft_model_name or model_name``;
+      a frozen copy of ``sft_model_name or model_name``; none when the run has no KL term
+      (``config.uses_reference_model``: GRPO's ``beta: 0``, the others' ``kl_coef: 0``);
     * reward: a :class:`RewardModel`, a function ``(prompts, completions, **columns)``,
       ``reward_model_name``, or ``reward_funcs`` (functions and models, weighted); none is
       needed when ``custom_scores`` (a trainer that overrides ``compute_scores``);
@@ -197,7 +198,7 @@ def build_models(
     fast = config.fast_math
     policy = policy or load_policy(config)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
-    if ref_model is None:
+    if ref_model is None and config.uses_reference_model:
         if config.use_lora and config.ref_model_name == config.model_name:
             # Same base weights with the adapters switched off: no second copy in memory.
             ref_model = ReferenceModel.from_policy(policy)

@@ -132,7 +132,8 @@ class PPOTrainer:
         policy: a ready policy; default: loaded from ``config.model_name`` (with LoRA if
             ``config.use_lora``).
         ref_model: a ready reference model; default: the policy's base weights with the adapters
-            switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``.
+            switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``;
+            none when the run has no KL term (``config.uses_reference_model``).
         reward_model: a :class:`RewardModel` or a function ``(prompts, completions, **columns)
             -> list[float]`` (the columns of prompt records it names, see
             :mod:`ppo_trainer.prompt_records`); default: loaded from ``config.reward_model_name``.
