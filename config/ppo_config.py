@@ -80,7 +80,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
             subtracted first). See docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
         max_prompt_length: Most tokens in a prompt.
-        temperature: Sampling temperature of the rollouts (> 0).
+        temperature: Sampling temperature of the rollouts (> 0). A GRPO run loaded from a file
+            (or built by config.trl_names.GRPOConfig) that does not set it takes TRL's 1.0.
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
         stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids (those of
@@ -115,7 +116,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
             TRL's epsilon_high); None = clip_epsilon (symmetric). Every algorithm.
         cliprange_value: Clip range of the value-function update around the rollout values.
         vf_coef: Weight of the value loss in the PPO loss (> 0 for "ppo"; unused by "grpo").
-        num_ppo_epochs: Optimisation passes over each rollout batch.
+        num_ppo_epochs: Optimisation passes over each rollout batch (TRL's num_iterations; a
+            GRPO run from a file or GRPOConfig that does not set it takes TRL's 1).
         whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
         whiten_advantages: Whiten the advantages over the batch (PPO).
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
@@ -133,7 +135,9 @@ class PPOConfig(ModelConfig, TrainingConfig):
             each.
         group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
             need >= 2.
-        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only).
+        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only; TRL's beta).
+            0 loads and runs no reference model; a GRPO run from a file or GRPOConfig that
+            does not set it takes TRL's 0.
         grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
         loss_type: How GRPO's per-token losses make the loss (TRL's loss_type): "bnpo" = token
@@ -141,7 +145,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
             one process), "dapo" = token mean of the whole batch of an update (TRL's default),
             "grpo" = mean over sequences of each one's token mean (the GRPO paper), "dr_grpo" =
             token sum / (sequences * max_new_tokens) (Dr. GRPO; pair with grpo_advantage_scale
-            "none"). "grpo" algorithm only.
+            "none"). "grpo" algorithm only; a GRPO run from a file or GRPOConfig that does not
+            set it takes TRL's "dapo".
         importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
             per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
             algorithm only.

@@ -54,3 +54,90 @@ def test_a_kl_term_needs_the_reference() -> None:
     assert PPOConfig(model_name="m", algorithm="grpo", group_size=2, beta=0.04).uses_reference_model
     assert PPOConfig(model_name="m", kl_coef=0.0, adaptive_kl=True).uses_reference_model
     assert PPOConfig(model_name="m").uses_reference_model  # PPO's default kl_coef 0.05
+
+
+def test_trl_names_are_aliases_in_files_and_overrides(tmp_path: Path) -> None:
+    from config.loading import load_config
+
+    path = tmp_path / "trl.yaml"
+    path.write_text(
+        "model_name: m\nalgorithm: grpo\nnum_generations: 4\nnum_iterations: 2\nepsilon: 0.1\n"
+        "epsilon_high: 0.28\nmax_completion_length: 48\nscale_rewards: false\nbeta: 0.02\n"
+        "max_steps: 7\nbatch_size: 2\n"
+    )
+    c = load_config(path)
+    assert (c.group_size, c.num_ppo_epochs, c.clip_epsilon, c.clip_epsilon_high) == (
+        4,
+        2,
+        0.1,
+        0.28,
+    )
+    assert (c.max_new_tokens, c.grpo_advantage_scale, c.beta, c.total_steps) == (
+        48,
+        "none",
+        0.02,
+        7,
+    )
+    c = load_config(path, ["scale_rewards=batch", "num_generations=2"])
+    assert (c.grpo_advantage_scale, c.group_size) == ("batch", 2)
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model_name: m\ngroup_size: 2\nnum_generations: 4\n")
+    with pytest.raises(ValueError, match=r"group_size is given twice .*'num_generations'"):
+        load_config(twice)
+
+
+def test_grpo_takes_trls_defaults_and_ppo_keeps_its_own(tmp_path: Path) -> None:
+    from config.loading import load_config
+    from config.trl_names import GRPOConfig, RLOOConfig
+
+    grpo = load_config(None, ["model_name=m", "algorithm=grpo", "group_size=2"])
+    assert (grpo.beta, grpo.num_ppo_epochs, grpo.loss_type, grpo.temperature) == (
+        0.0,
+        1,
+        "dapo",
+        1.0,
+    )
+    assert not grpo.uses_reference_model
+    set_here = load_config(None, ["model_name=m", "algorithm=grpo", "group_size=2", "beta=0.04"])
+    assert set_here.beta == 0.04 and set_here.uses_reference_model
+    ppo = load_config(None, ["model_name=m"])
+    assert (ppo.kl_coef, ppo.num_ppo_epochs, ppo.loss_type, ppo.temperature) == (
+        0.05,
+        4,
+        "bnpo",
+        0.7,
+    )
+    trl = GRPOConfig(model_name="m", num_generations=4, batch_size=2, epsilon_high=0.28)
+    assert (trl.algorithm, trl.group_size, trl.clip_epsilon_high, trl.beta) == ("grpo", 4, 0.28, 0)
+    assert RLOOConfig(model_name="m", num_generations=2).algorithm == "rloo"
+
+
+def test_trl_style_trainers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from config.trl_names import GRPOConfig
+    from ppo_trainer.trl_names import GRPOTrainer, RLOOTrainer
+
+    def brief(completions: list[str], **kwargs: Any) -> list[float]:
+        return [-len(c) / 50 for c in completions]
+
+    args = GRPOConfig(
+        model_name=str(tiny_model_dir),
+        num_generations=2,
+        batch_size=2,
+        max_completion_length=8,
+        use_lora=False,
+        max_steps=1,
+        output_dir=str(tmp_path / "grpo"),
+        progress_bar=False,
+        log_rollouts_every=0,
+    )
+    records = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(2)]
+    trainer = GRPOTrainer(reward_funcs=["think_format", brief], args=args, train_dataset=records)
+    assert trainer.ref_model is None  # TRL's beta 0
+    before = trainable(trainer.policy.model)
+    metrics = trainer.train()
+    assert_all_changed(before, trainable(trainer.policy.model))
+    assert "rewards/brief/mean" in metrics[-1] and "rewards/think_format/mean" in metrics[-1]
+    with pytest.raises(ValueError, match="RLOOTrainer runs algorithm 'rloo'"):
+        RLOOTrainer(reward_funcs=brief, args=args)
+    with pytest.raises(ValueError, match="no name to log it under"):
+        GRPOTrainer(reward_funcs=[lambda completions, **k: [0.0]], args=args)
