@@ -153,7 +153,9 @@ def run(
             line = {"prompt": record["prompt"], "completion": " " + worked_solution(record)}
             f.write(json.dumps(line) + "\n")
     sft = {**SFT_SETTINGS, **scale.get("sft", {})}
-    sft["num_epochs"] = math.ceil(sft["total_steps"] / math.ceil(WORKED_SOLUTIONS / sft["batch_size"]))
+    sft["num_epochs"] = math.ceil(
+        sft["total_steps"] / math.ceil(WORKED_SOLUTIONS / sft["batch_size"])
+    )
     print(f"[SFT] {sft['total_steps']} steps on {WORKED_SOLUTIONS} worked solutions")
     sft_model = run_sft(
         SFTConfig(
@@ -208,7 +210,9 @@ def run(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1, help="the task's shuffle and the run's seed")
-    parser.add_argument("--steps", type=int, help=f"GRPO steps (default {GRPO_SETTINGS['total_steps']})")
+    parser.add_argument(
+        "--steps", type=int, help=f"GRPO steps (default {GRPO_SETTINGS['total_steps']})"
+    )
     parser.add_argument("--output-dir", default="runs/reasoning", help="where the stages go")
     parser.add_argument("--smoke", action="store_true", help="toy scale on the test-size model")
     parser.add_argument(

@@ -359,7 +359,9 @@ class PPOTrainer:
         t_update = time.perf_counter()
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
-        metrics = iteration_metrics(rollout, batch, stats, update_metrics, self.group)
+        metrics = iteration_metrics(
+            rollout, batch, stats, update_metrics, self.group, self.config.group_size
+        )
         if self._reward_metrics:  # several rewards: each one's mean and spread
             metrics.update(reduce_over_ranks(self._reward_metrics, {}, self.group))
             self._reward_metrics = {}

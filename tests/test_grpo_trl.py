@@ -137,7 +137,20 @@ def test_trl_style_trainers(tiny_model_dir: Path, tmp_path: Path) -> None:
     metrics = trainer.train()
     assert_all_changed(before, trainable(trainer.policy.model))
     assert "rewards/brief/mean" in metrics[-1] and "rewards/think_format/mean" in metrics[-1]
+    assert 0.0 <= metrics[-1]["frac_reward_zero_std"] <= 1.0
     with pytest.raises(ValueError, match="RLOOTrainer runs algorithm 'rloo'"):
         RLOOTrainer(reward_funcs=brief, args=args)
     with pytest.raises(ValueError, match="no name to log it under"):
         GRPOTrainer(reward_funcs=[lambda completions, **k: [0.0]], args=args)
+
+
+def test_frac_reward_zero_std_counts_the_groups_that_teach_nothing() -> None:
+    import mlx.core as mx
+
+    from ppo_trainer.metrics import frac_reward_zero_std
+
+    scores = mx.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])
+    # groups of 2: (1, 1) same, (0, 1) differ, (.5, .5) same, (0, 0) same -> 3 / 4
+    assert float(frac_reward_zero_std(scores, 2)) == 0.75
+    # groups of 4: (1, 1, 0, 1) differ, (.5, .5, 0, 0) differ -> 0
+    assert float(frac_reward_zero_std(scores, 4)) == 0.0
