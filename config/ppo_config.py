@@ -87,6 +87,11 @@ class PPOConfig(ModelConfig, TrainingConfig):
         stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids (those of
             config.json and generation_config.json, plus the chat template's end-of-turn token);
             [] = never stop before max_new_tokens.
+        chat_template_kwargs: Variables passed to the chat template with chat prompts (messages),
+            as apply_chat_template's keyword arguments, e.g. {enable_thinking: false} for
+            Qwen3 (thinking off); None = none.
+        system_prompt: A system message put first in every chat prompt that has none; None =
+            none. Plain-text prompts are used as they are.
         rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
             KL's policy side) come from: "sampling" keeps those the sampler computed from the
             same logits, the same function of the same weights, saving one forward pass of the
@@ -170,6 +175,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    system_prompt: str | None = None
     rollout_logprobs: RolloutLogprobs = "sampling"
     async_rollout: bool = False
     kl_coef: float = 0.05

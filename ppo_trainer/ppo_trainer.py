@@ -240,11 +240,18 @@ class PPOTrainer:
         """Turn one dataset prompt into the text the policy continues.
 
         Default: text is used as is; chat messages go through the tokenizer's chat template with a
-        generation prompt. Override for a task-specific prompt format.
+        generation prompt, ``config.system_prompt`` first when they have no system message and
+        ``config.chat_template_kwargs`` as the template's variables. Override for a task-specific
+        prompt format.
         """
         if isinstance(prompt, str):
             return prompt
-        return chat_template_text(self.tokenizer, prompt)
+        system = self.config.system_prompt
+        if system is not None and not (prompt and prompt[0].get("role") == "system"):
+            prompt = [{"role": "system", "content": system}, *prompt]
+        return chat_template_text(
+            self.tokenizer, prompt, template_kwargs=self.config.chat_template_kwargs
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a formatted prompt: the tokenizer's BOS first when it adds one (not twice

@@ -154,3 +154,37 @@ def test_frac_reward_zero_std_counts_the_groups_that_teach_nothing() -> None:
     assert float(frac_reward_zero_std(scores, 2)) == 0.75
     # groups of 4: (1, 1, 0, 1) differ, (.5, .5, 0, 0) differ -> 0
     assert float(frac_reward_zero_std(scores, 4)) == 0.0
+
+
+def test_thinking_template_kwargs_and_system_prompt(tmp_path: Path) -> None:
+    from fixtures.checkpoint_families import build_family_checkpoint
+
+    model = build_family_checkpoint(tmp_path / "qwen3", "qwen3_chat")
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+
+    def formatted(**settings: Any) -> str:
+        cfg = config(model, tmp_path / "run", algorithm="grpo", group_size=2, **settings)
+        return PPOTrainer(cfg, reward_model=brevity).format_prompt(chat)
+
+    thinking = formatted()
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+    assert formatted(chat_template_kwargs={"enable_thinking": True}) == thinking
+    off = formatted(chat_template_kwargs={"enable_thinking": False})
+    assert off == thinking + "<think>\n\n</think>\n\n"
+    system = formatted(system_prompt="Think step by step.")
+    assert system == "<|im_start|>system\nThink step by step.<|im_end|>\n" + thinking
+    # A prompt with its own system message keeps it.
+    cfg = config(model, tmp_path / "own", algorithm="grpo", group_size=2, system_prompt="X")
+    own = [{"role": "system", "content": "Mine."}, *chat]
+    assert "Mine." in PPOTrainer(cfg, reward_model=brevity).format_prompt(own)
+    assert "X<|im_end|>" not in PPOTrainer(cfg, reward_model=brevity).format_prompt(own)
+
+
+def test_the_thinking_family_keeps_its_think_tags_when_decoding(tmp_path: Path) -> None:
+    from base_setup.tokenizer_setup import load_tokenizer
+    from fixtures.checkpoint_families import build_family_checkpoint
+
+    tokenizer = load_tokenizer(build_family_checkpoint(tmp_path / "qwen3", "qwen3_chat"))
+    ids = tokenizer.encode("<think>hm</think> 4", add_special_tokens=False)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<think>")  # one token, as Qwen3's
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>hm</think> 4"
