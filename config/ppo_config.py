@@ -155,6 +155,9 @@ class PPOConfig(ModelConfig, TrainingConfig):
         importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
             per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
             algorithm only.
+        entropy_coef: Weight of an entropy bonus in the policy loss, loss - entropy_coef * (token
+            mean of the current policy's entropy) (OpenRLHF's entropy_loss_coef); 0 = off.
+            Every algorithm.
         mask_truncated_completions: Leave responses that hit max_new_tokens without a stop
             token out of the policy loss (DAPO; TRL's option); their scores still enter the
             group statistics. Not for "ppo" (its value model trains on every token).
@@ -202,6 +205,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     loss_type: LossType = "bnpo"
     importance_sampling_level: ImportanceSamplingLevel = "token"
     mask_truncated_completions: bool = False
+    entropy_coef: float = 0.0
     eval_temperature: float = 0.0
     eval_max_new_tokens: int | None = None
     log_rollouts_every: int = 10
@@ -330,6 +334,13 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 f"e.g. 4",
             )
         require(is_non_negative(self.beta), "beta", self.beta, ">= 0", "set e.g. 0.04")
+        require(
+            is_non_negative(self.entropy_coef),
+            "entropy_coef",
+            self.entropy_coef,
+            ">= 0",
+            "set 0.0 for no entropy bonus, or a small weight such as 0.001",
+        )
 
     def _check_algorithm_options(self) -> None:
         """Options of one algorithm are refused with the others, where they would do nothing."""

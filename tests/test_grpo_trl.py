@@ -188,3 +188,28 @@ def test_the_thinking_family_keeps_its_think_tags_when_decoding(tmp_path: Path) 
     ids = tokenizer.encode("<think>hm</think> 4", add_special_tokens=False)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<think>")  # one token, as Qwen3's
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>hm</think> 4"
+
+
+def test_entropy_coef_trains_on_entropy_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def constant(prompts: list[str], completions: list[str]) -> list[float]:
+        return [1.0] * len(completions)  # every group the same: advantages 0
+
+    moved = {}
+    for coef in (0.0, 0.01):
+        cfg = config(
+            tiny_model_dir,
+            tmp_path / f"run{coef}",
+            algorithm="grpo",
+            group_size=2,
+            beta=0.0,
+            use_lora=False,
+            entropy_coef=coef,
+        )
+        trainer = PPOTrainer(cfg, reward_model=constant)
+        before = trainable(trainer.policy.model)
+        metrics = trainer.step(review_prompts(cfg.batch_size, seed=0))
+        after = trainable(trainer.policy.model)
+        moved[coef] = [k for k in before if not np.array_equal(before[k], after[k])]
+        assert ("policy/entropy" in metrics) == (coef > 0)
+    assert moved[0.0] == []  # no advantage, no KL term: nothing to learn
+    assert len(moved[0.01]) == len(before)  # the bonus alone moves every parameter
