@@ -555,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print docs/configuration.md (every kind) instead",
     )
     config.set_defaults(func=cmd_config)
+    rewards = sub.add_parser(
+        "rewards", help="the built-in rewards reward_funcs can name, and the columns they read"
+    )
+    rewards.set_defaults(func=cmd_rewards)
     return parser
 
 
@@ -562,6 +566,12 @@ def cmd_config(args: argparse.Namespace) -> None:
     from config.reference import configuration_markdown, keys_text
 
     print(configuration_markdown() if args.markdown else keys_text(args.kind), end="")
+
+
+def cmd_rewards(args: argparse.Namespace) -> None:
+    from rewards import list_rewards, rewards_text
+
+    print(rewards_text(list_rewards()), end="")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

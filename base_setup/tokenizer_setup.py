@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -236,11 +236,19 @@ def apply_chat_template(
 
 
 def chat_template_text(
-    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The chat-formatted text of ``messages`` (what :func:`apply_chat_template` tokenises)."""
+    """The chat-formatted text of ``messages`` (what :func:`apply_chat_template` tokenises);
+    ``template_kwargs`` reach the template as variables (Qwen3's ``enable_thinking``)."""
     _check_chat(tokenizer, messages)
     text = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        list(messages),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **dict(template_kwargs or {}),
     )
     return str(text)

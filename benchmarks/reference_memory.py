@@ -1,4 +1,5 @@
-"""Memory of policy + reference model: a separate frozen copy vs. the policy's base with LoRA off.
+"""Memory of policy + reference model: a separate frozen copy vs. the policy's base with LoRA off
+vs. no reference at all (a run without a KL term: GRPO's ``beta: 0``).
 
 Usage::
 
@@ -9,7 +10,8 @@ For each model size it builds a tiny qwen3 checkpoint (:mod:`fixtures.tiny_model
 subprocess per mode, so each peak is measured alone:
 
 * ``copy``: ``PolicyModel`` with LoRA + ``ReferenceModel.from_pretrained`` (two sets of weights);
-* ``shared``: ``PolicyModel`` with LoRA + ``ReferenceModel.from_policy`` (one set, adapters off).
+* ``shared``: ``PolicyModel`` with LoRA + ``ReferenceModel.from_policy`` (one set, adapters off);
+* ``none``: ``PolicyModel`` with LoRA alone (no KL term, so no reference and no reference pass).
 
 Each subprocess loads both models, runs one forward pass of each on a (4, 64) batch and reports
 MLX's allocator figures (``mx.get_active_memory`` after loading, ``mx.get_peak_memory`` over the
@@ -45,7 +47,7 @@ SPEC_20M = TinyModelSpec(
     intermediate_size=1536,
 )
 SPECS: dict[str, TinyModelSpec] = {"demo": TINY_SIZES["demo"], "20m": SPEC_20M}
-MODES = ("copy", "shared")
+MODES = ("copy", "shared", "none")
 
 
 def _worker(mode: str, model_dir: str) -> dict[str, float]:
@@ -60,16 +62,17 @@ def _worker(mode: str, model_dir: str) -> dict[str, float]:
     mx.random.seed(0)
     mx.reset_peak_memory()
     policy = PolicyModel.from_pretrained(model_dir, lora=LoraSettings(r=8, alpha=16.0, dropout=0.0))
+    reference: ReferenceModel | None = None
     if mode == "copy":
         reference = ReferenceModel.from_pretrained(model_dir)
     elif mode == "shared":
         reference = ReferenceModel.from_policy(policy)
-    else:
+    elif mode != "none":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    mx.eval(policy.parameters(), reference.model.parameters())
+    mx.eval(policy.parameters(), [] if reference is None else reference.model.parameters())
     loaded = mx.get_active_memory()
     ids = mx.random.randint(0, policy.config["vocab_size"], (4, 64))  # (B, L)
-    mx.eval(policy(ids), reference(ids))
+    mx.eval(policy(ids), [] if reference is None else reference(ids))
     flat = cast(list[tuple[str, mx.array]], tree_flatten(policy.parameters()))
     n_params = sum(v.size for _, v in flat)
     return {
@@ -110,6 +113,8 @@ def main() -> None:
                 results["shared"]["active_after_load_mb"] / results["copy"]["active_after_load_mb"]
             )
             print(f"{size:>5} shared/copy: peak {ratio:.2f}, loaded {loaded_ratio:.2f}")
+            none = results["none"]["peak_mb"] / results["copy"]["peak_mb"]
+            print(f"{size:>5} none/copy: peak {none:.2f}")
 
 
 if __name__ == "__main__":

@@ -70,12 +70,16 @@ def describe(annotation: Any) -> str:
     if origin is list:
         (item,) = typing.get_args(annotation)
         return f"a list of {_plural(item)}"
+    if origin is dict:
+        return "a mapping of names to plain values"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[
         annotation
     ]
 
 
 def _plural(annotation: Any) -> str:
+    if typing.get_origin(annotation) is dict:
+        return "mappings"
     return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(
         annotation, describe(annotation)
     )
@@ -112,6 +116,13 @@ def _coerce(value: Any, annotation: Any, from_text: bool) -> Any:
             raise _Mismatch()
         (item,) = typing.get_args(annotation)
         return [_coerce(v, item, from_text) for v in value]
+    if origin is dict:
+        # dict[str, Any]: a mapping of plain values (a reward's parameters), kept as given.
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise _Mismatch()
+        if not all(_is_plain(v) for v in value.values()):
+            raise _Mismatch()
+        return dict(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
@@ -141,6 +152,13 @@ def _coerce(value: Any, annotation: Any, from_text: bool) -> Any:
             return value
         raise _Mismatch()
     raise TypeError(f"config fields of type {annotation!r} are not supported by coerce_value")
+
+
+def _is_plain(value: Any) -> bool:
+    """YAML's scalars and lists of them (no nested mappings)."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def coerce_value(name: str, value: Any, annotation: Any, *, from_text: bool = False) -> Any:

@@ -32,6 +32,7 @@ from config._fields import coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig
+from config.trl_names import TRL_ALIASES, from_trl_value, with_algorithm_defaults
 
 C = TypeVar("C")
 
@@ -123,14 +124,29 @@ def load_config(
         except ValueError as err:
             problems.append(str(err))
             continue
-        value = _parse_override_value(raw, types[key]) if key in types else raw
+        target = key if key in types else TRL_ALIASES.get(key, key)
+        # A TRL name's value is read as YAML (scale_rewards=false), then converted.
+        annotation = Any if target != key else types.get(key)
+        value = _parse_override_value(raw, annotation) if target in types else raw
         entries.append((key, value, f"override {override!r}"))
     if overrides:
         source += " + overrides"
 
     values: dict[str, Any] = {}
     bad_values: dict[str, str] = {}  # a later valid value (an override) clears the problem
+    named: dict[tuple[str, str], str] = {}  # (field, where) -> the name it was given by
     for key, value, where in entries:
+        if key not in types and TRL_ALIASES.get(key) in types:
+            alias, key, value = key, TRL_ALIASES[key], from_trl_value(key, value)
+            if named.get((key, where), alias) != alias:
+                problems.append(f"{key} is given twice in {where} (also as {alias!r}); keep one")
+            named[(key, where)] = alias
+        elif (key, where) in named and named[(key, where)] != key:
+            problems.append(
+                f"{key} is given twice in {where} (also as {named[(key, where)]!r}); keep one"
+            )
+        else:
+            named[(key, where)] = key
         if key not in types:
             problems.append(_unknown_key(key, where, types))
             continue
@@ -155,6 +171,8 @@ def load_config(
 
     if problems:
         raise ValueError(f"invalid config ({source}):\n  " + "\n  ".join(problems))
+    if base is None and issubclass(cls, PPOConfig):
+        values = with_algorithm_defaults(values)  # TRL's GRPO defaults for the keys not set
     try:
         return cls(**values)
     except ValueError as err:

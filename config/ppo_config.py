@@ -5,6 +5,7 @@ import copy
 import math
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
@@ -20,23 +21,35 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 #: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
 GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
-# "package.module:function" or "path/to/file.py:function": a reward function; anything else in
-# reward_funcs is a model.
+# "package.module:function" or "path/to/file.py:function": a reward function; a plain word that
+# is not a local directory: a reward of the registry (rewards/); anything else is a model.
 _FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
+_REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
+
+#: A ``reward_funcs`` entry: a name or path, or ``{name: ..., <parameter>: ...}``.
+RewardSpec = str | dict[str, Any]
 
 
-def is_reward_function_spec(spec: str) -> bool:
-    """Whether a ``reward_funcs`` entry names a Python function (``"package.module:function"``
-    or ``"path/to/file.py:function"``) rather than a reward model (a local directory or a
-    Hugging Face repo id)."""
-    return bool(_FUNCTION_SPEC.match(spec.strip()))
-
-
-def reward_func_name(spec: str) -> str:
-    """The name a ``reward_funcs`` entry is logged under (``rewards/<name>/mean``), as TRL names
-    them: a function's name, or a model path's last component."""
+def is_reward_function_spec(spec: RewardSpec) -> bool:
+    """Whether a ``reward_funcs`` entry names a Python function rather than a reward model (a
+    local directory or a Hugging Face repo id): an entry with parameters, a
+    ``"package.module:function"`` or ``"path/to/file.py:function"``, or a plain word that is not
+    a local directory (a reward of the registry, ``python main.py rewards``)."""
+    if isinstance(spec, dict):
+        return True
     spec = spec.strip()
-    if is_reward_function_spec(spec):
+    if _FUNCTION_SPEC.match(spec):
+        return True
+    return bool(_REWARD_NAME.match(spec)) and not Path(spec).is_dir()
+
+
+def reward_func_name(spec: RewardSpec) -> str:
+    """The name a ``reward_funcs`` entry is logged under (``rewards/<name>/mean``), as TRL names
+    them: a function's or registered reward's name, or a model path's last component."""
+    if isinstance(spec, dict):
+        spec = str(spec.get("name", ""))
+    spec = spec.strip()
+    if _FUNCTION_SPEC.match(spec):
         return spec.rpartition(":")[2]
     return spec.rstrip("/\\").replace("\\", "/").rpartition("/")[2]
 
@@ -73,12 +86,18 @@ class PPOConfig(ModelConfig, TrainingConfig):
             generate and chat commands, so that training and generation agree; false = the text
             as it is (models trained on plain prompts, like the demo's); true = required. Chat
             messages always use it; a trainer that overrides format_prompt decides itself.
-        temperature: Sampling temperature of the rollouts (> 0).
+        temperature: Sampling temperature of the rollouts (> 0). A GRPO run loaded from a file
+            (or built by config.trl_names.GRPOConfig) that does not set it takes TRL's 1.0.
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
         stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids (those of
             config.json and generation_config.json, plus the chat template's end-of-turn token);
             [] = never stop before max_new_tokens.
+        chat_template_kwargs: Variables passed to the chat template with chat prompts (messages),
+            as apply_chat_template's keyword arguments, e.g. {enable_thinking: false} for
+            Qwen3 (thinking off); None = none.
+        system_prompt: A system message put first in every chat prompt that has none; None =
+            none. Plain-text prompts are used as they are.
         rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
             KL's policy side) come from: "sampling" keeps those the sampler computed from the
             same logits, the same function of the same weights, saving one forward pass of the
@@ -108,7 +127,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
             TRL's epsilon_high); None = clip_epsilon (symmetric). Every algorithm.
         cliprange_value: Clip range of the value-function update around the rollout values.
         vf_coef: Weight of the value loss in the PPO loss (> 0 for "ppo"; unused by "grpo").
-        num_ppo_epochs: Optimisation passes over each rollout batch.
+        num_ppo_epochs: Optimisation passes over each rollout batch (TRL's num_iterations; a
+            GRPO run from a file or GRPOConfig that does not set it takes TRL's 1).
         whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
         whiten_advantages: Whiten the advantages over the batch (PPO).
         normalize_reward: Normalise the scores by their running mean and standard deviation
@@ -123,16 +143,21 @@ class PPOConfig(ModelConfig, TrainingConfig):
         missing_eos_penalty: Subtracted from the score of a response that ends without a stop
             token (>= 0); None = no penalty.
         reward_funcs: Several rewards, summed with reward_weights (TRL's GRPO reward_funcs): each
-            entry a Python function "package.module:function" (prompts, completions) ->
-            list[float | None] (None where the function does not apply), or a reward model
-            (local directory or repo id). Each is logged as rewards/<name>/mean and /std, name =
-            the function's name or the model path's last component. None = the single reward
-            of reward_model_name or the trainer's reward function.
+            entry a built-in reward by name (math_accuracy, think_format, ...: ``python main.py
+            rewards`` lists them and the record columns they read), a Python function
+            "package.module:function" or "path/to/file.py:function" (prompts, completions,
+            **columns) -> list[float | None] (None where it does not apply), a reward model
+            (local directory or repo id), or a reward with parameters ({name: soft_overlong,
+            max_length: 512, cache: 64}). Each is logged as rewards/<name>/mean and /std, name
+            = the reward's or function's name or the model path's last component. None = the
+            single reward of reward_model_name or the trainer's reward function.
         reward_weights: Weight of each of reward_funcs, in order (finite, not all 0); None = 1.0
             each.
         group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
             need >= 2.
-        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only).
+        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only; TRL's beta).
+            0 loads and runs no reference model; a GRPO run from a file or GRPOConfig that
+            does not set it takes TRL's 0.
         grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
         loss_type: How GRPO's per-token losses make the loss (TRL's loss_type): "bnpo" = token
@@ -140,10 +165,14 @@ class PPOConfig(ModelConfig, TrainingConfig):
             one process), "dapo" = token mean of the whole batch of an update (TRL's default),
             "grpo" = mean over sequences of each one's token mean (the GRPO paper), "dr_grpo" =
             token sum / (sequences * max_new_tokens) (Dr. GRPO; pair with grpo_advantage_scale
-            "none"). "grpo" algorithm only.
+            "none"). "grpo" algorithm only; a GRPO run from a file or GRPOConfig that does not
+            set it takes TRL's "dapo".
         importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
             per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
             algorithm only.
+        entropy_coef: Weight of an entropy bonus in the policy loss, loss - entropy_coef * (token
+            mean of the current policy's entropy) (OpenRLHF's entropy_loss_coef); 0 = off.
+            Every algorithm.
         mask_truncated_completions: Leave responses that hit max_new_tokens without a stop
             token out of the policy loss (DAPO; TRL's option); their scores still enter the
             group statistics. Not for "ppo" (its value model trains on every token).
@@ -165,6 +194,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     top_p: float = 1.0
     top_k: int = 0
     stop_token_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    system_prompt: str | None = None
     rollout_logprobs: RolloutLogprobs = "sampling"
     async_rollout: bool = False
     kl_coef: float = 0.05
@@ -184,7 +215,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     normalize_reward: bool = False
     value_warmup_steps: int = 0
     missing_eos_penalty: float | None = None
-    reward_funcs: list[str] | None = None
+    reward_funcs: list[RewardSpec] | None = None
     reward_weights: list[float] | None = None
     group_size: int = 1
     beta: float = 0.04
@@ -192,6 +223,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     loss_type: LossType = "bnpo"
     importance_sampling_level: ImportanceSamplingLevel = "token"
     mask_truncated_completions: bool = False
+    entropy_coef: float = 0.0
     eval_temperature: float = 0.0
     eval_max_new_tokens: int | None = None
     log_rollouts_every: int = 10
@@ -332,6 +364,13 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 f"e.g. 4",
             )
         require(is_non_negative(self.beta), "beta", self.beta, ">= 0", "set e.g. 0.04")
+        require(
+            is_non_negative(self.entropy_coef),
+            "entropy_coef",
+            self.entropy_coef,
+            ">= 0",
+            "set 0.0 for no entropy bonus, or a small weight such as 0.001",
+        )
 
     def _check_algorithm_options(self) -> None:
         """Options of one algorithm are refused with the others, where they would do nothing."""
@@ -390,12 +429,14 @@ class PPOConfig(ModelConfig, TrainingConfig):
             )
             return
         require(
-            len(self.reward_funcs) > 0 and all(spec.strip() for spec in self.reward_funcs),
+            len(self.reward_funcs) > 0
+            and all(reward_func_name(spec) for spec in self.reward_funcs),
             "reward_funcs",
             self.reward_funcs,
-            "null or a non-empty list of non-empty entries",
-            'list "package.module:function" specs or reward model paths, or null for the '
-            "single reward of reward_model_name",
+            "null or a non-empty list of non-empty entries (an entry with parameters has a name)",
+            'list reward names (python main.py rewards), "package.module:function" specs, '
+            "reward model paths, or names with parameters such as {name: soft_overlong, "
+            "max_length: 512, cache: 64}; or null for the single reward of reward_model_name",
         )
         require(
             self.reward_model_name is None,
@@ -471,6 +512,16 @@ class PPOConfig(ModelConfig, TrainingConfig):
     def cliprange(self) -> float:
         """PPO's policy clip range (TRL / OpenAI name for ``clip_epsilon``)."""
         return self.clip_epsilon
+
+    @property
+    def uses_reference_model(self) -> bool:
+        """Whether the KL to the reference enters the run: ``beta > 0`` for "grpo" (its loss),
+        ``kl_coef > 0`` or ``adaptive_kl`` for the others (their reward). Without it no reference
+        model is loaded or run (TRL's ``beta: 0``), and the KL is measured against the rollout
+        policy (0 at each rollout)."""
+        if self.algorithm == "grpo":
+            return self.beta > 0
+        return self.kl_coef > 0 or self.adaptive_kl
 
     @property
     def reward_func_names(self) -> list[str]:

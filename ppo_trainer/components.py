@@ -20,12 +20,13 @@ from base_setup.tokenizer_setup import eos_token_ids
 from config._fields import divisors
 from config.loading import config_to_dict
 from config.model_config import ModelConfig
-from config.ppo_config import PPOConfig, is_reward_function_spec
+from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
+from rewards import bind_reward, resolve_reward, reward_spec_name
 
 #: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
 NamedReward = tuple[str, "RewardModel | RewardFunction"]
@@ -39,7 +40,7 @@ class RunModels:
     the reward (a model, a function, or several of them with weights), the tokenizer."""
 
     policy: PolicyModel
-    ref_model: ReferenceModel
+    ref_model: ReferenceModel | None  # None: no KL to a reference in this run
     reward_model: RewardModel | None
     reward_fn: RewardFunction | None
     value_model: ValueModel | None
@@ -134,6 +135,22 @@ def _load_file(path: Path, spec: str) -> ModuleType:
     return module
 
 
+def reward_function(spec: RewardSpec) -> RewardFunction:
+    """The function a ``reward_funcs`` entry names, its parameters bound: a reward of the
+    registry by name (:func:`rewards.resolve_reward`), or a user's function by
+    ``"module:function"`` / ``"path/to/file.py:function"`` (:func:`load_function`).
+
+    Raises:
+        ValueError: an unknown name (with the close matches), a function that cannot be loaded,
+            or parameters it does not take.
+    """
+    name = reward_spec_name(spec)
+    if ":" not in name:
+        return cast(RewardFunction, resolve_reward(spec))
+    params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, dict) else {}
+    return cast(RewardFunction, bind_reward(load_function(name), params, name.rpartition(":")[2]))
+
+
 def load_policy(config: ModelConfig, *, plain: bool = False) -> PolicyModel:
     """The policy as a run builds it from its config: ``config.model_name`` in ``config.dtype``,
     with fresh LoRA adapters when ``use_lora`` (the trainer, and the asynchronous rollout worker
@@ -159,7 +176,8 @@ def build_models(
 
     * policy: ``config.model_name`` (LoRA adapters if ``use_lora``; a quantized model only so);
     * reference: the policy's base weights with the adapters off (LoRA on the same model), else
-      a frozen copy of ``sft_model_name or model_name``;
+      a frozen copy of ``sft_model_name or model_name``; none when the run has no KL term
+      (``config.uses_reference_model``: GRPO's ``beta: 0``, the others' ``kl_coef: 0``);
     * reward: a :class:`RewardModel`, a function ``(prompts, completions, **columns)``,
       ``reward_model_name``, or ``reward_funcs`` (functions and models, weighted); none is
       needed when ``custom_scores`` (a trainer that overrides ``compute_scores``);
@@ -181,7 +199,7 @@ def build_models(
     fast = config.fast_math and not config.plain_mlx
     policy = policy or load_policy(config, plain=config.plain_mlx)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
-    if ref_model is None:
+    if ref_model is None and config.uses_reference_model:
         if config.use_lora and config.ref_model_name == config.model_name:
             # Same base weights with the adapters switched off: no second copy in memory.
             ref_model = ReferenceModel.from_policy(policy)
@@ -229,8 +247,9 @@ def build_models(
             )
         for name, spec in zip(config.reward_func_names, config.reward_funcs):
             if is_reward_function_spec(spec):
-                reward_funcs.append((name, load_function(spec)))
+                reward_funcs.append((name, reward_function(spec)))
             else:
+                assert isinstance(spec, str)  # an entry with parameters is a function
                 model = RewardModel.from_pretrained(spec, dtype=config.dtype, fast_math=fast)
                 reward_funcs.append((name, model))
     return RunModels(

@@ -30,17 +30,34 @@ def reduce_over_ranks(
     return dict(zip([*means, *sums], values))
 
 
+def frac_reward_zero_std(scores: mx.array, group_size: int) -> mx.array:
+    """The share of groups whose ``group_size`` scores are all equal (TRL's
+    ``frac_reward_zero_std``): their group-relative advantages are 0, so they teach nothing.
+
+    Args:
+        scores: (B,) with ``B = groups * group_size``, a group's responses adjacent.
+
+    Returns:
+        Scalar float32 in [0, 1].
+    """
+    grouped = scores.reshape(-1, group_size)  # (B / G, G)
+    same = mx.max(grouped, axis=1) == mx.min(grouped, axis=1)  # (B / G,)
+    return same.astype(mx.float32).mean()
+
+
 def iteration_metrics(
     rollout: Rollout,
     batch: RolloutBatch,
     stats: dict[str, mx.array],
     update_metrics: list[dict[str, mx.array]],
     group: Any = None,
+    group_size: int = 1,
 ) -> dict[str, float]:
     """``objective/kl``, ``objective/entropy``, ``objective/non_score_reward``,
     ``objective/rlhf_reward``, ``objective/scores`` (and ``_std``), ``episode/response_length``,
-    ``val/num_eos_tokens``, ``val/explained_variance`` (PPO), the means of the update's
-    metrics (``loss/policy``, ``policy/clipfrac``, ...), and ``num_generated`` (tokens)."""
+    ``val/num_eos_tokens``, ``val/explained_variance`` (PPO), ``frac_reward_zero_std`` (groups
+    of ``group_size`` > 1), the means of the update's metrics (``loss/policy``,
+    ``policy/clipfrac``, ...), and ``num_generated`` (tokens)."""
     mask = batch.mask
     kl_sum = stats["kl"].sum(axis=1)  # (B,)
     non_score_sum = stats["non_score"].sum(axis=1)  # (B,)
@@ -52,6 +69,8 @@ def iteration_metrics(
         "objective/scores": batch.scores.mean(),
         "episode/response_length": rollout.generation.lengths.astype(mx.float32).mean(),
     }
+    if group_size > 1:  # each rank holds whole groups, so the mean over ranks is the share
+        means["frac_reward_zero_std"] = frac_reward_zero_std(batch.scores, group_size)
     for key in update_metrics[0]:
         means[key] = mx.stack([m[key] for m in update_metrics]).mean()
     sums = {

@@ -36,6 +36,7 @@ share of the batch; use ``trainer.is_main_process`` to write files).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import warnings
@@ -54,7 +55,7 @@ from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.ppo_config import PPOConfig, is_reward_function_spec
+from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -150,6 +151,16 @@ def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
     return has if setting == "auto" else bool(setting)
 
 
+def _describe_reward_spec(spec: RewardSpec) -> str:
+    """A ``reward_funcs`` entry as a resume compares it: a function's name or path with its
+    parameters, or a reward model's folder with its fingerprint."""
+    if isinstance(spec, dict):
+        return json.dumps(spec, sort_keys=True, default=str)
+    if is_reward_function_spec(spec):
+        return spec
+    return f"{spec} ({model_fingerprint(spec)})"
+
+
 class PPOTrainer:
     """RLHF with PPO (policy, reference, reward and value models) or GRPO (no value model).
 
@@ -158,7 +169,8 @@ class PPOTrainer:
         policy: a ready policy; default: loaded from ``config.model_name`` (with LoRA if
             ``config.use_lora``).
         ref_model: a ready reference model; default: the policy's base weights with the adapters
-            switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``.
+            switched off (LoRA), else a frozen copy of ``config.sft_model_name or config.model_name``;
+            none when the run has no KL term (``config.uses_reference_model``).
         reward_model: a :class:`RewardModel` or a function ``(prompts, completions, **columns)
             -> list[float]`` (the columns of prompt records it names, see
             :mod:`ppo_trainer.prompt_records`); default: loaded from ``config.reward_model_name``.
@@ -283,15 +295,21 @@ class PPOTrainer:
         """Turn one dataset prompt into the text the policy continues.
 
         Default: chat messages go through the tokenizer's chat template with a generation
-        prompt; text too, as one user message, when ``config.use_chat_template`` says so
-        (:attr:`chat_prompts`), else it is used as is. Override for a task-specific prompt
-        format.
+        prompt, ``config.system_prompt`` first when they have no system message and
+        ``config.chat_template_kwargs`` as the template's variables; text too, as one user
+        message, when ``config.use_chat_template`` says so (:attr:`chat_prompts`), else it is
+        used as is. Override for a task-specific prompt format.
         """
         if isinstance(prompt, str):
             if not self.chat_prompts:
                 return prompt
             prompt = [{"role": "user", "content": prompt}]
-        return chat_template_text(self.tokenizer, prompt)
+        system = self.config.system_prompt
+        if system is not None and not (prompt and prompt[0].get("role") == "system"):
+            prompt = [{"role": "system", "content": system}, *prompt]
+        return chat_template_text(
+            self.tokenizer, prompt, template_kwargs=self.config.chat_template_kwargs
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a formatted prompt: the tokenizer's BOS first when it adds one (not twice
@@ -441,7 +459,9 @@ class PPOTrainer:
         t_update = time.perf_counter()
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
-        metrics = iteration_metrics(rollout, batch, stats, update_metrics, self.group)
+        metrics = iteration_metrics(
+            rollout, batch, stats, update_metrics, self.group, self.config.group_size
+        )
         if rollout.reward_metrics:  # several rewards: each one's mean and spread
             metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
         if cfg.algorithm in KL_IN_REWARD:
@@ -596,8 +616,7 @@ class PPOTrainer:
             return f"function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         if self.config.reward_funcs:
             return "reward_funcs " + ", ".join(
-                spec if is_reward_function_spec(spec) else f"{spec} ({model_fingerprint(spec)})"
-                for spec in self.config.reward_funcs
+                _describe_reward_spec(spec) for spec in self.config.reward_funcs
             )
         name = self.config.reward_model_name
         return f"reward model {name} ({model_fingerprint(name)})" if name else None

@@ -15,6 +15,7 @@ from ppo_trainer.components import NamedReward
 from ppo_trainer.prompt_records import Columns, check_reward_function, reward_arguments
 from ppo_trainer.rollout import check_scores
 from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
+from rewards import check_reward_columns
 
 
 @dataclass
@@ -81,3 +82,4 @@ class Rewards:
         functions += [r for _, r in self.funcs if not isinstance(r, RewardModel)]
         for function in functions:
             check_reward_function(function, list(columns))
+            check_reward_columns(function, list(columns))

@@ -154,7 +154,7 @@ def sample_responses(
 
 def collect_rollout(
     policy: PolicyModel,
-    ref_model: ReferenceModel,
+    ref_model: ReferenceModel | None,
     value_model: ValueModel | None,
     texts: list[str],
     prompt_ids: list[list[int]],
@@ -170,6 +170,9 @@ def collect_rollout(
     """Phases 1-3 (see the module doc) for prompts already formatted and encoded.
 
     Args:
+        ref_model: the frozen reference, or None when the run has no KL term: the reference is
+            then the rollout policy itself (``ref_logprobs = logprobs``, a KL of 0), and no
+            reference pass runs.
         decode: the completions' texts (without their stop tokens) of a generation.
         score: the scores of the completions (see :data:`ScoreFn`).
         score_source: what computes the scores, named when they are malformed.
@@ -211,12 +214,16 @@ def collect_rollout(
     # which MLX's evaluation interleaves. The LM heads' log-probs and the remaining reward follow
     # with every thread.
     two = (value_model is not None or model_reward) and side_by_side_pays(
-        ref_model, query_responses
+        ref_model if ref_model is not None else policy, query_responses
     )
     reward_in_lane = two and value_model is None
     with side_by_side(2 if two else 1) as lanes:
         with lanes[0]:
-            ref_inputs = scoring_inputs(ref_model, query_responses, positions, differentiable=False)
+            ref_inputs = (
+                scoring_inputs(ref_model, query_responses, positions, differentiable=False)
+                if ref_model is not None
+                else None
+            )
             policy_inputs = (
                 scoring_inputs(policy, query_responses, positions, differentiable=False)
                 if forward
@@ -229,18 +236,23 @@ def collect_rollout(
             if reward_in_lane:
                 raw = score(completions, query_responses, sequence_lengths)
         mx.eval(
-            ref_inputs.states,
+            [] if ref_inputs is None else ref_inputs.states,
             [] if policy_inputs is None else policy_inputs.states,
             values,
             raw if isinstance(raw, mx.array) else [],
         )
-    ref_logprobs, _ = logprobs_from(ref_inputs, gen.responses, temperature, differentiable=False)
     logprobs, entropy = gen.logprobs, gen.entropy
     if policy_inputs is not None:
         logprobs, entropy = logprobs_from(
             policy_inputs, gen.responses, temperature, with_entropy=True, differentiable=False
         )
     assert logprobs is not None and entropy is not None
+    if ref_inputs is not None:
+        ref_logprobs, _ = logprobs_from(
+            ref_inputs, gen.responses, temperature, differentiable=False
+        )
+    else:
+        ref_logprobs = logprobs  # no KL term: the rollout policy is the reference
     mx.async_eval(logprobs, entropy, ref_logprobs)
 
     # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
@@ -275,9 +287,10 @@ def collect_rollout(
 MIN_SIDE_BY_SIDE_WORK = 3e10
 
 
-def side_by_side_pays(ref_model: ReferenceModel, query_responses: mx.array) -> bool:
+def side_by_side_pays(ref_model: ReferenceModel | PolicyModel, query_responses: mx.array) -> bool:
     """Whether a rollout's scoring passes over ``query_responses`` with the reference model's
-    size are big enough to run on two CPU streams (:data:`MIN_SIDE_BY_SIDE_WORK`)."""
+    (or, without one, the policy's) size are big enough to run on two CPU streams
+    (:data:`MIN_SIDE_BY_SIDE_WORK`)."""
     flat = cast(list[tuple[str, mx.array]], tree_flatten(ref_model.model.parameters()))
     return query_responses.size * sum(v.size for _, v in flat) >= MIN_SIDE_BY_SIDE_WORK
 

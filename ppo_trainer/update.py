@@ -23,6 +23,7 @@ from token_attribution.sequences import gather_positions, response_logprobs, res
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
+    entropy_bonus,
     grpo_policy_loss,
     micro_batch_weights,
     ppo_policy_loss,
@@ -37,15 +38,30 @@ def policy_loss_fn(config: Any) -> LossFn:
     """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the clipped
     surrogate on token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its
     ``loss_type`` / ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
-    upper clip ``clip_epsilon_high`` when set."""
+    upper clip ``clip_epsilon_high`` when set, and the entropy bonus when ``entropy_coef`` > 0."""
 
     def loss(policy: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict[str, mx.array]]:
         # The model call is inside the differentiated function; every mb.* array is a rollout
         # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
         positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])  # (b, T)
-        logprobs, _ = response_logprobs(
-            policy, mb.query_responses, positions, mb.responses, config.temperature
+        bonus = config.entropy_coef > 0
+        logprobs, entropy = response_logprobs(
+            policy,
+            mb.query_responses,
+            positions,
+            mb.responses,
+            config.temperature,
+            with_entropy=bonus,
         )
+        loss, metrics = algorithm_loss(logprobs, mb)
+        if bonus:
+            assert entropy is not None
+            return entropy_bonus(loss, metrics, entropy, mb.mask, config.entropy_coef)
+        return loss, metrics
+
+    def algorithm_loss(
+        logprobs: mx.array, mb: RolloutBatch
+    ) -> tuple[mx.array, dict[str, mx.array]]:
         high = config.clip_epsilon_high
         if config.algorithm == "grpo":
             return grpo_policy_loss(

@@ -1064,7 +1064,8 @@ def test_config_fast_math_switches_every_model_of_a_run(
             PPOConfig(**common, use_lora=False, progress_bar=False),
             reward_model=lambda prompts, completions: [0.0] * len(completions),
         )
-        assert ppo.value_model is not None and not ppo.ref_model.shares_policy_weights
+        assert ppo.ref_model is not None and ppo.value_model is not None
+        assert not ppo.ref_model.shares_policy_weights
         models = [ppo.policy.model, ppo.ref_model.model, ppo.value_model.model]
     elif trainer == "sft":
         models = [SFTTrainer(SFTConfig(**common, progress_bar=False)).model.model]

@@ -402,6 +402,7 @@ def test_quantized_reference_is_the_base_with_adapters_off(
         progress_bar=False,
     )
     trainer = PPOTrainer(config, reward_model=lambda p, c: [float(len(x)) for x in c])
+    assert trainer.ref_model is not None
     assert trainer.ref_model.shares_policy_weights and trainer.policy.is_quantized
     ids = mx.array([[5, 17, 33, 41]])
     positions = mx.array([[1, 2, 3]])

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from config.trl_names import GRPOConfig
 from config import (
     FineTuneConfig,
     LoraConfig,
@@ -529,13 +530,13 @@ def test_load_sectioned_yaml(tmp_path: Path) -> None:
         "seed: 7  # top-level keys may sit beside sections\n",
     )
     c = load_config(path)
-    assert c == PPOConfig(
+    # A GRPO run loaded from a file takes TRL's GRPO defaults (config.trl_names).
+    assert c == GRPOConfig(
         model_name="gpt2",
         lora_r=4,
         learning_rate=3e-6,
         batch_size=2,
         output_dir="out",
-        algorithm="grpo",
         group_size=4,
         seed=7,
     )

@@ -708,3 +708,35 @@ def test_cli_reports_a_malformed_data_line_before_loading_a_model(
     # a given model gets no SFT: asking for one is an error, not ignored
     assert code_generation.main([*args, "--sft-steps", "3"]) == 2
     assert "embedded tiny model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_reasoning_example_runs_every_stage(tmp_path: Path) -> None:
+    """``python -m examples.reasoning --smoke``: SFT warm-up, GRPO with the built-in rewards, and
+    the format rate and accuracy before and after, on the training and held-out problems."""
+    cmd = [sys.executable, "-m", "examples.reasoning", "--smoke", "--output-dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("training", "held-out"):
+        for metric in ("format", "accuracy"):
+            assert re.search(
+                rf"^{metric} on {name} problems: \d\.\d{{3}} -> \d\.\d{{3}}", result.stdout, re.M
+            )
+        assert re.search(
+            rf"accuracy on {name} problems (clearly rose|did NOT clearly rise)", result.stdout
+        )
+    assert "no reference model" in result.stdout
+    assert (tmp_path / "grpo" / "metrics.jsonl").is_file()
+
+
+def test_reasoning_problems_are_seeded_and_held_out_apart() -> None:
+    from examples.reasoning import HELD_OUT, problems, score, worked_solution
+
+    train, held_out = problems(1)
+    assert len(held_out) == HELD_OUT and len(train) + len(held_out) == 100
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert problems(1) == (train, held_out) and problems(2) != (train, held_out)
+    record = {"prompt": "What is 3 + 4?\n", "answer": "7"}
+    assert worked_solution(record) == "<think>3+4=7</think>7"
+    result = score([record, record], [worked_solution(record), "<think>3+4=8</think>8"])
+    assert (result["format"], result["accuracy"]) == (1.0, 0.5)

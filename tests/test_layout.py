@@ -20,8 +20,9 @@ ORDER = [
     "experience_buffer",
     "training",
     "finetune",
-    "ppo_trainer",
     "sandbox",
+    "rewards",
+    "ppo_trainer",
     "examples",
 ]
 

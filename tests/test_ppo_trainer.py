@@ -249,9 +249,10 @@ def test_scoring_side_by_side_equals_one_stream(
         return backend.side_by_side(count)
 
     monkeypatch.setattr(rollout, "side_by_side", recorded)
+    sized = PPOTrainer(make_config(tiny_model_dir, tmp_path / "size"), reward_model=e_rate)
+    assert sized.ref_model is not None
     assert not rollout.side_by_side_pays(
-        PPOTrainer(make_config(tiny_model_dir, tmp_path / "size"), reward_model=e_rate).ref_model,
-        mx.zeros((16, 46), dtype=mx.int32),
+        sized.ref_model, mx.zeros((16, 46), dtype=mx.int32)
     )  # any rollout of the tiny model is below the bound
     monkeypatch.setattr(rollout, "MIN_SIDE_BY_SIDE_WORK", 0)
     rollouts = {}

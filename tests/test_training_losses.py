@@ -919,3 +919,30 @@ def test_evaluate_in_groups_counts_its_evaluations() -> None:
     assert evaluate_in_groups(arrays, 1) == 10
     assert evaluate_in_groups([], 1024) == 0
     assert all(np.array_equal(np.array(a), np.full(256, i)) for i, a in enumerate(arrays))
+
+
+def test_entropy_bonus_against_a_naive_mean_with_its_gradient() -> None:
+    from training.policy_loss import entropy_bonus
+
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))  # (B, T, V)
+    mask = mx.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+    def entropy_of(z: mx.array) -> mx.array:
+        logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        return -(mx.exp(logp) * logp).sum(axis=-1)  # (B, T)
+
+    def total(z: mx.array) -> mx.array:
+        loss, _ = entropy_bonus(mx.array(0.5), {}, entropy_of(z), mask, 0.1)
+        return loss
+
+    h = np.array(entropy_of(logits))
+    naive = 0.5 - 0.1 * (h[0, 0] + h[0, 1] + h[1, 0]) / 3
+    assert float(total(logits)) == pytest.approx(naive, rel=1e-6)
+    _, metrics = entropy_bonus(mx.array(0.5), {"x": mx.array(1.0)}, entropy_of(logits), mask, 0.1)
+    assert set(metrics) == {"x", "entropy"}
+    grad = np.array(mx.grad(total)(logits))
+    assert np.abs(grad[0, 2]).max() == 0.0 and np.abs(grad[1, 1:]).max() == 0.0  # masked out
+    assert np.abs(grad[0, 0]).max() > 0.0  # the bonus is differentiated
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        entropy_bonus(mx.array(0.5), {}, entropy_of(logits), mask, -1.0)

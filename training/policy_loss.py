@@ -20,6 +20,8 @@ the same set as ``clipfrac`` up to float ties).
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from advantage.whitening import masked_mean
@@ -237,6 +239,33 @@ def ppo_policy_loss(
     for key, indicator in _clip_indicators(ratio, advantages, cliprange, upper).items():
         metrics[key] = masked_mean(indicator, valid, validate=False)
     return loss, metrics
+
+
+def entropy_bonus(
+    loss: mx.array,
+    metrics: dict[str, mx.array],
+    entropy: mx.array,
+    mask: mx.array,
+    entropy_coef: float,
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """A policy loss minus an entropy bonus: ``loss - entropy_coef * H`` with
+    ``H = masked_mean(entropy)`` over the action tokens, the current policy's entropy (OpenRLHF's
+    ``entropy_loss_coef``); ``H`` is differentiated, so the update also raises the entropy.
+
+    Args:
+        loss: scalar policy loss; metrics: its metrics (``entropy`` is added).
+        entropy: (B, T) per-token entropy of the current policy (differentiated).
+        mask: (B, T), nonzero on action tokens.
+        entropy_coef: >= 0.
+
+    Returns:
+        ``(loss - entropy_coef * H, metrics + {"entropy": H})``.
+    """
+    check_token_arrays("entropy", entropy, mask=mask)
+    if not 0.0 <= entropy_coef < math.inf:
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
+    mean_entropy = masked_mean(entropy.astype(mx.float32), valid_mask(mask), validate=False)
+    return loss - entropy_coef * mean_entropy, {**metrics, "entropy": mean_entropy}
 
 
 def _check_sequence_advantages(advantages: mx.array, logprobs: mx.array, what: str) -> None:
