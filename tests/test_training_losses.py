@@ -316,6 +316,49 @@ def test_losses_run_compiled_without_host_sync():
         np.testing.assert_allclose(np.array(g_c), np.array(g_e), rtol=1e-5, atol=1e-7)
 
 
+def test_losses_compile_with_every_array_an_input():
+    """The mask, the old values and the returns as traced inputs of the compiled function (not
+    constants captured by it): a loss that validated its mask on the host could not compile."""
+    logp, old, ref, adv, mask = policy_inputs(3, (3, 6), "prefix")
+    v, old_v, returns, _ = value_inputs(3, (3, 6), "prefix")
+    seq_adv = f32(adv[:, 0])
+
+    def step(*arrays: mx.array) -> mx.array:
+        lp, o, r, a, sa, m, values, ov, ret = arrays
+        total = ppo_policy_loss(lp, o, a, m, CLIPRANGE)[0]
+        total = total + rloo_policy_loss(lp, o, sa, m, CLIPRANGE)[0]
+        for level in ("token", "sequence"):
+            total = (
+                total
+                + grpo_policy_loss(
+                    lp, o, r, sa, m, CLIPRANGE, 0.1, importance_sampling_level=level
+                )[0]
+            )
+        return total + clipped_value_loss(values, ov, ret, m, CLIPRANGE)[0]
+
+    arrays = (f32(logp), f32(old), f32(ref), f32(adv), seq_adv, mx.array(mask))
+    arrays += (f32(v), f32(old_v), f32(returns))
+    assert mx.compile(step)(*arrays).item() == pytest.approx(step(*arrays).item(), rel=1e-6)
+
+
+def test_value_loss_with_no_clip_range():
+    """cliprange_value = 0 is allowed: every move from the rollout value is clipped away."""
+    values, old_values = mx.array([[1.0, -1.0]]), mx.array([[0.5, 0.0]])
+    returns = mx.array([[0.0, 0.0]])
+    loss, metrics = clipped_value_loss(values, old_values, returns, mx.array([[1, 1]]), 0.0)
+    # max((v - R)^2, (v_old - R)^2): max(1, 0.25) and max(1, 0)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
+    assert metrics["clipfrac"].item() == 0.0
+
+
+def test_value_loss_checks_every_shape():
+    z = mx.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"old_values has shape \(2, 4\) but values has"):
+        clipped_value_loss(z, mx.zeros((2, 4)), z, z, 0.2)
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\) but values has"):
+        clipped_value_loss(z, z, z, mx.zeros((2, 4)), 0.2)
+
+
 # ------------------------------------------------ GRPO variants, asymmetric clip, GSPO, RLOO
 EPS_HIGH = 0.28
 CLIP_EDGES = (1 - CLIPRANGE, 1 + CLIPRANGE, 1 + EPS_HIGH)
