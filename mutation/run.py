@@ -2,9 +2,11 @@
 
 Each target file is mutated in a scratch copy of the working tree (``--workdir``, default
 ``/tmp/ppo-mlx-mutation/<file>``), against the FAST tests of its room only (``TARGETS``), so
-a run stays small on a shared machine. mutmut runs each mutant's covering tests in a child of a
-fork server that has imported nothing (``forkserver_warmup = "{warmup}"``): MLX's thread pools do not
-survive a fork, so a server that had already run MLX code hangs its children.
+a run stays small on a shared machine. mutmut runs each mutant's covering tests in a child forked
+from a server that has only collected the tests (``forkserver_warmup = "collect"``): MLX and
+BLAS thread pools do not survive a fork, so forking from a process that has already run MLX
+code (mutmut's default) hangs the children, and their timeouts would pass for kills.
+``MUTATION_WARMUP=none`` imports nothing before the fork (slower, for a doubt about that).
 
     python mutation/run.py                              # every target, one after the other
     python mutation/run.py ppo_trainer/experience.py    # one file

@@ -106,7 +106,8 @@ def checked_run(
     start = time.monotonic()
     result = run_tests(code, tests, limits, isolation)
     elapsed = time.monotonic() - start
-    assert elapsed < limits.timeout_s + 10.0, f"hang guard: {elapsed:.1f} s"
+    # A hang guard, not a speed test: generous for a busy machine (a hang is the 300 s sleeps).
+    assert elapsed < limits.timeout_s + 60.0, f"hang guard: {elapsed:.1f} s"
     assert _host_workdirs() == []
     if LINUX and (isolation or ISOLATION).separate_uid:
         assert _sandbox_processes() == []
