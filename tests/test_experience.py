@@ -37,14 +37,19 @@ SCORES = [1.0, -0.5, 2.0, 0.0]
 ENDED = [True, False, True, False]
 
 
-def rollout(scores: list[float] = SCORES, values: Rows | None = VALUES) -> Rollout:
-    """A rollout of the arrays above (B = 4, T = 3, prompts of 2 tokens)."""
-    B, T = len(MASK), len(MASK[0])
+def rollout(scores: list[float] = SCORES, values: Rows | None = VALUES, copies: int = 1) -> Rollout:
+    """A rollout of the arrays above (B = 4, T = 3, prompts of 2 tokens); ``copies`` > 1 stacks
+    that many copies of the batch (whole prompt groups each)."""
+    B, T = len(MASK) * copies, len(MASK[0])
+
+    def tiled(rows: Any) -> mx.array:
+        return mx.array(list(rows) * copies)
+
     responses = mx.array([[10 + 3 * b + t for t in range(T)] for b in range(B)], dtype=mx.int32)
     generation = GenerationOutput(
         responses=responses,
-        lengths=mx.array([int(sum(row)) for row in MASK], dtype=mx.int32),
-        ended_with_stop=mx.array(ENDED),
+        lengths=tiled([int(sum(row)) for row in MASK]).astype(mx.int32),
+        ended_with_stop=tiled(ENDED),
     )
     query_responses = mx.concatenate([mx.full((B, 2), 1, dtype=mx.int32), responses], axis=1)
     return Rollout(
@@ -54,12 +59,12 @@ def rollout(scores: list[float] = SCORES, values: Rows | None = VALUES) -> Rollo
         generation=generation,
         query_responses=query_responses,
         prompt_lengths=mx.full((B,), 2, dtype=mx.int32),
-        mask=mx.array(MASK, dtype=mx.float32),
-        logprobs=mx.array(LOGPROBS),
-        ref_logprobs=mx.array(REF_LOGPROBS),
+        mask=tiled(MASK).astype(mx.float32),
+        logprobs=tiled(LOGPROBS),
+        ref_logprobs=tiled(REF_LOGPROBS),
         entropy=mx.zeros((B, T)),
-        values=None if values is None else mx.array(values),
-        scores=mx.array(scores),
+        values=None if values is None else tiled(values),
+        scores=tiled(scores),
     )
 
 
@@ -383,6 +388,44 @@ def test_reinforce_pp_baseline_against_naive_loops() -> None:
     close(stats["rewards"], naive_rewards(SCORES, naive_kl("k1"), 0.3)[0])
 
 
+class TwoRanks:
+    """A data-parallel group of two ranks that hold the same rows (``all_sum`` doubles)."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(
+    "algorithm, changes",
+    [
+        ("ppo", {"whiten_rewards": True}),
+        ("ppo", {"whiten_advantages": True}),
+        ("grpo", {"grpo_advantage_scale": "batch"}),
+        ("reinforce_pp", {"gamma": 0.9}),
+        ("reinforce_pp_baseline", {}),
+    ],
+)
+def test_batch_statistics_are_those_of_every_rank(
+    algorithm: str, changes: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whitening and GRPO's batch std of a data-parallel run use the global batch: on two ranks
+    holding the same four rows, each rank's result is that of the eight rows on one process
+    (the unbiased variance's n - 1 tells 4 rows from 8)."""
+    values = VALUES if algorithm == "ppo" else None
+    config = settings(algorithm, **changes)
+    whole, _ = make_experience(rollout(values=values, copies=2), config, 0.3, step=0)
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: 2 * x)
+    rank, _ = make_experience(rollout(values=values), config, 0.3, step=0, group=TwoRanks())
+    close(rank.advantages, np.array(whole.advantages)[:4])
+    if whole.returns is not None:
+        close(rank.returns, np.array(whole.returns)[:4])
+    local, _ = make_experience(rollout(values=values), config, 0.3, step=0)
+    assert not np.allclose(np.array(local.advantages), np.array(rank.advantages), atol=1e-4)
+
+
 # ---- what the update gets ----
 
 
@@ -406,10 +449,20 @@ def test_every_algorithm_passes_the_rollout_through(algorithm: str) -> None:
 def test_scores_too_large_for_float32_are_refused(algorithm: str, what: str) -> None:
     """PPO's returns (squared by the value loss) and REINFORCE++'s whitening overflow."""
     values = VALUES if algorithm == "ppo" else None
-    with pytest.raises(ValueError, match=rf"the {what} of step 7 are not finite .*3e\+38"):
+    message = (
+        rf"^the {what} of step 7 are not finite \(the largest \|score\| is 3e\+38\): the scores "
+        r"are too large for float32 arithmetic. Scale or clip the reward \(e.g. into "
+        r"\[-10, 10\]\); no update was made from this batch$"
+    )
+    with pytest.raises(ValueError, match=message):
         make_experience(
             rollout([3e38, 1.0, 2.0, 0.0], values=values), settings(algorithm), 0.1, step=7
         )
+
+
+def test_ppo_without_values_is_a_bug() -> None:
+    with pytest.raises(AssertionError, match="^PPO needs the rollout's values$"):
+        make_experience(rollout(values=None), settings("ppo"), 0.1, step=0)
 
 
 def test_unknown_algorithm_is_refused() -> None:
