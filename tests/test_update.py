@@ -286,6 +286,27 @@ def test_update_weights_on_one_process() -> None:
     assert [float(w) for w in update_weights(three, "bnpo", None)] == pytest.approx([1 / 3] * 3)
 
 
+class TwoRanks:
+    """A data-parallel group of two ranks (its ``all_sum`` is monkeypatched in the test)."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_update_weights_on_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This rank's micro-batches hold 5 and 4 action tokens, the other rank's 3 and 6: the token
+    counts are all-reduced, so each weight is this rank's share of the global count."""
+    other = mx.array([3.0, 6.0])
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: x + other)
+    micro = [batch(False)[0:2], batch(False)[2:4]]
+    weights = {w: [float(x) for x in update_weights(micro, w, TwoRanks())] for w in
+               ("bnpo", "dapo", "grpo", "dr_grpo")}  # fmt: skip
+    # bnpo: R c_k / C_k / n with C = (8, 10); dapo: R c_k / sum(C); the sequence means: 1 / n
+    assert weights["bnpo"] == pytest.approx([2 * 5 / 8 / 2, 2 * 4 / 10 / 2])
+    assert weights["dapo"] == pytest.approx([2 * 5 / 18, 2 * 4 / 18])
+    assert weights["grpo"] == weights["dr_grpo"] == pytest.approx([0.5, 0.5])
+
+
 def test_ppo_epochs_steps_each_learner_on_its_own_loss() -> None:
     """Two epochs of two minibatches of two micro-batches: four metric dicts under TRL's names;
     the first minibatch's losses are the naive ones on its rows (mean over its micro-batches),
@@ -320,3 +341,68 @@ def test_ppo_epochs_steps_each_learner_on_its_own_loss() -> None:
     assert float(metrics[0]["loss/value"]) == pytest.approx(value_loss, rel=1e-5)
     assert not np.allclose(np.array(policy.table), TABLE, atol=1e-4)
     assert not np.allclose(np.array(value.weight), VALUE_WEIGHT, atol=1e-4)
+
+
+def test_ppo_epochs_hands_each_step_its_learner_group_and_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What reaches the optimiser step: each learner's model, optimiser and gradient, the
+    micro-batches with their weights over the ranks of ``group``, the step and a name for its
+    error message; and its metrics come back under TRL's names."""
+    import ppo_trainer.update as update
+
+    calls: list[dict[str, Any]] = []
+
+    def recording_step(model: Any, optimizer: Any, value_and_grad: Any, micro: Any,
+                       weights: Any, **kwargs: Any) -> dict[str, mx.array]:  # fmt: skip
+        calls.append(dict(model=model, optimizer=optimizer, value_and_grad=value_and_grad,
+                          micro=micro, weights=[float(w) for w in weights], **kwargs))  # fmt: skip
+        return {"loss": mx.array(float(len(calls))), "clipfrac": mx.array(0.5),
+                "clip_ratio/low_mean": mx.array(0.25)}  # fmt: skip
+
+    monkeypatch.setattr(update, "optimizer_step", recording_step)
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: x + 1.0)
+    group = TwoRanks()
+    learners = [
+        Learner(object(), object(), lambda m, b: None, "policy", "bnpo"),  # type: ignore[arg-type]
+        Learner(object(), object(), lambda m, b: None, "val", "grpo"),  # type: ignore[arg-type]
+    ]
+    metrics = ppo_epochs(
+        batch(False),
+        learners,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        rng=np.random.default_rng(0),
+        step=7,
+        group=group,
+    )
+    assert len(calls) == 2
+    for call, learner, what in zip(calls, learners, ["the policy loss", "the value loss"]):
+        assert call["model"] is learner.model and call["optimizer"] is learner.optimizer
+        assert call["value_and_grad"] is learner.value_and_grad
+        assert call["step"] == 7 and call["what"] == what and call["group"] is group
+        assert call["max_grad_norm"] == 0.5
+        assert [len(mb) for mb in call["micro"]] == [2, 2]
+    # bnpo over two ranks: R c_k / (c_k + 1) / n for this rank's token counts c_k
+    tokens = [float(np.array(mb.mask).sum()) for mb in calls[0]["micro"]]
+    assert calls[0]["weights"] == pytest.approx([2 * c / (c + 1) / 2 for c in tokens])
+    assert calls[1]["weights"] == [0.5, 0.5]
+    assert len(metrics) == 1
+    assert {key: float(value) for key, value in metrics[0].items()} == {
+        "loss/policy": 1.0,
+        "policy/clipfrac": 0.5,
+        "clip_ratio/low_mean": 0.25,
+        "loss/value": 2.0,
+        "val/clipfrac": 0.5,
+    }
+
+
+def test_the_value_loss_needs_values_and_returns() -> None:
+    model = ValueTable(VALUE_WEIGHT)
+    for missing in ("values", "returns"):
+        mb = batch(False)
+        setattr(mb, missing, None)
+        with pytest.raises(AssertionError):
+            value_loss_fn(config("ppo"))(model, mb)
