@@ -59,6 +59,7 @@ def _matmul_gflops(env_extra: dict[str, str]) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
 def test_matmul_runs_far_above_reference_blas_rate() -> None:
     # Same matmul, two processes: with OpenBLAS and with the wheel's reference BLAS
@@ -95,6 +96,7 @@ def test_import_order_is_enforced_in_a_fresh_process() -> None:
         assert "setup_blas()` at the top of your script" in out.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_packages_has_no_side_effect_and_setup_blas_first_is_fast() -> None:
     """Importing the project's packages loads no BLAS; a script that calls setup_blas() first,
     as every entry point does, gets OpenBLAS."""
@@ -112,6 +114,7 @@ def test_importing_the_packages_has_no_side_effect_and_setup_blas_first_is_fast(
     assert out.stdout.strip() == ("openblas" if LINUX_X86 else blas_info().name)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
 def test_a_model_built_without_setup_blas_warns_once(tiny_model_dir: Path) -> None:
     """A library user's script that imports the packages (so mlx) without calling setup_blas:
@@ -1196,6 +1199,7 @@ _REPLACED: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ON_CPU, reason="the fast functions replace MLX's on the CPU only")
 @pytest.mark.parametrize("arch", sorted(_ARCHITECTURES))
 def test_fast_layers_of_each_architecture_match_mlx_lm(
@@ -1307,6 +1311,7 @@ def _loss_and_grads(model: nn.Module, ids: mx.array, seed: int) -> tuple[float, 
     return value.item(), dict(tree_flatten(grads))
 
 
+@pytest.mark.slow
 def test_checkpointed_blocks_give_the_same_loss_and_gradients_in_less_memory() -> None:
     ids = mx.array(np.random.default_rng(0).integers(0, 300, (4, 48)))
     plain = _small_lora_qwen3(0.0)

@@ -101,6 +101,7 @@ def write_jsonl(path: Path, lines: Sequence[Any]) -> Path:
 # --------------------------------------------------------------------------- summarization reward
 
 
+@pytest.mark.slow
 def test_rouge_quality_matches_a_hand_computation() -> None:
     # unigrams: 2 of 3 match 2 of 4 -> F1 = 2 * (2/3) * (2/4) / (2/3 + 2/4) = 4/7
     # bigrams: "the cat" of {the cat, cat sat} and {the cat, cat ran, ran away}:
@@ -188,6 +189,7 @@ def test_build_program_continues_the_stub_or_takes_the_fenced_block() -> None:
     assert build_program(stub, answer) == stub + "\ndef add(a, b):\n    return a + b\n"
 
 
+@pytest.mark.slow
 def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> None:
     stub, tests = ADD_TASK["prompt"], ADD_TASK["tests"]
     completions = [
@@ -210,6 +212,7 @@ def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> No
     assert scores == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_bundled_code_solutions_pass_every_test() -> None:
     records = load_task_records(code_generation.BUNDLED_DATA, code_record)
     assert len(records) == 32

@@ -164,6 +164,7 @@ HOSTILE_ZERO = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE_ZERO))
 def test_hostile_completion_scores_zero(name: str) -> None:
     code, status = HOSTILE_ZERO[name]
@@ -171,6 +172,7 @@ def test_hostile_completion_scores_zero(name: str) -> None:
     assert (result.status, result.passed) == (status, 0), result.detail
 
 
+@pytest.mark.slow
 def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock() -> None:
     limits = SandboxLimits(timeout_s=20.0, cpu_time_s=1)
     result = checked_run("while True:\n    pass\n", TESTS, limits)
@@ -357,6 +359,7 @@ def test_fork_is_blocked_by_the_fallback_audit_hook() -> None:
     assert (result.status, result.passed) == ("ok", 1), result.detail
 
 
+@pytest.mark.slow
 def test_parallel_scoring_of_mixed_completions() -> None:
     kinds = {
         "honest": (GOOD, 1.0),

@@ -915,6 +915,7 @@ def test_optimizer_step_refuses_a_non_finite_loss_before_updating() -> None:
     assert optimizer.state["step"].item() == 0
 
 
+@pytest.mark.slow
 def test_optimizer_step_updates_a_group_of_parameters_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
