@@ -331,6 +331,7 @@ def spy_on(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]
     return calls
 
 
+@pytest.mark.slow
 def test_summarization_step_trains_on_rouge_minus_length_penalty(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -384,6 +385,7 @@ def test_summarization_prompt_format_and_truncation(tiny_model_dir: Path, tmp_pa
         trainer.evaluate([short])
 
 
+@pytest.mark.slow
 def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -414,6 +416,7 @@ def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
     np.testing.assert_allclose(np.array(scores), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dialogue_step_trains_on_the_heuristic_stand_in(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -449,6 +452,7 @@ def test_dialogue_with_a_reward_model_uses_it(tiny_model_dir: Path, tmp_path: Pa
     assert trainer.reward_model is rm and trainer.reward_fn is None
 
 
+@pytest.mark.slow
 def test_code_step_trains_on_the_sandboxed_pass_fraction(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
