@@ -336,8 +336,8 @@ def test_losses_compile_with_every_array_an_input():
             )
         return total + clipped_value_loss(values, ov, ret, m, CLIPRANGE)[0]
 
-    arrays = (f32(logp), f32(old), f32(ref), f32(adv), seq_adv, mx.array(mask))
-    arrays += (f32(v), f32(old_v), f32(returns))
+    arrays = [f32(logp), f32(old), f32(ref), f32(adv), seq_adv, mx.array(mask)]
+    arrays += [f32(v), f32(old_v), f32(returns)]
     assert mx.compile(step)(*arrays).item() == pytest.approx(step(*arrays).item(), rel=1e-6)
 
 

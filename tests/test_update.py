@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -363,9 +363,13 @@ def test_ppo_epochs_hands_each_step_its_learner_group_and_step(
     monkeypatch.setattr(update, "optimizer_step", recording_step)
     monkeypatch.setattr(mx.distributed, "all_sum", lambda x, group=None, stream=None: x + 1.0)
     group = TwoRanks()
+
+    def token() -> Any:
+        return cast(Any, object())  # stands for a model, optimiser or gradient: never called
+
     learners = [
-        Learner(object(), object(), lambda m, b: None, "policy", "bnpo"),  # type: ignore[arg-type]
-        Learner(object(), object(), lambda m, b: None, "val", "grpo"),  # type: ignore[arg-type]
+        Learner(token(), token(), token(), "policy", "bnpo"),
+        Learner(token(), token(), token(), "val", "grpo"),
     ]
     metrics = ppo_epochs(
         batch(False),
