@@ -109,6 +109,27 @@ def test_kl_controller_errors():
         FixedKLController(0.1).load_state_dict(ctl.state_dict())
 
 
+def test_reward_functions_name_the_argument_of_a_wrong_shape() -> None:
+    scores, kl, mask = mx.zeros((2,)), mx.zeros((2, 3)), mx.ones((2, 3))
+    column = mx.zeros((2, 1))
+    for fn in (per_token_rewards, sequence_rewards):
+        with pytest.raises(ValueError, match=r"^scores must have shape \(B,\), got \(2, 1\)$"):
+            fn(column, kl, mask, 0.1)
+        with pytest.raises(ValueError, match=r"^kl must have shape \(B, T\), got \(2,\)$"):
+            fn(scores, scores, mask, 0.1)
+        with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but kl has \(2, 3\)"):
+            fn(scores, kl, mx.ones((2, 4)), 0.1)
+        with pytest.raises(ValueError, match=r"^scores has shape \(3,\) but kl has \(2, 3\)"):
+            fn(mx.zeros((3,)), kl, mask, 0.1)
+    ended = mx.array([True, False])
+    with pytest.raises(ValueError, match=r"^scores must have shape \(B,\), got \(2, 1\)$"):
+        apply_missing_eos_penalty(column, ended, 1.0)
+    with pytest.raises(ValueError, match=r"^penalty must be >= 0 .*got -2.0; pass 2.0 to lower"):
+        apply_missing_eos_penalty(scores, ended, -2.0)
+    # a penalty of 0 is allowed (and changes nothing)
+    assert apply_missing_eos_penalty(mx.array([1.0, 2.0]), ended, 0.0).tolist() == [1.0, 2.0]
+
+
 def test_kl_controllers_name_the_bad_value() -> None:
     """Every number a controller takes or restores is checked, and the message names it."""
     nan, inf = float("nan"), float("inf")
