@@ -382,7 +382,10 @@ def test_policy_losses_name_the_argument_of_a_wrong_shape():
             lambda: grpo_policy_loss(z, z, wide, seq, z, 0.2, 0.0),
             r"^ref_logprobs has shape \(2, 4\)",
         ),
-        (lambda: grpo_policy_loss(z, z, z, seq, wide, 0.2, 0.0), r"^mask has shape \(2, 4\)"),
+        (
+            lambda: grpo_policy_loss(z, z, z, seq, wide, 0.2, 0.0),
+            r"^mask has shape \(2, 4\) but logprobs",
+        ),
         (lambda: grpo_policy_loss(seq, seq, seq, seq, seq, 0.2, 0.0), r"^logprobs must have shape"),
         (lambda: grpo_policy_loss(z, z, z, z, z, 0.2, 0.0), r"GRPO takes one advantage per row"),
         (lambda: rloo_policy_loss(z, wide, seq, z, 0.2), r"^old_logprobs has shape \(2, 4\)"),
