@@ -420,6 +420,34 @@ def test_micro_batch_weights_edge_cases():
         micro_batch_weights("x", mx.ones((2,)))  # type: ignore[arg-type]
 
 
+def test_clip_bounds_and_indicators_at_their_edges():
+    """A clip range of 0 is allowed (the ratio is pinned at 1); a ratio exactly at a bound is
+    not outside it, and an advantage of 0 is neither low nor high."""
+    logp = mx.array([[-1.0, -1.0, -1.0, -1.0]])
+    old = mx.array([[-1.0, -1.0, 0.0, -2.0]])  # ratios 1, 1, e^-1, e^1
+    adv = mx.array([[-1.0, 1.0, 0.0, 0.0]])
+    mask = mx.ones((1, 4))
+    _, metrics = ppo_policy_loss(logp, old, adv, mask, 0.0, cliprange_high=0.0)
+    assert metrics["clip_ratio/low_mean"].item() == 0.0
+    assert metrics["clip_ratio/high_mean"].item() == 0.0
+    assert metrics["clip_ratio/region_mean"].item() == 0.0
+    with pytest.raises(ValueError, match=r"^cliprange must be >= 0, got -0.1$"):
+        ppo_policy_loss(logp, old, adv, mask, -0.1)
+    with pytest.raises(ValueError, match=r"^cliprange_high must be >= 0, got -0.1$"):
+        ppo_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=-0.1)
+
+
+def test_aggregate_loss_edges():
+    per_token, mask = mx.array([[2.0, 4.0]]), mx.array([[1, 0]])
+    assert aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=1).item() == 2.0
+    with pytest.raises(ValueError, match=r"max_completion_length >= 1 .*got 0$"):
+        aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=0)
+    with pytest.raises(
+        ValueError, match="^loss_type must be one of grpo, dr_grpo, dapo, bnpo; got 'x'$"
+    ):
+        aggregate_loss(per_token, mask, "x")  # type: ignore[arg-type]
+
+
 def test_grpo_with_beta_one_and_a_row_without_tokens():
     """beta = 1 adds the whole k3; with sequence ratios, a row without tokens (every token
     masked) is left out of the ratio metrics."""
