@@ -420,3 +420,21 @@ def test_reinforce_pp_hand_case():
     # Baseline variant, one group of 2: scores 2, 0 -> +1, -1 before the KL terms.
     _, returns = reinforce_pp_baseline_advantages(scores, kl, mask, 0.1, 2)
     np.testing.assert_allclose(np.array(returns), [[0.8, 0.9], [-1.2, 0.0]], rtol=1e-6, atol=1e-7)
+
+
+def test_gae_and_reward_to_go_name_the_bad_argument() -> None:
+    z, wide, flat = mx.zeros((2, 3)), mx.zeros((2, 4)), mx.zeros((3,))
+    with pytest.raises(ValueError, match=r"^values has shape \(2, 4\) but rewards has \(2, 3\)"):
+        compute_gae(z, wide, z, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but rewards has \(2, 3\)"):
+        compute_gae(z, z, wide, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 1.5$"):
+        compute_gae(z, z, z, 1.5, 1.0)
+    with pytest.raises(ValueError, match=r"^lam must be in \[0, 1\], got -0.5$"):
+        compute_gae(z, z, z, 1.0, -0.5)
+    with pytest.raises(ValueError, match=r"^rewards must have shape \(B, T\), got \(3,\)$"):
+        reward_to_go(flat, flat, 1.0)
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but rewards has \(2, 3\)"):
+        reward_to_go(z, wide, 1.0)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 2.0$"):
+        reward_to_go(z, z, 2.0)
