@@ -438,3 +438,27 @@ def test_gae_and_reward_to_go_name_the_bad_argument() -> None:
         reward_to_go(z, wide, 1.0)
     with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 2.0$"):
         reward_to_go(z, z, 2.0)
+
+
+def test_masked_statistics_say_what_is_missing() -> None:
+    x, none, one = mx.zeros((2, 3)), mx.zeros((2, 3)), mx.array([[1, 0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_mean(x, mx.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_var(x, mx.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_whiten(x, mx.zeros((2, 4)))
+    more = "; pass a mask with more action tokens$"
+    with pytest.raises(ValueError, match=r"^masked_mean needs at least 1 valid .* has 0" + more):
+        masked_mean(x, none)
+    with pytest.raises(ValueError, match=r"^masked_mean needs .* has 0 in some slice" + more):
+        masked_mean(x, one, axis=1)
+    with pytest.raises(
+        ValueError, match=r"^unbiased masked_var needs at least 2 valid .* has 1" + more
+    ):
+        masked_var(x, one)
+    with pytest.raises(ValueError, match=r"^masked_var needs at least 1 valid .* has 0" + more):
+        masked_var(x, none, unbiased=False)
+    assert (
+        masked_var(mx.array([[3.0, 5.0, 0.0]]), mx.array([[1, 0, 0]]), unbiased=False).item() == 0.0
+    )
