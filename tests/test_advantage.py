@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -461,4 +463,53 @@ def test_masked_statistics_say_what_is_missing() -> None:
         masked_var(x, none, unbiased=False)
     assert (
         masked_var(mx.array([[3.0, 5.0, 0.0]]), mx.array([[1, 0, 0]]), unbiased=False).item() == 0.0
+    )
+
+
+def test_masked_statistics_without_validation_and_of_a_constant() -> None:
+    """validate=False never syncs nor raises (an empty mask gives NaN statistics and an
+    all-zero whitening); a constant input whitens to 0, not NaN (the epsilon is added)."""
+    x, none = mx.array([[1.0, 2.0, 3.0]]), mx.zeros((1, 3))
+    assert math.isnan(masked_var(x, none, validate=False).item())
+    assert masked_whiten(x, none, validate=False).tolist() == [[0.0, 0.0, 0.0]]
+    assert masked_whiten(x, none, shift_mean=False, validate=False).tolist() == [[0.0] * 3]
+    assert masked_whiten(mx.full((1, 3), 4.0), mx.ones((1, 3))).tolist() == [[0.0] * 3]
+
+
+class _TwoIdenticalRanks:
+    """A group of two ranks holding the same rows (``mx.distributed.all_sum`` doubles)."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_masked_statistics_over_two_identical_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over two ranks holding the same rows, the statistics are those of the rows twice over:
+    the same mean, the unbiased variance of 2n entries (n - 1 would tell the local one)."""
+    x = mx.array([[1.0, 4.0, 2.0], [0.5, -3.0, 9.0]])
+    mask = mx.array([[1, 1, 0], [1, 1, 1]])
+    twice, twice_mask = mx.concatenate([x, x]), mx.concatenate([mask, mask])
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: 2 * a)
+    group = _TwoIdenticalRanks()
+    assert masked_mean(x, mask, group=group).item() == pytest.approx(
+        masked_mean(twice, twice_mask).item(), rel=1e-6
+    )
+    np.testing.assert_allclose(
+        np.array(masked_mean(x, mask, axis=1, group=group)), np.array(masked_mean(x, mask, axis=1))
+    )
+    assert masked_var(x, mask, group=group).item() == pytest.approx(
+        masked_var(twice, twice_mask).item(), rel=1e-6
+    )
+    assert masked_var(x, mask, group=group).item() != pytest.approx(
+        masked_var(x, mask).item(), rel=1e-3
+    )
+    np.testing.assert_allclose(
+        np.array(masked_whiten(x, mask, group=group)),
+        np.array(masked_whiten(twice, twice_mask))[:2],
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.array(masked_whiten(x, mask, shift_mean=False, group=group)),
+        np.array(masked_whiten(twice, twice_mask, shift_mean=False))[:2],
+        rtol=1e-5,
     )
