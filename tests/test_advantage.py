@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -470,7 +471,7 @@ def test_masked_statistics_without_validation_and_of_a_constant() -> None:
     """validate=False never syncs nor raises (an empty mask gives NaN statistics and an
     all-zero whitening); a constant input whitens to 0, not NaN (the epsilon is added)."""
     x, none = mx.array([[1.0, 2.0, 3.0]]), mx.zeros((1, 3))
-    assert math.isnan(masked_var(x, none, validate=False).item())
+    assert math.isnan(float(masked_var(x, none, validate=False).item()))
     assert masked_whiten(x, none, validate=False).tolist() == [[0.0, 0.0, 0.0]]
     assert masked_whiten(x, none, shift_mean=False, validate=False).tolist() == [[0.0] * 3]
     assert masked_whiten(mx.full((1, 3), 4.0), mx.ones((1, 3))).tolist() == [[0.0] * 3]
@@ -490,7 +491,7 @@ def test_masked_statistics_over_two_identical_ranks(monkeypatch: pytest.MonkeyPa
     mask = mx.array([[1, 1, 0], [1, 1, 1]])
     twice, twice_mask = mx.concatenate([x, x]), mx.concatenate([mask, mask])
     monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: 2 * a)
-    group = _TwoIdenticalRanks()
+    group: Any = _TwoIdenticalRanks()  # stands in for an mx.distributed.Group
     assert masked_mean(x, mask, group=group).item() == pytest.approx(
         masked_mean(twice, twice_mask).item(), rel=1e-6
     )
