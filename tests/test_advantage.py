@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -420,3 +422,94 @@ def test_reinforce_pp_hand_case():
     # Baseline variant, one group of 2: scores 2, 0 -> +1, -1 before the KL terms.
     _, returns = reinforce_pp_baseline_advantages(scores, kl, mask, 0.1, 2)
     np.testing.assert_allclose(np.array(returns), [[0.8, 0.9], [-1.2, 0.0]], rtol=1e-6, atol=1e-7)
+
+
+def test_gae_and_reward_to_go_name_the_bad_argument() -> None:
+    z, wide, flat = mx.zeros((2, 3)), mx.zeros((2, 4)), mx.zeros((3,))
+    with pytest.raises(ValueError, match=r"^values has shape \(2, 4\) but rewards has \(2, 3\)"):
+        compute_gae(z, wide, z, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but rewards has \(2, 3\)"):
+        compute_gae(z, z, wide, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 1.5$"):
+        compute_gae(z, z, z, 1.5, 1.0)
+    with pytest.raises(ValueError, match=r"^lam must be in \[0, 1\], got -0.5$"):
+        compute_gae(z, z, z, 1.0, -0.5)
+    with pytest.raises(ValueError, match=r"^rewards must have shape \(B, T\), got \(3,\)$"):
+        reward_to_go(flat, flat, 1.0)
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but rewards has \(2, 3\)"):
+        reward_to_go(z, wide, 1.0)
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got 2.0$"):
+        reward_to_go(z, z, 2.0)
+
+
+def test_masked_statistics_say_what_is_missing() -> None:
+    x, none, one = mx.zeros((2, 3)), mx.zeros((2, 3)), mx.array([[1, 0, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_mean(x, mx.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_var(x, mx.zeros((2, 4)))
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but x has \(2, 3\)"):
+        masked_whiten(x, mx.zeros((2, 4)))
+    more = "; pass a mask with more action tokens$"
+    with pytest.raises(ValueError, match=r"^masked_mean needs at least 1 valid .* has 0" + more):
+        masked_mean(x, none)
+    with pytest.raises(ValueError, match=r"^masked_mean needs .* has 0 in some slice" + more):
+        masked_mean(x, one, axis=1)
+    with pytest.raises(
+        ValueError, match=r"^unbiased masked_var needs at least 2 valid .* has 1" + more
+    ):
+        masked_var(x, one)
+    with pytest.raises(ValueError, match=r"^masked_var needs at least 1 valid .* has 0" + more):
+        masked_var(x, none, unbiased=False)
+    assert (
+        masked_var(mx.array([[3.0, 5.0, 0.0]]), mx.array([[1, 0, 0]]), unbiased=False).item() == 0.0
+    )
+
+
+def test_masked_statistics_without_validation_and_of_a_constant() -> None:
+    """validate=False never syncs nor raises (an empty mask gives NaN statistics and an
+    all-zero whitening); a constant input whitens to 0, not NaN (the epsilon is added)."""
+    x, none = mx.array([[1.0, 2.0, 3.0]]), mx.zeros((1, 3))
+    assert np.isnan(np.array(masked_var(x, none, validate=False)))
+    assert masked_whiten(x, none, validate=False).tolist() == [[0.0, 0.0, 0.0]]
+    assert masked_whiten(x, none, shift_mean=False, validate=False).tolist() == [[0.0] * 3]
+    assert masked_whiten(mx.full((1, 3), 4.0), mx.ones((1, 3))).tolist() == [[0.0] * 3]
+
+
+class _TwoIdenticalRanks:
+    """A group of two ranks holding the same rows (``mx.distributed.all_sum`` doubles)."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_masked_statistics_over_two_identical_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over two ranks holding the same rows, the statistics are those of the rows twice over:
+    the same mean, the unbiased variance of 2n entries (n - 1 would tell the local one)."""
+    x = mx.array([[1.0, 4.0, 2.0], [0.5, -3.0, 9.0]])
+    mask = mx.array([[1, 1, 0], [1, 1, 1]])
+    twice, twice_mask = mx.concatenate([x, x]), mx.concatenate([mask, mask])
+    monkeypatch.setattr(mx.distributed, "all_sum", lambda a, group=None, stream=None: 2 * a)
+    group: Any = _TwoIdenticalRanks()  # stands in for an mx.distributed.Group
+    assert masked_mean(x, mask, group=group).item() == pytest.approx(
+        masked_mean(twice, twice_mask).item(), rel=1e-6
+    )
+    np.testing.assert_allclose(
+        np.array(masked_mean(x, mask, axis=1, group=group)), np.array(masked_mean(x, mask, axis=1))
+    )
+    assert masked_var(x, mask, group=group).item() == pytest.approx(
+        masked_var(twice, twice_mask).item(), rel=1e-6
+    )
+    assert masked_var(x, mask, group=group).item() != pytest.approx(
+        masked_var(x, mask).item(), rel=1e-3
+    )
+    np.testing.assert_allclose(
+        np.array(masked_whiten(x, mask, group=group)),
+        np.array(masked_whiten(twice, twice_mask))[:2],
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.array(masked_whiten(x, mask, shift_mean=False, group=group)),
+        np.array(masked_whiten(twice, twice_mask, shift_mean=False))[:2],
+        rtol=1e-5,
+    )

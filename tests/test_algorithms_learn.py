@@ -64,6 +64,7 @@ def flat(tree: Any) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in cast(list[tuple[str, Any]], tree_flatten(tree))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_one_step_moves_every_parameter_and_logs_trl_names(
     tiny_model_dir: Path, tmp_path: Path, variant: str
@@ -110,6 +111,7 @@ def test_a_short_run_raises_the_reward(tiny_model_dir: Path, tmp_path: Path, var
     raise AssertionError(f"{variant}: no seed raised the mean reward by 0.2: {results}")
 
 
+@pytest.mark.slow
 def test_several_rewards_are_weighted_and_logged(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = config(
         tiny_model_dir,

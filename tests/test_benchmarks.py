@@ -71,6 +71,7 @@ def _result(
     return RunResult(spec, seconds, split, 100.0, 10.0, 1.0, floor=floor)
 
 
+@pytest.mark.slow
 def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -680,6 +681,7 @@ def test_a_worker_whose_benchmark_has_already_ended_stops() -> None:
     assert start(None).returncode == 0  # a worker started by hand
 
 
+@pytest.mark.slow
 def test_compare_peers_runs_them_on_grpo_and_reports_each(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -778,6 +780,7 @@ def test_textpolicy_worker_trains_on_the_same_checkpoints(tmp_path: Path) -> Non
     assert result.versions.get("textpolicy") == "0.1.11"
 
 
+@pytest.mark.slow
 def test_contention_measures_with_busy_processes_and_stops_them(tmp_path: Path) -> None:
     import multiprocessing
 
@@ -833,6 +836,7 @@ def test_head_logprobs_benchmark_prints_both_paths_and_the_floor(
         assert piece in out
 
 
+@pytest.mark.slow
 def test_cpu_streams_benchmark_times_every_configuration(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -844,6 +848,7 @@ def test_cpu_streams_benchmark_times_every_configuration(
     assert lines[1].endswith("1.00x") and "2 streams, OpenBLAS threads 1" in lines[3]
 
 
+@pytest.mark.slow
 def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
     """benchmarks.async_rollout runs its sync/async pair end to end and reports the ratio."""
     from benchmarks import async_rollout

@@ -380,6 +380,7 @@ def test_chat_preferences_are_scored_where_ppo_stops(family_dirs: dict[str, Path
 # --------------------------------------------------------------------------- 4-bit (QLoRA)
 
 
+@pytest.mark.slow
 def test_quantized_model_trains_lora_under_sft_ppo_grpo(
     family_dirs: dict[str, Path], quantized_dir: Path, tmp_path: Path
 ) -> None:

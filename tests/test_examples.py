@@ -101,6 +101,7 @@ def write_jsonl(path: Path, lines: Sequence[Any]) -> Path:
 # --------------------------------------------------------------------------- summarization reward
 
 
+@pytest.mark.slow
 def test_rouge_quality_matches_a_hand_computation() -> None:
     # unigrams: 2 of 3 match 2 of 4 -> F1 = 2 * (2/3) * (2/4) / (2/3 + 2/4) = 4/7
     # bigrams: "the cat" of {the cat, cat sat} and {the cat, cat ran, ran away}:
@@ -188,6 +189,7 @@ def test_build_program_continues_the_stub_or_takes_the_fenced_block() -> None:
     assert build_program(stub, answer) == stub + "\ndef add(a, b):\n    return a + b\n"
 
 
+@pytest.mark.slow
 def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> None:
     stub, tests = ADD_TASK["prompt"], ADD_TASK["tests"]
     completions = [
@@ -210,6 +212,7 @@ def test_code_reward_is_the_honest_fraction_and_hostile_code_scores_zero() -> No
     assert scores == pytest.approx([1.0, 2 / 3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_bundled_code_solutions_pass_every_test() -> None:
     records = load_task_records(code_generation.BUNDLED_DATA, code_record)
     assert len(records) == 32
@@ -328,6 +331,7 @@ def spy_on(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]
     return calls
 
 
+@pytest.mark.slow
 def test_summarization_step_trains_on_rouge_minus_length_penalty(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -381,6 +385,7 @@ def test_summarization_prompt_format_and_truncation(tiny_model_dir: Path, tmp_pa
         trainer.evaluate([short])
 
 
+@pytest.mark.slow
 def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -412,6 +417,7 @@ def test_summarization_with_a_reward_model_subtracts_the_length_penalty(
     np.testing.assert_allclose(np.array(scores), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dialogue_step_trains_on_the_heuristic_stand_in(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,6 +453,7 @@ def test_dialogue_with_a_reward_model_uses_it(tiny_model_dir: Path, tmp_path: Pa
     assert trainer.reward_model is rm and trainer.reward_fn is None
 
 
+@pytest.mark.slow
 def test_code_step_trains_on_the_sandboxed_pass_fraction(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

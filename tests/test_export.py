@@ -135,6 +135,7 @@ def ours(path: Path) -> PolicyModel:
 # --------------------------------------------------------------------------- resolving
 
 
+@pytest.mark.slow
 def test_saved_adapters_record_their_base_model(ppo_run: Path, tiny_model_dir: Path) -> None:
     config = json.loads((ppo_run / "final" / "adapter_config.json").read_text())
     assert config["model"] == str(tiny_model_dir.resolve())
@@ -154,6 +155,7 @@ def test_saved_adapters_record_their_base_model(ppo_run: Path, tiny_model_dir: P
     assert adapter_base_model(out) == "Qwen/Qwen3-0.6B"
 
 
+@pytest.mark.slow
 def test_every_path_of_a_run_resolves(ppo_run: Path, sft_run: Path, tiny_model_dir: Path) -> None:
     # PPO runs write their config as SFT runs do; config.load_config reads it back.
     assert load_config(ppo_run / "config.yaml").model_name == str(tiny_model_dir)
@@ -188,6 +190,7 @@ def test_run_without_final_uses_its_newest_checkpoint(ppo_run: Path, tmp_path: P
 # --------------------------------------------------------------------------- generate
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_mlx_lm_from_every_path(
     ppo_run: Path, sft_run: Path, tiny_model_dir: Path
 ) -> None:
@@ -274,6 +277,7 @@ def test_chat_keeps_the_history_streams_and_resets(ppo_run: Path) -> None:
     assert sum(1 for w in stdout.writes if w and w in first) >= 3
 
 
+@pytest.mark.slow
 def test_chat_command_in_a_subprocess(ppo_run: Path) -> None:
     cmd = [sys.executable, "main.py", "chat", "--model", str(ppo_run), "--show-prompt"]
     result = subprocess.run(
@@ -296,6 +300,7 @@ def test_chat_command_in_a_subprocess(ppo_run: Path) -> None:
     assert second_prompt.rstrip().endswith("assistant") and "Tell me more" in second_prompt
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_chat_with_143(ppo_run: Path) -> None:
     """SIGTERM (docker stop, a scheduler) while chat waits for input ended it with exit 0, as if
     the user had typed /exit; now as every command: "interrupted (SIGTERM)", exit 143."""
@@ -493,6 +498,7 @@ def test_lora_over_a_quantized_base_fuses_and_dequantizes(
     np.testing.assert_allclose(logits(model, tokenizer), logits(ref_model, tokenizer), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_commands_work_on_the_demo_output(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -527,6 +533,7 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_family_checkpoint(root / name, name) for name in sorted(FAMILIES)}
 
 
+@pytest.mark.slow
 def test_exports_of_every_checkpoint_family(family_dirs: dict[str, Path], tmp_path: Path) -> None:
     """The checkpoints people download, as shipped (fixtures/checkpoint_families.py): each
     export loads in mlx-lm as it is, with our loader's logits and every stop id (Qwen2.5 base:

@@ -191,6 +191,7 @@ def test_stops_early_when_every_sequence_stopped(
     assert counting.calls <= 3
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_logprobs_are_unfiltered(
     policy: PolicyModel, prompts: list[list[int]]
 ) -> None:
@@ -228,6 +229,7 @@ def test_sampling_is_reproducible_and_logprobs_are_unfiltered(
             assert rank < 20
 
 
+@pytest.mark.slow
 def test_filters_select_the_argmax(policy: PolicyModel, prompts: list[list[int]]) -> None:
     greedy = generate(
         policy, prompts, max_new_tokens=8, temperature=0.0, stop_token_ids=[], pad_token_id=PAD
@@ -368,6 +370,7 @@ def testinverse_cdf_equals_the_two_pass_search_with_rounding_up() -> None:
     assert np.array_equal(np.array(inverse_cdf(w, u)), np.array(two_pass))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_keys", [False, True])
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_sampled_tokens_follow_the_softmax(with_keys: bool, top_k: int) -> None:

@@ -174,6 +174,7 @@ def test_page_embeds_every_record(tmp_path: Path) -> None:
         write_inspector(tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_cli_writes_the_page_and_prints_its_path(tmp_path: Path) -> None:
     run = tmp_path / "run"
     make_run(run)

@@ -41,6 +41,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return src
 
 
+@pytest.mark.slow
 def test_editable_install_imports_from_another_directory(source: Path, tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
@@ -88,6 +89,7 @@ def test_editable_install_imports_from_another_directory(source: Path, tmp_path:
     assert f"reward function brevity from {elsewhere.resolve() / 'config.py'}" in result.stderr
 
 
+@pytest.mark.slow
 def test_wheel_holds_the_packages_and_example_data(source: Path, tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheels"
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]

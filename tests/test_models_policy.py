@@ -90,6 +90,7 @@ def test_corpus_is_deterministic_balanced_and_lexicon_readable() -> None:
         review_corpus(0)
 
 
+@pytest.mark.slow
 def test_build_tiny_checkpoint_is_deterministic_and_reused(tmp_path: Path) -> None:
     a = build_tiny_checkpoint(tmp_path / "a", seed=0)
     b = build_tiny_checkpoint(tmp_path / "b", seed=0)

@@ -273,6 +273,7 @@ def test_gradient_reaches_every_parameter(reward_dir: Path, causal_dir: Path) ->
     assert all(not bool(mx.any(g != 0)) for k, g in flat.items() if k != HF_HEAD_WEIGHT)
 
 
+@pytest.mark.slow
 def test_dtypes(reward_dir: Path, tmp_path: Path) -> None:
     ids, lengths = _batch()
     fp32 = RewardModel.from_pretrained(reward_dir)

@@ -199,6 +199,7 @@ class KeepRollouts(TrainerCallback):
         self.kept[-1][1].update(metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_sampling_logprobs_equal_a_forward_pass(
     tiny_model_dir: Path, tmp_path: Path, algorithm: str
@@ -229,6 +230,7 @@ def test_sampling_logprobs_equal_a_forward_pass(
     assert abs(our_metrics["objective/entropy"] - their_metrics["objective/entropy"]) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_scoring_side_by_side_equals_one_stream(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
@@ -289,6 +291,7 @@ def brevity(prompts: list[str], completions: list[str]) -> list[float]:
     return [-len(c) / 50 for c in completions]
 
 
+@pytest.mark.slow
 def test_short_ppo_run_raises_the_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
     """20 PPO steps make the random tiny model's responses shorter.
 
@@ -346,6 +349,7 @@ class Recorder(TrainerCallback):
         self.calls.append(("end", len(history)))
 
 
+@pytest.mark.slow
 def test_callbacks_are_called_with_the_right_arguments(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -384,6 +388,7 @@ def _comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [{}, {"normalize_reward": True, "value_warmup_steps": 2}],
@@ -420,6 +425,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
     assert (Path(resumed_cfg.output_dir) / "training_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_before_training_state_is_lost(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -47,6 +47,7 @@ def make_config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
     return PPOConfig(**values)
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_a_folder_holding_another_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -67,6 +68,7 @@ def test_a_fresh_run_refuses_a_folder_holding_another_run(
     ]
 
 
+@pytest.mark.slow
 def test_resuming_an_earlier_checkpoint_drops_the_later_timeline(
     tiny_model_dir: Path, tmp_path: Path, caplog: Any
 ) -> None:
@@ -85,6 +87,7 @@ def test_resuming_an_earlier_checkpoint_drops_the_later_timeline(
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_run_resumed_at_its_end_removes_the_leftovers_of_killed_writes(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -114,6 +117,7 @@ def test_a_run_resumed_at_its_end_removes_the_leftovers_of_killed_writes(
     assert not list(run.rglob(".*")), list(run.rglob(".*"))
 
 
+@pytest.mark.slow
 def test_resuming_another_folders_checkpoint_into_a_run_is_refused(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -162,6 +166,7 @@ def test_the_command_line_refuses_before_any_model_loads(tmp_path: Path) -> None
     assert "already holds a run" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change", [{"lora_r": 4}, {"lora_layers": 1}, {"lora_keys": ["self_attn.q_proj"]}]
 )
@@ -178,6 +183,7 @@ def test_resume_refuses_settings_that_change_the_trained_parameters(
         PPOTrainer(other, reward_model=length_reward).train(PROMPTS, resume_from="latest")
 
 
+@pytest.mark.slow
 def test_sft_resume_refuses_settings_that_change_the_trained_parameters(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -214,6 +220,7 @@ def test_sft_resume_refuses_settings_that_change_the_trained_parameters(
             run_sft(config(total_steps=2, **change), resume_from="latest")
 
 
+@pytest.mark.slow
 def test_overflowing_rewards_stop_the_run_before_any_update(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -235,6 +242,7 @@ def test_overflowing_rewards_stop_the_run_before_any_update(
     assert ours.keys() == dict(trainer.policy.trainable_parameters()).keys()
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_with_one_message_and_the_run_resumes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -325,6 +333,7 @@ class _StopAt(TrainerCallback):
             trainer.request_stop("test stop")
 
 
+@pytest.mark.slow
 def test_a_longer_run_on_resume_continues_the_learning_rate(
     tiny_model_dir: Path, tmp_path: Path, caplog: Any
 ) -> None:
@@ -354,6 +363,7 @@ def test_a_longer_run_on_resume_continues_the_learning_rate(
     assert after[0] <= lrs[-1]
 
 
+@pytest.mark.slow
 def test_a_longer_sft_run_on_resume_continues_the_learning_rate(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -422,6 +432,7 @@ def _stop_after_steps(monkeypatch: pytest.MonkeyPatch, trainer_class: Any, steps
     monkeypatch.setattr(trainer_class, "step", step_then_sigterm)
 
 
+@pytest.mark.slow
 def test_the_command_line_resume_continues_the_run_as_configured(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
 ) -> None:
@@ -465,6 +476,7 @@ def test_the_command_line_resume_continues_the_run_as_configured(
     assert coefs == pytest.approx([0.1, 0.1, 0.2])
 
 
+@pytest.mark.slow
 def test_evaluate_a_checkpoint_with_nothing_but_its_path(
     tiny_model_dir: Path, tmp_path: Path, capsys: Any, caplog: Any
 ) -> None:
@@ -497,6 +509,7 @@ def test_evaluate_a_checkpoint_with_nothing_but_its_path(
     assert math.isfinite(result["eval/mean_reward"]) and len(result["samples"]) == 1
 
 
+@pytest.mark.slow
 def test_an_adaptive_kl_controller_keeps_its_value_on_resume(
     tiny_model_dir: Path, tmp_path: Path, caplog: Any
 ) -> None:
@@ -519,6 +532,7 @@ def test_an_adaptive_kl_controller_keeps_its_value_on_resume(
     assert "kl_coef only starts the adaptive KL controller" in caplog.text
 
 
+@pytest.mark.slow
 def test_the_sft_command_line_resume_keeps_the_settings_of_its_start(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -707,6 +721,7 @@ def test_the_command_line_on_sigterm_and_a_second_ctrl_c(
     assert text.rstrip().endswith("interrupted") and "Traceback" not in text, text[-2000:]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_when_the_load_changes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -764,6 +779,7 @@ def test_sigkill_at_random_moments_and_inside_writes_loses_nothing(tmp_path: Pat
     assert inside == set(CRASH_POINTS)
 
 
+@pytest.mark.slow
 def test_sft_stops_on_sigterm_after_the_step_and_saves(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -799,6 +815,7 @@ def test_sft_stops_on_sigterm_after_the_step_and_saves(
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
 
 
+@pytest.mark.slow
 def test_sft_resumes_only_complete_checkpoints_of_one_timeline(
     tiny_model_dir: Path, tmp_path: Path, caplog: Any
 ) -> None:

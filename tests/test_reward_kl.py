@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -106,6 +107,87 @@ def test_kl_controller_errors():
         ctl.load_state_dict(FixedKLController(0.1).state_dict())
     with pytest.raises(ValueError, match="FixedKLController"):
         FixedKLController(0.1).load_state_dict(ctl.state_dict())
+
+
+def test_reward_functions_name_the_argument_of_a_wrong_shape() -> None:
+    scores, kl, mask = mx.zeros((2,)), mx.zeros((2, 3)), mx.ones((2, 3))
+    column = mx.zeros((2, 1))
+    for fn in (per_token_rewards, sequence_rewards):
+        with pytest.raises(ValueError, match=r"^scores must have shape \(B,\), got \(2, 1\)$"):
+            fn(column, kl, mask, 0.1)
+        with pytest.raises(ValueError, match=r"^kl must have shape \(B, T\), got \(2,\)$"):
+            fn(scores, scores, mask, 0.1)
+        with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but kl has \(2, 3\)"):
+            fn(scores, kl, mx.ones((2, 4)), 0.1)
+        with pytest.raises(ValueError, match=r"^scores has shape \(3,\) but kl has \(2, 3\)"):
+            fn(mx.zeros((3,)), kl, mask, 0.1)
+    ended = mx.array([True, False])
+    with pytest.raises(ValueError, match=r"^scores must have shape \(B,\), got \(2, 1\)$"):
+        apply_missing_eos_penalty(column, ended, 1.0)
+    with pytest.raises(ValueError, match=r"^penalty must be >= 0 .*got -2.0; pass 2.0 to lower"):
+        apply_missing_eos_penalty(scores, ended, -2.0)
+    # a penalty of 0 is allowed (and changes nothing)
+    assert apply_missing_eos_penalty(mx.array([1.0, 2.0]), ended, 0.0).tolist() == [1.0, 2.0]
+
+
+def test_kl_controllers_name_the_bad_value() -> None:
+    """Every number a controller takes or restores is checked, and the message names it."""
+    nan, inf = float("nan"), float("inf")
+    cases: list[tuple[Any, str]] = [
+        (lambda: FixedKLController(nan), r"^kl_coef must be a finite number, got nan$"),
+        (lambda: FixedKLController(-0.5), r"^kl_coef must be >= 0, got -0.5$"),
+        (lambda: AdaptiveKLController(inf, 6.0, 1.0), r"^init_kl_coef must be a finite number"),
+        (lambda: AdaptiveKLController(-0.5, 6.0, 1.0), r"^init_kl_coef must be >= 0, got -0.5$"),
+        (lambda: AdaptiveKLController(0.1, nan, 1.0), r"^target must be a finite number"),
+        (lambda: AdaptiveKLController(0.1, -1.0, 1.0), r"^target \(the KL to aim for\) must be"),
+        (lambda: AdaptiveKLController(0.1, 6.0, inf), r"^horizon must be a finite number"),
+        (lambda: AdaptiveKLController(0.1, 6.0, -2.0), r"^horizon must be > 0, got -2.0$"),
+        (lambda: AdaptiveKLController(0.1, 6.0, 1.0).update(nan, 1), r"^current_kl must be a"),
+        (lambda: AdaptiveKLController(0.1, 6.0, 1.0).update(1.0, -1), r"^n_steps must be >= 0"),
+    ]
+    state = AdaptiveKLController(0.1, 6.0, 1.0).state_dict()
+    for key in ("value", "target", "horizon"):
+        cases.append(
+            (
+                lambda key=key: AdaptiveKLController(1.0, 1.0, 1.0).load_state_dict(
+                    {**state, key: nan}
+                ),
+                rf"^{key} must be a finite number",
+            )
+        )
+        cases.append(
+            (
+                lambda key=key: AdaptiveKLController(1.0, 1.0, 1.0).load_state_dict(
+                    {k: v for k, v in state.items() if k != key}
+                ),
+                r"^not an AdaptiveKLController state",
+            )
+        )
+    cases.append(
+        (
+            lambda: FixedKLController(1.0).load_state_dict({"type": "fixed", "value": inf}),
+            r"^value must be a finite number, got inf$",
+        )
+    )
+    cases.append(
+        (
+            lambda: FixedKLController(1.0).load_state_dict({"type": "fixed"}),
+            r"^not a FixedKLController state",
+        )
+    )
+    for make, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make()
+
+
+def test_kl_controllers_accept_a_zero_coefficient_and_no_steps() -> None:
+    assert FixedKLController(0.0).value == 0.0
+    ctl = AdaptiveKLController(0.0, 6.0, 1.0)
+    ctl.update(12.0, 0)
+    assert ctl.value == 0.0
+    ctl = AdaptiveKLController(0.5, 6.0, 10.0)
+    ctl.update(12.0, 0)  # no samples: no move
+    assert ctl.value == 0.5
 
 
 # ----------------------------------------------------------------------------- per-token rewards

@@ -104,6 +104,7 @@ def test_bradley_terry_loss_is_stable_for_large_gaps() -> None:
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_reward_model_learns_the_preference_and_loads_for_ppo(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -148,6 +149,7 @@ def test_reward_model_learns_the_preference_and_loads_for_ppo(
     assert np.corrcoef(scores, lex)[0, 1] > 0.5
 
 
+@pytest.mark.slow
 def test_every_parameter_trains_and_save_round_trips(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = RewardTrainer(config(tiny_model_dir, tmp_path / "run", total_steps=2, batch_size=8))
     before = flat(trainer.model.parameters())

@@ -294,6 +294,7 @@ class _Recorder(TrainerCallback):
         self.batches.append(batch)
 
 
+@pytest.mark.slow
 def test_records_of_a_real_ppo_rollout(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = PPOConfig(
         model_name=str(tiny_model_dir),
@@ -370,6 +371,7 @@ def test_records_of_a_real_ppo_rollout(tiny_model_dir: Path, tmp_path: Path) -> 
         )
 
 
+@pytest.mark.slow
 def test_training_writes_records_the_inspector_reads(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The trainer's own records: the first and last steps, each evaluation; the page reads them."""
     from ppo_trainer.inspector import write_inspector

@@ -64,6 +64,7 @@ def without_times(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Step 1 is the synchronous run's step 1 exactly; step 2's batch is what the policy of
     before update 1 samples from step 2's keys, and its log-probs are PPO's old log-probs; every
@@ -121,6 +122,7 @@ def test_async_run_trains_one_step_off_policy(tiny_model_dir: Path, tmp_path: Pa
     assert not list(Path(config.output_dir).glob(".tmp-rollout-worker-*"))
 
 
+@pytest.mark.slow
 def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Path) -> None:
     class KillWorker(Watch):
         def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict) -> None:
@@ -136,6 +138,7 @@ def test_a_dead_worker_raises_in_the_trainer(tiny_model_dir: Path, tmp_path: Pat
     assert trainer.run.rollout_worker is None
 
 
+@pytest.mark.slow
 def test_signals_to_the_process_group_leave_the_worker_to_the_trainer(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -157,6 +160,7 @@ def test_signals_to_the_process_group_leave_the_worker_to_the_trainer(
     assert watch.processes and not watch.processes[0].is_alive()
 
 
+@pytest.mark.slow
 def test_the_worker_ends_when_training_fails(tiny_model_dir: Path, tmp_path: Path) -> None:
     calls = []
 
@@ -174,6 +178,7 @@ def test_the_worker_ends_when_training_fails(tiny_model_dir: Path, tmp_path: Pat
     assert not list((tmp_path / "run").glob(".tmp-rollout-worker-*"))
 
 
+@pytest.mark.slow
 def test_a_failing_worker_sends_its_traceback(tiny_model_dir: Path, tmp_path: Path) -> None:
     """An error in the worker (here: its model cannot be loaded) is raised by the trainer's side
     with the worker's traceback, not a hang."""
@@ -193,6 +198,7 @@ def test_a_failing_worker_sends_its_traceback(tiny_model_dir: Path, tmp_path: Pa
     assert not worker.process.is_alive()
 
 
+@pytest.mark.slow
 def test_resume_starts_with_a_synchronous_step(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

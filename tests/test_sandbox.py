@@ -108,7 +108,8 @@ def checked_run(
     start = time.monotonic()
     result = run_tests(code, tests, limits, isolation)
     elapsed = time.monotonic() - start
-    assert elapsed < limits.timeout_s + 10.0, f"hang guard: {elapsed:.1f} s"
+    # A hang guard, not a speed test: generous for a busy machine (a hang is the 300 s sleeps).
+    assert elapsed < limits.timeout_s + 60.0, f"hang guard: {elapsed:.1f} s"
     assert _host_workdirs() == []
     if LINUX and (isolation or ISOLATION).separate_uid:
         assert _sandbox_processes() == []
@@ -165,6 +166,7 @@ HOSTILE_ZERO = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE_ZERO))
 def test_hostile_completion_scores_zero(name: str) -> None:
     code, status = HOSTILE_ZERO[name]
@@ -172,6 +174,7 @@ def test_hostile_completion_scores_zero(name: str) -> None:
     assert (result.status, result.passed) == (status, 0), result.detail
 
 
+@pytest.mark.slow
 def test_cpu_limit_kills_a_busy_loop_before_the_wall_clock() -> None:
     limits = SandboxLimits(timeout_s=20.0, cpu_time_s=1)
     result = checked_run("while True:\n    pass\n", TESTS, limits)
@@ -358,6 +361,7 @@ def test_fork_is_blocked_by_the_fallback_audit_hook() -> None:
     assert (result.status, result.passed) == ("ok", 1), result.detail
 
 
+@pytest.mark.slow
 def test_parallel_scoring_of_mixed_completions() -> None:
     kinds = {
         "honest": (GOOD, 1.0),
@@ -372,12 +376,17 @@ def test_parallel_scoring_of_mixed_completions() -> None:
     order = ["honest", "loop", "partial", "exit", "honest", "alloc", "flood", "partial"]
     order += ["kill", "honest", "crash", "flood", "partial", "honest", "loop", "honest"]
     codes = [kinds[k][0] for k in order]
-    limits = SandboxLimits(timeout_s=1.0, cpu_time_s=2, memory_mb=256)
+    # The loops end on their CPU time (1 s of it whatever the load), not on the wall clock: a
+    # busy machine must not time out the honest completions (10 MB of output takes a while).
+    limits = SandboxLimits(timeout_s=20.0, cpu_time_s=1, memory_mb=256)
     scores = score_completions(codes, [TESTS] * len(codes), limits, max_workers=4)
     assert scores == [kinds[k][1] for k in order]
     assert _host_workdirs() == []
     if LINUX and ISOLATION.separate_uid:
         assert _sandbox_processes() == []
+    # The wall clock's own verdict: the loop outlives 3 s (its CPU limit is far), the others
+    # end in a fraction of that even on a busy machine.
+    limits = SandboxLimits(timeout_s=3.0, cpu_time_s=60, memory_mb=256)
     results = run_tests_many(codes[:3], [TESTS] * 3, limits, max_workers=2)
     assert [r.status for r in results] == ["ok", "timeout", "ok"]
 

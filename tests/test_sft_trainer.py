@@ -106,6 +106,7 @@ def test_lr_schedule_warmup_then_decay() -> None:
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_full_sft_learns_and_loads_as_the_ppo_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = write_sft_data(tmp_path / "sft.jsonl", 20, seed=1)
     cfg = config(
@@ -146,6 +147,7 @@ def test_full_sft_learns_and_loads_as_the_ppo_policy(tiny_model_dir: Path, tmp_p
     assert unchanged == []
 
 
+@pytest.mark.slow
 def test_lora_sft_trains_only_adapters_and_saves_merged(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -172,6 +174,7 @@ def test_lora_sft_trains_only_adapters_and_saves_merged(
     assert not np.allclose(prompt_logits(merged), prompt_logits(base), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Examples of different lengths, so micro-batches hold different numbers of target tokens.
     records = sft_records(8, seed=4)
@@ -202,6 +205,7 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model_dir: Path, tmp_p
         )
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     records = sft_records(8, seed=5)
     base = flat(PolicyModel.from_pretrained(tiny_model_dir).trainable_parameters())
@@ -222,6 +226,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir: Path, tmp_
         np.testing.assert_allclose(afters[1][key], want, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
 def test_resume_continues_to_the_same_weights(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

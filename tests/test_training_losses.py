@@ -316,6 +316,171 @@ def test_losses_run_compiled_without_host_sync():
         np.testing.assert_allclose(np.array(g_c), np.array(g_e), rtol=1e-5, atol=1e-7)
 
 
+def test_losses_compile_with_every_array_an_input():
+    """The mask, the old values and the returns as traced inputs of the compiled function (not
+    constants captured by it): a loss that validated its mask on the host could not compile."""
+    logp, old, ref, adv, mask = policy_inputs(3, (3, 6), "prefix")
+    v, old_v, returns, _ = value_inputs(3, (3, 6), "prefix")
+    seq_adv = f32(adv[:, 0])
+
+    def step(*arrays: mx.array) -> mx.array:
+        lp, o, r, a, sa, m, values, ov, ret = arrays
+        total = ppo_policy_loss(lp, o, a, m, CLIPRANGE)[0]
+        total = total + rloo_policy_loss(lp, o, sa, m, CLIPRANGE)[0]
+        for level in ("token", "sequence"):
+            total = (
+                total
+                + grpo_policy_loss(
+                    lp, o, r, sa, m, CLIPRANGE, 0.1, importance_sampling_level=level
+                )[0]
+            )
+        return total + clipped_value_loss(values, ov, ret, m, CLIPRANGE)[0]
+
+    arrays = [f32(logp), f32(old), f32(ref), f32(adv), seq_adv, mx.array(mask)]
+    arrays += [f32(v), f32(old_v), f32(returns)]
+    assert mx.compile(step)(*arrays).item() == pytest.approx(step(*arrays).item(), rel=1e-6)
+
+
+def test_value_loss_with_no_clip_range():
+    """cliprange_value = 0 is allowed: every move from the rollout value is clipped away."""
+    values, old_values = mx.array([[1.0, -1.0]]), mx.array([[0.5, 0.0]])
+    returns = mx.array([[0.0, 0.0]])
+    loss, metrics = clipped_value_loss(values, old_values, returns, mx.array([[1, 1]]), 0.0)
+    # max((v - R)^2, (v_old - R)^2): max(1, 0.25) and max(1, 0)
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
+    assert metrics["clipfrac"].item() == 0.0
+
+
+def test_value_loss_checks_every_shape():
+    z = mx.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"old_values has shape \(2, 4\) but values has"):
+        clipped_value_loss(z, mx.zeros((2, 4)), z, z, 0.2)
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\) but values has"):
+        clipped_value_loss(z, z, z, mx.zeros((2, 4)), 0.2)
+
+
+def test_policy_losses_name_the_argument_of_a_wrong_shape():
+    z, wide = mx.zeros((2, 3)), mx.zeros((2, 4))
+    seq = mx.zeros((2,))
+    cases = [
+        (lambda: aggregate_loss(z, wide, "bnpo"), r"^mask has shape \(2, 4\) but per_token has"),
+        (lambda: aggregate_loss(seq, seq, "bnpo"), r"^per_token must have shape \(B, T\)"),
+        (
+            lambda: ppo_policy_loss(z, wide, z, z, 0.2),
+            r"^old_logprobs has shape \(2, 4\) but logprobs",
+        ),
+        (
+            lambda: ppo_policy_loss(z, z, wide, z, 0.2),
+            r"^advantages has shape \(2, 4\) but logprobs",
+        ),
+        (lambda: ppo_policy_loss(seq, seq, seq, seq, 0.2), r"^logprobs must have shape \(B, T\)"),
+        (
+            lambda: grpo_policy_loss(z, wide, z, seq, z, 0.2, 0.0),
+            r"^old_logprobs has shape \(2, 4\)",
+        ),
+        (
+            lambda: grpo_policy_loss(z, z, wide, seq, z, 0.2, 0.0),
+            r"^ref_logprobs has shape \(2, 4\)",
+        ),
+        (
+            lambda: grpo_policy_loss(z, z, z, seq, wide, 0.2, 0.0),
+            r"^mask has shape \(2, 4\) but logprobs",
+        ),
+        (lambda: grpo_policy_loss(seq, seq, seq, seq, seq, 0.2, 0.0), r"^logprobs must have shape"),
+        (lambda: grpo_policy_loss(z, z, z, z, z, 0.2, 0.0), r"GRPO takes one advantage per row"),
+        (lambda: rloo_policy_loss(z, wide, seq, z, 0.2), r"^old_logprobs has shape \(2, 4\)"),
+        (lambda: rloo_policy_loss(z, z, seq, wide, 0.2), r"^mask has shape \(2, 4\)"),
+        (lambda: rloo_policy_loss(seq, seq, seq, seq, 0.2), r"^logprobs must have shape"),
+        (lambda: rloo_policy_loss(z, z, z, z, 0.2), r"RLOO takes one advantage per row"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_micro_batch_weights_edge_cases():
+    """One micro-batch; counts of one token (the clamp at 1 must not touch them); bad input."""
+    assert micro_batch_weights("bnpo", mx.array([4.0])).tolist() == [1.0]
+    assert micro_batch_weights("dapo", mx.array([4.0])).tolist() == [1.0]
+    assert micro_batch_weights("bnpo", mx.array([1.0, 0.0])).tolist() == [0.5, 0.0]
+    assert micro_batch_weights("dapo", mx.array([1.0, 0.0])).tolist() == [1.0, 0.0]
+    grpo = micro_batch_weights("grpo", mx.array([1.0, 2.0, 3.0, 4.0]))
+    assert grpo.dtype == mx.float32 and grpo.tolist() == [0.25] * 4
+    with pytest.raises(
+        ValueError, match=r"^token_counts must have shape \(n,\), n >= 1, got \(2, 2\)$"
+    ):
+        micro_batch_weights("bnpo", mx.ones((2, 2)))
+    with pytest.raises(
+        ValueError, match=r"^token_counts must have shape \(n,\), n >= 1, got \(0,\)$"
+    ):
+        micro_batch_weights("bnpo", mx.zeros((0,)))
+    with pytest.raises(
+        ValueError, match="^loss_type must be one of grpo, dr_grpo, dapo, bnpo; got 'x'$"
+    ):
+        micro_batch_weights("x", mx.ones((2,)))  # type: ignore[arg-type]
+
+
+def test_clip_bounds_and_indicators_at_their_edges():
+    """A clip range of 0 is allowed (the ratio is pinned at 1); a ratio exactly at a bound is
+    not outside it, and an advantage of 0 is neither low nor high."""
+    logp = mx.array([[-1.0, -1.0, -1.0, -1.0]])
+    old = mx.array([[-1.0, -1.0, 0.0, -2.0]])  # ratios 1, 1, e^-1, e^1
+    adv = mx.array([[-1.0, 1.0, 0.0, 0.0]])
+    mask = mx.ones((1, 4))
+    _, metrics = ppo_policy_loss(logp, old, adv, mask, 0.0, cliprange_high=0.0)
+    assert metrics["clip_ratio/low_mean"].item() == 0.0
+    assert metrics["clip_ratio/high_mean"].item() == 0.0
+    assert metrics["clip_ratio/region_mean"].item() == 0.0
+    with pytest.raises(ValueError, match=r"^cliprange must be >= 0, got -0.1$"):
+        ppo_policy_loss(logp, old, adv, mask, -0.1)
+    with pytest.raises(ValueError, match=r"^cliprange_high must be >= 0, got -0.1$"):
+        ppo_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=-0.1)
+
+
+def test_aggregate_loss_edges():
+    per_token, mask = mx.array([[2.0, 4.0]]), mx.array([[1, 0]])
+    assert aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=1).item() == 2.0
+    with pytest.raises(ValueError, match=r"max_completion_length >= 1 .*got 0$"):
+        aggregate_loss(per_token, mask, "dr_grpo", max_completion_length=0)
+    with pytest.raises(
+        ValueError, match="^loss_type must be one of grpo, dr_grpo, dapo, bnpo; got 'x'$"
+    ):
+        aggregate_loss(per_token, mask, "x")  # type: ignore[arg-type]
+
+
+def test_grpo_with_beta_one_and_a_row_without_tokens():
+    """beta = 1 adds the whole k3; with sequence ratios, a row without tokens (every token
+    masked) is left out of the ratio metrics."""
+    logp = mx.array([[-1.0, -2.0], [-0.5, -0.5], [-1.0, -1.0]])
+    old = mx.array([[-1.2, -2.4], [-0.5, -0.7], [-3.0, -3.0]])
+    ref = mx.array([[-0.9, -2.5], [-0.4, -0.6], [-1.0, -1.0]])
+    adv = mx.array([1.0, -1.0, 2.0])
+    mask = mx.array([[1, 1], [1, 0], [0, 0]])
+    loss, metrics = grpo_policy_loss(
+        logp, old, ref, adv, mask, 10.0, 1.0, importance_sampling_level="sequence",
+        loss_type="bnpo",
+    )  # fmt: skip
+    d = np.array(ref) - np.array(logp)
+    k3 = np.exp(d) - d - 1
+    ratio0 = math.exp((0.2 + 0.4) / 2)  # row 0: the mean of its log-ratios 0.2 and 0.4
+    ratio1 = math.exp(0.0)
+    # the clip (10) never binds: l = -A r + k3, token mean over the 3 valid tokens
+    expected = (-1.0 * ratio0 + k3[0, 0] - 1.0 * ratio0 + k3[0, 1] + 1.0 * ratio1 + k3[1, 0]) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["ratio"].item() == pytest.approx((ratio0 + ratio1) / 2, rel=1e-6)
+
+
+def test_rloo_metrics_by_hand():
+    logp = mx.array([[-1.0, -2.0], [-0.5, -0.5]])
+    old = mx.array([[-1.5, -2.0], [-0.5, -0.3]])
+    mask = mx.array([[1, 1], [1, 0]])
+    _, metrics = rloo_policy_loss(logp, old, mx.array([1.0, -1.0]), mask, 0.2)
+    # log-ratios 0.5, 0 | 0 (the masked -0.2 is not counted); sequence ratios e^0.5 and e^0
+    assert metrics["approxkl"].item() == pytest.approx(0.5 * 0.25 / 3, rel=1e-6)
+    assert metrics["ratio"].item() == pytest.approx((math.exp(0.5) + 1.0) / 2, rel=1e-6)
+    assert metrics["clipfrac"].item() == pytest.approx(0.5)  # row 0: r = 1.65 > 1.2, A > 0
+
+
 # ------------------------------------------------ GRPO variants, asymmetric clip, GSPO, RLOO
 EPS_HIGH = 0.28
 CLIP_EDGES = (1 - CLIPRANGE, 1 + CLIPRANGE, 1 + EPS_HIGH)
@@ -872,6 +1037,7 @@ def test_optimizer_step_refuses_a_non_finite_loss_before_updating() -> None:
     assert optimizer.state["step"].item() == 0
 
 
+@pytest.mark.slow
 def test_optimizer_step_updates_a_group_of_parameters_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
