@@ -69,6 +69,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
     config = PPOConfig(
         model_name=spec.policy_dir,
         reward_model_name=spec.reward_dir,
+        value_init=spec.value_init,
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,
         **lora,

@@ -184,6 +184,7 @@ def generate(
     pad_token_id: int,
     return_logprobs: bool = False,
     keys: mx.array | None = None,
+    prefill_once: bool | None = None,
 ) -> GenerationOutput:
     """Sample up to ``max_new_tokens`` tokens after each prompt, all prompts at once.
 
@@ -204,6 +205,8 @@ def generate(
         keys: ``(B, 2)`` uint32 PRNG keys (``mx.random.key`` / ``mx.random.split``), one per
             prompt: row ``b``'s samples then depend only on ``keys[b]`` (and its prompt), not on
             the other rows or the global random state. None: the global state. Unused if greedy.
+        prefill_once: prefill each distinct prompt once and repeat its cache to the rows that
+            repeat it (see the module doc); None = unless under plain MLX.
 
     Decoding stops as soon as every sequence has produced a stop token.
 
@@ -244,7 +247,9 @@ def generate(
         )
 
     # The distinct prompts (all of them under plain MLX) and, per row, which of them it is.
-    distinct, rows = distinct_prompts(prompts) if speed_tricks() else (prompts, None)
+    if prefill_once is None:
+        prefill_once = speed_tricks()
+    distinct, rows = distinct_prompts(prompts) if prefill_once else (prompts, None)
     left_padding = [max_len - len(p) for p in distinct]
     batch = mx.array(
         [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, distinct)], dtype=mx.int32

@@ -433,15 +433,13 @@ def test_distinct_prompts_map_every_row_to_its_prompt() -> None:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_groups_prefilled_once_sample_what_a_full_prefill_samples(
-    tiny_model_dir: Path, prompts: list[list[int]], lora: bool, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, prompts: list[list[int]], lora: bool
 ) -> None:
     """GRPO's batches: each prompt ``group_size`` times in a row (and a repeat elsewhere). Its
     prefill once, its cache repeated: the same tokens as every row prefilled, with per-row keys
     (the trainer's) and with the global state; log-probs and entropies equal to float32 rounding
     (a matmul's rows depend on its row count in OpenBLAS, so a 3-row prefill rounds differently
     from a 13-row one)."""
-    import ppo_trainer.generator as generator
-
     model = PolicyModel.from_pretrained(
         tiny_model_dir, lora=LoraSettings(r=4, alpha=8.0, dropout=0.0) if lora else None
     )
@@ -451,10 +449,13 @@ def test_groups_prefilled_once_sample_what_a_full_prefill_samples(
     )
     for keys in (mx.random.split(mx.random.key(3), len(grouped)), None):
         outs = []
-        for share in (True, False):
-            monkeypatch.setattr(generator, "speed_tricks", lambda share=share: share)
+        for once in (True, False):
             seed_everything(7)
-            outs.append(generate(model, grouped, return_logprobs=True, keys=keys, **kwargs))
+            outs.append(
+                generate(
+                    model, grouped, return_logprobs=True, keys=keys, prefill_once=once, **kwargs
+                )
+            )
         once, full = outs
         for field in ("responses", "lengths", "ended_with_stop"):
             a, b = _np(getattr(once, field)), _np(getattr(full, field))
