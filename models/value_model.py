@@ -130,7 +130,8 @@ class ValueModel(ScalarHeadModel):
             )
         with adapters_disabled(policy_lm):
             # Every array maps to itself: the module tree is copied, the weights are not.
-            shared = {id(a): a for _, a in tree_flatten(inner.parameters())}
+            flat = cast(list[tuple[str, mx.array]], tree_flatten(inner.parameters()))
+            shared = {id(a): a for _, a in flat}
             backbone = copy.deepcopy(inner, memo=cast(dict[int, Any], shared))
         hidden_size = int(getattr(args, "hidden_size", 0) or getattr(args, "n_embd", 0))
         if hidden_size <= 0:

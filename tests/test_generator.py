@@ -449,11 +449,16 @@ def test_groups_prefilled_once_sample_what_a_full_prefill_samples(
     )
     for keys in (mx.random.split(mx.random.key(3), len(grouped)), None):
         outs = []
-        for once in (True, False):
+        for prefill_once in (True, False):
             seed_everything(7)
             outs.append(
                 generate(
-                    model, grouped, return_logprobs=True, keys=keys, prefill_once=once, **kwargs
+                    model,
+                    grouped,
+                    return_logprobs=True,
+                    keys=keys,
+                    prefill_once=prefill_once,
+                    **kwargs,
                 )
             )
         once, full = outs

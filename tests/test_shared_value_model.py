@@ -172,12 +172,12 @@ def test_a_ppo_step_moves_every_trainable_parameter_and_keeps_one_base(
     assert moments == set(value_before)
     # The base is unchanged and still one set of arrays.
     policy_params = arrays(trainer.policy.model.parameters())
-    for name, v in arrays(value.parameters()).items():
+    for name, array in arrays(value.parameters()).items():
         if "lora_" not in name and name != "score.weight":
-            assert v is policy_params[name], name
-    for name, v in base_before.items():
+            assert array is policy_params[name], name
+    for name, saved in base_before.items():
         if "lora_" not in name:
-            np.testing.assert_array_equal(v, np.array(policy_params[name]), err_msg=name)
+            np.testing.assert_array_equal(saved, np.array(policy_params[name]), err_msg=name)
 
 
 def test_stop_and_resume_equals_an_uninterrupted_run(
@@ -209,6 +209,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
 
     assert len(straight_history) == 4
     assert comparable(resumed_history) == comparable(straight_history)
+    assert straight.value_model is not None and second.value_model is not None
     for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
         wa, wb = numpy(a.trainable_parameters()), numpy(b.trainable_parameters())
         assert wa.keys() == wb.keys()
