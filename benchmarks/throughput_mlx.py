@@ -45,6 +45,7 @@ from benchmarks.throughput_spec import (
     peak_rss_mb,
 )
 from base_setup import fast_math
+from config.model_config import ValueInit
 from config.ppo_config import PPOConfig
 from ppo_trainer import rollout as rollout_module
 from ppo_trainer.generator import inverse_cdf
@@ -69,6 +70,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
     config = PPOConfig(
         model_name=spec.policy_dir,
         reward_model_name=spec.reward_dir,
+        value_init=cast(ValueInit, spec.value_init),
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,
         **lora,

@@ -76,6 +76,8 @@ class RunSpec:
         tf32: on a GPU, float32 matrix products through TF32 tensor cores on both systems
             (``MLX_ENABLE_TF32=1``, MLX's CUDA default; PyTorch's ``allow_tf32``); False: full
             float32 on both (PyTorch's default).
+        value_init: the MLX worker's ``value_init``: "reward" (a full-weight value model from
+            the reward checkpoint) or "shared" (adapters and a head on the LoRA policy's base).
     """
 
     system: System
@@ -100,6 +102,7 @@ class RunSpec:
     gradient_checkpointing: bool = False
     device: Device = "cpu"
     tf32: bool = False
+    value_init: str = "reward"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -119,6 +122,10 @@ class RunSpec:
             raise ValueError(f"{self.system} has no PPO with a value model; it runs only 'grpo'")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError(f"GRPO needs group_size >= 2, got {self.group_size}")
+        if self.value_init not in ("reward", "shared"):
+            raise ValueError(f"value_init must be 'reward' or 'shared', got {self.value_init!r}")
+        if self.value_init == "shared" and (self.system != "mlx" or self.lora_rank == 0):
+            raise ValueError("value_init='shared' is the MLX worker's, with a LoRA policy")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")
         if self.system in PEER_SYSTEMS and self.lora_rank > 0:

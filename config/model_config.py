@@ -6,8 +6,8 @@ from typing import Literal
 from config._fields import check_field_types, is_positive, require, require_model_name
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-ValueInit = Literal["reward", "policy"]
-ValueSource = Literal["value_model", "reward", "policy"]
+ValueInit = Literal["reward", "policy", "shared"]
+ValueSource = Literal["value_model", "reward", "policy", "shared"]
 
 
 @dataclass(kw_only=True)
@@ -93,7 +93,11 @@ class ModelConfig(LoraConfig):
             decided by value_init.
         value_init: Where the value model starts when value_model_name is None: "reward" = the
             reward model's weights if there is a reward model, else the policy's backbone with a
-            fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head.
+            fresh scalar head; "policy" = always the policy's backbone with a fresh scalar head;
+            "shared" = LoRA adapters of its own (the policy's lora_* settings) and a fresh head
+            on the policy's frozen base weights, held once in memory for the policy, the
+            reference and the value model (needs use_lora; the value optimiser holds only
+            these adapters and the head).
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
         fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
@@ -123,6 +127,21 @@ class ModelConfig(LoraConfig):
                 "a non-empty path or repo id, or null",
                 f"set {name} to a model directory or repo id, or null to leave it unset",
             )
+        if self.value_init == "shared":
+            require(
+                self.use_lora,
+                "value_init",
+                self.value_init,
+                "not 'shared' when use_lora is false",
+                "set use_lora: true (the shared base must stay frozen) or value_init: policy",
+            )
+            require(
+                self.value_model_name is None,
+                "value_model_name",
+                self.value_model_name,
+                "null with value_init: shared",
+                "unset value_model_name, or choose another value_init",
+            )
 
     @property
     def ref_model_name(self) -> str:
@@ -135,8 +154,11 @@ class ModelConfig(LoraConfig):
 
         ``("value_model", value_model_name)`` when that is set; otherwise, following
         ``value_init``, ``("reward", reward_model_name)`` if there is a reward model, else
-        ``("policy", model_name)`` (the policy's backbone with a fresh scalar head).
+        ``("policy", model_name)`` (the policy's backbone with a fresh scalar head);
+        ``("shared", model_name)`` for adapters on the policy's own base.
         """
+        if self.value_init == "shared":
+            return "shared", self.model_name
         if self.value_model_name is not None:
             return "value_model", self.value_model_name
         if self.value_init == "reward" and self.reward_model_name is not None:

@@ -5,15 +5,42 @@ It has the reward model's layout (a one-label ``*ForSequenceClassification``, se
 :mod:`models.backbone`), so it usually starts from the reward model's weights (the choice of
 "Fine-Tuning Language Models from Human Preferences" and summarize_from_feedback_details), or from
 the policy's backbone with a fresh head.
+
+:meth:`ValueModel.sharing_base` instead trains LoRA adapters of its own and the head on the
+policy's frozen base weights, held once in memory (TRL's value head on the policy, PEFT's
+multi-adapter PPO): the value model's module tree is a copy of the policy backbone's whose
+arrays are the policy's own, so the two trees never share a trainable parameter, and the
+policy's adapters (and their merging for sampling) never see the value adapters.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
 from pathlib import Path
+from typing import Any, cast
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
+from base_setup.lora_setup import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    LoraSettings,
+    adapter_parameters,
+    adapters_disabled,
+    apply_lora,
+    lora_modules,
+    read_adapter_settings,
+    save_adapters,
+)
 from models.backbone import DtypeLike, HeadInit, ScalarHeadModel
+from models.backbone_loading import HF_HEAD_WEIGHT, resolve_dtype
+
+#: The head's weight in a shared-base value model's directory (beside its adapters).
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 __all__ = ["ValueModel"]
 
@@ -22,9 +49,15 @@ class ValueModel(ScalarHeadModel):
     """``values = model(input_ids)``: (B, L) token ids -> (B, L) value estimates, ``values[b, t]``
     being the value of the state that ends with token t.
 
-    Build it with :meth:`from_pretrained` (a reward-model or value-model checkpoint) or
-    :meth:`from_policy_backbone`; save with :meth:`save_pretrained`.
+    Build it with :meth:`from_pretrained` (a reward-model or value-model checkpoint),
+    :meth:`from_policy_backbone` or :meth:`sharing_base`; save with :meth:`save_pretrained`.
+
+    Attributes:
+        lora: the value adapters' settings when the model trains LoRA adapters on a base it
+            shares (:meth:`sharing_base`); None when every weight trains.
     """
+
+    lora: LoraSettings | None = None
 
     @classmethod
     def from_policy_backbone(
@@ -51,3 +84,117 @@ class ValueModel(ScalarHeadModel):
         return cls.from_causal_lm(
             path_or_model, head_init=head_init, seed=seed, dtype=dtype, fast_math=fast_math
         )
+
+    @classmethod
+    def sharing_base(
+        cls,
+        policy_lm: nn.Module,
+        lora: LoraSettings,
+        *,
+        head_init: HeadInit = "zeros",
+        seed: int = 0,
+        dtype: DtypeLike = None,
+        fast_math: bool = True,
+    ) -> ValueModel:
+        """A value model on the base weights of ``policy_lm`` (a LoRA policy's mlx-lm causal
+        LM), with LoRA adapters of its own and a fresh scalar head, the only parameters it trains.
+
+        The backbone is a new module tree (the policy's with its adapters off) whose arrays are
+        the policy's base arrays themselves, quantised layers included: no base weight is
+        copied, and gradients and optimiser state exist for the value adapters and head only.
+        The base must stay frozen (a LoRA policy's is), or the two models would drift apart.
+
+        Args:
+            policy_lm: the policy's mlx-lm model, with its LoRA adapters.
+            lora: the value adapters' rank, scale, layers and keys (usually the policy's).
+            head_init, seed: the head's start, as in :meth:`from_policy_backbone`.
+            dtype: the head's dtype; None = float32 (the base keeps the policy's dtype).
+            fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
+
+        Raises:
+            ValueError: ``policy_lm`` has no LoRA adapters (its base would train).
+        """
+        if head_init not in ("zeros", "normal"):
+            raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
+        args = getattr(policy_lm, "args", None)
+        inner = getattr(policy_lm, "model", None)
+        if args is None or not dataclasses.is_dataclass(args) or not isinstance(inner, nn.Module):
+            raise ValueError(
+                f"expected the policy's mlx-lm causal LM (`args` and an inner `model`), got "
+                f"{type(policy_lm).__name__}"
+            )
+        if not lora_modules(policy_lm):
+            raise ValueError(
+                "a value model sharing the policy's base needs a LoRA policy (use_lora: true): "
+                "a policy that trains all weights changes the base the value model stands on"
+            )
+        with adapters_disabled(policy_lm):
+            # Every array maps to itself: the module tree is copied, the weights are not.
+            flat = cast(list[tuple[str, mx.array]], tree_flatten(inner.parameters()))
+            shared = {id(a): a for _, a in flat}
+            backbone = copy.deepcopy(inner, memo=cast(dict[int, Any], shared))
+        hidden_size = int(getattr(args, "hidden_size", 0) or getattr(args, "n_embd", 0))
+        if hidden_size <= 0:
+            raise ValueError(f"cannot read the hidden size of {type(policy_lm).__name__}")
+        config = {k: v for k, v in dataclasses.asdict(cast(Any, args)).items() if v is not None}
+        model = cls(backbone, hidden_size, config, fast_math=fast_math)
+        head_dtype = resolve_dtype(dtype)
+        if head_init == "zeros":
+            model.head.weight = mx.zeros((1, hidden_size), dtype=head_dtype)  # (1, D)
+        else:
+            std = 1.0 / (hidden_size + 1) ** 0.5
+            weight = std * mx.random.normal((1, hidden_size), key=mx.random.key(seed))  # (1, D)
+            model.head.weight = weight.astype(head_dtype)
+        model.train(policy_lm.training)
+        apply_lora(model, lora)  # freezes the backbone and the head ...
+        model.head.unfreeze()  # ... and the head trains with the adapters
+        model.lora = lora
+        mx.eval(model.trainable_parameters())
+        return model
+
+    def save_pretrained(self, save_dir: str | Path, tokenizer: Any = None, **kwargs: Any) -> Path:
+        """Write the model (see :meth:`ScalarHeadModel.save_pretrained`); a shared-base model
+        (:meth:`sharing_base`) writes only what it trains: its adapters in mlx-lm's format
+        (``adapters.safetensors``, ``adapter_config.json``) and the head (``value_head.safetensors``,
+        ``score.weight``), which :meth:`load_pretrained_weights` reads back onto the base."""
+        if self.lora is None:
+            return super().save_pretrained(save_dir, tokenizer, **kwargs)
+        out = save_adapters(self, self.lora, save_dir)
+        mx.save_safetensors(str(out / VALUE_HEAD_FILE), {HF_HEAD_WEIGHT: self.head.weight})
+        return out
+
+    def load_pretrained_weights(self, path: str | Path) -> None:
+        """Load, in place, what :meth:`save_pretrained` wrote; a shared-base model reads its
+        adapters and head (every one of them, with the saved LoRA settings its own)."""
+        if self.lora is None:
+            super().load_pretrained_weights(path)
+            return
+        path = Path(path)
+        for name in (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE):
+            if not (path / name).is_file():
+                raise FileNotFoundError(
+                    f"{path} has no {name}: a value model sharing the policy's base loads the "
+                    "adapter directory its save_pretrained wrote"
+                )
+        saved = read_adapter_settings(path)
+        if (saved.r, saved.num_layers, saved.keys) != (
+            self.lora.r,
+            self.lora.num_layers,
+            self.lora.keys,
+        ):
+            raise ValueError(
+                f"{path}: the saved value adapters (r={saved.r}, layers={saved.num_layers}, "
+                f"keys={saved.keys}) differ from this model's (r={self.lora.r}, layers="
+                f"{self.lora.num_layers}, keys={self.lora.keys})"
+            )
+        weights = cast(dict[str, mx.array], mx.load(str(path / ADAPTER_WEIGHTS_FILE)))
+        head = cast(dict[str, mx.array], mx.load(str(path / VALUE_HEAD_FILE)))
+        expected = set(adapter_parameters(self)) | {HF_HEAD_WEIGHT}
+        found = set(weights) | set(head)
+        if found != expected:
+            raise ValueError(
+                f"{path}: the saved value adapters and head do not match this model's "
+                f"(missing {sorted(expected - found)[:4]}, extra {sorted(found - expected)[:4]})"
+            )
+        self.load_weights(list(weights.items()) + list(head.items()), strict=False)
+        mx.eval(self.trainable_parameters())

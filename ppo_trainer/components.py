@@ -9,7 +9,7 @@ import json
 import logging
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, cast
@@ -182,7 +182,8 @@ def build_models(
       ``reward_model_name``, or ``reward_funcs`` (functions and models, weighted); none is
       needed when ``custom_scores`` (a trainer that overrides ``compute_scores``);
     * value model (PPO only): ``value_model_name``, else the reward model's checkpoint, else the
-      policy's backbone with a fresh head (``config.value_source``).
+      policy's backbone with a fresh head, or adapters and a head on the policy's own base
+      weights (``config.value_source``).
 
     Raises:
         ValueError: no reward, a reward that is not callable, or a quantized policy without
@@ -232,7 +233,10 @@ def build_models(
         )
     if config.algorithm == "ppo" and value_model is None:
         kind, path = config.value_source
-        if kind == "policy":
+        if kind == "shared":  # adapters and a head on the policy's base, held once
+            lora = replace(policy.lora or LoraSettings.from_model_config(config), dropout=0.0)
+            value_model = ValueModel.sharing_base(policy.model, lora, fast_math=fast)
+        elif kind == "policy":
             value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype, fast_math=fast)
         else:
             value_model = ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)

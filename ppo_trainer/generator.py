@@ -13,6 +13,13 @@ ids, log-probs of the sampled tokens, and few host syncs. Here the only host syn
 "has every sequence stopped?" check, overlapped with the next step's forward pass (the next step
 is queued with ``mx.async_eval`` before the check blocks), plus one at the end.
 
+Prompts that occur several times in a batch (GRPO's and RLOO's ``group_size`` samples of each
+prompt) are prefilled once: the distinct prompts run through the model, then their caches' rows
+and last logits are repeated to the full batch (mlx-lm's ``filter`` with repeated indices) before
+decoding. Each row's prefill is the same computation either way, so the samples are those of a
+full prefill and the log-probs equal them to float32 rounding (a matmul rounds by its row count);
+plain MLX (:func:`base_setup.plain.speed_tricks`) prefills every row.
+
 Randomness comes from ``mx.random``'s global state, which :func:`base_setup.seed_everything`
 seeds, so a run is reproducible. With ``keys`` (one PRNG key per prompt) each row samples from its
 own key instead: its response then does not depend on the other rows of the batch, which lets
@@ -28,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup import fast_math
+from base_setup.plain import speed_tricks
 from models.policy_model import PolicyModel
 
 
@@ -154,6 +162,16 @@ def inverse_cdf(weights: mx.array, uniform: mx.array) -> mx.array:
     return (cdf <= mx.minimum(uniform * total, cap)).sum(axis=-1)  # (B,)
 
 
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], mx.array | None]:
+    """The distinct prompts, in order of first appearance, and ``rows`` (B,) int32 with
+    ``prompts[b] == distinct[rows[b]]``; ``rows`` is None when every prompt is distinct."""
+    index: dict[tuple[int, ...], int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    if len(index) == len(prompts):
+        return prompts, None
+    return [list(p) for p in index], mx.array(rows, dtype=mx.int32)
+
+
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
@@ -166,6 +184,7 @@ def generate(
     pad_token_id: int,
     return_logprobs: bool = False,
     keys: mx.array | None = None,
+    prefill_once: bool | None = None,
 ) -> GenerationOutput:
     """Sample up to ``max_new_tokens`` tokens after each prompt, all prompts at once.
 
@@ -186,6 +205,8 @@ def generate(
         keys: ``(B, 2)`` uint32 PRNG keys (``mx.random.key`` / ``mx.random.split``), one per
             prompt: row ``b``'s samples then depend only on ``keys[b]`` (and its prompt), not on
             the other rows or the global random state. None: the global state. Unused if greedy.
+        prefill_once: prefill each distinct prompt once and repeat its cache to the rows that
+            repeat it (see the module doc); None = unless under plain MLX.
 
     Decoding stops as soon as every sequence has produced a stop token.
 
@@ -225,10 +246,14 @@ def generate(
             "lower max_new_tokens"
         )
 
-    left_padding = [max_len - n for n in lengths]
+    # The distinct prompts (all of them under plain MLX) and, per row, which of them it is.
+    if prefill_once is None:
+        prefill_once = speed_tricks()
+    distinct, rows = distinct_prompts(prompts) if prefill_once else (prompts, None)
+    left_padding = [max_len - len(p) for p in distinct]
     batch = mx.array(
-        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, prompts)], dtype=mx.int32
-    )  # (B, L), left-padded
+        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, distinct)], dtype=mx.int32
+    )  # (U, L), left-padded: U distinct prompts
     cache = _batch_cache(lm, left_padding)
     stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
     pad = mx.array(pad_token_id, dtype=mx.int32)
@@ -242,7 +267,11 @@ def generate(
     was_training = lm.training
     lm.eval()
     try:
-        logits = lm(batch, cache=cache)[:, -1, :]  # (B, V)
+        logits = lm(batch, cache=cache)[:, -1, :]  # (U, V)
+        if rows is not None:  # each distinct prompt's cache and logits to its rows
+            for layer_cache in cache:
+                layer_cache.filter(rows)
+            logits = logits[rows]  # (B, V)
         done = mx.zeros((len(prompts),), dtype=mx.bool_)  # stopped before this step
         step_tokens: list[mx.array] = []
         step_logprobs: list[mx.array] = []

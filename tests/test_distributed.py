@@ -349,3 +349,29 @@ def test_single_process_helpers_are_local() -> None:
     dist.check_same_on_all_ranks(b"anything", "x", "y")
     with pytest.raises(KeyError):
         dist.raise_if_any_rank_failed(KeyError("mine"), "the step")
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_shared_base_value_model_like_one_process(run_files: Path) -> None:
+    """``value_init: shared`` (the value adapters and head on the policy's base): two ranks,
+    stopped and resumed, end with the weights one process reaches on the global batch."""
+    out = run_files / "shared"
+    config = load_config(
+        run_files / "run.yaml", [f"output_dir={out / 'single'}", "value_init=shared"]
+    )
+    trainer = PPOTrainer(config, reward_model=letter_rate)
+    initial = trainable(trainer)
+    assert any(k.startswith("value.") and "lora_" in k for k in initial)
+    trainer.train(read_prompts(run_files / "prompts.jsonl"))
+    final = trainable(trainer)
+    command = ["-m", "tests.distributed_helpers", "train", str(out / "dump"), "2", "--"]
+    output = launch(2, command + train_args(run_files, out / "ranks", "value_init=shared"))
+    assert rank_exit_codes(output) == {}, output
+    ranks = [mx.load(str(out / "dump" / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
+    assert ranks[0].keys() == ranks[1].keys() == final.keys()
+    for key in final:
+        # lora_a moves little here: its gradient waits for lora_b, which starts at zero.
+        assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
+        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
+        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)

@@ -13,7 +13,13 @@ import pytest
 from base_setup import seed_everything
 from base_setup.lora_setup import LoraSettings, lora_modules
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput, inverse_cdf, _sample, generate
+from ppo_trainer.generator import (
+    GenerationOutput,
+    _sample,
+    distinct_prompts,
+    generate,
+    inverse_cdf,
+)
 
 PROMPT_TEXTS = [
     "Review of the camera:",
@@ -418,3 +424,52 @@ def test_sampled_logprobs_are_the_trainers_log_softmax_bit_for_bit() -> None:
     tokens, token_logprobs, _ = _sample(logits, 1.0, 1.0, 0, keys)
     trainer = selective_log_softmax(logits[:, None, :], tokens[:, None])[:, 0]
     assert np.array_equal(np.array(token_logprobs), np.array(trainer))
+
+
+def test_distinct_prompts_map_every_row_to_its_prompt() -> None:
+    prompts = [[5, 6], [7], [5, 6], [7], [8, 9, 1], [5, 6]]
+    distinct, rows = distinct_prompts(prompts)
+    assert distinct == [[5, 6], [7], [8, 9, 1]]
+    assert rows is not None and np.array(rows).tolist() == [0, 1, 0, 1, 2, 0]
+    assert distinct_prompts([[1], [2]]) == ([[1], [2]], None)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_groups_prefilled_once_sample_what_a_full_prefill_samples(
+    tiny_model_dir: Path, prompts: list[list[int]], lora: bool
+) -> None:
+    """GRPO's batches: each prompt ``group_size`` times in a row (and a repeat elsewhere). Its
+    prefill once, its cache repeated: the same tokens as every row prefilled, with per-row keys
+    (the trainer's) and with the global state; log-probs and entropies equal to float32 rounding
+    (a matmul's rows depend on its row count in OpenBLAS, so a 3-row prefill rounds differently
+    from a 13-row one)."""
+    model = PolicyModel.from_pretrained(
+        tiny_model_dir, lora=LoraSettings(r=4, alpha=8.0, dropout=0.0) if lora else None
+    )
+    grouped = [p for p in prompts[:3] for _ in range(4)] + [prompts[0]]  # (13 rows, 3 prompts)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=10, temperature=1.0, top_p=0.9, stop_token_ids=[0], pad_token_id=PAD
+    )
+    for keys in (mx.random.split(mx.random.key(3), len(grouped)), None):
+        outs = []
+        for prefill_once in (True, False):
+            seed_everything(7)
+            outs.append(
+                generate(
+                    model,
+                    grouped,
+                    return_logprobs=True,
+                    keys=keys,
+                    prefill_once=prefill_once,
+                    **kwargs,
+                )
+            )
+        once, full = outs
+        for field in ("responses", "lengths", "ended_with_stop"):
+            a, b = _np(getattr(once, field)), _np(getattr(full, field))
+            assert a.shape == b.shape and np.array_equal(a, b), field
+        for field in ("logprobs", "entropy"):
+            a, b = _np(getattr(once, field)), _np(getattr(full, field))
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=field)
+        # The samples of a group differ (each row draws its own tokens).
+        assert len({tuple(r) for r in _np(once.responses)[:4].tolist()}) > 1

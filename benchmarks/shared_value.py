@@ -1,0 +1,166 @@
+"""Memory and speed of the value model on the policy's base, and of the group prefill.
+
+Usage::
+
+    python -m benchmarks.shared_value                  # both parts, SmolLM2-135M's shape (~10 min)
+    python -m benchmarks.shared_value --part prefill   # the group prefill only (~1 min)
+    python -m benchmarks.shared_value --model qwen3-1.7b --part value   # needs ~20 GB free
+
+* ``value``: PPO at a real shape (``benchmarks.ppo_throughput.MODEL_SHAPES``, plus
+  ``qwen3-1.7b`` here), LoRA policy (rank 16, all linear layers, as the throughput benchmark's
+  real shapes), reward model, value model either a full-weight copy started from the reward
+  checkpoint (``value_init: reward``, the default) or adapters and a head on the policy's base
+  (``value_init: shared``); each in its own fresh worker process
+  (``benchmarks.throughput_worker``), so each peak resident memory is its own. Prints seconds
+  per iteration, the time split, peak RSS and MLX's peak array memory.
+* ``prefill``: ``ppo_trainer.generator.generate`` on GRPO's batch (``--prompts`` prompts of
+  ``--prompt-tokens`` tokens, each ``--group`` times) with ``prefill_once`` on and off, on the
+  benchmark's ``tiny`` shape; prints the median seconds of each and their ratio.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything imports mlx
+    from base_setup import setup_blas
+
+    setup_blas()
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import cast
+
+from benchmarks.ppo_throughput import (
+    MODEL_SHAPES,
+    REAL_LORA_ALPHA,
+    REAL_LORA_MODULES,
+    REAL_LORA_RANK,
+    run_spec,
+)
+from benchmarks.throughput_models import RealShape, benchmark_prompts, build_benchmark_checkpoints
+from benchmarks.throughput_spec import RunSpec
+
+#: Qwen3-1.7B's published config.json sizes (random weights, float32, tied embeddings).
+QWEN3_1_7B = replace(
+    cast(RealShape, MODEL_SHAPES["qwen3-0.6b"]),
+    source="Qwen/Qwen3-1.7B",
+    hidden_size=2048,
+    intermediate_size=6144,
+)
+SHAPES = {**MODEL_SHAPES, "qwen3-1.7b": QWEN3_1_7B}
+
+
+def value_part(args: argparse.Namespace, work: Path) -> None:
+    shape = SHAPES[args.model]
+    assert isinstance(shape, RealShape), f"{args.model} is not a real shape"
+    start = time.perf_counter()
+    policy_dir, reward_dir = build_benchmark_checkpoints(work / args.model, shape)
+    prompts = tuple(benchmark_prompts(policy_dir, args.batch_size))
+    print(f"built the {args.model} checkpoints in {time.perf_counter() - start:.0f} s")
+    print(
+        f"PPO, {args.model}, {args.batch_size} prompts x {args.new_tokens} new tokens, LoRA r="
+        f"{REAL_LORA_RANK} policy, {args.warmup} + {args.iterations} iterations, "
+        f"{platform.machine()} CPU, 2 threads"
+    )
+    print(
+        "value_init | s/iter (median) | generation / scoring / update s | peak RSS MB | MLX peak MB"
+    )
+    for value_init in args.value_init:
+        spec = RunSpec(
+            system="mlx",
+            algorithm="ppo",
+            label=f"value-{value_init}",
+            model=args.model,
+            policy_dir=str(policy_dir),
+            reward_dir=str(reward_dir),
+            prompts=prompts,
+            batch_size=args.batch_size,
+            group_size=1,
+            max_new_tokens=args.new_tokens,
+            warmup=args.warmup,
+            iterations=args.iterations,
+            lora_rank=REAL_LORA_RANK,
+            lora_alpha=REAL_LORA_ALPHA,
+            lora_modules=REAL_LORA_MODULES,
+            gradient_checkpointing=args.gradient_checkpointing,
+            value_init=value_init,
+        )
+        result = run_spec(spec, isolate=True, log_dir=work)
+        split = " / ".join(
+            f"{statistics.median(result.split[k]):.2f}" for k in ("generation", "scoring", "update")
+        )
+        print(
+            f"{value_init} | {result.median:.2f} | {split} | {result.peak_rss_mb:.0f} | "
+            f"{result.mlx_peak_mb or 0:.0f}",
+            flush=True,
+        )
+
+
+def prefill_part(args: argparse.Namespace, work: Path) -> None:
+    import mlx.core as mx
+
+    from fixtures.tiny_model import TinyModelSpec, build_checkpoint
+    from models.policy_model import PolicyModel
+    from ppo_trainer.generator import generate
+
+    spec = replace(cast(TinyModelSpec, MODEL_SHAPES["tiny"]), max_position_embeddings=4096)
+    policy = PolicyModel.from_pretrained(build_checkpoint(work / "tiny", spec))
+    vocab = int(policy.model.args.vocab_size)
+    distinct = mx.random.randint(4, vocab, (args.prompts, args.prompt_tokens), key=mx.random.key(0))
+    rows = cast(list[list[int]], distinct.tolist())
+    prompt_ids = [row for row in rows for _ in range(args.group)]  # (P * G, L)
+    keys = mx.random.split(mx.random.key(1), len(prompt_ids))
+    print(
+        f"generate: {args.prompts} prompts x {args.group} samples, {args.prompt_tokens} prompt "
+        f"tokens, {args.new_tokens} new tokens, tiny shape (hidden 256, 4 layers), 2 threads"
+    )
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        for once in (False, True):
+            start = time.perf_counter()
+            generate(
+                policy,
+                prompt_ids,
+                max_new_tokens=args.new_tokens,
+                temperature=1.0,
+                stop_token_ids=[],
+                pad_token_id=0,
+                return_logprobs=True,
+                keys=keys,
+                prefill_once=once,
+            )
+            times[once].append(time.perf_counter() - start)
+    every, once_ = (statistics.median(times[k][1:]) for k in (False, True))
+    print(
+        f"every row prefilled: {every:.3f} s; each prompt once: {once_:.3f} s; {every / once_:.2f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["value", "prefill", "both"], default="both")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--value-init", nargs="+", default=["reward", "shared"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("prefill", "both"):
+            prefill_part(args, Path(tmp))
+        if args.part in ("value", "both"):
+            value_part(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
