@@ -687,17 +687,17 @@ def test_export_refuses_to_overwrite_and_is_atomic(
 def test_generate_chat_and_export_take_hub_repo_ids_as_train_does(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mlx_lm.utils
+    import huggingface_hub
 
     from ppo_trainer.trained_model import resolve_trained_model
 
     asked: list[str] = []
 
-    def fake_download(repo: str, *args: Any, **kwargs: Any) -> Path:  # no network in tests
+    def fake_download(repo: str, *args: Any, **kwargs: Any) -> str:  # no network in tests
         asked.append(repo)
-        return tiny_model_dir
+        return str(tiny_model_dir)
 
-    monkeypatch.setattr(mlx_lm.utils, "_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     found = resolve_trained_model("someone/tiny-chat")
     assert asked == ["someone/tiny-chat"]
     assert found.kind == "model" and found.path == tiny_model_dir

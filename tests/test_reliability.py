@@ -699,8 +699,10 @@ def test_the_command_line_on_sigterm_and_a_second_ctrl_c(
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, step + 1))
 
     process = _cli_train(tmp_path / "loading", tiny_model_dir, prompts, err)
-    _wait_for(lambda: "BLAS" in err.read_text(), process, err)  # main() is running
-    time.sleep(0.3)  # the model loads for seconds after this line
+    # main() is running: it has loaded the reward function and goes on to import the trainer
+    # and load the model, which take seconds.
+    _wait_for(lambda: "reward function length_reward" in err.read_text(), process, err)
+    time.sleep(0.3)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 143, err.read_text()[-2000:]
     text = err.read_text()

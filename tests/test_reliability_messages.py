@@ -23,8 +23,9 @@ def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
     return [float(len(c)) / 10 for c in completions]
 
 
-def completions_only(completions: list[str]) -> list[float]:
-    return [1.0 for _ in completions]
+def texts_only(texts: list[str]) -> list[float]:
+    """Names neither ``completions`` nor ``**kwargs``: called positionally, with two arguments."""
+    return [1.0 for _ in texts]
 
 
 def make_config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
@@ -119,12 +120,8 @@ def test_a_damaged_model_folder_names_the_file(
 def test_a_reward_function_with_the_wrong_signature_is_named_before_generation(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = PPOTrainer(
-        make_config(tiny_model_dir, tmp_path / "run"), reward_model=completions_only
-    )
-    with pytest.raises(
-        ValueError, match=r"completions_only\(completions.*takes 1 positional.*called with 2"
-    ):
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=texts_only)
+    with pytest.raises(ValueError, match=r"texts_only\(texts.*takes 1 positional.*called with 2"):
         trainer.train(PROMPTS)
     assert trainer.global_step == 0 and not (tmp_path / "run" / "metrics.jsonl").exists()
 
