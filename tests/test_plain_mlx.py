@@ -137,8 +137,11 @@ def test_plain_mlx_run_equals_the_run_with_every_trick(
                 want[key],
             )
     assert fast_weights.keys() == plain_weights.keys() and fast_weights
+    # atol 5e-5: the default run prefills a prompt once for the rows that share it, so its
+    # prefill matmuls have fewer rows and round differently in float32 (the LoRA weights here
+    # are ~3e-3, moved from 0 by two steps).
     for key, want_w in fast_weights.items():
-        np.testing.assert_allclose(plain_weights[key], want_w, rtol=1e-3, atol=1e-5, err_msg=key)
+        np.testing.assert_allclose(plain_weights[key], want_w, rtol=1e-3, atol=5e-5, err_msg=key)
 
 
 def test_env_switch_turns_every_trick_off(monkeypatch: pytest.MonkeyPatch) -> None:

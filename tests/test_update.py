@@ -129,6 +129,7 @@ def config(algorithm: str, **changes: Any) -> SimpleNamespace:
         max_new_tokens=MAX_NEW_TOKENS,
         vf_coef=0.4,
         cliprange_value=0.1,
+        entropy_coef=0.0,
     )
     base.update(changes)
     return SimpleNamespace(**base)
