@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
 from fixtures.tiny_model import build_tiny_checkpoint
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.fingerprints import data_fingerprint, model_fingerprint
+from tests.test_reliability_writers import make_config
 
 PROMPTS = review_prompts(8, seed=0)
 
@@ -25,21 +25,6 @@ def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
 
 def vowel_reward(prompts: list[str], completions: list[str]) -> list[float]:
     return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
-
-
-def make_config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
-    values: dict[str, Any] = dict(
-        model_name=str(model_dir),
-        max_new_tokens=4,
-        batch_size=2,
-        num_ppo_epochs=1,
-        output_dir=str(out),
-        progress_bar=False,
-        save_every=1,
-        total_steps=2,
-    )
-    values.update(overrides)
-    return PPOConfig(**values)
 
 
 def test_fingerprints_see_a_retrained_model_and_other_data(tmp_path: Path) -> None:

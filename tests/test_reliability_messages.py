@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 import main
-from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.ppo_trainer import PPOTrainer
+from tests.test_reliability_writers import make_config
 
 PROMPTS = review_prompts(8, seed=0)
 
@@ -26,21 +26,6 @@ def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
 def texts_only(texts: list[str]) -> list[float]:
     """Names neither ``completions`` nor ``**kwargs``: called positionally, with two arguments."""
     return [1.0 for _ in texts]
-
-
-def make_config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
-    values: dict[str, Any] = dict(
-        model_name=str(model_dir),
-        max_new_tokens=4,
-        batch_size=2,
-        num_ppo_epochs=1,
-        output_dir=str(out),
-        progress_bar=False,
-        save_every=1,
-        total_steps=2,
-    )
-    values.update(overrides)
-    return PPOConfig(**values)
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
