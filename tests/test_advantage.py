@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -239,8 +240,18 @@ def test_td_gae_errors():
         reward_to_go(mx.zeros((6,)), mx.ones((6,)), 1.0)
     with pytest.raises(ValueError, match="lam"):
         compute_gae(r, r, mx.ones((2, 3)), 1.0, 1.5)
-    with pytest.raises(ValueError, match="gamma"):
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 1\], got -0.1$"):
         td_errors(r, r, mx.ones((2, 3)), -0.1)
+    with pytest.raises(ValueError, match=r"^values has shape \(2, 4\) but rewards has \(2, 3\)"):
+        td_errors(r, mx.zeros((2, 4)), mx.ones((2, 3)), 1.0)
+
+
+def test_td_errors_at_the_ends_of_the_discount_range():
+    """gamma = 0 (allowed): delta = r - V, no look-ahead; gamma = 1: r + V_next - V."""
+    rewards, values = mx.array([[1.0, 2.0, 3.0]]), mx.array([[0.5, -1.0, 4.0]])
+    mask = mx.ones((1, 3))
+    np.testing.assert_allclose(np.array(td_errors(rewards, values, mask, 0.0)), [[0.5, 3.0, -1.0]])
+    np.testing.assert_allclose(np.array(td_errors(rewards, values, mask, 1.0)), [[-0.5, 7.0, -1.0]])
 
 
 # ----------------------------------------------------------------------------- group advantages
@@ -293,6 +304,8 @@ def test_group_advantages_hand_case():
         rtol=1e-6,
     )
     np.testing.assert_allclose(np.array(group_advantages(scores, 2, "none")), [-1, 1, 0, 0])
+    # The default scale is the group's std (GRPO's).
+    assert mx.array_equal(group_advantages(scores, 2), group_advantages(scores, 2, "group")).item()
     batch_std = float(np.std([1.0, 3.0, 0.0, 0.0], ddof=1))
     np.testing.assert_allclose(
         np.array(group_advantages(scores, 2, "batch")),
@@ -316,7 +329,7 @@ def test_group_advantages_errors():
         leave_one_out_advantages(mx.zeros((4,)), 1)
     with pytest.raises(ValueError, match="scale"):
         group_advantages(mx.zeros((4,)), 2, "std")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"\(B,\)"):
+    with pytest.raises(ValueError, match=r"^scores must have shape \(B,\), got \(2, 2\)$"):
         group_advantages(mx.zeros((2, 2)), 2, "group")
 
 
@@ -513,3 +526,115 @@ def test_masked_statistics_over_two_identical_ranks(monkeypatch: pytest.MonkeyPa
         np.array(masked_whiten(twice, twice_mask, shift_mean=False))[:2],
         rtol=1e-5,
     )
+
+
+class _ThreadRanks:
+    """Two data-parallel ranks with different rows, run as two threads that take turns (one runs
+    at a time: the other waits in a collective). ``all_sum`` adds what both ranks pass it, in
+    call order, as ``mx.distributed.all_sum`` does across processes."""
+
+    def __init__(self) -> None:
+        self.turn = threading.Condition()  # held by the running rank; released while waiting
+        self.sums: list[dict[int, np.ndarray]] = []
+        self.calls = [0, 0]
+
+    def all_sum(self, rank: int, a: mx.array) -> mx.array:
+        call = self.calls[rank]
+        self.calls[rank] += 1
+        if call == len(self.sums):
+            self.sums.append({})
+        self.sums[call][rank] = np.array(a)
+        self.turn.notify_all()
+        if not self.turn.wait_for(lambda: len(self.sums[call]) == 2, timeout=20):
+            raise TimeoutError(f"rank {rank}: the other rank made no all_sum call {call}")
+        return mx.array(self.sums[call][0] + self.sums[call][1])
+
+    def run(self, per_rank: list[Callable[[Any], mx.array]]) -> list[np.ndarray]:
+        """``per_rank[r](group)`` on rank r -> each rank's result."""
+        results: list[Any] = [None, None]
+        errors: list[BaseException] = []
+
+        def body(rank: int) -> None:
+            with self.turn:
+                try:
+                    results[rank] = np.array(per_rank[rank](_ThreadRank(self, rank)))
+                except BaseException as error:  # re-raised in the test's thread below
+                    errors.append(error)
+                self.turn.notify_all()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+class _ThreadRank:
+    """Rank ``rank`` of a :class:`_ThreadRanks` (stands in for an ``mx.distributed.Group``)."""
+
+    def __init__(self, ranks: _ThreadRanks, rank: int) -> None:
+        self.ranks, self._rank = ranks, rank
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.fixture
+def threaded_all_sum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mx.distributed.all_sum`` over a :class:`_ThreadRank` group exchanges with its other rank."""
+    monkeypatch.setattr(
+        mx.distributed,
+        "all_sum",
+        lambda a, group, stream=None: group.ranks.all_sum(group.rank(), a),
+    )
+
+
+def test_masked_statistics_over_two_ranks_with_different_rows(threaded_all_sum: None) -> None:
+    """Two ranks holding different rows get the statistics of all the rows together: the global
+    mean (not each rank's own) inside the variance and the whitening."""
+    x = [mx.array([[1.0, 4.0, 2.0], [0.5, -3.0, 9.0]]), mx.array([[7.0, 8.0, -2.0]])]
+    mask = [mx.array([[1, 1, 0], [1, 1, 1]]), mx.array([[1, 0, 1]])]
+    both, both_mask = np.concatenate([np.array(a) for a in x]), np.concatenate(
+        [np.array(m) for m in mask]
+    )
+    values = both[both_mask != 0].astype(np.float64)
+    mean, var = values.mean(), values.var(ddof=1)
+    got = _ThreadRanks().run([lambda g, r=r: masked_mean(x[r], mask[r], group=g) for r in (0, 1)])
+    np.testing.assert_allclose(got, [mean, mean], rtol=1e-6)
+    got = _ThreadRanks().run([lambda g, r=r: masked_var(x[r], mask[r], group=g) for r in (0, 1)])
+    np.testing.assert_allclose(got, [var, var], rtol=1e-5)
+    for shift_mean in (True, False):
+        want = np.where(
+            both_mask != 0, (both - mean) / np.sqrt(var + 1e-8) + (0 if shift_mean else mean), 0
+        )
+        got = _ThreadRanks().run(
+            [
+                lambda g, r=r: masked_whiten(x[r], mask[r], shift_mean=shift_mean, group=g)
+                for r in (0, 1)
+            ]
+        )
+        np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_over_two_ranks_with_different_rows(threaded_all_sum: None) -> None:
+    """``"batch"`` over two ranks divides by the std of both ranks' scores; ``"group"`` and
+    ``"none"`` use each rank's own prompts only, whatever the group."""
+    scores = [np.array([1.0, 3.0, 0.0, 0.0]), np.array([5.0, -1.0])]  # g = 2: 2 + 1 prompts
+    both = np.concatenate(scores)
+    scales: tuple[Literal["group", "batch", "none"], ...] = ("batch", "group", "none")
+    for scale in scales:
+        got = _ThreadRanks().run(
+            [
+                lambda g, r=r: group_advantages(mx.array(scores[r]), 2, scale, group=g)
+                for r in (0, 1)
+            ]
+        )
+        np.testing.assert_allclose(
+            np.concatenate(got), naive_group(both, 2, scale), rtol=1e-5, atol=1e-6, err_msg=scale
+        )

@@ -322,14 +322,27 @@ def test_combine_rewards_refuses_unscored_completions_and_bad_weights():
     scores = mx.array([[1.0, float("nan"), 2.0], [float("nan"), float("nan"), 0.0]])
     with pytest.raises(ValueError, match=r"completions \[1\] were scored by no reward function"):
         combine_rewards(scores, [1.0, 1.0])
-    with pytest.raises(ValueError, match="one weight per function"):
+    with pytest.raises(
+        ValueError, match=r"^weights has shape \(1,\) but there are 2 reward functions; pass one"
+    ):
         combine_rewards(mx.ones((2, 3)), [1.0])
+    with pytest.raises(ValueError, match=r"^weights has shape \(\) but there are 2 reward"):
+        combine_rewards(mx.ones((2, 3)), mx.array(1.0))  # an mx.array is used as it is
+    with pytest.raises(
+        ValueError, match=r"^rewards_per_func must have shape \(K, B\), got \(3,\)$"
+    ):
+        combine_rewards(mx.ones((3,)), [1.0])
 
 
 def test_reward_matrix_reads_none_as_not_applicable_and_refuses_nan():
     got = reward_matrix([[1.0, None], [0.5, 2]], ["fmt", "acc"], 2)
     np.testing.assert_array_equal(np.isnan(np.array(got)), [[False, True], [False, False]])
     assert got[1, 1].item() == 2.0
+    assert got.dtype == mx.float32
+    # A None before a score skips that completion only.
+    assert reward_matrix([[None, 3.0]], ["acc"], 2)[0, 1].item() == 3.0
+    with pytest.raises(ValueError, match=r"^got scores from 1 reward functions for 2 names$"):
+        reward_matrix([[1.0, 2.0]], ["fmt", "acc"], 2)
     with pytest.raises(ValueError, match=r"'acc' returned nan for completion 0.*or None"):
         reward_matrix([[1.0, 2.0], [float("nan"), 1.0]], ["fmt", "acc"], 2)
     with pytest.raises(ValueError, match=r"'fmt' returned 1 scores for 2 completions"):
@@ -344,6 +357,24 @@ def test_reward_metrics_are_trls_nan_aware_mean_and_std():
     assert metrics["rewards/b/mean"].item() == pytest.approx(3.0)
     # Undefined statistics are left out, not logged as NaN.
     assert set(metrics) == {"rewards/a/mean", "rewards/a/std", "rewards/b/mean"}
+    # K != B, two stds, one of exactly two scores beside not-applicable ones.
+    scores = np.array([[1.0, np.nan, 3.0, np.nan], [2.0, 4.0, 6.0, 0.0]])
+    metrics = reward_metrics(mx.array(scores.astype(np.float32)), ["a", "b"])
+    assert {k: v.item() for k, v in metrics.items()} == pytest.approx(
+        {
+            "rewards/a/mean": 2.0,
+            "rewards/a/std": np.sqrt(2.0),
+            "rewards/b/mean": 3.0,
+            "rewards/b/std": np.sqrt(20 / 3),
+        },
+        rel=1e-6,
+    )
+    with pytest.raises(ValueError, match=r"^got 1 names for 2 reward functions$"):
+        reward_metrics(mx.ones((2, 3)), ["a"])
+    with pytest.raises(
+        ValueError, match=r"^rewards_per_func must have shape \(K, B\), got \(3,\)$"
+    ):
+        reward_metrics(mx.ones((3,)), ["a"])
 
 
 # --------------------------------------------------------------------------- reward normalisation
