@@ -9,7 +9,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from token_attribution.extractor import mask_truncated_completions
+from token_attribution.extractor import (
+    check_ndim,
+    check_same_shape,
+    check_token_arrays,
+    mask_truncated_completions,
+    valid_mask,
+)
 from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
 from token_attribution.sequences import token_logprobs
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
@@ -103,6 +109,36 @@ def test_logprob_shape_errors():
         entropy_from_logits(mx.zeros((3, 5)))
 
 
+# ----------------------------------------------------------------------------- extractor
+
+
+def test_shape_checks_name_both_arrays_and_pass_matching_ones():
+    a, b = mx.zeros((2, 3)), mx.zeros((2, 4))
+    check_same_shape("mask", a, "logprobs", mx.ones((2, 3)))  # same shape: no error
+    with pytest.raises(
+        ValueError, match=r"^mask has shape \(2, 3\) but logprobs has \(2, 4\); they must match$"
+    ):
+        check_same_shape("mask", a, "logprobs", b)
+    check_ndim("x", a, 2, "(B, T)")
+    with pytest.raises(ValueError, match=r"^x must have shape \(B, T\), got \(2, 3\)$"):
+        check_ndim("x", a, 3, "(B, T)")
+    check_token_arrays("rewards", a, values=mx.ones((2, 3)), mask=mx.ones((2, 3), dtype=mx.bool_))
+    with pytest.raises(ValueError, match=r"^rewards must have shape \(B, T\), got \(6,\)$"):
+        check_token_arrays("rewards", mx.zeros((6,)))
+    with pytest.raises(ValueError, match=r"^mask has shape \(2, 4\) but rewards has \(2, 3\)"):
+        check_token_arrays("rewards", a, values=a, mask=b)
+
+
+@pytest.mark.parametrize("dtype", [mx.bool_, mx.int32, mx.float32])
+def test_valid_mask_is_nonzero_as_bool(dtype):
+    mask = mx.array([[0, 1, 2], [1, 0, 0]]).astype(dtype)
+    got = valid_mask(mask)
+    assert got.dtype == mx.bool_
+    assert got.tolist() == [[False, True, True], [True, False, False]]
+    # Float masks: any nonzero weight is valid, a fraction included.
+    assert valid_mask(mx.array([0.0, 0.5, -1.0])).tolist() == [False, True, True]
+
+
 # ----------------------------------------------------------------------------- mask_truncated_completions
 
 
@@ -121,8 +157,17 @@ def test_mask_truncated_completions(dtype):
     np.testing.assert_array_equal(
         np.array(mask_truncated_completions(cut_mask, flags)), [[1, 1, 0, 0], [0, 0, 0, 0]]
     )
-    with pytest.raises(ValueError, match=r"one flag per row"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ended_with_stop has shape \(3,\) but mask has \(5, 7\); pass one flag per row",
+    ):
         mask_truncated_completions(mx.array(mask), mx.array(ended[:3]))
+    with pytest.raises(ValueError, match=r"^mask must have shape \(B, T\), got \(7,\)$"):
+        mask_truncated_completions(mx.array(mask[0]), mx.array(ended[:1]))
+    # 0/1 flags of another dtype read as bools.
+    np.testing.assert_array_equal(
+        np.array(mask_truncated_completions(cut_mask, mx.array([1, 0]))), [[1, 1, 0, 0], [0] * 4]
+    )
 
 
 # ------------------------------------------------------------- log-probs from hidden states
