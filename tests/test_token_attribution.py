@@ -17,7 +17,17 @@ from token_attribution.extractor import (
     valid_mask,
 )
 from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
-from token_attribution.sequences import token_logprobs
+from base_setup.plain import plain_mlx_scope
+from token_attribution.sequences import (
+    ScoringInputs,
+    build_query_responses,
+    gather_positions,
+    logprobs_from,
+    response_logprobs,
+    response_positions,
+    scoring_inputs,
+    token_logprobs,
+)
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 SHAPES = [(1, 1, 2), (2, 3, 7), (3, 9, 50), (2, 16, 257)]
@@ -101,8 +111,20 @@ def test_entropy_extremes():
 def test_logprob_shape_errors():
     with pytest.raises(ValueError, match=r"tokens has shape \(2, 4\) but logits has \(2, 3, 5\)"):
         selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 4), dtype=mx.int32))
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(
+        ValueError, match=r"^tokens has shape \(2, 4\) but logits has \(2, 3, 5\); tokens must be"
+    ):
+        selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 4), dtype=mx.int32))
+    with pytest.raises(
+        ValueError, match=r"^tokens must be an integer array, got dtype mlx.core.float32$"
+    ):
         selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"^logits must have shape \(B, T, V\), got \(3, 5\)$"):
+        selective_log_softmax(mx.zeros((3, 5)), mx.zeros((3,), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"^tokens must have shape \(B, T\), got \(2, 3, 1\)$"):
+        selective_log_softmax(mx.zeros((2, 3, 5)), mx.zeros((2, 3, 1), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"^logits must have shape \(B, T, V\), got \(3, 5\)$"):
+        entropy_from_logits(mx.zeros((3, 5)))
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
         selective_log_softmax(mx.zeros((3, 5)), mx.zeros((3,), dtype=mx.int32))
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
@@ -318,3 +340,120 @@ def test_head_token_logprobs_rejects_bad_input():
         head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 2), mx.int32), 0.0)
     with pytest.raises(ValueError, match=r"hidden must be \(B, T, D\)"):
         head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 3), mx.int32))
+
+
+# ----------------------------------------------------------------------------- sequences
+
+
+def test_build_query_responses_right_pads_each_prompt_and_response():
+    responses = mx.array([[7, 8, 0], [9, 0, 0]])
+    seqs, lengths = build_query_responses([[1, 2], [3, 4, 5]], responses, pad_token_id=0)
+    assert seqs.dtype == mx.int32 and lengths.dtype == mx.int32
+    assert seqs.tolist() == [[1, 2, 7, 8, 0, 0], [3, 4, 5, 9, 0, 0]]
+    assert lengths.tolist() == [2, 3]
+    # Response token j of row i is scored at position p_i - 1 + j.
+    positions = response_positions(lengths, 3)
+    assert positions.dtype == mx.int32
+    assert positions.tolist() == [[1, 2, 3], [2, 3, 4]]
+    assert build_query_responses([[5]], mx.array([[6]]), pad_token_id=9)[0].tolist() == [[5, 6]]
+    with pytest.raises(ValueError, match=r"^1 prompts but 2 response rows$"):
+        build_query_responses([[1]], responses, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^every prompt needs at least one token$"):
+        build_query_responses([[1], []], responses, pad_token_id=0)
+
+
+def test_gather_positions_takes_rows_of_any_trailing_shape():
+    x = mx.arange(2 * 4 * 3).reshape(2, 4, 3)  # (B, L, V)
+    positions = mx.array([[1, 3], [0, 2]])
+    want = np.take_along_axis(np.array(x), np.array(positions)[..., None], axis=1)
+    assert np.array_equal(np.array(gather_positions(x, positions)), want)
+    flat = mx.arange(8).reshape(2, 4)  # (B, L)
+    assert gather_positions(flat, positions).tolist() == [[1, 3], [4, 6]]
+
+
+def test_token_logprobs_scale_by_the_temperature():
+    rng = np.random.default_rng(6)
+    logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 5, size=(2, 3)))
+    for temperature in (1.0, 0.5):
+        lp, ent = token_logprobs(logits, tokens, temperature, with_entropy=True)
+        assert ent is not None
+        logp = np_log_softmax(np.array(logits) / temperature)
+        want = np.take_along_axis(logp, np.array(tokens)[..., None], axis=-1)[..., 0]
+        np.testing.assert_allclose(np.array(lp), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.array(ent), -(np.exp(logp) * logp).sum(-1), rtol=1e-5, atol=1e-6
+        )
+    lp, ent = token_logprobs(logits, tokens)  # temperature 1, no entropy by default
+    assert ent is None
+    np.testing.assert_allclose(np.array(lp), np.array(selective_log_softmax(logits, tokens)))
+    with pytest.raises(ValueError, match=r"^temperature must be > 0 to score log-probs, got 0$"):
+        token_logprobs(logits, tokens, 0)
+
+
+class _TableModel:
+    """A ScoringModel whose hidden state at a position is a table row of the token there, with a
+    linear head; records which pass was asked for."""
+
+    def __init__(self, trainable_head: bool = False) -> None:
+        rng = np.random.default_rng(7)
+        self.table = mx.array(rng.normal(size=(11, 4)).astype(np.float32))  # (vocab, D)
+        self.head = nn.Linear(4, 11, bias=False)
+        if not trainable_head:
+            self.head.freeze()
+        self.calls: list[str] = []
+
+    def hidden_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        self.calls.append("hidden_at")
+        return self.table[gather_positions(input_ids, positions)]  # (B, T, D)
+
+    def logits_at(self, input_ids: mx.array, positions: mx.array) -> mx.array:
+        self.calls.append("logits_at")
+        return self.head(self.table[gather_positions(input_ids, positions)])  # (B, T, V)
+
+    def output_head(self) -> Any:
+        return self.head
+
+
+@pytest.mark.parametrize("trainable_head", [False, True])
+@pytest.mark.parametrize("differentiable", [True, False])
+@pytest.mark.parametrize("plain", [False, True])
+def test_response_logprobs_take_the_blockwise_path_where_they_may(
+    trainable_head, differentiable, plain
+):
+    """The same log-probs and entropy as the logits path; the hidden states where the head is
+    frozen, or trainable but no gradient is asked for, and the speed tricks are on."""
+    model = _TableModel(trainable_head)
+    seqs, lengths = build_query_responses([[1, 2], [3]], mx.array([[4, 5], [6, 0]]), 0)
+    positions = response_positions(lengths, 2)
+    responses = mx.array([[4, 5], [6, 0]])
+    want_lp, want_ent = token_logprobs(model.logits_at(seqs, positions), responses, 0.7, True)
+    model.calls.clear()
+    with plain_mlx_scope(plain):
+        lp, ent = response_logprobs(
+            model,
+            seqs,
+            positions,
+            responses,
+            0.7,
+            with_entropy=True,
+            differentiable=differentiable,
+        )
+    assert ent is not None and want_ent is not None
+    np.testing.assert_allclose(np.array(lp), np.array(want_lp), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(ent), np.array(want_ent), rtol=1e-5, atol=1e-6)
+    blockwise = not plain and (not trainable_head or not differentiable)
+    assert model.calls == ["hidden_at" if blockwise else "logits_at"]
+    # Scoring passes (differentiable=False) are constants on the blockwise path.
+    if blockwise:
+        inputs = scoring_inputs(model, seqs, positions, differentiable=differentiable)
+        assert inputs.head is not None
+
+        def total(states: mx.array) -> mx.array:
+            got = logprobs_from(
+                ScoringInputs(states, inputs.head), responses, differentiable=differentiable
+            )
+            return got[0].sum()
+
+        grad = mx.grad(total)(inputs.states)
+        assert (float(mx.abs(grad).max()) > 0) == differentiable
