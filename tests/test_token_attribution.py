@@ -131,6 +131,44 @@ def test_logprob_shape_errors():
         entropy_from_logits(mx.zeros((3, 5)))
 
 
+@pytest.mark.parametrize("tricks", [True, False])
+def test_log_probs_and_entropy_paths(monkeypatch, tricks):
+    """With the speed tricks, log-probs come from the hand-written-gradient gather, in one shot
+    for float32 logits and a row (T, V) at a time for half precision (entropy too); without them
+    (plain MLX, a GPU), from MLX's log_softmax. The values agree either way."""
+    import token_attribution.logprob_computer as computer
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    gather, row_entropy = computer._log_softmax_gather, computer._row_entropy
+    monkeypatch.setattr(computer, "speed_tricks", lambda: tricks)
+    monkeypatch.setattr(
+        computer,
+        "_log_softmax_gather",
+        lambda x, t: seen.append(("gather", tuple(x.shape))) or gather(x, t),
+    )
+    monkeypatch.setattr(
+        computer,
+        "_row_entropy",
+        lambda x: seen.append(("entropy", tuple(x.shape))) or row_entropy(x),
+    )
+    rng = np.random.default_rng(8)
+    logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 5, size=(2, 3)))
+    for dtype in (mx.float32, mx.bfloat16):
+        seen.clear()
+        x = logits.astype(dtype)
+        got = selective_log_softmax(x, tokens)
+        entropy_from_logits(x)
+        rows = dtype == mx.bfloat16
+        want_gather = [("gather", (3, 5))] * 2 if rows else [("gather", (2, 3, 5))]
+        want_entropy = [("entropy", (3, 5))] * 2 if rows else [("entropy", (2, 3, 5))]
+        assert seen == (want_gather if tricks else []) + want_entropy
+        logp = np_log_softmax(np.array(x.astype(mx.float32)))
+        want = np.take_along_axis(logp, np.array(tokens)[..., None], axis=-1)[..., 0]
+        assert got.dtype == mx.float32
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- extractor
 
 
