@@ -16,7 +16,13 @@ from token_attribution.extractor import (
     mask_truncated_completions,
     valid_mask,
 )
-from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
+from token_attribution.head_logprobs import (
+    BLOCK_ELEMENTS,
+    MIN_BLOCK_ROWS,
+    FrozenHead,
+    default_block_rows,
+    head_token_logprobs,
+)
 from base_setup.plain import plain_mlx_scope
 from token_attribution.sequences import (
     ScoringInputs,
@@ -374,10 +380,30 @@ def test_head_token_logprobs_rejects_bad_input():
     head.freeze()
     frozen = FrozenHead.of(head)
     assert frozen is not None
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 2), mx.int32), 0.0)
-    with pytest.raises(ValueError, match=r"hidden must be \(B, T, D\)"):
+    tokens = mx.zeros((1, 2), mx.int32)
+    with pytest.raises(ValueError, match=r"^temperature must be > 0 to score log-probs, got 0.0$"):
+        head_token_logprobs(mx.zeros((1, 2, 4)), frozen, tokens, 0.0)
+    with pytest.raises(
+        ValueError,
+        match=r"^hidden must be \(B, T, D\) and tokens \(B, T\), got \(1, 2, 4\) and \(1, 3\)$",
+    ):
         head_token_logprobs(mx.zeros((1, 2, 4)), frozen, mx.zeros((1, 3), mx.int32))
+    with pytest.raises(ValueError, match=r"^hidden must be \(B, T, D\)"):
+        head_token_logprobs(mx.zeros((1, 2)), frozen, tokens)
+    with pytest.raises(ValueError, match=r"^block_rows must be >= 1, got 0$"):
+        head_token_logprobs(mx.zeros((1, 2, 4)), frozen, tokens, block_rows=0)
+    head_token_logprobs(mx.zeros((1, 2, 4)), frozen, tokens, block_rows=1)  # the smallest block
+
+
+def test_default_block_rows():
+    """BLOCK_ELEMENTS logits per block, at least MIN_BLOCK_ROWS rows, at most the vocabulary."""
+    assert (BLOCK_ELEMENTS, MIN_BLOCK_ROWS) == (1 << 21, 256)
+    assert default_block_rows(50_000, 4096) == (1 << 21) // 4096 == 512
+    assert default_block_rows(50_000, 5000) == (1 << 21) // 5000 == 419
+    assert default_block_rows(50_000, 100_000) == 256  # at least MIN_BLOCK_ROWS
+    assert default_block_rows(100, 16) == 100  # at most the vocabulary
+    assert default_block_rows(10**7, 0) == 1 << 21  # no positions: as one
+    assert default_block_rows(10**7, 1) == 1 << 21
 
 
 # ----------------------------------------------------------------------------- sequences
@@ -413,7 +439,7 @@ def test_token_logprobs_scale_by_the_temperature():
     rng = np.random.default_rng(6)
     logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
     tokens = mx.array(rng.integers(0, 5, size=(2, 3)))
-    for temperature in (1.0, 0.5):
+    for temperature in (1.0, 0.5, 2.0):
         lp, ent = token_logprobs(logits, tokens, temperature, with_entropy=True)
         assert ent is not None
         logp = np_log_softmax(np.array(logits) / temperature)
@@ -484,14 +510,36 @@ def test_response_logprobs_take_the_blockwise_path_where_they_may(
     assert model.calls == ["hidden_at" if blockwise else "logits_at"]
     # Scoring passes (differentiable=False) are constants on the blockwise path.
     if blockwise:
-        inputs = scoring_inputs(model, seqs, positions, differentiable=differentiable)
-        assert inputs.head is not None
 
-        def total(states: mx.array) -> mx.array:
-            got = logprobs_from(
-                ScoringInputs(states, inputs.head), responses, differentiable=differentiable
+        def total(table: mx.array) -> mx.array:
+            model.table = table
+            got = response_logprobs(
+                model, seqs, positions, responses, differentiable=differentiable
             )
             return got[0].sum()
 
-        grad = mx.grad(total)(inputs.states)
+        grad = mx.grad(total)(model.table)
         assert (float(mx.abs(grad).max()) > 0) == differentiable
+
+
+def test_response_logprobs_defaults():
+    """Temperature 1, no entropy, differentiable: a trainable head goes through the logits."""
+    seqs, lengths = build_query_responses([[1, 2], [3]], mx.array([[4, 5], [6, 0]]), 0)
+    positions, responses = response_positions(lengths, 2), mx.array([[4, 5], [6, 0]])
+    trainable = _TableModel(trainable_head=True)
+    want, _ = token_logprobs(trainable.logits_at(seqs, positions), responses)
+    trainable.calls.clear()
+    assert scoring_inputs(trainable, seqs, positions).head is None
+    lp, ent = response_logprobs(trainable, seqs, positions, responses)
+    assert ent is None and trainable.calls == ["logits_at", "logits_at"]
+    np.testing.assert_allclose(np.array(lp), np.array(want), rtol=1e-5, atol=1e-6)
+    trainable.head.freeze()  # the same head, frozen: the blockwise path
+    inputs = scoring_inputs(trainable, seqs, positions)
+    assert inputs.head is not None
+    lp, ent = logprobs_from(inputs, responses)
+    assert ent is None
+    np.testing.assert_allclose(np.array(lp), np.array(want), rtol=1e-5, atol=1e-6)
+    grad = mx.grad(lambda h: logprobs_from(ScoringInputs(h, inputs.head), responses)[0].sum())(
+        inputs.states
+    )
+    assert float(mx.abs(grad).max()) > 0
