@@ -549,15 +549,15 @@ class _ThreadRanks:
             raise TimeoutError(f"rank {rank}: the other rank made no all_sum call {call}")
         return mx.array(self.sums[call][0] + self.sums[call][1])
 
-    def run(self, per_rank: list[Callable[[Any], mx.array]]) -> list[np.ndarray]:
-        """``per_rank[r](group)`` on rank r -> each rank's result."""
+    def run(self, on_rank: Callable[[Any, int], mx.array]) -> list[np.ndarray]:
+        """``on_rank(group, r)`` on each rank r -> each rank's result."""
         results: list[Any] = [None, None]
         errors: list[BaseException] = []
 
         def body(rank: int) -> None:
             with self.turn:
                 try:
-                    results[rank] = np.array(per_rank[rank](_ThreadRank(self, rank)))
+                    results[rank] = np.array(on_rank(_ThreadRank(self, rank), rank))
                 except BaseException as error:  # re-raised in the test's thread below
                     errors.append(error)
                 self.turn.notify_all()
@@ -605,19 +605,16 @@ def test_masked_statistics_over_two_ranks_with_different_rows(threaded_all_sum: 
     )
     values = both[both_mask != 0].astype(np.float64)
     mean, var = values.mean(), values.var(ddof=1)
-    got = _ThreadRanks().run([lambda g, r=r: masked_mean(x[r], mask[r], group=g) for r in (0, 1)])
+    got = _ThreadRanks().run(lambda g, r: masked_mean(x[r], mask[r], group=g))
     np.testing.assert_allclose(got, [mean, mean], rtol=1e-6)
-    got = _ThreadRanks().run([lambda g, r=r: masked_var(x[r], mask[r], group=g) for r in (0, 1)])
+    got = _ThreadRanks().run(lambda g, r: masked_var(x[r], mask[r], group=g))
     np.testing.assert_allclose(got, [var, var], rtol=1e-5)
     for shift_mean in (True, False):
         want = np.where(
             both_mask != 0, (both - mean) / np.sqrt(var + 1e-8) + (0 if shift_mean else mean), 0
         )
         got = _ThreadRanks().run(
-            [
-                lambda g, r=r: masked_whiten(x[r], mask[r], shift_mean=shift_mean, group=g)
-                for r in (0, 1)
-            ]
+            lambda g, r: masked_whiten(x[r], mask[r], shift_mean=shift_mean, group=g)
         )
         np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-6)
 
@@ -630,10 +627,7 @@ def test_group_advantages_over_two_ranks_with_different_rows(threaded_all_sum: N
     scales: tuple[Literal["group", "batch", "none"], ...] = ("batch", "group", "none")
     for scale in scales:
         got = _ThreadRanks().run(
-            [
-                lambda g, r=r: group_advantages(mx.array(scores[r]), 2, scale, group=g)
-                for r in (0, 1)
-            ]
+            lambda g, r: group_advantages(mx.array(scores[r]), 2, scale, group=g)
         )
         np.testing.assert_allclose(
             np.concatenate(got), naive_group(both, 2, scale), rtol=1e-5, atol=1e-6, err_msg=scale

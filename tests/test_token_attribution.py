@@ -145,18 +145,20 @@ def test_log_probs_and_entropy_paths(monkeypatch, tricks):
     import token_attribution.logprob_computer as computer
 
     seen: list[tuple[str, tuple[int, ...]]] = []
-    gather, row_entropy = computer._log_softmax_gather, computer._row_entropy
+    gather: Any = computer._log_softmax_gather  # an mx.custom_function
+    row_entropy = computer._row_entropy
     monkeypatch.setattr(computer, "speed_tricks", lambda: tricks)
-    monkeypatch.setattr(
-        computer,
-        "_log_softmax_gather",
-        lambda x, t: seen.append(("gather", tuple(x.shape))) or gather(x, t),
-    )
-    monkeypatch.setattr(
-        computer,
-        "_row_entropy",
-        lambda x: seen.append(("entropy", tuple(x.shape))) or row_entropy(x),
-    )
+
+    def spy_gather(x: mx.array, t: mx.array) -> mx.array:
+        seen.append(("gather", tuple(x.shape)))
+        return gather(x, t)
+
+    def spy_entropy(x: mx.array) -> mx.array:
+        seen.append(("entropy", tuple(x.shape)))
+        return row_entropy(x)
+
+    monkeypatch.setattr(computer, "_log_softmax_gather", spy_gather)
+    monkeypatch.setattr(computer, "_row_entropy", spy_entropy)
     rng = np.random.default_rng(8)
     logits = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
     tokens = mx.array(rng.integers(0, 5, size=(2, 3)))
