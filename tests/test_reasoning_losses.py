@@ -91,12 +91,22 @@ def test_think_region_of_templates_that_open_or_close_the_block() -> None:
     assert got[2].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
     # The response's weights: rows of different prompt lengths, right-padded.
     weights = response_region_weights(
-        mx.array([opened, closed, own]), mx.array([3, 4, 3]), 5, ([1], [2]), 0.25, 2.0
+        mx.array([opened, closed, own]), mx.array([3, 4, 2]), 4, ([1], [2]), 0.25, 2.0
     )
     np.testing.assert_array_equal(
-        np.array(weights),
-        [[0.25, 0.25, 0.25, 2, 2], [2, 2, 2, 2, 2], [0.25, 0.25, 0.25, 2, 2]],
+        np.array(weights), [[0.25, 0.25, 0.25, 2], [2, 2, 2, 2], [2, 0.25, 0.25, 0.25]]
     )
+
+
+def test_think_region_edges() -> None:
+    """A row that is exactly the tag, a tag longer than the row, and empty tags."""
+    assert np.array(think_region_mask(mx.array([[6, 7]]), [6, 7], [8])).tolist() == [[1, 1]]
+    assert np.array(think_region_mask(mx.array([[6, 7]]), [6, 7, 5], [8])).tolist() == [[0, 0]]
+    for start, end in (([], [8]), ([6], [])):
+        with pytest.raises(ValueError, match="non-empty"):
+            think_region_mask(mx.array([[6, 7]]), start, end)
+    with pytest.raises(ValueError, match=r"\(B, L\)"):
+        think_region_mask(mx.array([6, 7]), [6], [8])
 
 
 # ---------------------------------------------------------------- high-entropy tokens
@@ -124,8 +134,11 @@ def test_top_entropy_mask_with_one_or_no_action_token() -> None:
     entropy = mx.array([[0.5, 2.0, 1.0]])
     assert np.array(top_entropy_mask(entropy, mx.array([[0, 1, 0]]), 0.2)).tolist() == [[0, 1, 0]]
     assert np.array(top_entropy_mask(entropy, mx.array([[0, 0, 0]]), 0.2)).tolist() == [[0, 0, 0]]
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        top_entropy_mask(entropy, mx.array([[1, 1, 1]]), 0.0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="top_entropy_quantile"):
+            top_entropy_mask(entropy, mx.array([[1, 1, 1]]), bad)
+    with pytest.raises(ValueError, match="mask"):
+        top_entropy_mask(entropy, mx.array([[1, 1]]), 0.5)
 
 
 # ---------------------------------------------------------------- weighted policy losses
@@ -285,10 +298,12 @@ def test_policy_loss_fn_weights_regions_and_entropy(algorithm: str) -> None:
 
 
 def fake_tokenizer(vocab: dict[str, int], template: str | None = None) -> Any:
+    """A tokenizer whose ids are characters, with a BOS (99) when special tokens are added."""
     return SimpleNamespace(
         get_vocab=lambda: vocab,
         chat_template=template,
-        encode=lambda text, add_special_tokens=False: [ord(c) for c in text],
+        encode=lambda text, add_special_tokens=True: [99] * add_special_tokens
+        + [ord(c) for c in text],
     )
 
 
@@ -305,6 +320,12 @@ def test_think_tags_are_found_or_the_weights_refused() -> None:
     asked = config("grpo", answer_loss_weight=2.0, system_prompt="Reason in <think> tags.")
     assert think_tags_for(asked, plain) is not None
     assert think_tags_for(config("grpo", system_prompt=None), plain) is None  # weights 1: none
+    half = fake_tokenizer({"<think>": 7, "a": 0}, "{{ messages }}")  # no closing tag
+    with pytest.raises(ValueError, match="no <think> token"):
+        think_tags_for(cfg, half)
+    no_template = SimpleNamespace(get_vocab=lambda: {"a": 0})
+    with pytest.raises(ValueError, match="no <think> token"):
+        think_tags_for(cfg, no_template)
 
 
 # ---------------------------------------------------------------- SFT loss in the update

@@ -89,7 +89,8 @@ def response_region_weights(
     (:func:`think_region_mask` over prompt + response), ``answer_weight`` elsewhere.
 
     Args:
-        query_responses: (B, L) prompt + response ids, right-padded.
+        query_responses: (B, L) prompt + response ids, right-padded, ``L >= prompt_lengths + T``
+            (:func:`token_attribution.sequences.build_query_responses`).
         prompt_lengths: (B,) prompt tokens of each row; response token ``t`` is at
             ``prompt_lengths + t``.
         num_tokens: ``T``, the response width.
@@ -97,9 +98,8 @@ def response_region_weights(
         think_weight, answer_weight: the two weights.
     """
     think = think_region_mask(query_responses, *think_tags)  # (B, L)
-    last = query_responses.shape[1] - 1
-    index = mx.minimum(prompt_lengths[:, None] + mx.arange(num_tokens)[None, :], last)  # (B, T)
-    in_think = mx.take_along_axis(think, index.astype(mx.int32), axis=1)  # (B, T)
+    index = (prompt_lengths[:, None] + mx.arange(num_tokens)[None, :]).astype(mx.int32)  # (B, T)
+    in_think = mx.take_along_axis(think, index, axis=1)  # (B, T)
     return mx.where(in_think, think_weight, answer_weight).astype(mx.float32)
 
 
