@@ -112,7 +112,7 @@ def test_think_region_edges() -> None:
 # ---------------------------------------------------------------- high-entropy tokens
 
 
-@pytest.mark.parametrize("quantile", [1.0, 0.8, 0.5, 0.2, 0.05])
+@pytest.mark.parametrize("quantile", [1.0, 0.8, 0.5, 0.2, 0.05, 0.02])
 def test_top_entropy_mask_equals_numpy_quantile(quantile: float) -> None:
     """TRL's rule: keep action tokens with entropy >= the (1 - q)-quantile (linear) of the
     action tokens' entropies; ties at the threshold are kept."""

@@ -132,10 +132,8 @@ def top_entropy_mask(entropy: mx.array, mask: mx.array, quantile: float) -> mx.a
     position = (1.0 - quantile) * mx.maximum(count - 1, 0).astype(mx.float32)
     low = mx.floor(position).astype(mx.int32)
     high = mx.minimum(low + 1, mx.maximum(count - 1, 0))
-    lower, upper = ordered[low], ordered[high]
-    # upper is inf only when count is 1 or 0 (then position == low): no interpolation.
-    step = mx.where(high > low, upper - lower, 0.0)
-    threshold = lower + (position - low.astype(mx.float32)) * step
+    lower, upper = ordered[low], ordered[high]  # finite but for count 0 (then nothing is kept)
+    threshold = lower + (position - low.astype(mx.float32)) * (upper - lower)
     return mx.logical_and(valid, entropy >= threshold).astype(mx.float32)
 
 
