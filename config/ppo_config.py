@@ -173,6 +173,31 @@ class PPOConfig(ModelConfig, TrainingConfig):
         entropy_coef: Weight of an entropy bonus in the policy loss, loss - entropy_coef * (token
             mean of the current policy's entropy) (OpenRLHF's entropy_loss_coef); 0 = off.
             Every algorithm.
+        think_loss_weight: Weight of each token of a think block (``<think>`` ... ``</think>``,
+            both tags included; a completion whose prompt opened the block, as Qwen3's and R1's
+            templates do, starts inside it) in the policy loss; it multiplies the token's loss
+            before the loss's normalisation, whose denominators still count every action token
+            (docs/algorithms.md says how, per loss_type). 1.0 = the plain loss. Needs a model
+            whose vocabulary, chat template or system_prompt has the ``<think>`` tag. Every
+            algorithm.
+        answer_loss_weight: The same weight for every other action token (the answer after the
+            think block). 1.0 = the plain loss.
+        top_entropy_quantile: Train only on the highest-entropy tokens (the 80/20 paper;
+            TRL's option and meaning): tokens whose entropy under the current policy is below
+            the (1 - top_entropy_quantile) quantile of the micro-batch's action tokens get
+            weight 0 in the policy loss. 1.0 = every token (off); 0.2 = the top 20%. In (0, 1];
+            every algorithm.
+        sft_coef: Weight of a supervised loss mixed into every policy update (OpenRLHF's
+            ptx_coef): policy loss + sft_coef * NLL, the token-mean cross-entropy of the
+            completions of one batch of sft_data examples (the next in a shuffled pass over the
+            file; a resumed run continues where it stopped). Keeps the policy close to
+            demonstrations (e.g. the answer format) while RL trains it. 0 = off; > 0 needs
+            sft_data.
+        sft_data: The SFT records mixed in with sft_coef: a JSONL file or Hub dataset in the
+            format of the sft command (prompt/completion, or messages), truncated to
+            max_prompt_length + max_new_tokens tokens.
+        sft_batch_size: SFT examples per policy update; None = micro_batch_size (one more
+            forward and backward pass of a micro-batch's size per update).
         mask_truncated_completions: Leave responses that hit max_new_tokens without a stop
             token out of the policy loss (DAPO; TRL's option); their scores still enter the
             group statistics. Not for "ppo" (its value model trains on every token).
@@ -224,6 +249,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
     importance_sampling_level: ImportanceSamplingLevel = "token"
     mask_truncated_completions: bool = False
     entropy_coef: float = 0.0
+    think_loss_weight: float = 1.0
+    answer_loss_weight: float = 1.0
+    top_entropy_quantile: float = 1.0
+    sft_coef: float = 0.0
+    sft_data: str | None = None
+    sft_batch_size: int | None = None
     eval_temperature: float = 0.0
     eval_max_new_tokens: int | None = None
     log_rollouts_every: int = 10
@@ -371,6 +402,55 @@ class PPOConfig(ModelConfig, TrainingConfig):
             ">= 0",
             "set 0.0 for no entropy bonus, or a small weight such as 0.001",
         )
+        self._check_loss_weights()
+
+    def _check_loss_weights(self) -> None:
+        """The token weights and the mixed-in SFT loss (their data is loaded by the trainer)."""
+        for name in ("think_loss_weight", "answer_loss_weight"):
+            value = getattr(self, name)
+            require(
+                is_non_negative(value),
+                name,
+                value,
+                ">= 0",
+                "set a finite weight such as 0.5, or 1.0 for the plain loss",
+            )
+        require(
+            0.0 < self.top_entropy_quantile <= 1.0,
+            "top_entropy_quantile",
+            self.top_entropy_quantile,
+            "in (0, 1]",
+            "set 1.0 to train on every token, or e.g. 0.2 for the top 20% by entropy",
+        )
+        require(
+            is_non_negative(self.sft_coef),
+            "sft_coef",
+            self.sft_coef,
+            ">= 0",
+            "set 0.0 for no SFT loss, or a weight such as 0.05",
+        )
+        if self.sft_coef > 0:
+            require(
+                bool(self.sft_data),
+                "sft_data",
+                self.sft_data,
+                "an SFT data file when sft_coef > 0",
+                "set sft_data to a JSONL file of prompt/completion (or messages) records, as "
+                "the sft command reads, or set sft_coef: 0",
+            )
+        elif self.sft_data is not None:
+            raise ValueError(
+                f"sft_data={self.sft_data!r} is set but sft_coef is 0, so it would never be "
+                "read: set sft_coef > 0 (e.g. 0.05) to mix its SFT loss in, or remove sft_data"
+            )
+        if self.sft_batch_size is not None:
+            require(
+                self.sft_batch_size >= 1,
+                "sft_batch_size",
+                self.sft_batch_size,
+                ">= 1 or null",
+                "set the SFT examples per update, or null for micro_batch_size",
+            )
 
     def _check_algorithm_options(self) -> None:
         """Options of one algorithm are refused with the others, where they would do nothing."""

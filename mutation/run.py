@@ -33,8 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
 #: file to mutate -> the fast tests that guard it (mutmut runs, per mutant, those that cover it).
 TARGETS: dict[str, list[str]] = {
     "ppo_trainer/experience.py": ["tests/test_experience.py"],
-    "ppo_trainer/update.py": ["tests/test_update.py"],
-    "training/policy_loss.py": ["tests/test_training_losses.py", "tests/test_update.py"],
+    "ppo_trainer/update.py": ["tests/test_update.py", "tests/test_reasoning_losses.py"],
+    "ppo_trainer/sft_mix.py": ["tests/test_reasoning_losses.py"],
+    "training/policy_loss.py": [
+        "tests/test_training_losses.py",
+        "tests/test_update.py",
+        "tests/test_reasoning_losses.py",
+    ],
     "training/value_loss.py": ["tests/test_training_losses.py", "tests/test_update.py"],
     "reward_kl/kl_divergence.py": ["tests/test_reward_kl.py"],
     "reward_kl/reward_computer.py": ["tests/test_reward_kl.py", "tests/test_experience.py"],
@@ -49,6 +54,7 @@ TARGETS: dict[str, list[str]] = {
     "token_attribution/logprob_computer.py": ["tests/test_token_attribution.py"],
     "token_attribution/sequences.py": ["tests/test_token_attribution.py"],
     "token_attribution/head_logprobs.py": ["tests/test_token_attribution.py"],
+    "token_attribution/token_weights.py": ["tests/test_reasoning_losses.py"],
 }
 
 #: Every top-level package and module the tests import (copied unmutated beside the target).

@@ -116,11 +116,13 @@ from ppo_trainer.run_state import (
     save_trainer_state,
 )
 from ppo_trainer.run_loop import TrainingRun
+from ppo_trainer.sft_mix import load_sft_mix
 from ppo_trainer.update import (
     Learner,
     policy_loss_fn,
     policy_weighting,
     ppo_epochs,
+    think_tags_for,
     value_loss_fn,
 )
 from training.checkpoint import (
@@ -272,7 +274,11 @@ class PPOTrainer:
         )
         self.policy_optimizer: optim.Optimizer | None = None
         self.value_optimizer: optim.Optimizer | None = None
-        self._policy_grad = nn.value_and_grad(self.policy, policy_loss_fn(config))
+        # Before any rollout: the think tags the region weights need, the SFT data of sft_coef.
+        think_tags = think_tags_for(config, self.tokenizer)
+        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
+        self.sft_mix = load_sft_mix(config, self.tokenizer)
+        self._policy_grad = nn.value_and_grad(self.policy, policy_loss_fn(config, think_tags))
         self._value_grad = (
             nn.value_and_grad(self.value_model, value_loss_fn(config))
             if self.value_model is not None
@@ -588,6 +594,7 @@ class PPOTrainer:
                 self._policy_grad,
                 "policy",
                 policy_weighting(self.config),
+                self.sft_mix.next_batch if self.sft_mix is not None else None,
             )
         ]
         if self.value_model is not None:

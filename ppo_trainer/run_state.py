@@ -248,7 +248,8 @@ def check_same_weights(trainer: PPOTrainer, moment: str) -> None:
 def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
     states, and the JSON state (counters, KL controller, history, config, number of processes,
-    schedule, BLAS threads, the run's inputs, the scores' running statistics); returns its directory.
+    schedule, BLAS threads, the run's inputs, the scores' running statistics, the SFT data cursor);
+    returns its directory.
     """
     plan = trainer.lr_plan
     state = {
@@ -263,6 +264,7 @@ def save_trainer_state(trainer: PPOTrainer) -> Path:
         "blas_threads": trainer.blas_threads,
         "inputs": trainer.inputs,
         "reward_moments": trainer.reward_moments.to_dict(),
+        "sft_cursor": trainer.sft_mix.cursor if trainer.sft_mix is not None else None,
     }
     return save_training_state(
         trainer.checkpoints, trainer.global_step, *checkpointed(trainer), state
@@ -285,6 +287,8 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.history = list(state["history"])
     moments = state.get("reward_moments")  # normalize_reward's statistics (none: before them)
     trainer.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
+    if trainer.sft_mix is not None:  # sft_coef's data stream continues where it stopped
+        trainer.sft_mix.cursor = int(state.get("sft_cursor") or 0)
     schedule_note = None
     if trainer.lr_plan is not None and trainer.policy_optimizer is not None:
         updates = int(np.asarray(trainer.policy_optimizer.step))

@@ -4,7 +4,9 @@ Each minibatch (split into ``gradient_accumulation_steps`` micro-batches) gets o
 of the value model (PPO: clipped value loss) and one of the policy (PPO's or REINFORCE++'s clipped
 surrogate, GRPO's loss, RLOO's sequence loss), through the one optimiser step every trainer shares
 (:func:`training.optimizer.optimizer_step`). The losses call the models inside the
-differentiated functions; every other input is a rollout constant.
+differentiated functions; every other input is a rollout constant. With ``sft_coef`` the
+policy's update also takes one batch of SFT examples (an extra micro-batch of weight 1 whose
+loss is ``sft_coef * NLL``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import numpy as np
 
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
+from finetune.sft_trainer import sft_loss
+from finetune.tokenize import SFTBatch
 from token_attribution.sequences import gather_positions, response_logprobs, response_positions
+from token_attribution.token_weights import (
+    has_think_tags,
+    response_region_weights,
+    think_tag_ids,
+    top_entropy_mask,
+)
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
@@ -32,35 +42,83 @@ from training.policy_loss import (
 from training.value_loss import clipped_value_loss
 
 LossFn = Callable[[nn.Module, RolloutBatch], tuple[mx.array, dict[str, mx.array]]]
+PolicyLossFn = Callable[[nn.Module, RolloutBatch | SFTBatch], tuple[mx.array, dict[str, mx.array]]]
+ThinkTags = tuple[list[int], list[int]]
 
 
-def policy_loss_fn(config: Any) -> LossFn:
+def think_tags_for(config: Any, tokenizer: Any) -> ThinkTags | None:
+    """The ``<think>`` / ``</think>`` token ids the region weights need (None when
+    ``think_loss_weight`` and ``answer_loss_weight`` are both 1: no regions).
+
+    Raises:
+        ValueError: a weight other than 1 for a model with no think tag in its vocabulary, chat
+            template or ``system_prompt`` (the regions could never be found).
+    """
+    if config.think_loss_weight == 1.0 and config.answer_loss_weight == 1.0:
+        return None
+    if not has_think_tags(tokenizer, config.system_prompt):
+        raise ValueError(
+            f"think_loss_weight={config.think_loss_weight} and answer_loss_weight="
+            f"{config.answer_loss_weight} weigh the tokens inside and after <think> ... "
+            "</think>, but this model's vocabulary has no <think> token and neither its chat "
+            "template nor system_prompt writes <think>: use a thinking model (Qwen3, an R1 "
+            "distill), ask for the tags in system_prompt, or set both weights to 1.0"
+        )
+    return think_tag_ids(tokenizer)
+
+
+def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLossFn:
     """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the clipped
     surrogate on token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its
     ``loss_type`` / ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
-    upper clip ``clip_epsilon_high`` when set, and the entropy bonus when ``entropy_coef`` > 0."""
+    upper clip ``clip_epsilon_high`` when set, the per-token weights of the think / answer
+    regions (``think_tags`` from :func:`think_tags_for`) and of ``top_entropy_quantile``, and the
+    entropy bonus when ``entropy_coef`` > 0. An :class:`SFTBatch` (``sft_coef``) gets
+    ``sft_coef * NLL`` of its completions (:func:`finetune.sft_trainer.sft_loss`, temperature
+    1), with ``policy/sft_loss`` = NLL."""
 
-    def loss(policy: nn.Module, mb: RolloutBatch) -> tuple[mx.array, dict[str, mx.array]]:
+    def loss(
+        policy: nn.Module, mb: RolloutBatch | SFTBatch
+    ) -> tuple[mx.array, dict[str, mx.array]]:
+        if isinstance(mb, SFTBatch):
+            logits = policy(mb.input_ids[:, :-1])  # (b, L-1, V)
+            nll, _ = sft_loss(logits, mb.input_ids[:, 1:], mb.loss_mask[:, 1:])
+            return config.sft_coef * nll, {"sft_loss": nll}
         # The model call is inside the differentiated function; every mb.* array is a rollout
         # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
         positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])  # (b, T)
         bonus = config.entropy_coef > 0
+        by_entropy = config.top_entropy_quantile < 1.0
         logprobs, entropy = response_logprobs(
             policy,
             mb.query_responses,
             positions,
             mb.responses,
             config.temperature,
-            with_entropy=bonus,
+            with_entropy=bonus or by_entropy,
         )
-        loss, metrics = algorithm_loss(logprobs, mb)
+        weights = None  # (b, T) per-token loss weights, constants; None = 1
+        if think_tags is not None:
+            weights = response_region_weights(
+                mb.query_responses,
+                mb.prompt_lengths,
+                mb.responses.shape[1],
+                think_tags,
+                config.think_loss_weight,
+                config.answer_loss_weight,
+            )
+        if by_entropy:
+            assert entropy is not None
+            keep = top_entropy_mask(entropy, mb.mask, config.top_entropy_quantile)  # (b, T)
+            weights = keep if weights is None else weights * keep
+        loss, metrics = algorithm_loss(logprobs, mb, weights)
         if bonus:
             assert entropy is not None
             return entropy_bonus(loss, metrics, entropy, mb.mask, config.entropy_coef)
         return loss, metrics
 
     def algorithm_loss(
-        logprobs: mx.array, mb: RolloutBatch
+        logprobs: mx.array, mb: RolloutBatch, weights: mx.array | None
     ) -> tuple[mx.array, dict[str, mx.array]]:
         high = config.clip_epsilon_high
         if config.algorithm == "grpo":
@@ -76,6 +134,7 @@ def policy_loss_fn(config: Any) -> LossFn:
                 loss_type=config.loss_type,
                 importance_sampling_level=config.importance_sampling_level,
                 max_completion_length=config.max_new_tokens,
+                weights=weights,
             )
         if config.algorithm == "rloo":
             return rloo_policy_loss(
@@ -85,9 +144,16 @@ def policy_loss_fn(config: Any) -> LossFn:
                 mb.mask,
                 config.clip_epsilon,
                 cliprange_high=high,
+                weights=weights,
             )
         return ppo_policy_loss(
-            logprobs, mb.logprobs, mb.advantages, mb.mask, config.clip_epsilon, cliprange_high=high
+            logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mb.mask,
+            config.clip_epsilon,
+            cliprange_high=high,
+            weights=weights,
         )
 
     return loss
@@ -121,13 +187,16 @@ def value_loss_fn(config: Any) -> LossFn:
 @dataclass
 class Learner:
     """One trained model: its optimiser, the gradient of its loss, its metric prefix ("policy"
-    or "val"), and how its micro-batches are weighted (a token mean is ``"bnpo"``)."""
+    or "val"), how its micro-batches are weighted (a token mean is ``"bnpo"``), and
+    ``extra_batch``: None, or a function that gives each update one more micro-batch, of weight
+    1 (the policy's SFT batch, ``sft_coef``)."""
 
     model: nn.Module
     optimizer: optim.Optimizer
     value_and_grad: ValueAndGrad
     prefix: str
     weighting: LossType = "bnpo"
+    extra_batch: Callable[[], Any] | None = None
 
 
 def update_weights(
@@ -171,12 +240,17 @@ def ppo_epochs(
             micro = split_micro_batches(minibatch, gradient_accumulation_steps)
             metrics: dict[str, mx.array] = {}
             for learner in learners:
+                batches: list[Any] = list(micro)
+                weights = update_weights(micro, learner.weighting, group)
+                if learner.extra_batch is not None:  # its loss adds to the minibatch's
+                    batches.append(learner.extra_batch())
+                    weights.append(1.0)
                 out = optimizer_step(
                     learner.model,
                     learner.optimizer,
                     learner.value_and_grad,
-                    micro,
-                    update_weights(micro, learner.weighting, group),
+                    batches,
+                    weights,
                     max_grad_norm=max_grad_norm,
                     step=step,
                     what="the policy loss" if learner.prefix == "policy" else "the value loss",

@@ -130,6 +130,10 @@ def config(algorithm: str, **changes: Any) -> SimpleNamespace:
         vf_coef=0.4,
         cliprange_value=0.1,
         entropy_coef=0.0,
+        think_loss_weight=1.0,
+        answer_loss_weight=1.0,
+        top_entropy_quantile=1.0,
+        sft_coef=0.0,
     )
     base.update(changes)
     return SimpleNamespace(**base)

@@ -16,6 +16,18 @@ Every clipped loss reports TRL's clip metrics: ``clip_ratio/low_mean`` (fraction
 ``r < 1 - cliprange`` and ``A < 0``), ``clip_ratio/high_mean`` (``r > 1 + cliprange_high`` and
 ``A > 0``) and ``clip_ratio/region_mean`` (either: the entries whose gradient the clip removes;
 the same set as ``clipfrac`` up to float ties).
+
+Per-token weights ``w`` (``weights=``, (B, T); None = 1 everywhere, the unweighted loss bit for
+bit): the think / answer region weights and the high-entropy mask
+(:mod:`token_attribution.token_weights`). ``w`` multiplies each token's loss ``l_bt`` (GRPO's KL
+term included) before the normalisation, whose denominators still count the action tokens
+(``n_b``, ``sum m``, ``B * L``), not the weights: a weight scales its tokens' share of the
+gradient and leaves the other tokens' as they were (TRL's entropy mask does the same). Per
+``loss_type``: ``"grpo"`` ``(1/B) sum_b sum_t m w l / n_b``; ``"dr_grpo"`` ``sum m w l / (B L)``;
+``"dapo"``/``"bnpo"`` (and PPO, REINFORCE++) ``sum m w l / sum m``. Sequence-level ratios (GSPO,
+RLOO) weight each token's log-ratio inside the sequence's, ``sum_t m w (logp - old_logp)``
+(over ``n_b`` for GSPO), so that at ``r = 1`` each token's gradient is scaled by its weight, as
+in the token-level losses.
 """
 
 from __future__ import annotations
@@ -197,6 +209,7 @@ def ppo_policy_loss(
     cliprange: float,
     *,
     cliprange_high: float | None = None,
+    weights: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """PPO clipped surrogate loss, averaged over the action tokens of the minibatch.
 
@@ -214,6 +227,7 @@ def ppo_policy_loss(
         mask: (B, T), nonzero on action tokens (at least one, not checked: no host sync).
         cliprange: epsilon of the ratio clip (the lower one when ``cliprange_high`` is given).
         cliprange_high: upper epsilon (DAPO clip-higher); None = ``cliprange``.
+        weights: (B, T) per-token loss weights (module docstring); None = 1.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss; metrics (scalar float32 arrays) ``clipfrac``
@@ -230,7 +244,7 @@ def ppo_policy_loss(
     advantages = mx.stop_gradient(advantages.astype(mx.float32))
     log_ratio = logprobs.astype(mx.float32) - old_logprobs  # (B, T)
     per_token, clipped, ratio = _clipped_surrogate(log_ratio, advantages, cliprange, upper)
-    loss = masked_mean(per_token, valid, validate=False)
+    loss = masked_mean(_weighted(per_token, weights), valid, validate=False)
     metrics = {
         "clipfrac": masked_mean(clipped, valid, validate=False),
         "approxkl": masked_mean(0.5 * log_ratio * log_ratio, valid, validate=False),
@@ -268,6 +282,14 @@ def entropy_bonus(
     return loss - entropy_coef * mean_entropy, {**metrics, "entropy": mean_entropy}
 
 
+def _weighted(per_token: mx.array, weights: mx.array | None) -> mx.array:
+    """``w * l`` (the weights are rollout constants), or ``l`` itself when ``weights`` is None."""
+    if weights is None:
+        return per_token
+    check_token_arrays("per_token", per_token, weights=weights)
+    return per_token * mx.stop_gradient(weights.astype(mx.float32))
+
+
 def _check_sequence_advantages(advantages: mx.array, logprobs: mx.array, what: str) -> None:
     if tuple(advantages.shape) != (logprobs.shape[0],):
         raise ValueError(
@@ -289,6 +311,7 @@ def grpo_policy_loss(
     loss_type: LossType = "bnpo",
     importance_sampling_level: ImportanceSamplingLevel = "token",
     max_completion_length: int | None = None,
+    weights: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """GRPO loss: clipped surrogate with one advantage per sequence, plus a k3 KL penalty per token.
 
@@ -321,6 +344,7 @@ def grpo_policy_loss(
         loss_type: how token losses become the micro-batch's loss (:func:`aggregate_loss`).
         importance_sampling_level: ``"token"`` or ``"sequence"`` ratios (see above).
         max_completion_length: the generation budget, for ``loss_type="dr_grpo"``.
+        weights: (B, T) per-token loss weights (module docstring); None = 1.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss; metrics (scalar float32 arrays) ``kl`` (masked
@@ -342,8 +366,12 @@ def grpo_policy_loss(
     ref_logprobs = mx.stop_gradient(ref_logprobs.astype(mx.float32))
     advantages = mx.stop_gradient(advantages.astype(mx.float32))[:, None]  # (B, 1)
     log_ratio = logprobs - old_logprobs  # (B, T)
+    kl = kl_estimate(logprobs, ref_logprobs, "k3")  # (B, T)
     if importance_sampling_level == "token":
         per_token, clipped, ratio = _clipped_surrogate(log_ratio, advantages, cliprange, upper)
+        if beta != 0:
+            per_token = per_token + beta * kl
+        per_token = _weighted(per_token, weights)
         indicators = _clip_indicators(ratio, advantages, cliprange, upper)
 
         def ratio_mean(x: mx.array) -> mx.array:
@@ -351,12 +379,13 @@ def grpo_policy_loss(
 
     elif importance_sampling_level == "sequence":
         counts = mx.sum(valid.astype(mx.float32), axis=1, keepdims=True)  # (B, 1)
-        seq_log_ratio = mx.sum(mx.where(valid, log_ratio, 0.0), axis=1, keepdims=True) / mx.maximum(
-            counts, 1.0
-        )  # (B, 1)
+        token_log_ratio = mx.where(valid, _weighted(log_ratio, weights), 0.0)  # (B, T)
+        seq_log_ratio = mx.sum(token_log_ratio, axis=1, keepdims=True) / mx.maximum(counts, 1.0)
         per_seq, clipped, ratio = _clipped_surrogate(seq_log_ratio, advantages, cliprange, upper)
         indicators = _clip_indicators(ratio, advantages, cliprange, upper)
         per_token = mx.broadcast_to(per_seq, log_ratio.shape)  # (B, T): each token its row's
+        if beta != 0:
+            per_token = per_token + _weighted(beta * kl, weights)
         has_tokens = counts > 0  # (B, 1)
 
         def ratio_mean(x: mx.array) -> mx.array:
@@ -367,9 +396,6 @@ def grpo_policy_loss(
             f"importance_sampling_level must be 'token' or 'sequence', got "
             f"{importance_sampling_level!r}"
         )
-    kl = kl_estimate(logprobs, ref_logprobs, "k3")  # (B, T)
-    if beta != 0:
-        per_token = per_token + beta * kl
     loss = aggregate_loss(per_token, valid, loss_type, max_completion_length)
     metrics = {
         "kl": _token_mean(kl, valid),
@@ -389,6 +415,7 @@ def rloo_policy_loss(
     cliprange: float,
     *,
     cliprange_high: float | None = None,
+    weights: mx.array | None = None,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """RLOO's loss as TRL's RLOOTrainer computes it: a clipped surrogate on whole sequences.
 
@@ -407,6 +434,7 @@ def rloo_policy_loss(
         mask: (B, T), nonzero on action tokens.
         cliprange: epsilon of the ratio clip (the lower one when ``cliprange_high`` is given).
         cliprange_high: upper epsilon; None = ``cliprange``.
+        weights: (B, T) per-token weights of the log-ratios (module docstring); None = 1.
 
     Returns:
         ``(loss, metrics)``: scalar float32 loss; metrics (scalar float32 arrays): ``clipfrac``,
@@ -421,7 +449,7 @@ def rloo_policy_loss(
     old_logprobs = mx.stop_gradient(old_logprobs.astype(mx.float32))
     advantages = mx.stop_gradient(advantages.astype(mx.float32))  # (B,)
     log_ratio = logprobs.astype(mx.float32) - old_logprobs  # (B, T)
-    seq_log_ratio = mx.sum(mx.where(valid, log_ratio, 0.0), axis=1)  # (B,)
+    seq_log_ratio = mx.sum(mx.where(valid, _weighted(log_ratio, weights), 0.0), axis=1)  # (B,)
     per_seq, clipped, ratio = _clipped_surrogate(seq_log_ratio, advantages, cliprange, upper)
     metrics = {
         "clipfrac": mx.mean(clipped),
