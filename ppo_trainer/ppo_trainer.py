@@ -686,6 +686,15 @@ class PPOTrainer:
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
+    def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
+        """Raise ``ValueError`` before any rollout when a reward function returns the wrong
+        number of scores, from a call on the first prompt twice (as a group repeats it) with
+        empty completions. Not for an overridden ``compute_scores`` (it reads the sequences)."""
+        if type(self).compute_scores is not PPOTrainer.compute_scores:
+            return
+        texts, _, columns = self._prepare_prompts(prompts, 0, 1)
+        self.rewards.check_call(texts * 2, repeat_columns(columns, 2))
+
     def _reward_description(self) -> str | None:
         """What scores the responses, as a resume compares it: the function's import path, the
         reward model's folder and fingerprint, or the overriding method (None: a reward model

@@ -158,6 +158,7 @@ class TrainingRun:
         texts, _, _ = t._prepare_prompts(self.prompts, 0, len(self.prompts))
         if self.eval_prompts:
             t._prepare_prompts(self.eval_prompts, 0, len(self.eval_prompts))
+        t._check_reward_call(self.prompts)  # after every column check: a trial call
         dist.check_same_on_all_ranks(
             json.dumps(texts).encode(),
             "the training prompts",
