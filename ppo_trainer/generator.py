@@ -338,8 +338,8 @@ def generate(
                 hits = _stop_string_hits(
                     row_tokens,
                     by_string,
-                    alive.tolist(),
-                    tokens.tolist(),
+                    cast(list[bool], alive.tolist()),
+                    cast(list[int], tokens.tolist()),
                     stop_strings,
                     decode,
                     window,

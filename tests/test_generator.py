@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -481,8 +481,8 @@ def test_stop_strings_end_a_response_at_the_token_that_completes_them(
     from ppo_trainer.generator import cut_after_stop_string
     from ppo_trainer.rollout import decode_completions
 
-    def decode(ids: list[int]) -> str:
-        return str(policy.tokenizer.decode(ids, skip_special_tokens=True))
+    def decode(ids: Sequence[int]) -> str:
+        return str(policy.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     settings: dict[str, Any] = dict(max_new_tokens=12, temperature=0.0, pad_token_id=PAD)
     free = generate(policy, prompts, stop_token_ids=[], **settings)
@@ -493,6 +493,7 @@ def test_stop_strings_end_a_response_at_the_token_that_completes_them(
         policy, prompts, stop_token_ids=[], stop_strings=[stop], decode=decode, **settings
     )
     _check_padding(out, PAD)
+    assert out.stopped_by_string is not None
     for b, row in enumerate(rows):
         # Naive: the first prefix whose whole decoded text holds the stop string.
         ends = [k + 1 for k in range(len(row)) if stop in decode(row[: k + 1])]

@@ -278,10 +278,10 @@ def test_a_reward_of_the_wrong_length_or_column_fails_before_any_rollout(
         calls.append(completions)
         return [0.0] * len(set(prompts))  # one per distinct prompt: a group's worth too few
 
-    def scalar(completions: list[str], **kwargs: Any) -> float:
+    def scalar(completions: list[str], **kwargs: Any) -> Any:
         return 0.0
 
-    def right(completions: list[str], **kwargs: Any) -> list[float | None]:
+    def right(completions: list[str], **kwargs: Any) -> Any:
         return [None] * len(completions)
 
     def no_generation(*args: Any, **kwargs: Any) -> Any:
