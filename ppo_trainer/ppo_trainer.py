@@ -534,7 +534,7 @@ class PPOTrainer:
                 [p for p in prompt_ids for _ in range(group)],
                 repeat_columns(columns, group),
                 self.sampling,
-                rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size, round=r),
+                rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size, extra_round=r),
             )
             rounds.append(more)
             informative += informative_groups(np.array(more.scores), group).tolist()

@@ -301,15 +301,15 @@ def side_by_side_pays(ref_model: ReferenceModel | PolicyModel, query_responses: 
     return query_responses.size * sum(v.size for _, v in flat) >= MIN_SIDE_BY_SIDE_WORK
 
 
-def rollout_keys(seed: int, step: int, n: int, round: int = 0) -> mx.array:
+def rollout_keys(seed: int, step: int, n: int, extra_round: int = 0) -> mx.array:
     """One PRNG key per sequence of a global rollout batch of ``n`` sequences, (n, 2).
 
     Sequence ``k`` (sample ``k % group_size`` of prompt ``k // group_size``) samples from key
     ``k`` whichever rank generates it, so a data-parallel run draws the responses one process
-    would, and a resumed run those of an uninterrupted one. ``round``: the step's extra
+    would, and a resumed run those of an uninterrupted one. ``extra_round``: the step's extra
     generation round (dynamic sampling), each with keys of its own.
     """
-    entropy = [seed, step, 2] if round == 0 else [seed, step, 2, round]
+    entropy = [seed, step, 2] if extra_round == 0 else [seed, step, 2, extra_round]
     key_seed = int(np.random.default_rng(entropy).integers(2**63))
     return mx.random.split(mx.random.key(key_seed), n)
 
