@@ -98,6 +98,12 @@ class PPOConfig(ModelConfig, TrainingConfig):
             Qwen3 (thinking off); None = none.
         system_prompt: A system message put first in every chat prompt that has none; None =
             none. Plain-text prompts are used as they are.
+        stop_strings: Strings that end a response, as transformers' generate(stop_strings=...):
+            a response stops at the token that completes the first of them; the stop string
+            stays in the completion the reward reads (any text after it in that token is cut),
+            and the tokens up to it are trained as a stop token is. vLLM drops it unless
+            include_stop_str_in_output; here it is kept, so a format reward can see it. None
+            = only stop_token_ids stop. Not with async_rollout.
         rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
             KL's policy side) come from: "sampling" keeps those the sampler computed from the
             same logits, the same function of the same weights, saving one forward pass of the
@@ -201,6 +207,14 @@ class PPOConfig(ModelConfig, TrainingConfig):
         mask_truncated_completions: Leave responses that hit max_new_tokens without a stop
             token out of the policy loss (DAPO; TRL's option); their scores still enter the
             group statistics. Not for "ppo" (its value model trains on every token).
+        dynamic_sampling: Drop the groups whose group_size scores are all equal (their
+            advantages are 0: they teach nothing) and refill the batch with groups of the next
+            prompts, generating further batches of batch_size prompts (DAPO's dynamic sampling,
+            verl's filter_groups). A batch still short after max_num_gen_batches is completed
+            with dropped groups, with a warning. Group algorithms only; one process, not with
+            async_rollout.
+        max_num_gen_batches: Most generation batches per step with dynamic_sampling, the first
+            included (verl's filter_groups.max_num_gen_batches; >= 1).
         eval_temperature: Sampling temperature at evaluation; 0 = greedy.
         eval_max_new_tokens: Most tokens generated per evaluation response; None = max_new_tokens.
         log_rollouts_every: Steps between rollout records (rollouts/step_NNNNNN.jsonl in
@@ -221,6 +235,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     stop_token_ids: list[int] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     system_prompt: str | None = None
+    stop_strings: list[str] | None = None
     rollout_logprobs: RolloutLogprobs = "sampling"
     async_rollout: bool = False
     kl_coef: float = 0.05
@@ -248,6 +263,8 @@ class PPOConfig(ModelConfig, TrainingConfig):
     loss_type: LossType = "bnpo"
     importance_sampling_level: ImportanceSamplingLevel = "token"
     mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 10
     entropy_coef: float = 0.0
     think_loss_weight: float = 1.0
     answer_loss_weight: float = 1.0
@@ -313,6 +330,21 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 self.eval_max_new_tokens,
                 ">= 1 or null",
                 "set a positive number of tokens, or null to use max_new_tokens",
+            )
+        if self.stop_strings is not None:
+            require(
+                all(isinstance(s, str) and s for s in self.stop_strings),
+                "stop_strings",
+                self.stop_strings,
+                "a list of non-empty strings or null",
+                'list the strings that end a response, e.g. ["</answer>"], or null for none',
+            )
+            require(
+                not self.async_rollout,
+                "stop_strings",
+                self.stop_strings,
+                "null when async_rollout is on",
+                "the generation worker stops at stop_token_ids only: set async_rollout: false",
             )
         if self.async_rollout:
             require(
@@ -487,6 +519,31 @@ class PPOConfig(ModelConfig, TrainingConfig):
                 'false when algorithm is "ppo"',
                 "PPO's value model learns from every token; use it with grpo, rloo or "
                 "reinforce_pp, or set missing_eos_penalty to discourage truncation",
+            )
+        require(
+            self.max_num_gen_batches >= 1,
+            "max_num_gen_batches",
+            self.max_num_gen_batches,
+            ">= 1",
+            "set the most generation batches per step, e.g. 10 (verl's 0, no bound, is not "
+            "offered: a reward equal on every response would generate forever)",
+        )
+        if self.dynamic_sampling:
+            require(
+                self.algorithm in GROUP_ALGORITHMS,
+                "dynamic_sampling",
+                self.dynamic_sampling,
+                f"false when algorithm is {self.algorithm!r}",
+                "it drops groups of responses to one prompt whose scores are all equal; use "
+                f"it with one of {', '.join(GROUP_ALGORITHMS)}",
+            )
+            require(
+                not self.async_rollout,
+                "dynamic_sampling",
+                self.dynamic_sampling,
+                "false when async_rollout is on",
+                "the worker generates the next batch before this one is filtered: set "
+                "async_rollout: false",
             )
         if self.algorithm == "reinforce_pp_baseline":
             require(

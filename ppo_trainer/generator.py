@@ -29,7 +29,7 @@ data-parallel ranks generate any slice of a global batch and get the samples one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, Callable, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -54,6 +54,9 @@ class GenerationOutput:
             top-k / top-p filtering; 0 after the end. ``None`` unless requested.
         entropy: ``(B, T)`` float32 entropy (nats) of that distribution at each step; 0 after
             the end. ``None`` unless log-probs are requested.
+        stopped_by_string: ``(B,)`` bool, ``True`` where a stop string ended the response (its
+            last token completes the string; ``ended_with_stop`` is then ``True`` too).
+            ``None`` when generation had no stop strings.
     """
 
     responses: mx.array
@@ -61,6 +64,26 @@ class GenerationOutput:
     ended_with_stop: mx.array
     logprobs: mx.array | None = None
     entropy: mx.array | None = None
+    stopped_by_string: mx.array | None = None
+
+
+def stop_string_window(stop_strings: Sequence[str]) -> int:
+    """How many of a response's last tokens are decoded to look for ``stop_strings``: 4 per
+    character of the longest (a token carries at least one byte, a character at most 4) plus 4
+    for tokens that decode to nothing (special tokens)."""
+    return 4 * max(len(s) for s in stop_strings) + 4
+
+
+def ends_in_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
+    """Whether ``text`` (a response's decoded tail) contains one of ``stop_strings``."""
+    return any(s in text for s in stop_strings)
+
+
+def cut_after_stop_string(text: str, stop_strings: Sequence[str]) -> str:
+    """``text`` up to and including the stop string that ends first in it (the text a token
+    carried past it dropped); ``text`` itself when none occurs."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return text[: min(ends)] if ends else text
 
 
 def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
@@ -185,6 +208,8 @@ def generate(
     return_logprobs: bool = False,
     keys: mx.array | None = None,
     prefill_once: bool | None = None,
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
 ) -> GenerationOutput:
     """Sample up to ``max_new_tokens`` tokens after each prompt, all prompts at once.
 
@@ -207,6 +232,11 @@ def generate(
             the other rows or the global random state. None: the global state. Unused if greedy.
         prefill_once: prefill each distinct prompt once and repeat its cache to the rows that
             repeat it (see the module doc); None = unless under plain MLX.
+        stop_strings: a response also ends at the token that completes one of these (as
+            transformers' ``stop_strings``): each step decodes each running row's last
+            :func:`stop_string_window` tokens with ``decode`` (one host read of the step's
+            tokens), not its whole text.
+        decode: token ids to text; needed with ``stop_strings``.
 
     Decoding stops as soon as every sequence has produced a stop token.
 
@@ -228,6 +258,8 @@ def generate(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+    if stop_strings and decode is None:
+        raise ValueError("stop_strings needs decode, the function from token ids to text")
     if keys is not None and (tuple(keys.shape) != (len(prompts), 2) or keys.dtype != mx.uint32):
         raise ValueError(
             f"keys must be a ({len(prompts)}, 2) uint32 array, one PRNG key per prompt (e.g. "
@@ -277,6 +309,9 @@ def generate(
         step_logprobs: list[mx.array] = []
         step_entropy: list[mx.array] = []
         step_alive: list[mx.array] = []
+        window = stop_string_window(stop_strings) if stop_strings else 0
+        row_tokens: list[list[int]] = [[] for _ in prompts]  # the running rows' tokens, on the host
+        by_string = [False] * len(prompts)
         for t in range(max_new_tokens):
             tokens, token_logprobs, entropy = _sample(
                 logits,
@@ -294,11 +329,26 @@ def generate(
             if entropy is not None:
                 step_entropy.append(mx.where(alive, entropy, 0.0))
             step_alive.append(alive)
-            if t == max_new_tokens - 1:
+            last = t == max_new_tokens - 1
+            if not last:
+                logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
+                mx.async_eval(logits, done, tokens, token_logprobs)
+            if stop_strings:  # read while the next forward runs
+                assert decode is not None
+                hits = _stop_string_hits(
+                    row_tokens,
+                    by_string,
+                    cast(list[bool], alive.tolist()),
+                    cast(list[int], tokens.tolist()),
+                    stop_strings,
+                    decode,
+                    window,
+                )
+                if hits:
+                    done = mx.logical_or(done, mx.array(by_string))
+            if last:
                 break
-            logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
-            mx.async_eval(logits, done, tokens, token_logprobs)
-            if stop_ids.size and done.all().item():  # the one host sync of the step
+            if (stop_ids.size or stop_strings) and done.all().item():  # the step's host sync
                 break
     finally:
         lm.train(was_training)
@@ -316,4 +366,27 @@ def generate(
         ended_with_stop=done,
         logprobs=None if logprobs is None else logprobs[:, :width],
         entropy=None if entropies is None else entropies[:, :width],
+        stopped_by_string=mx.array(by_string) if stop_strings else None,
     )
+
+
+def _stop_string_hits(
+    rows: list[list[int]],
+    by_string: list[bool],
+    alive: list[bool],
+    tokens: list[int],
+    stop_strings: Sequence[str],
+    decode: Callable[[list[int]], str],
+    window: int,
+) -> bool:
+    """Append this step's ``tokens`` to the ``alive`` ``rows`` and mark in ``by_string`` (in
+    place) those whose last ``window`` tokens now contain a stop string; whether any did. A
+    row stops at its first match, so a match found is the new token's."""
+    hit = False
+    for b, (live, token) in enumerate(zip(alive, tokens)):
+        if not live or by_string[b]:
+            continue
+        rows[b].append(token)
+        if ends_in_stop_string(decode(rows[b][-window:]), stop_strings):
+            by_string[b] = hit = True
+    return hit

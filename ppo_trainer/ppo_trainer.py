@@ -42,7 +42,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,6 +89,7 @@ from ppo_trainer.prompt_records import (
     slice_columns,
     split_records,
 )
+from ppo_trainer.dynamic_sampling import choose_groups, informative_groups, take_groups
 from ppo_trainer.evaluation import evaluate_rollouts
 from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import (
@@ -212,6 +213,12 @@ class PPOTrainer:
                 f"{self.world_size} data-parallel processes: set async_rollout: false, or "
                 "launch one process"
             )
+        if config.dynamic_sampling and self.world_size > 1:
+            raise ValueError(
+                f"dynamic_sampling filters the groups of one process's batch; this run has "
+                f"{self.world_size} data-parallel processes: set dynamic_sampling: false, or "
+                "launch one process"
+            )
         if config.async_rollout and policy is not None:
             raise ValueError(
                 "async_rollout builds the generation worker's policy from the config "
@@ -268,6 +275,10 @@ class PPOTrainer:
         #: The running statistics of the scores (``normalize_reward``), checkpointed.
         self.reward_moments = RunningMoments()
         self.step_in_epoch = 0
+        #: Prompt batches the epoch's extra generation rounds (dynamic sampling) drew beyond one
+        #: per step: the data order's cursor is ``(step_in_epoch + extra_gen_batches) *
+        #: batch_size``; checkpointed.
+        self.extra_gen_batches = 0
         self.history: list[dict[str, float]] = []
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
@@ -359,6 +370,7 @@ class PPOTrainer:
         self,
         prompts: Sequence[PromptInput],
         next_prompts: Sequence[PromptInput] | None = None,
+        more_prompts: Callable[[int], Sequence[PromptInput]] | None = None,
     ) -> dict[str, float]:
         """One PPO/GRPO iteration on ``batch_size`` prompts (or prompt records); returns its
         metrics.
@@ -371,6 +383,12 @@ class PPOTrainer:
         :meth:`train` with ``config.async_rollout``) generates with the current policy while this
         step updates; ignored without a worker. This step takes its own responses from the
         worker when it was asked for exactly these prompts, else generates them itself.
+
+        ``more_prompts``: with ``config.dynamic_sampling``, ``more_prompts(k)`` is the batch of
+        the ``k``-th extra generation round (``k >= 1``), the next prompts in the data order;
+        :meth:`train` passes it and moves its cursor past the rounds used
+        (``dynamic_sampling/num_gen_batches - 1``). None: no extra rounds (a short batch is
+        completed with uninformative groups).
         """
         cfg = self.config
         if len(prompts) != cfg.batch_size:
@@ -401,6 +419,9 @@ class PPOTrainer:
                 keys,
                 generation=generation,
             )
+            sampled = None
+            if cfg.dynamic_sampling:
+                rollout, sampled = self._dynamic_sampling(rollout, more_prompts, step)
         except ValueError as err:  # a reward that is NaN or not numbers: name the step
             raise ValueError(f"step {step}: {err}") from err
         if ended_at_once(rollout.generation):
@@ -470,6 +491,8 @@ class PPOTrainer:
         )
         if rollout.reward_metrics:  # several rewards: each one's mean and spread
             metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
+        if sampled is not None:  # of every group generated, not only those kept
+            metrics.update(sampled)
         if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()
@@ -489,6 +512,62 @@ class PPOTrainer:
         )
         self.global_step = step
         return metrics
+
+    def _dynamic_sampling(
+        self,
+        first: Rollout,
+        more_prompts: Callable[[int], Sequence[PromptInput]] | None,
+        step: int,
+    ) -> tuple[Rollout, dict[str, float]]:
+        """Dynamic sampling (:mod:`ppo_trainer.dynamic_sampling`): generation rounds on
+        ``more_prompts(1), more_prompts(2), ...`` until ``batch_size`` groups have differing
+        scores or ``max_num_gen_batches`` rounds ran; the rollout of the groups chosen
+        (:func:`choose_groups`) and the metrics: ``dynamic_sampling/num_gen_batches``,
+        ``/groups_dropped`` (uninformative groups left out), ``/extra_rollouts`` (responses
+        generated beyond the first round) and ``frac_reward_zero_std`` over every group
+        generated. A batch still short is completed with uninformative groups, with a warning."""
+        cfg = self.config
+        group, groups = cfg.group_size, cfg.batch_size
+        rounds = [first]
+        informative = informative_groups(np.array(first.scores), group).tolist()
+        while sum(informative) < groups and len(rounds) < cfg.max_num_gen_batches:
+            if more_prompts is None:
+                break
+            r = len(rounds)
+            texts, prompt_ids, columns = self._prepare_prompts(more_prompts(r), 0, groups)
+            more = self._rollout(
+                [t for t in texts for _ in range(group)],
+                [p for p in prompt_ids for _ in range(group)],
+                repeat_columns(columns, group),
+                self.sampling,
+                rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size, extra_round=r),
+            )
+            rounds.append(more)
+            informative += informative_groups(np.array(more.scores), group).tolist()
+        chosen, filled = choose_groups(informative, groups)
+        if filled:
+            logger.warning(
+                "step %d: dynamic sampling found %d of the batch's %d groups with differing "
+                "scores in %d generation batch(es) (max_num_gen_batches=%d); the batch is "
+                "completed with %d groups whose scores are all equal, which teach nothing. "
+                "Raise max_num_gen_batches, or check that the reward can tell this model's "
+                "responses apart (the prompts may be too hard or too easy for it)",
+                step,
+                groups - filled,
+                groups,
+                len(rounds),
+                cfg.max_num_gen_batches,
+                filled,
+            )
+        metrics = {
+            "dynamic_sampling/num_gen_batches": float(len(rounds)),
+            "dynamic_sampling/groups_dropped": float(len(informative) - len(chosen)),
+            "dynamic_sampling/extra_rollouts": float((len(rounds) - 1) * cfg.rollout_batch_size),
+            "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
+        }
+        if len(rounds) == 1 and not filled:
+            return first, metrics
+        return take_groups(rounds, chosen, group, self.pad_token_id), metrics
 
     def _overlap_generation(
         self,
@@ -568,7 +647,9 @@ class PPOTrainer:
             texts,
             prompt_ids,
             sampling,
-            decode=lambda gen: decode_completions(gen, self.decode_completion),
+            decode=lambda gen: decode_completions(
+                gen, self.decode_completion, sampling.stop_strings
+            ),
             score=score,
             score_source=self._score_source(),
             keys=keys,
@@ -611,6 +692,15 @@ class PPOTrainer:
         columns = {**columns, COMPLETION_IDS: []}
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
+
+    def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
+        """Raise ``ValueError`` before any rollout when a reward function returns the wrong
+        number of scores, from a call on the first prompt twice (as a group repeats it) with
+        empty completions. Not for an overridden ``compute_scores`` (it reads the sequences)."""
+        if type(self).compute_scores is not PPOTrainer.compute_scores:
+            return
+        texts, _, columns = self._prepare_prompts(prompts, 0, 1)
+        self.rewards.check_call(texts * 2, repeat_columns(columns, 2))
 
     def _reward_description(self) -> str | None:
         """What scores the responses, as a resume compares it: the function's import path, the

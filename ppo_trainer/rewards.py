@@ -12,7 +12,12 @@ import numpy as np
 
 from models.reward_model import RewardFunction, RewardModel
 from ppo_trainer.components import NamedReward
-from ppo_trainer.prompt_records import Columns, check_reward_function, reward_arguments
+from ppo_trainer.prompt_records import (
+    COMPLETION_IDS,
+    Columns,
+    check_reward_function,
+    reward_arguments,
+)
 from ppo_trainer.rollout import check_scores
 from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
 from rewards import check_reward_columns
@@ -75,6 +80,27 @@ class Rewards:
         out = self.fn(*args, **kwargs)
         return check_scores(out, len(completions), self.source), {}
 
+    def check_call(self, prompts: list[str], columns: Columns) -> None:
+        """Call each reward function once on ``prompts`` with empty completions, each column
+        of ``columns`` aligned with them, and raise ``ValueError`` before any rollout when one
+        does not return one score (or None) per completion. Only the count is checked: the
+        values of empty completions mean nothing."""
+        n = len(prompts)
+        completions = [""] * n
+        columns = {**columns, COMPLETION_IDS: [[] for _ in range(n)]}
+        functions: list[tuple[str, Any]] = [] if self.fn is None else [("", self.fn)]
+        functions += [(name, r) for name, r in self.funcs if not isinstance(r, RewardModel)]
+        for name, function in functions:
+            args, kwargs = reward_arguments(function, prompts, completions, columns)
+            count, what = _count(function(*args, **kwargs))
+            if count != n:
+                label = name or getattr(function, "__name__", repr(function))
+                raise ValueError(
+                    f"the reward {label} returned {what} for {n} completions in a trial call "
+                    f"before training (the first prompt {n} times, empty completions): it must "
+                    f"return a list with one score (or None) per completion, {n} here"
+                )
+
     def check_columns(self, columns: Columns) -> None:
         """Raise ``ValueError`` before any generation if a reward function needs a column that
         the prompts do not carry."""
@@ -83,3 +109,14 @@ class Rewards:
         for function in functions:
             check_reward_function(function, list(columns))
             check_reward_columns(function, list(columns))
+
+
+def _count(out: Any) -> tuple[int | None, str]:
+    """How many scores a reward returned (None: not a sequence) and a description of it."""
+    if isinstance(out, mx.array) or isinstance(out, np.ndarray):
+        if out.ndim == 0:
+            return None, f"a 0-d array ({out.item()!r})"
+        return out.size, f"{out.size} scores"
+    if isinstance(out, (list, tuple)):
+        return len(out), f"{len(out)} scores"
+    return None, f"{type(out).__name__} {out!r:.40}, not a list"

@@ -28,7 +28,7 @@ from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
-from ppo_trainer.generator import GenerationOutput, generate
+from ppo_trainer.generator import GenerationOutput, cut_after_stop_string, generate
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
@@ -54,6 +54,7 @@ class SamplingSettings:
         pad_token_id: id written after a response's end (never read: masks come from lengths).
         logprobs_from: "sampling" keeps the sampler's log-probs (the same function of the same
             logits), "forward" recomputes them with a forward pass over the whole sequences.
+        stop_strings: texts that also end a response (kept in its completion).
     """
 
     max_new_tokens: int
@@ -63,6 +64,7 @@ class SamplingSettings:
     stop_token_ids: Sequence[int]
     pad_token_id: int
     logprobs_from: Literal["sampling", "forward"] = "sampling"
+    stop_strings: tuple[str, ...] = ()
 
     @classmethod
     def from_config(
@@ -77,6 +79,7 @@ class SamplingSettings:
             stop_token_ids=stop_token_ids,
             pad_token_id=pad_token_id,
             logprobs_from=config.rollout_logprobs,
+            stop_strings=tuple(config.stop_strings or ()),
         )
 
     @property
@@ -135,7 +138,8 @@ def sample_responses(
     (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
     step instead of three. The sampling log-probs then differ from the loss's recomputation by
     float32 rounding, as a decoding step's (one query against a KV cache) already do. Not under
-    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`)."""
+    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`). Stop strings are looked
+    for in the text of the policy's tokenizer."""
     merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
     with generation_buffer_cache(), merged:
         return generate(
@@ -149,6 +153,8 @@ def sample_responses(
             pad_token_id=sampling.pad_token_id,
             return_logprobs=True,
             keys=keys,
+            stop_strings=sampling.stop_strings,
+            decode=lambda ids: str(policy.tokenizer.decode(ids, skip_special_tokens=True)),
         )
 
 
@@ -295,14 +301,16 @@ def side_by_side_pays(ref_model: ReferenceModel | PolicyModel, query_responses: 
     return query_responses.size * sum(v.size for _, v in flat) >= MIN_SIDE_BY_SIDE_WORK
 
 
-def rollout_keys(seed: int, step: int, n: int) -> mx.array:
+def rollout_keys(seed: int, step: int, n: int, extra_round: int = 0) -> mx.array:
     """One PRNG key per sequence of a global rollout batch of ``n`` sequences, (n, 2).
 
     Sequence ``k`` (sample ``k % group_size`` of prompt ``k // group_size``) samples from key
     ``k`` whichever rank generates it, so a data-parallel run draws the responses one process
-    would, and a resumed run those of an uninterrupted one.
+    would, and a resumed run those of an uninterrupted one. ``extra_round``: the step's extra
+    generation round (dynamic sampling), each with keys of its own.
     """
-    key_seed = int(np.random.default_rng([seed, step, 2]).integers(2**63))
+    entropy = [seed, step, 2] if extra_round == 0 else [seed, step, 2, extra_round]
+    key_seed = int(np.random.default_rng(entropy).integers(2**63))
     return mx.random.split(mx.random.key(key_seed), n)
 
 
@@ -313,11 +321,27 @@ def ended_at_once(gen: GenerationOutput) -> bool:
     return bool(mx.all(first_stop).item())
 
 
-def decode_completions(gen: GenerationOutput, decode: Callable[[Sequence[int]], str]) -> list[str]:
-    """Texts of the generated responses, each decoded without its stop token."""
-    ends = (np.array(gen.lengths) - np.array(gen.ended_with_stop).astype(np.int64)).tolist()
+def decode_completions(
+    gen: GenerationOutput,
+    decode: Callable[[Sequence[int]], str],
+    stop_strings: Sequence[str] = (),
+) -> list[str]:
+    """Texts of the generated responses, each decoded without its stop token; one a stop
+    string ended is decoded whole and cut right after the stop string (which it keeps)."""
+    lengths = np.array(gen.lengths)
+    by_string = (
+        np.zeros(len(lengths), bool)
+        if gen.stopped_by_string is None
+        else np.array(gen.stopped_by_string)
+    )
+    token_stop = np.array(gen.ended_with_stop) & ~by_string
+    ends = (lengths - token_stop.astype(np.int64)).tolist()
     rows = np.array(gen.responses).tolist()
-    return [decode(row[:end]) for row, end in zip(rows, ends)]
+    texts = [decode(row[:end]) for row, end in zip(rows, ends)]
+    return [
+        cut_after_stop_string(text, stop_strings) if cut else text
+        for text, cut in zip(texts, by_string.tolist())
+    ]
 
 
 def split_scores(out: Any, source: str) -> tuple[Any, dict[str, mx.array]]:

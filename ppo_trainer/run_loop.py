@@ -110,9 +110,13 @@ class TrainingRun:
             state.rollout_worker = worker if isinstance(worker, RolloutWorker) else None
             try:
                 while t.global_step < total and not stop.requested:
+                    drawn = [0]  # extra generation rounds of dynamic sampling, counted
                     metrics = t.step(
-                        self._next_batch(), self._batch_after_next(total, steps_per_epoch)
+                        self._next_batch(),
+                        self._batch_after_next(total, steps_per_epoch),
+                        self._more_prompts(drawn),
                     )
+                    t.extra_gen_batches += drawn[0]  # once the step is done: resumes are exact
                     self._record(metrics, steps_per_epoch, total, run_log)
                     if cfg.save_every and t.global_step % cfg.save_every == 0:
                         t.save_checkpoint()
@@ -154,6 +158,7 @@ class TrainingRun:
         texts, _, _ = t._prepare_prompts(self.prompts, 0, len(self.prompts))
         if self.eval_prompts:
             t._prepare_prompts(self.eval_prompts, 0, len(self.eval_prompts))
+        t._check_reward_call(self.prompts)  # after every column check: a trial call
         dist.check_same_on_all_ranks(
             json.dumps(texts).encode(),
             "the training prompts",
@@ -225,6 +230,21 @@ class TrainingRun:
         """The prompts of the next step (see :meth:`_batch_at`)."""
         return self._batch_at(self.trainer.epoch, self.trainer.step_in_epoch)
 
+    def _more_prompts(self, drawn: list[int]) -> Any:
+        """With dynamic_sampling, the batch of the next step's ``k``-th extra generation round
+        (the batches after its own, in the epoch's order), counting in ``drawn[0]`` how many
+        it drew; None without dynamic_sampling."""
+        t = self.trainer
+        if not t.config.dynamic_sampling:
+            return None
+        epoch, position = t.epoch, t.step_in_epoch
+
+        def more(k: int) -> list[PromptInput]:
+            drawn[0] = max(drawn[0], k)
+            return self._batch_at(epoch, position + k)
+
+        return more
+
     def _batch_after_next(self, total: int, steps_per_epoch: int) -> list[PromptInput] | None:
         """With async_rollout, the prompts of the step after the next one (what the worker
         generates while the next one updates); None without it or when the next step is the
@@ -239,11 +259,12 @@ class TrainingRun:
 
     def _batch_at(self, epoch: int, step_in_epoch: int) -> list[PromptInput]:
         """The prompts of step ``step_in_epoch`` of ``epoch``: the epoch's permutation (a
-        function of seed and epoch), wrapping around at the end of the prompt list."""
+        function of seed and epoch), wrapping around at the end of the prompt list, after the
+        batches dynamic sampling drew this epoch (``trainer.extra_gen_batches``)."""
         t = self.trainer
         n = len(self.prompts)
         order = np.random.default_rng([t.config.seed, epoch]).permutation(n)
-        start = step_in_epoch * t.config.batch_size
+        start = (step_in_epoch + t.extra_gen_batches) * t.config.batch_size
         return [self.prompts[int(order[(start + k) % n])] for k in range(t.config.batch_size)]
 
     def _start_worker(self, resumed: bool) -> RolloutWorker:
@@ -304,6 +325,7 @@ class TrainingRun:
             cb.on_epoch_end(t, t.epoch, summary)
         t.epoch += 1
         t.step_in_epoch = 0
+        t.extra_gen_batches = 0
 
     def _evaluate(self) -> dict[str, float]:
         """An evaluation during the run, recorded (overrides of evaluate() that call the base

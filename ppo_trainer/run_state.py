@@ -247,15 +247,16 @@ def check_same_weights(trainer: PPOTrainer, moment: str) -> None:
 
 def save_trainer_state(trainer: PPOTrainer) -> Path:
     """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
-    states, and the JSON state (counters, KL controller, history, config, number of processes,
-    schedule, BLAS threads, the run's inputs, the scores' running statistics, the SFT data cursor);
-    returns its directory.
+    states, and the JSON state (counters and the data cursor, KL controller, history, config,
+    number of processes, schedule, BLAS threads, the run's inputs, the scores' running statistics,
+    the SFT data cursor); returns its directory.
     """
     plan = trainer.lr_plan
     state = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
         "step_in_epoch": trainer.step_in_epoch,
+        "extra_gen_batches": trainer.extra_gen_batches,
         "kl_controller": trainer.kl_ctl.state_dict(),
         "history": trainer.history,
         "config": config_to_dict(trainer.config),
@@ -284,6 +285,7 @@ def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
     trainer.global_step = int(state["global_step"])
     trainer.epoch = int(state["epoch"])
     trainer.step_in_epoch = int(state["step_in_epoch"])
+    trainer.extra_gen_batches = int(state.get("extra_gen_batches", 0))
     trainer.history = list(state["history"])
     moments = state.get("reward_moments")  # normalize_reward's statistics (none: before them)
     trainer.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()

@@ -240,11 +240,13 @@ def cosine_scaled(
 ) -> float:
     """open-r1's cosine-scaled reward (Yeo et al., "Demystifying Long CoT"):
 
-    ``r = lo + (hi - lo) * (1 + cos(pi * L / L_max)) / 2``, with ``(lo, hi) =
+    ``r = lo + (hi - lo) * (1 + cos(pi * min(L / L_max, 1))) / 2``, with ``(lo, hi) =
     (min_value_correct, max_value_correct)`` when correct (short and right is best) and
     ``(max_value_wrong, min_value_wrong)`` when wrong (a long wrong answer is punished less).
+    ``L`` beyond ``L_max`` counts as ``L_max`` (as TRL's ``get_cosine_scaled_reward``): the
+    cosine would otherwise climb back and reward very long completions.
     """
-    cosine = math.cos(length / max_length * math.pi)
+    cosine = math.cos(min(length / max_length, 1.0) * math.pi)
     if correct:
         lo, hi = min_value_correct, max_value_correct
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -473,3 +473,60 @@ def test_groups_prefilled_once_sample_what_a_full_prefill_samples(
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-4, err_msg=field)
         # The samples of a group differ (each row draws its own tokens).
         assert len({tuple(r) for r in _np(once.responses)[:4].tolist()}) > 1
+
+
+def test_stop_strings_end_a_response_at_the_token_that_completes_them(
+    policy: PolicyModel, prompts: list[list[int]]
+) -> None:
+    from ppo_trainer.generator import cut_after_stop_string
+    from ppo_trainer.rollout import decode_completions
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(policy.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    settings: dict[str, Any] = dict(max_new_tokens=12, temperature=0.0, pad_token_id=PAD)
+    free = generate(policy, prompts, stop_token_ids=[], **settings)
+    rows = _np(free.responses).tolist()
+    stop = decode(rows[0][3:5])  # completed by row 0's token 4 (perhaps earlier, elsewhere)
+    assert stop.strip()
+    out = generate(
+        policy, prompts, stop_token_ids=[], stop_strings=[stop], decode=decode, **settings
+    )
+    _check_padding(out, PAD)
+    assert out.stopped_by_string is not None
+    for b, row in enumerate(rows):
+        # Naive: the first prefix whose whole decoded text holds the stop string.
+        ends = [k + 1 for k in range(len(row)) if stop in decode(row[: k + 1])]
+        length = ends[0] if ends else len(row)
+        assert int(out.lengths[b]) == length
+        assert _np(out.responses)[b, :length].tolist() == row[:length]
+        assert bool(out.ended_with_stop[b]) == bool(out.stopped_by_string[b]) == bool(ends)
+    assert int(out.lengths[0]) <= 5
+    texts = decode_completions(out, decode, [stop])
+    for b, text in enumerate(texts):
+        whole = decode(_np(out.responses)[b, : int(out.lengths[b])].tolist())
+        assert text == (cut_after_stop_string(whole, [stop]) if out.stopped_by_string[b] else whole)
+        if out.stopped_by_string[b]:
+            assert text.endswith(stop) and text.count(stop) == 1
+    with pytest.raises(ValueError, match="stop_strings needs decode"):
+        generate(policy, prompts, stop_token_ids=[], stop_strings=["x"], **settings)
+
+
+def test_cut_after_stop_string_keeps_the_first_string_to_end() -> None:
+    from ppo_trainer.generator import cut_after_stop_string
+
+    assert cut_after_stop_string("a</b>c</b>", ["</b>"]) == "a</b>"
+    assert cut_after_stop_string("xy END. more", ["END", "y"]) == "xy"
+    assert cut_after_stop_string("no stop here", ["END"]) == "no stop here"
+
+
+def test_stop_strings_settings_are_checked() -> None:
+    from config.ppo_config import PPOConfig
+    from ppo_trainer.rollout import SamplingSettings
+
+    cfg = PPOConfig(model_name="m", stop_strings=["</answer>"])
+    assert SamplingSettings.from_config(cfg, [2], 0).stop_strings == ("</answer>",)
+    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+        PPOConfig(model_name="m", stop_strings=[""])
+    with pytest.raises(ValueError, match="stop_strings must be null when async_rollout is on"):
+        PPOConfig(model_name="m", stop_strings=["x"], async_rollout=True)

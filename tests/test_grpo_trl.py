@@ -226,3 +226,42 @@ class _KeepRollout(TrainerCallback):
 
     def on_rollout_scored(self, trainer: PPOTrainer, step: int, rollout: Any) -> None:
         self.rollouts.append(rollout)
+
+
+def test_stop_strings_end_the_rollouts_completions(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from ppo_trainer.generator import cut_after_stop_string
+
+    stops = ["e", "a", "o", "t"]
+    seen: list[str] = []
+
+    def record(prompts: list[str], completions: list[str]) -> list[float]:
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    cfg = config(
+        tiny_model_dir,
+        tmp_path,
+        algorithm="grpo",
+        group_size=2,
+        beta=0.0,
+        use_lora=False,
+        num_ppo_epochs=1,
+        stop_strings=stops,
+    )
+    trainer = PPOTrainer(cfg, reward_model=record)
+    keep = _KeepRollout()
+    trainer.run.callbacks.append(keep)
+    trainer.step(review_prompts(cfg.batch_size, seed=0))
+    rollout = keep.rollouts[-1]
+    by_string = np.array(rollout.generation.stopped_by_string)
+    assert by_string.any()  # the tiny model writes these letters within 16 tokens
+    assert seen == rollout.completions
+    for completion, cut in zip(rollout.completions, by_string):
+        if cut:  # the completion ends with its first stop string, which it keeps
+            assert any(completion.endswith(s) for s in stops)
+            assert cut_after_stop_string(completion, stops) == completion
+        else:
+            assert not any(s in completion for s in stops)
+    np.testing.assert_array_equal(
+        np.array(rollout.mask).sum(axis=1), np.array(rollout.generation.lengths)
+    )

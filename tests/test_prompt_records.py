@@ -269,6 +269,54 @@ def test_reward_arguments_call_trl_style_functions_by_keyword() -> None:
         reward_arguments(needs_missing, ["Q"], ["c"], columns)
 
 
+def test_a_reward_of_the_wrong_length_or_column_fails_before_any_rollout(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[str]] = []
+
+    def per_prompt(prompts: list[str], completions: list[str]) -> list[float]:
+        calls.append(completions)
+        return [0.0] * len(set(prompts))  # one per distinct prompt: a group's worth too few
+
+    def scalar(completions: list[str], **kwargs: Any) -> Any:
+        return 0.0
+
+    def right(completions: list[str], **kwargs: Any) -> Any:
+        return [None] * len(completions)
+
+    def no_generation(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("generated before checking the reward")
+
+    monkeypatch.setattr(rollout_module, "sample_responses", no_generation)
+    records = [{"prompt": p, "answer": "B"} for p in PROMPTS[:2]]
+    grpo = dict(algorithm="grpo", group_size=2, beta=0.0, batch_size=1)
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path, **grpo), reward_model=per_prompt)
+    message = "the reward per_prompt returned 1 scores for 2 completions in a trial call"
+    with pytest.raises(ValueError, match=message):
+        trainer.train(records)
+    assert calls == [["", ""]]  # once, on the first prompt twice, empty completions
+    trainer.rewards.fn = scalar
+    with pytest.raises(ValueError, match="the reward scalar returned float 0.0, not a list"):
+        trainer.train(records)
+    trainer.rewards.fn = right
+    trainer._check_reward_call(records)  # a right one passes
+    import rewards
+
+    monkeypatch.setitem(
+        rewards.registry._REGISTRY,
+        "test_scalar",
+        rewards.RewardInfo("test_scalar", scalar, (), "A scalar."),
+    )
+    funcs = make_config(
+        tiny_model_dir, tmp_path, reward_funcs=["mcq_accuracy", "test_scalar"], **grpo
+    )
+    with pytest.raises(ValueError, match="the reward test_scalar returned float"):
+        PPOTrainer(funcs).train(records)
+    # A column a built-in reads, missing from the records: named before any rollout too.
+    with pytest.raises(ValueError, match=r"mcq_accuracy needs the column\(s\) \['answer'\]"):
+        PPOTrainer(funcs).train(PROMPTS[:2])
+
+
 def test_a_trl_style_reward_trains_and_gets_the_completion_ids(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -227,8 +227,8 @@ def test_overflowing_rewards_stop_the_run_before_any_update(
     calls = {"n": 0}
 
     def overflowing(prompts: list[str], completions: list[str]) -> list[float]:
-        calls["n"] += 1
-        return [1e30 if calls["n"] >= 2 else 1.0] * len(completions)
+        calls["n"] += 1  # call 1 is train()'s trial call, call 3 step 2's scoring
+        return [1e30 if calls["n"] >= 3 else 1.0] * len(completions)
 
     run = tmp_path / "run"
     trainer = PPOTrainer(make_config(tiny_model_dir, run, total_steps=4), reward_model=overflowing)

@@ -130,7 +130,8 @@ def test_a_nan_reward_names_the_step(tiny_model_dir: Path, tmp_path: Path) -> No
 
     def nan_at_second(prompts: list[str], completions: list[str]) -> list[float]:
         calls["n"] += 1
-        return [math.nan if calls["n"] == 2 else 1.0 for _ in completions]
+        # Call 1 is train()'s trial call (empty completions), call 3 step 2's scoring.
+        return [math.nan if calls["n"] == 3 else 1.0 for _ in completions]
 
     trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=nan_at_second)
     with pytest.raises(ValueError, match="^step 2: .*non-finite scores"):

@@ -401,3 +401,75 @@ class _KeepRollout(TrainerCallback):
 
     def on_rollout_scored(self, trainer: Any, step: int, rollout: Any) -> None:
         self.rollouts.append(rollout)
+
+
+# --------------------------------------------------------------------------- against TRL
+
+
+def test_built_ins_equal_trls_rewards_where_they_mean_the_same() -> None:
+    """trl.rewards (TRL 1.12) on the same inputs, recorded by tests/trl_rewards_reference.py in
+    a throwaway venv with trl (CI has none). Where ours differ, on purpose, the case is listed
+    with both values:
+
+    - think_format is stricter than think_format_reward: an answer must follow ``</think>``
+      and there is one ``</think>`` only; it allows whitespace before ``<think>``, TRL none.
+    - math_accuracy takes a plain final answer ("The answer is 4."), TRL only LaTeX.
+    - repetition_penalty counts n-grams of lower-cased words (open-r1), TRL of token ids: TRL
+      is given the words as ids here, so the formula is what is compared.
+    - cosine_length measures characters (open-r1), TRL tokens: the completions are padded to
+      the token count here.
+    """
+    import json
+
+    from rewards.builtin import (
+        cosine_length,
+        math_accuracy,
+        repetition_penalty,
+        soft_overlong,
+        think_format,
+    )
+    from tests import trl_rewards_reference as ref
+
+    trl = json.loads(ref.OUT.read_text())
+
+    def blank(n: int) -> list[str]:
+        return [""] * n
+
+    def compare(ours: list[Any], theirs: list[Any], differ: dict[int, tuple[Any, Any]]) -> None:
+        assert len(ours) == len(theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if i in differ:
+                assert (a, b) == differ[i], i
+            else:
+                assert (a is None and b is None) or a == pytest.approx(b, abs=1e-12), i
+
+    cases = list(ref.THINK_CASES)
+    compare(
+        think_format(blank(len(cases)), cases),
+        trl["think_format"],
+        {5: (0.0, 1.0), 6: (0.0, 1.0), 7: (1.0, 0.0)},  # empty answer, two </think>, blank first
+    )
+    for key, table in (
+        ("accuracy", ref.ACCURACY_CASES),
+        ("reasoning_accuracy", ref.REASONING_CASES),
+    ):
+        texts, solutions = (list(c) for c in zip(*table))
+        differ = {8: (1.0, 0.0)} if key == "accuracy" else {}  # "The answer is 4."
+        compare(math_accuracy(blank(len(texts)), texts, solution=solutions), trl[key], differ)
+    ids = [[1] * n for n in ref.SOFT_OVERLONG_LENGTHS]
+    max_length, cache = ref.SOFT_OVERLONG
+    overlong = soft_overlong(
+        blank(len(ids)), blank(len(ids)), ids, max_length=max_length, cache=cache
+    )
+    compare(overlong, trl["soft_overlong"], {})
+    texts, solutions, lengths = (list(c) for c in zip(*ref.COSINE_CASES))
+    padded = [t + " " * (n - len(t)) for t, n in zip(texts, lengths)]
+    cosine = cosine_length(
+        blank(len(texts)), padded, solution=solutions, max_length=ref.COSINE_MAX_LEN
+    )
+    compare(cosine, trl["cosine"], {})
+    repetition = [
+        repetition_penalty([""], [text], ngram_size=n, max_penalty=-1.0)[0]
+        for text, n in ref.REPETITION_CASES
+    ]
+    compare(repetition, trl["repetition"], {})

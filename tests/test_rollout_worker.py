@@ -166,7 +166,7 @@ def test_the_worker_ends_when_training_fails(tiny_model_dir: Path, tmp_path: Pat
 
     def failing_reward(prompts: list[str], completions: list[str]) -> list[float]:
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 3:  # step 2 (call 1 is train()'s trial call)
             raise RuntimeError("reward service down")
         return e_rate(prompts, completions)
 
