@@ -525,7 +525,7 @@ class SupervisedTrainer(Generic[E, B]):
         if self.world_size == 1:
             weights = [n / local_total for _, n in micro] if len(micro) > 1 else [1.0]
         else:
-            total = dist.all_sum(mx.array(float(local_total)), self.group).item()
+            total = float(np.asarray(dist.all_sum(mx.array(float(local_total)), self.group)))
             weights = [self.world_size * n / total for _, n in micro]
         metrics = optimizer_step(
             self.model,

@@ -393,6 +393,10 @@ STAGE_SETTINGS: dict[str, Any] = dict(
 )
 
 
+def flat_weights(model: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in dict(tree_flatten(model.trainable_parameters())).items()}
+
+
 @pytest.fixture(scope="module")
 def stage_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The DPO and SFT runs on two ranks (one launch) and in one process."""
@@ -424,9 +428,9 @@ def stage_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             root / "run.yaml", [*settings, f"output_dir={root / name / 'single'}"], config_class
         )
         trainer = trainer_class(config)
-        initial = {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+        initial = flat_weights(trainer.model)
         history = trainer.train(load(data), load(held_out))
-        final = {k: np.array(v) for k, v in tree_flatten(trainer.model.trainable_parameters())}
+        final = flat_weights(trainer.model)
         single[name] = {"initial": initial, "final": final, "history": history}
     (root / "runs.json").write_text(json.dumps(runs))
     command = ["-m", "tests.distributed_helpers", "stages", str(root / "dump")]
