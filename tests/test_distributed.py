@@ -476,3 +476,13 @@ def test_two_ranks_train_a_supervised_stage_like_one_process(
         for key in (f"loss/{stage}", "grad_norm", "eval/loss", "rewards/margins", "sft/tokens"):
             if key in want:
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_rank_share_cuts_a_batch_into_contiguous_near_equal_shares() -> None:
+    from finetune.supervised_trainer import rank_share
+
+    batch = list(range(8))
+    assert [rank_share(batch, r, 2) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_share(batch[:5], r, 2) for r in (0, 1)] == [[0, 1], [2, 3, 4]]
+    assert [rank_share(batch[:1], r, 2) for r in (0, 1)] == [[], [0]]  # an empty share
+    assert [rank_share(batch, 0, 1)] == [batch]
