@@ -266,12 +266,20 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(Path(args.output_dir), fresh=args.fresh, ppo_steps=args.ppo_steps, smoke=args.smoke)
 
 
+def _print_on_main_process(text: str) -> None:
+    """Print ``text`` once: on rank 0 of a data-parallel run (``mlx.launch``)."""
+    from base_setup import distributed as dist
+
+    if dist.is_main_process():
+        print(text)
+
+
 def cmd_sft(args: argparse.Namespace) -> None:
     from config.sft_config import SFTConfig
     from finetune.sft_trainer import run_sft
 
     out = run_sft(_run_config(args, SFTConfig), resume_from=args.resume)
-    print(f"SFT model: {out}")
+    _print_on_main_process(f"SFT model: {out}")
 
 
 def cmd_reward(args: argparse.Namespace) -> None:
@@ -279,7 +287,7 @@ def cmd_reward(args: argparse.Namespace) -> None:
     from finetune.reward_trainer import run_reward_training
 
     out = run_reward_training(_run_config(args, RewardConfig), resume_from=args.resume)
-    print(f"reward model: {out}")
+    _print_on_main_process(f"reward model: {out}")
 
 
 def cmd_dpo(args: argparse.Namespace) -> None:
@@ -287,7 +295,7 @@ def cmd_dpo(args: argparse.Namespace) -> None:
     from finetune.dpo_trainer import run_dpo
 
     out = run_dpo(_run_config(args, DPOConfig), resume_from=args.resume)
-    print(f"DPO model: {out}")
+    _print_on_main_process(f"DPO model: {out}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:

@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from base_setup import distributed as dist
 from base_setup import seed_everything
 from config.dpo_config import DPOConfig
 from models.policy_model import PolicyModel
@@ -175,18 +176,23 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
 
     def reference_logps(self, examples: Sequence[DPOExample]) -> np.ndarray:
         """(N, 2) the reference's summed log-probs of each pair's (chosen, rejected) answer,
-        in evaluation batches."""
+        in evaluation batches. In a data-parallel run each rank computes every N-th batch and
+        the ranks' arrays (zero elsewhere) are summed: every rank gets the whole array, each
+        value computed once, as one process computes it."""
         out = np.zeros((len(examples), 2), dtype=np.float32)
         size = self.config.eval_micro_batch_size
         order = sorted(range(len(examples)), key=lambda i: len(examples[i]))  # little padding
         ref = self.reference()
-        for start in range(0, len(order), size):
+        starts = range(0, len(order), size)
+        for start in starts[self.rank :: self.world_size]:
             index = order[start : start + size]
             batch = collate_dpo([examples[i] for i in index], self.pad_token_id)
             logps = answer_logps(*answer_token_logps(ref, batch))  # (2B,), a constant
             mx.eval(logps)
             values = np.array(logps).reshape(2, len(index))  # (chosen, rejected) x B
             out[index] = values.T
+        if self.world_size > 1:  # x + 0 is exact: the sum is each value from the rank it is on
+            out = np.array(dist.all_sum(mx.array(out), self.group))
         return out
 
     def _cache_path(self, examples: Sequence[DPOExample]) -> Path:
@@ -215,7 +221,8 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         """``examples`` with their reference log-probs: from the run's cache when resuming and
         it holds them, else computed and cached (written aside, then renamed)."""
         path = self._cache_path(examples)
-        if self._resuming and path.is_file():
+        # Read the cache only if every rank finds it (computing the log-probs is collective).
+        if not dist.any_rank(not (self._resuming and path.is_file()), self.group):
             with np.load(path) as data:
                 logps = data["logps"]
             logger.info("reference log-probs of %d pairs read from %s", len(examples), path)
@@ -223,10 +230,11 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
             if self._resuming:
                 logger.warning("no cached reference log-probs at %s: computing them", path)
             logps = self.reference_logps(examples)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.tmp.npz")
-            np.savez(tmp, logps=logps)
-            os.replace(tmp, path)
+            if self.is_main_process:  # the one writer of the run folder
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.stem}.tmp.npz")
+                np.savez(tmp, logps=logps)
+                os.replace(tmp, path)
         return [
             DPOExample(
                 e.chosen_ids, e.chosen_start, e.rejected_ids, e.rejected_start, float(c), float(r)
@@ -288,7 +296,10 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
     def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that ``generate``,
         ``chat``, ``export``, ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read. A file,
-        or a non-empty directory without ``overwrite``, is refused (``ValueError``)."""
+        or a non-empty directory without ``overwrite``, is refused (``ValueError``). Only rank 0
+        of a data-parallel run writes."""
+        if not self.is_main_process:
+            return Path(path)
         check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.policy.save_pretrained(tmp, merged=True)

@@ -183,7 +183,10 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
 
     def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """The one-label ``*ForSequenceClassification`` layout with the tokenizer, which
-        ``RewardModel.from_pretrained`` and ``ValueModel.from_pretrained`` load."""
+        ``RewardModel.from_pretrained`` and ``ValueModel.from_pretrained`` load. Only rank 0 of a
+        data-parallel run writes."""
+        if not self.is_main_process:
+            return Path(path)
         check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.reward_model.save_pretrained(tmp, tokenizer=self.tokenizer)

@@ -164,7 +164,10 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
 
     def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """A full model directory (LoRA adapters merged into the weights) that
-        ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read: PPO's policy and reference."""
+        ``PolicyModel.from_pretrained`` and ``mlx_lm.load`` read: PPO's policy and reference.
+        Only rank 0 of a data-parallel run writes."""
+        if not self.is_main_process:
+            return Path(path)
         check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
             self.policy.save_pretrained(tmp, merged=True)

@@ -24,10 +24,22 @@ dropout is seeded from ``(seed, step)``, and a checkpoint holds the trainable we
 optimiser state (moments and step count), the learning-rate schedule (a run made longer on resume
 continues from the rate it had reached instead of restarting its schedule), the step, the epoch
 and the position in the epoch.
+
+Data parallelism (``mlx.launch -n N python main.py sft|reward|dpo ...``, as PPO's): every rank
+reads the same data and computes the same epoch order; ``batch_size`` is the global batch, and
+rank ``r`` trains on its contiguous share of each batch (:func:`rank_share`), split into
+``gradient_accumulation_steps`` micro-batches. Each micro-batch's gradient is weighted by
+``N * n_k / sum_ranks(n)`` (``n_k`` its targets: tokens or pairs) before the ranks' gradients are
+averaged, so the update is the gradient of the mean over the targets of the whole global batch,
+the one a single process makes on it; the metrics are those of the global batch. Only rank 0
+writes the run folder (``metrics.jsonl``, the curves, checkpoints, the model); every rank
+evaluates the whole held-out set; the ranks' weights are checked identical at the start and end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import time
@@ -39,12 +51,15 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from base_setup import distributed as dist
 from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
+from config._fields import divisors
 from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
 from training.checkpoint import (
+    STATE_FILE,
     CheckpointManager,
     check_resume_config,
     load_training_state,
@@ -113,6 +128,65 @@ def load_run_data(
 C = TypeVar("C", bound=FineTuneConfig)
 
 
+def check_data_parallel_config(config: FineTuneConfig, group: dist.Group | None = None) -> None:
+    """Start-up checks of a data-parallel run (every rank raises the same ``ValueError``): the
+    ranks' configs agree, and the global ``batch_size`` splits evenly over the N ranks, each
+    rank's share into ``gradient_accumulation_steps`` micro-batches (as PPO requires). Nothing
+    to check on one process."""
+    group = group or dist.world()
+    n = group.size()
+    if n == 1:
+        return
+    dist.check_same_on_all_ranks(
+        json.dumps(config_to_dict(config), sort_keys=True).encode(),
+        "the configuration",
+        "launch every rank with the same --config file and --set overrides",
+        group,
+    )
+    problem = None
+    if config.batch_size % n:
+        problem = (
+            f"batch_size={config.batch_size} (the examples of one step, over all ranks) does not "
+            f"split evenly over {n} processes: set batch_size to a multiple of {n} or launch a "
+            f"number of processes that divides it ({divisors(config.batch_size)})"
+        )
+    elif (config.batch_size // n) % config.gradient_accumulation_steps:
+        local = config.batch_size // n
+        problem = (
+            f"each of the {n} processes trains on batch_size / {n} = {local} examples, which "
+            f"cannot be split into gradient_accumulation_steps="
+            f"{config.gradient_accumulation_steps} equal micro-batches: set "
+            f"gradient_accumulation_steps to one of {divisors(local)} or raise batch_size"
+        )
+    if problem is not None:  # the same config on every rank: every rank gets here
+        dist.fail_together(ValueError(problem), group)
+
+
+def rank_share(batch: Sequence[E], rank: int, world_size: int) -> Sequence[E]:
+    """Rank ``rank``'s contiguous share of a global batch: ``batch[round(r B / N) :
+    round((r + 1) B / N)]`` (``B / N`` examples each when N divides B; the last batch of an epoch
+    may be smaller, and a rank's share then empty when B < N)."""
+    n = len(batch)
+    return batch[round(rank * n / world_size) : round((rank + 1) * n / world_size)]
+
+
+def _main_process_only(
+    group: dist.Group, what: str, action: Callable[[contextlib.ExitStack], None]
+) -> contextlib.ExitStack:
+    """``action(held)`` on rank 0 (the one writer of the run folder), its ``ValueError`` raised on
+    every rank; returns ``held``, the stack that keeps what the action entered (a lock)."""
+    held = contextlib.ExitStack()
+    error: ValueError | None = None
+    if group.rank() == 0:
+        try:
+            action(held)
+        except ValueError as err:
+            held.close()
+            error = err
+    dist.raise_if_any_rank_failed(error, what, group)
+    return held
+
+
 def run_stage(
     trainer_class: Callable[[C], SupervisedTrainer[Any, Any]],
     config: C,
@@ -127,19 +201,28 @@ def run_stage(
         ValueError: ``config.dataset`` is not set, or the data is malformed.
         TrainingStopped: Ctrl-C or SIGTERM stopped the run (after saving a checkpoint).
     """
+    check_data_parallel_config(config)  # before the data and the model load
     train_records, eval_records = load_run_data(config, load)
-    with run_lock(config.output_dir):  # one writer, from the folder check to the saved model
-        # Before the model loads: a folder that holds another run, or that cannot be written.
+
+    def lock_and_check(held: contextlib.ExitStack) -> None:
+        # One writer (rank 0), from the folder check to the saved model. Before the model
+        # loads: a folder that holds another run, or that cannot be written.
+        held.enter_context(run_lock(config.output_dir))
         prepare_run_dir(
             config.output_dir,
             resuming=resume_from is not None,
             overwrite=config.overwrite_output_dir,
             log_with=config.log_with,
         )
+
+    with _main_process_only(
+        dist.world(), f"checking output_dir {config.output_dir}", lock_and_check
+    ):
         trainer = trainer_class(config)
         trainer.train(train_records, eval_records, resume_from=resume_from)
         if trainer.stop_reason is not None:  # a signal: the checkpoint holds the run
             raise TrainingStopped(trainer.stop_reason, trainer.global_step)
+        # Rank 0 writes (the weights are the same on every rank); the others return the path.
         return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR, overwrite=True)
 
 
@@ -179,6 +262,8 @@ class SupervisedTrainer(Generic[E, B]):
         model: the model to train; its trainable parameters are what the optimiser updates.
 
     Attributes:
+        group: the ``mx.distributed`` group of the launched processes; ``world_size``, ``rank``
+            and ``is_main_process`` (rank 0, the one that writes files) describe it.
         global_step: optimiser steps taken.
         epoch: the current pass over the training data (0-based).
         batch_in_epoch: batches of the current epoch already trained on.
@@ -194,6 +279,12 @@ class SupervisedTrainer(Generic[E, B]):
     def __init__(self, config: FineTuneConfig, model: nn.Module) -> None:
         self.config = config
         self.model = model
+        # Data parallelism (mlx.launch): rank `rank` of `world_size` (1 without the launcher).
+        self.group = dist.world()
+        self.world_size = self.group.size()
+        self.rank = self.group.rank()
+        self.is_main_process = self.rank == 0
+        check_data_parallel_config(config, self.group)
         if config.gradient_checkpointing:
             checkpoint_blocks(model)
         self.global_step = 0
@@ -236,7 +327,8 @@ class SupervisedTrainer(Generic[E, B]):
 
     def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
         """Save the trained model where the next stage loads it; returns the directory.
-        A file, or a non-empty directory without ``overwrite``, is refused (``ValueError``)."""
+        A file, or a non-empty directory without ``overwrite``, is refused (``ValueError``).
+        Only rank 0 of a data-parallel run writes (the others return ``path``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the loop
@@ -258,7 +350,13 @@ class SupervisedTrainer(Generic[E, B]):
                 ``<output_dir>/checkpoints``): continue where it stopped.
             callbacks: :class:`StageCallback` objects whose hooks the loop calls.
         """
-        with run_lock(self.run_dir):  # one writer per run folder, before anything is removed
+        # One writer per run folder (rank 0), before anything is removed.
+        lock = _main_process_only(
+            self.group,
+            f"locking output_dir {self.run_dir}",
+            lambda held: held.enter_context(run_lock(self.run_dir)),
+        )
+        with lock:
             return self._train(train_data, eval_data, resume_from, callbacks)
 
     def _train(
@@ -276,18 +374,29 @@ class SupervisedTrainer(Generic[E, B]):
                 "build a new trainer"
             )
         self.callbacks = list(callbacks)
-        prepare_run_dir(
-            self.run_dir,
-            resuming=resume_from is not None,
-            overwrite=cfg.overwrite_output_dir,
-            log_with=cfg.log_with,
-        )
-        remove_run_leftovers(self.run_dir)
+
+        def check_run_dir(held: contextlib.ExitStack) -> None:
+            prepare_run_dir(
+                self.run_dir,
+                resuming=resume_from is not None,
+                overwrite=cfg.overwrite_output_dir,
+                log_with=cfg.log_with,
+            )
+            remove_run_leftovers(self.run_dir)
+
+        _main_process_only(self.group, f"checking output_dir {self.run_dir}", check_run_dir)
         # 1. Tokenise (every record is checked before any training).
         records = [dict(r) for r in train_data]  # read once: fingerprinted, then tokenised
         self.inputs["data"] = data_fingerprint(records)  # the records, not settings' effects
+        held_out = [dict(r) for r in eval_data] if eval_data is not None else None
+        dist.check_same_on_all_ranks(
+            json.dumps([self.inputs["data"], held_out and data_fingerprint(held_out)]).encode(),
+            "the training or held-out data",
+            "give every rank the same data: each rank takes its share of the same batches",
+            self.group,
+        )
         examples = self.prepare(records)
-        eval_examples = self.prepare(eval_data) if eval_data is not None else []
+        eval_examples = self.prepare(held_out) if held_out is not None else []
         self._num_train_examples = len(examples)
         lengths = [len(e) for e in examples]
         steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
@@ -302,14 +411,10 @@ class SupervisedTrainer(Generic[E, B]):
         self.optimizer = self._make_optimizer(self._schedule_plan)
         resume_step = None
         if resume_from is not None:
-            path = self.checkpoints.resolve(resume_from)
-            check_resume_source(self.run_dir, path)
-            self.load_checkpoint(path)
-            continue_timeline(self.checkpoints, self.global_step)
-            resume_step = self.global_step
-            logger.info("resumed from %s at step %d", path, self.global_step)
+            resume_step = self._resume(resume_from)
         else:
             self.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
+        self._check_same_weights("at the start of training")
         last_saved = self.global_step if resume_step is not None else -1
         run_log = RunLog(
             self.run_dir,
@@ -317,6 +422,7 @@ class SupervisedTrainer(Generic[E, B]):
             total=total,
             initial=self.global_step,
             desc=self.name,
+            writes=self.is_main_process,
             resume_step=resume_step,
         )
         stop = StopSignals()  # Ctrl-C / SIGTERM: finish the step, save, return (stop_reason)
@@ -364,6 +470,9 @@ class SupervisedTrainer(Generic[E, B]):
                     if cfg.save_every and self.global_step % cfg.save_every == 0:
                         self.save_checkpoint()
                         last_saved = self.global_step
+                    # Stop on every rank or on none: a signal or a callback may reach only some.
+                    if dist.any_rank(stop.requested, self.group):
+                        stop.request(stop.reason or "another rank stopped")
                 if last_saved != self.global_step:
                     self.save_checkpoint()
             except BaseException as err:
@@ -372,6 +481,7 @@ class SupervisedTrainer(Generic[E, B]):
                 raise
         self.stop_reason = stop.reason
         self._stop = None
+        self._check_same_weights("at the end of training")
         for cb in self.callbacks:
             cb.on_train_end(self, self.history)
         if stop.requested:
@@ -393,31 +503,45 @@ class SupervisedTrainer(Generic[E, B]):
 
     @in_run_scope
     def step(self, examples: Sequence[E]) -> dict[str, float]:
-        """One optimiser step on ``examples`` (one batch); returns its metrics."""
+        """One optimiser step on ``examples`` (one global batch; in a data-parallel run this rank
+        computes the gradient of its :func:`rank_share`); returns the batch's metrics."""
         cfg = self.config
         if self.optimizer is None:
             raise ValueError("no optimiser: call train(), which builds it for the run's length")
         t0 = time.perf_counter()
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         self.model.train()
-        mx.random.seed(step_seed(cfg.seed, self.global_step))  # dropout, as a resumed run draws
-        micro = [
-            self.collate(mb)
-            for mb in split_micro_batches(examples, cfg.gradient_accumulation_steps)
-        ]
-        total = sum(n for _, n in micro)
-        # Each micro-batch loss is a mean over its n targets: weighting it by n / total makes
-        # the accumulated gradient that of the mean over the whole batch.
+        seed = step_seed(cfg.seed, self.global_step)  # dropout, as a resumed run draws
+        mx.random.seed(step_seed(seed, self.rank) if self.rank else seed)  # ranks: other masks
+        local = rank_share(examples, self.rank, self.world_size)
+        parts = split_micro_batches(local, cfg.gradient_accumulation_steps) if local else []
+        micro = [self.collate(mb) for mb in parts]
+        if not micro:  # an epoch's last batch smaller than the ranks: a zero-weight gradient
+            micro = [(self.collate(examples[:1])[0], 0)]
+        # Each micro-batch loss is a mean over its n targets: weighting it by N * n / total
+        # (N ranks, total = the targets of the global batch) makes the accumulated gradient,
+        # averaged over the ranks, that of the mean over the whole batch.
+        local_total = sum(n for _, n in micro)
+        if self.world_size == 1:
+            weights = [n / local_total for _, n in micro] if len(micro) > 1 else [1.0]
+        else:
+            total = float(np.asarray(dist.all_sum(mx.array(float(local_total)), self.group)))
+            weights = [self.world_size * n / total for _, n in micro]
         metrics = optimizer_step(
             self.model,
             self.optimizer,
             self._value_and_grad,
             [batch for batch, _ in micro],
-            [n / total for _, n in micro] if len(micro) > 1 else [1.0],
+            weights,
             max_grad_norm=cfg.max_grad_norm,
             step=self.global_step + 1,
             what=f"the {self.name} training loss",
+            group=self.group,
         )
+        if self.world_size > 1:  # each rank's sums of weighted means: their mean is the batch's
+            keys = [key for key in metrics if key != "grad_norm"]  # the same on every rank
+            means = dist.all_mean(mx.stack([metrics[k].astype(mx.float32) for k in keys]))
+            metrics.update({k: means[i] for i, k in enumerate(keys)})
         out = {key: float(np.asarray(value)) for key, value in metrics.items()}
         out[self.loss_key] = out.pop("loss")
         out["lr"] = float(self.optimizer.learning_rate)
@@ -452,7 +576,10 @@ class SupervisedTrainer(Generic[E, B]):
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Write the trainable weights, optimiser state and position (atomically) under
-        ``<output_dir>/checkpoints/step_NNNNNN``."""
+        ``<output_dir>/checkpoints/step_NNNNNN``. In a data-parallel run only rank 0 writes
+        (every rank holds the same state); the others return the directory it writes."""
+        if not self.is_main_process:
+            return self.checkpoints.root / f"step_{self.global_step:06d}"
         state = {
             "global_step": self.global_step,
             "epoch": self.epoch,
@@ -463,6 +590,7 @@ class SupervisedTrainer(Generic[E, B]):
             "history": self.history,
             "config": config_to_dict(self.config),
             "inputs": self.inputs,
+            "world_size": self.world_size,
         }
         path = save_training_state(
             self.checkpoints,
@@ -509,7 +637,52 @@ class SupervisedTrainer(Generic[E, B]):
             moments = self.optimizer.state
             self.optimizer = self._make_optimizer(self._schedule_plan)
             self.optimizer.state = moments
-        warn_changed_settings(path, state["config"], config_to_dict(self.config), [schedule_note])
+        saved_world = int(state.get("world_size", 1))
+        world_note = None
+        if saved_world != self.world_size:  # the same global batches: allowed
+            world_note = (
+                f"written by {saved_world} process(es), continued on {self.world_size}: the same "
+                "batches and updates, with the float rounding of the new split"
+            )
+        warn_changed_settings(
+            path, state["config"], config_to_dict(self.config), [schedule_note, world_note]
+        )
+
+    def _resume(self, resume_from: str | Path) -> int:
+        """Load the checkpoint to resume from (every rank the same one); returns its step."""
+        path: Path | None = None
+        error: BaseException | None = None
+        try:
+            path = self.checkpoints.resolve(resume_from)
+        except FileNotFoundError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", self.group)
+        assert path is not None
+        dist.check_same_on_all_ranks(
+            (path / STATE_FILE).read_bytes(),
+            f"the checkpoint {path}",
+            "every rank must read the same checkpoint: keep output_dir on storage that every "
+            "machine shares, or copy it to the same path on each",
+            self.group,
+        )
+        error = None
+        try:  # before rank 0 writes anything to the folder: every rank checks it as it was
+            check_resume_source(self.run_dir, path)
+            self.load_checkpoint(path)
+        except ValueError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"resuming from {path}", self.group)
+        if self.is_main_process:
+            continue_timeline(self.checkpoints, self.global_step)
+        logger.info("resumed from %s at step %d", path, self.global_step)
+        return self.global_step
+
+    def _check_same_weights(self, moment: str) -> None:
+        """Raise on every rank unless every rank holds the same weights and optimiser state."""
+        tree: dict[str, Any] = {"model": self.model.parameters()}
+        if self.optimizer is not None:
+            tree["optimizer"] = self.optimizer.state
+        dist.check_same_weights(tree, f"the trained state {moment}", self.group)
 
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""

@@ -7,6 +7,11 @@
   ``main.py train`` stopped after ``STOP_STEP`` steps, then resumed with ``--resume latest`` to the
   end; at the end each rank saves its final trainable weights to ``DUMP_DIR/rank<r>.safetensors``
   (a test hook: the one extra callback, so that the test can compare the ranks' weights).
+* ``python -m tests.distributed_helpers stages DUMP_DIR RUNS_JSON``: the same for the supervised
+  stages, several in one launch (the ranks start once): ``RUNS_JSON`` maps a name to
+  ``[STOP_STEP, <main.py arguments>]`` (``dpo ...``, ``sft ...``); a run stops after ``STOP_STEP``
+  steps and resumes (``null``: runs straight through), and each rank saves its final trainable
+  weights to ``DUMP_DIR/<name>/rank<r>.safetensors``.
 * ``python -m tests.distributed_helpers checks RUN_YAML``: checks the all-reduced statistics and
   the agreement checks of :mod:`base_setup.distributed` against single-process references, and
   that PPOTrainer refuses ranks whose configs differ (rank 1 changes the learning rate of
@@ -15,6 +20,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -60,6 +66,46 @@ def _train_then_resume(dump_dir: Path, stop_step: int, argv: list[str]) -> int:
     if code != 0:
         return code
     return main.main([*argv, "--resume", "latest"])
+
+
+def _stages(dump_dir: Path, runs: dict[str, tuple[int | None, list[str]]]) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import main
+    from finetune.supervised_trainer import StageCallback, SupervisedTrainer
+
+    current = {"name": ""}
+
+    class DumpWeights(StageCallback):
+        def on_train_end(self, trainer: Any, history: Any) -> None:
+            weights = dict(tree_flatten(trainer.model.trainable_parameters()))
+            folder = dump_dir / current["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(folder / f"rank{trainer.rank}.safetensors"), weights)
+
+    original_train = SupervisedTrainer.train
+
+    def train_with_dump(
+        self: SupervisedTrainer[Any, Any],
+        train_data: Any,
+        eval_data: Any = None,
+        resume_from: Any = None,
+        callbacks: Any = (),
+    ) -> Any:
+        return original_train(self, train_data, eval_data, resume_from, [*callbacks, DumpWeights()])
+
+    setattr(SupervisedTrainer, "train", train_with_dump)
+    for name, (stop_step, argv) in runs.items():
+        current["name"] = name
+        calls = [argv]
+        if stop_step is not None:
+            calls = [[*argv, "--set", f"total_steps={stop_step}"], [*argv, "--resume", "latest"]]
+        for args in calls:
+            code = main.main(args)
+            if code != 0:
+                return code
+    return 0
 
 
 def _check_collectives() -> None:
@@ -172,9 +218,11 @@ def run(argv: Sequence[str]) -> int:
         return 0
     if len(argv) >= 4 and argv[0] == "train" and argv[3] == "--":
         return _train_then_resume(Path(argv[1]), int(argv[2]), list(argv[4:]))
+    if len(argv) == 3 and argv[0] == "stages":
+        return _stages(Path(argv[1]), json.loads(Path(argv[2]).read_text()))
     raise SystemExit(
         "usage: python -m tests.distributed_helpers {checks RUN_YAML | train DUMP_DIR STOP_STEP -- "
-        "<main.py train arguments>}"
+        "<main.py train arguments> | stages DUMP_DIR RUNS_JSON}"
     )
 
 

@@ -375,3 +375,114 @@ def test_two_ranks_train_a_shared_base_value_model_like_one_process(run_files: P
         assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
         np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
         np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+
+
+# --------------------------------------------------------------------------- supervised stages
+#: DPO and SFT: 9 examples in batches of 4 (4, 4, 1: at the step of the single-example batch, a
+#: rank's share is empty), 3 steps (DPO stopped after 2 and resumed), held-out data evaluated.
+STAGE_SETTINGS: dict[str, Any] = dict(
+    batch_size=4,
+    learning_rate=1e-3,
+    lr_scheduler="constant",
+    num_epochs=1,
+    total_steps=3,
+    eval_every=2,
+    progress_bar=False,
+    keep_last_checkpoints=0,
+    seed=1,
+)
+
+
+def flat_weights(model: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in dict(tree_flatten(model.trainable_parameters())).items()}
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The DPO and SFT runs on two ranks (one launch) and in one process."""
+    from config.dpo_config import DPOConfig
+    from config.sft_config import SFTConfig
+    from finetune.dpo_trainer import DPOTrainer
+    from finetune.records import load_preference_data, load_sft_data
+    from finetune.sft_trainer import SFTTrainer
+    from fixtures.demo_data import preference_records, sft_records, write_jsonl
+
+    root = tmp_path_factory.mktemp("stages")
+    (root / "run.yaml").write_text(
+        yaml.safe_dump({**STAGE_SETTINGS, "model_name": str(tiny_model_dir)})
+    )
+    stages: dict[str, Any] = {
+        "dpo": (DPOConfig, DPOTrainer, load_preference_data, preference_records),
+        "sft": (SFTConfig, SFTTrainer, load_sft_data, sft_records),
+    }
+    runs, single = {}, {}
+    for name, (config_class, trainer_class, load, make_records) in stages.items():
+        data = write_jsonl(root / f"{name}.jsonl", make_records(9, seed=2))
+        held_out = write_jsonl(root / f"{name}_eval.jsonl", make_records(3, seed=7))
+        settings = [f"dataset={data}", f"eval_dataset={held_out}"]
+        argv = [name, "--config", str(root / "run.yaml")]
+        for setting in [*settings, f"output_dir={root / name / 'ranks'}"]:
+            argv += ["--set", setting]
+        runs[name] = (2 if name == "dpo" else None, argv)  # the resume is the same code for both
+        config = load_config(
+            root / "run.yaml", [*settings, f"output_dir={root / name / 'single'}"], config_class
+        )
+        trainer = trainer_class(config)
+        initial = flat_weights(trainer.model)
+        history = trainer.train(load(data), load(held_out))
+        final = flat_weights(trainer.model)
+        single[name] = {"initial": initial, "final": final, "history": history}
+    (root / "runs.json").write_text(json.dumps(runs))
+    command = ["-m", "tests.distributed_helpers", "stages", str(root / "dump")]
+    output = launch(2, [*command, str(root / "runs.json")])
+    assert rank_exit_codes(output) == {}, output
+    return {"root": root, "single": single, "output": output}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["dpo", "sft"])
+def test_two_ranks_train_a_supervised_stage_like_one_process(
+    stage_runs: dict[str, Any], stage: str
+) -> None:
+    """DPO (stopped and resumed) and SFT on two ranks end with the weights one process reaches
+    on the same global batches, write one set of files, and log the global batch's metrics."""
+    root: Path = stage_runs["root"]
+    single = stage_runs["single"][stage]
+    ranks = [mx.load(str(root / "dump" / stage / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
+    initial, final = single["initial"], single["final"]
+    assert ranks[0].keys() == ranks[1].keys() == final.keys()
+    for key in final:
+        assert np.abs(final[key] - initial[key]).max() > 1e-4, f"{key} did not train"
+        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
+        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+    run_dir = root / stage / "ranks"
+    files = {"checkpoints", "config.yaml", "metrics.jsonl", "model", "training_curves.png"}
+    if stage == "dpo":
+        files.add("reference_logps")
+    assert {p.name for p in run_dir.iterdir()} == files
+    state = json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_step"] == 3
+    output = stage_runs["output"]
+    resumed = f"resumed from {run_dir / 'checkpoints' / 'step_000002'}"
+    assert output.count(resumed) == (2 if stage == "dpo" else 0)  # each rank resumed
+    # Rank 0 alone prints the saved model (DPO: once per run, stopped and resumed).
+    assert output.count(f"{stage.upper()} model: {run_dir / 'model'}") == (
+        2 if stage == "dpo" else 1
+    )
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in logged] == [0, 1, 2, 3]
+    for got, want in zip(logged, single["history"]):
+        for key in (f"loss/{stage}", "grad_norm", "eval/loss", "rewards/margins", "sft/tokens"):
+            if key in want:
+                np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_rank_share_cuts_a_batch_into_contiguous_near_equal_shares() -> None:
+    from finetune.supervised_trainer import rank_share
+
+    batch = list(range(8))
+    assert [rank_share(batch, r, 2) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [rank_share(batch[:5], r, 2) for r in (0, 1)] == [[0, 1], [2, 3, 4]]
+    assert [rank_share(batch[:1], r, 2) for r in (0, 1)] == [[], [0]]  # an empty share
+    assert [rank_share(batch, 0, 1)] == [batch]

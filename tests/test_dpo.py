@@ -5,6 +5,7 @@ run, bad input), config/dpo_config.py, ``main.py dpo`` and the demo's DPO branch
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -513,8 +514,11 @@ def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
         trainer.request_stop()
 
 
-def test_run_dpo_writes_metrics_curves_and_a_model_that_generates(
-    tiny_model_dir: Path, tmp_path: Path
+def test_run_dpo_writes_metrics_curves_and_a_model_that_generates_chats_and_exports(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     data = write_jsonl(tmp_path / "prefs.jsonl", preference_records(40, seed=3))
     cfg = dpo_config(
@@ -540,6 +544,16 @@ def test_run_dpo_writes_metrics_curves_and_a_model_that_generates(
 
     assert main(["generate", "--model", str(tmp_path / "run"), "--prompt", "Review of",
                  "--max-tokens", "4", "--no-chat"]) == 0  # fmt: skip
+    # chat: the first turn's greedy reply is what generate answers the message through the
+    # chat template, from the same trained model.
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "run"), "--prompt", "Hello there",
+                 "--max-tokens", "5", "--chat"]) == 0  # fmt: skip
+    reply = capsys.readouterr().out.rstrip("\n")
+    assert reply
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello there\n/exit\n"))
+    assert main(["chat", "--model", str(tmp_path / "run"), "--max-tokens", "5"]) == 0
+    assert f"> {reply}\n" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     assert (tmp_path / "export" / "README.md").is_file()
 
