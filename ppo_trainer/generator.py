@@ -54,6 +54,12 @@ class GenerationOutput:
             top-k / top-p filtering; 0 after the end. ``None`` unless requested.
         entropy: ``(B, T)`` float32 entropy (nats) of that distribution at each step; 0 after
             the end. ``None`` unless log-probs are requested.
+        action_mask: ``(B, T)`` float32, multi-turn episodes only
+            (:func:`ppo_trainer.multi_turn.generate_turns`): 1 on the tokens the policy sampled,
+            0 on the tools' and environment's context tokens and after the end. ``None``: every
+            token up to ``lengths`` is the policy's.
+        turn_spans: multi-turn only: per row, the ``(start, end)`` columns (end exclusive) of
+            each of the policy's turns, in order.
     """
 
     responses: mx.array
@@ -61,6 +67,8 @@ class GenerationOutput:
     ended_with_stop: mx.array
     logprobs: mx.array | None = None
     entropy: mx.array | None = None
+    action_mask: mx.array | None = None
+    turn_spans: list[list[tuple[int, int]]] | None = None
 
 
 def _batch_cache(model: nn.Module, left_padding: list[int]) -> list[Any]:
