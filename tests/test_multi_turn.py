@@ -158,3 +158,27 @@ def test_sampling_with_keys_does_not_depend_on_other_rows(
     alone = run([2])
     n = alone.shape[1]
     assert both[2, :n].tolist() == alone[0, :n].tolist()
+
+
+def test_one_episode_alone_prefills_its_context_as_a_chunk(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int]
+) -> None:
+    """With one live row every context run is fed as one (1, k) chunk: the same episode."""
+    turns = [0]
+
+    def continue_fn(row: int, turn_tokens: list[int]) -> list[int] | None:
+        turns[0] += 1
+        return _context(2, turns[0] - 1)
+
+    out = generate_turns(
+        policy,
+        [prompts[2]],
+        continue_fn=continue_fn,
+        max_new_tokens=MAX_NEW,
+        temperature=0,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+    )
+    tokens, action, _ = _reference(policy, prompts[2], 2, stops, None)
+    assert 0 in action
+    assert np.array(out.responses)[0].tolist() == tokens
