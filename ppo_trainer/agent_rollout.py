@@ -87,7 +87,8 @@ class AgentRun:
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Stop the run before any rollout when the chat template cannot render the tools or
-        their results, or has no end-of-turn token (:func:`agents.check_template_supports_tools`)."""
+        their results, or has no end-of-turn token (:func:`agents.check_template_supports_tools`).
+        """
         check_template_supports_tools(tokenizer, self.sample_tools())
 
 
@@ -184,7 +185,13 @@ def play_episodes(
         conversation.extend(tool_messages)
         return ids
 
-    return sample_episodes(policy, started.prompt_ids, sampling, continue_fn, keys)
+    generation = sample_episodes(policy, started.prompt_ids, sampling, continue_fn, keys)
+    assert generation.turn_spans is not None
+    for episode, spans in zip(started.episodes, generation.turn_spans):
+        # A last turn cut by the token budget was never read (no tool call of it ran), but it
+        # is an assistant turn: it counts, as get_reward()'s one-reward-per-turn expects.
+        episode.turns = max(episode.turns, len(spans))
+    return generation
 
 
 @dataclass(frozen=True)
