@@ -8,6 +8,7 @@ The random tiny model writes no ``<tool_call>``: the tests read its turns with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,14 @@ from mlx.utils import tree_flatten
 from agents import ParsedTurn, ToolCall
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
-from fixtures.checkpoint_families import build_family_checkpoint
+from fixtures.checkpoint_families import _QWEN_TOOLS_MESSAGES, build_family_checkpoint
 from models.policy_model import PolicyModel
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.generator import generate
+from ppo_trainer.inspector import write_inspector
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.rollout import Rollout
+from ppo_trainer.rollout_records import read_rollout_records
 
 PROMPTS = [
     {"prompt": "What is stored under apple?", "target": 2},
@@ -93,9 +96,26 @@ class EpisodeScore:
         return float(self.calls)
 
 
+#: Qwen3's tool template with a short tools header (the tools' names, not their schemas): the
+#: tiny tokenizer spends about one token per character, and the prompts stay short.
+SHORT_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}"
+    "{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}"
+    "{{- '</tools><|im_end|>\\n' }}{%- endif %}"
+    + _QWEN_TOOLS_MESSAGES
+    + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_family_checkpoint(tmp_path_factory.mktemp("qwen3_tools"), "qwen3_tools")
+    """The qwen3_tools family checkpoint with :data:`SHORT_TOOLS_TEMPLATE`."""
+    path = build_family_checkpoint(tmp_path_factory.mktemp("qwen3_tools"), "qwen3_tools")
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["chat_template"] = SHORT_TOOLS_TEMPLATE
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +135,7 @@ def make_config(model: Path, tmp_path: Path, stops: list[int], **overrides: Any)
     settings: dict[str, Any] = dict(
         model_name=str(model),
         max_new_tokens=96,
-        max_prompt_length=640,
+        max_prompt_length=128,
         batch_size=2,
         learning_rate=1e-3,
         num_ppo_epochs=1,
@@ -182,8 +202,9 @@ def test_ppo_with_an_environment_rewarding_each_action(
         tools_model,
         tmp_path,
         frequent_tokens,
-        max_new_tokens=200,  # room for every turn: the per-turn rewards count on all of them
+        max_new_tokens=160,  # room for every turn: the per-turn rewards count on all of them
         num_ppo_epochs=2,  # the value head starts at 0: its backbone moves from the 2nd update
+        log_rollouts_every=1,
         tool_call_parser="tests.test_agent_trainer:every_turn_increments",
     )
     trainer = PPOTrainer(config, environment_factory=Counter)
@@ -196,6 +217,21 @@ def test_ppo_with_an_environment_rewarding_each_action(
     # Per-action rewards (3 turns: 2 rounds of calls, then the turn that may not call):
     # 1 while the count is below the target (2, then 1), -1 after.
     assert np.array(rollout.action_rewards).tolist() == [[1.0, 1.0, -1.0], [1.0, -1.0, -1.0]]
+    # The records show the turns: the policy's tokens carry numbers, the tools' tokens none.
+    (steps,) = read_rollout_records(tmp_path / "run")
+    record = steps.records[0]
+    actions = record["actions"]
+    assert 0 in actions and len(actions) == record["length"] and len(record["turns"]) == 3
+    for key in ("value", "logprob", "advantage", "return", "kl"):
+        assert [x is None for x in record[key]] == [a == 0 for a in actions], key
+    assert (
+        "".join(record["tokens"][i] for i, a in enumerate(actions) if a == 0).count(
+            "<tool_response>"
+        )
+        == 2
+    )
+    page = write_inspector(tmp_path / "run")
+    assert "tool tokens" in page.read_text(encoding="utf-8")
 
 
 def test_grpo_with_function_tools(
@@ -210,7 +246,7 @@ def test_grpo_with_function_tools(
     metrics, capture = run_step(trainer, PROMPTS)
     assert 0.0 <= metrics["agent/tool_call_success"] <= 1.0
     assert metrics["agent/tool_calls"] > 0
-    assert '"name": "lookup"' in capture.rollout.texts[0]  # the schema is in the prompt
+    assert "<tools> lookup</tools>" in capture.rollout.texts[0]  # the tools are in the prompt
 
 
 def test_rloo_scored_by_the_environment_alone(
