@@ -280,7 +280,7 @@ def _number(x: float) -> float | str:
     return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
 
 
-def _numbers(row: np.ndarray) -> list[float | str]:
+def _numbers(row: np.ndarray) -> list[float | str | None]:
     return [_number(x) for x in row.tolist()]
 
 

@@ -100,7 +100,7 @@ def test_context_tokens_weigh_nothing_in_the_losses() -> None:
             MASK,
             0.2,
         )
-        return [float(value.item()), float(vloss.item())], np.array(grad)
+        return [float(np.array(value)), float(np.array(vloss))], np.array(grad)
 
     clean, clean_grad = losses(np.zeros(shape))
     dirty, dirty_grad = losses(junk)

@@ -63,7 +63,7 @@ def _reference(
             return_logprobs=True,
             prefill_once=False,
         )
-        n = int(out.lengths[0].item())
+        n = int(np.array(out.lengths)[0])
         history += np.array(out.responses)[0, :n].tolist()
         action += [1] * n
         assert out.logprobs is not None
