@@ -81,7 +81,7 @@ def problems(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     ``a + b`` (4 digits each), every pair distinct; the last :data:`HELD_OUT` are held out."""
     rng = random.Random(seed)
     seen: set[tuple[str, int, int]] = set()
-    records = []
+    records: list[dict[str, Any]] = []
     while len(records) < NUM_PROBLEMS:
         op = rng.choice(["*", "+"])
         a = rng.randint(100, 9999) if op == "*" else rng.randint(1000, 9999)

@@ -8,6 +8,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def test_a_tool_without_docstring_or_type_hints_is_refused_by_name() -> None:
     def no_doc(a: int) -> int:
         return a
 
-    def no_hints(a):  # type: ignore[no-untyped-def]
+    def no_hints(a):
         """Do.
 
         Args:
@@ -117,16 +118,18 @@ def test_a_tool_without_docstring_or_type_hints_is_refused_by_name() -> None:
         """
         return a
 
-    for function, missing in [
+    cases: list[tuple[Callable[..., Any], str]] = [
         (no_doc, "docstring"),
         (no_hints, "type hint"),
         (undocumented_argument, "b"),
-    ]:
+    ]
+    for function, missing in cases:
         with pytest.raises(ValueError, match=function.__name__) as err:
             make_tools([function])
         assert missing in str(err.value)
     with pytest.raises(ValueError, match="must be a function"):
-        make_tools([add, "add"])  # type: ignore[list-item]
+        not_a_function: list[Any] = [add, "add"]
+        make_tools(not_a_function)
     with pytest.raises(ValueError, match="list of functions"):
         make_tools(add)  # type: ignore[arg-type]
 
@@ -326,7 +329,7 @@ def test_a_bad_environment_is_named_before_any_rollout() -> None:
             return None
 
     class Undocumented(NoTools):
-        def read(self, key):  # type: ignore[no-untyped-def]
+        def read(self, key):
             return key
 
     with pytest.raises(ValueError, match="NoReset has no reset method"):
