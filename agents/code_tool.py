@@ -13,8 +13,8 @@ from agents.execution import ToolError
 from agents.tools import Tool, make_tools
 from sandbox import SandboxLimits, run_tests
 
-#: The sandbox's limits for the default ``python_code`` tool: well under the default
-#: ``tool_timeout_s`` (10 s), so the sandbox's own deadline, which kills the program, comes first.
+#: The sandbox's limits for the default ``python_code`` tool: a deadline under the default
+#: ``tool_timeout_s``, so the sandbox's own deadline, which kills the program, comes first.
 DEFAULT_LIMITS = SandboxLimits(timeout_s=5.0, cpu_time_s=5, memory_mb=512)
 # The sandbox runs a program and then its tests; this one checks nothing about the program and
 # only makes the run complete (the tool reads the program's output, not a pass).

@@ -62,17 +62,28 @@ def _evaluate(node: ast.AST) -> int:
     )
 
 
+def evaluate_arithmetic(expression: str) -> int:
+    """The value of an integer arithmetic expression (integers, parentheses, ``+ - * // %``),
+    computed on its syntax tree: nothing but arithmetic runs.
+
+    Raises:
+        ValueError: anything else (names, calls, powers, floats), a division by zero, or a
+            result of more than 60 digits.
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    return _evaluate(tree)
+
+
 def calculator(expression: str) -> str:
     """Evaluate an integer arithmetic expression exactly.
 
     Args:
         expression: The expression, with integers, parentheses and + - * // %, e.g. "4821 * 397".
     """
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
-    return str(_evaluate(tree))
+    return str(evaluate_arithmetic(expression))
 
 
 def problems(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
