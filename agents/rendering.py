@@ -157,8 +157,9 @@ def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None
     """Stop a run whose chat template cannot show the model its tools or their results.
 
     Renders a probe conversation: a user turn with and without ``tools`` (the texts must
-    differ: the model must see the tools' descriptions), then an assistant turn and a tool
-    message (the result's text must appear), and finds the end-of-turn token.
+    differ: the model must see the tools' descriptions), then an assistant turn with a call and
+    a tool message answering it, as :class:`agents.Episode` writes them (the result's text must
+    appear), and finds the end-of-turn token.
 
     Raises:
         ValueError: no chat template, a template that ignores ``tools`` or drops ``tool``
@@ -174,10 +175,12 @@ def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None
             "whose template renders tools (Qwen2.5, Qwen3, Llama 3.1+, Mistral) or set a "
             "tool-capable chat_template in its tokenizer_config.json"
         )
-    turn = [
+    name = tools[0].name if tools else "probe"
+    call = {"id": "call00000", "type": "function", "function": {"name": name, "arguments": {}}}
+    turn: list[dict[str, Any]] = [
         *user,
-        {"role": "assistant", "content": "Probe call"},
-        {"role": "tool", "name": tools[0].name if tools else "probe", "content": _PROBE_RESULT},
+        {"role": "assistant", "content": "Probe call", "tool_calls": [call]},
+        {"role": "tool", "name": name, "content": _PROBE_RESULT, "tool_call_id": "call00000"},
     ]
     rendered = render_text(tokenizer, turn, tools=tools, add_generation_prompt=True)
     if _PROBE_RESULT not in rendered:
