@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from agents import (
@@ -313,11 +314,26 @@ class Store:
     def _helper(self) -> None:
         pass
 
+    @property
+    def size(self) -> int:
+        raise AssertionError("looking for tools must not run a property")
+
+    @staticmethod
+    def describe(topic: str) -> str:
+        """Describe the store.
+
+        Args:
+            topic: What to describe.
+        """
+        return f"a store of {topic}"
+
 
 def test_an_environments_public_methods_are_its_tools() -> None:
     tools = environment_tools(Store())
-    assert [t.name for t in tools] == ["read", "write"]  # not reset, get_reward, _helper
-    assert list(tools[1].schema["function"]["parameters"]["properties"]) == ["key", "value"]
+    # not reset, get_reward, _helper, the property
+    assert [t.name for t in tools] == ["describe", "read", "write"]
+    assert tools[0].function("keys") == "a store of keys"
+    assert list(tools[2].schema["function"]["parameters"]["properties"]) == ["key", "value"]
     check_environment_factory(Store)
 
 
@@ -352,7 +368,7 @@ def test_a_bad_environment_is_named_before_any_rollout() -> None:
 def test_an_episode_with_an_environment_keeps_its_state_and_reward() -> None:
     env = Store()
     episode = Episode(make_tools([add]), AgentSettings(), environment=env)
-    assert sorted(episode.tools) == ["add", "read", "write"]
+    assert sorted(episode.tools) == ["add", "describe", "read", "write"]
     assert episode.start({"prompt": "p", "intro": True, "facts": {"a": "1"}}) == (
         "You have a memory store."
     )
@@ -388,6 +404,7 @@ def test_an_environment_reward_per_turn_must_have_one_value_per_turn() -> None:
         return episode
 
     assert finished([0.5, 1.0]).episode_reward() == [0.5, 1.0]
+    assert finished(np.float32(0.25)).episode_reward() == 0.25  # a NumPy scalar is a number
     with pytest.raises(ValueError, match="3 rewards for an episode of 2 assistant turns"):
         finished([0.0, 0.0, 1.0]).episode_reward()
     with pytest.raises(ValueError, match="finite numbers"):
