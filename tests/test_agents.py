@@ -555,16 +555,25 @@ def test_a_turn_cut_at_the_token_limit_gets_the_end_of_turn_token_first(
     assert cut == [tok.convert_tokens_to_ids("<|im_end|>")] + ended
 
 
-def test_template_kwargs_reach_the_generation_prompt(tokenizers: dict[str, Any]) -> None:
+def test_qwen3_rewrites_the_past_turn_and_the_continuation_still_follows_the_model(
+    tokenizers: dict[str, Any],
+) -> None:
+    """Qwen3's template writes the model's turn with an empty think block while it is the last
+    message and without it once tool messages follow: the text before the model's last token
+    differs, what follows it does not. template_kwargs reach the generation prompt."""
     tok = tokenizers["qwen3_tools"]
     tools = make_tools([add])
     check_template_supports_tools(tok, tools)
+    alone = render_text(tok, HISTORY, tools=tools, add_generation_prompt=False)
+    followed = render_text(tok, HISTORY + RESULTS[:1], tools=tools, add_generation_prompt=True)
+    assert "<think>\n\n</think>\n\n" + CALL in alone and not followed.startswith(alone)
     off = continuation_tokens(
         tok, HISTORY, RESULTS[:1], tools=tools, template_kwargs={"enable_thinking": False}
     )
     on = continuation_tokens(tok, HISTORY, RESULTS[:1], tools=tools, template_kwargs={})
-    assert tok.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert tok.decode(on).endswith("<|im_start|>assistant\n")
+    results = "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n"
+    assert tok.decode(off) == results + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.decode(on) == results + "<|im_start|>assistant\n"
     # The tool tags are plain added tokens: decoding without special tokens keeps a call.
     ids = tok.encode(CALL + "<|im_end|>", add_special_tokens=False)
     assert parse_hermes(tok.decode(ids, skip_special_tokens=True)).calls == [
@@ -590,9 +599,13 @@ def test_a_template_without_tool_support_is_refused_with_what_to_do(
     try:
         with pytest.raises(ValueError, match="drops messages of role 'tool'"):
             check_template_supports_tools(tok, tools)
-        # A template that rewrites the past once more turns follow cannot be continued.
-        tok.chat_template = "{{ messages | length }}" + CHATML_TEMPLATE
-        with pytest.raises(ValueError, match="renders the conversation differently"):
+        # A template that writes an assistant turn only while it is the last message loses
+        # the model's turn once tool messages follow: nothing can be continued.
+        tok.chat_template = CHATML_TEMPLATE.replace(
+            "{% for message in messages %}",
+            "{% for message in messages %}{% if message.role != 'assistant' or loop.last %}",
+        ).replace("{% endfor %}", "{% endif %}{% endfor %}")
+        with pytest.raises(ValueError, match="renders the model's turn differently"):
             continuation_tokens(tok, HISTORY, RESULTS, tools=tools, template_kwargs={})
     finally:
         tok.chat_template = CHATML_TEMPLATE
