@@ -19,7 +19,7 @@ Nothing here imports MLX: the trainer (``ppo_trainer``) owns generation and the 
 
 from agents.environment import check_environment_factory, environment_tools
 from agents.episode import INVALID_CALL_NAME, AgentSettings, Episode
-from agents.execution import ToolResult, execute_call, truncate
+from agents.execution import ToolError, ToolResult, execute_call, truncate
 from agents.rendering import (
     check_template_supports_tools,
     continuation_tokens,
@@ -47,6 +47,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolCallParser",
+    "ToolError",
     "ToolResult",
     "check_environment_factory",
     "check_template_supports_tools",

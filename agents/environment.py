@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -23,17 +24,20 @@ RESERVED_METHODS = ("reset", "get_reward")
 
 
 def environment_tools(env: Any) -> list[Tool]:
-    """The tools of ``env``: its public methods except :data:`RESERVED_METHODS`, bound to it,
-    in name order.
+    """The tools of ``env``: the public methods its class defines (also static and class
+    methods) except :data:`RESERVED_METHODS`, bound to it, in name order. Properties and other
+    attributes are not read (looking for tools runs none of the environment's code).
 
     Raises:
         ValueError: a method cannot be described (no type hints or docstring), naming it.
     """
     methods = []
-    for name, member in inspect.getmembers(env, predicate=callable):
-        if name.startswith("_") or name in RESERVED_METHODS or inspect.isclass(member):
+    for name in sorted(dir(type(env))):
+        if name.startswith("_") or name in RESERVED_METHODS:
             continue
-        methods.append(member)
+        static = inspect.getattr_static(env, name)
+        if inspect.isfunction(static) or isinstance(static, (staticmethod, classmethod)):
+            methods.append(getattr(env, name))
     return make_tools(methods)
 
 
@@ -76,7 +80,7 @@ def check_reward(value: Any, turns: int, env_name: str) -> float | list[float]:
     """
 
     def finite(x: Any) -> float:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
             raise ValueError(
                 f"environment {env_name}: get_reward() must return finite numbers, got {x!r}"
             )

@@ -21,11 +21,17 @@ from typing import Any
 
 from agents.environment import check_reward, environment_tools
 from agents.execution import ToolResult, execute_call, truncate
-from agents.tool_calls import PARSERS, ParsedTurn, ToolCallParser, resolve_parser
+from agents.tool_calls import PARSERS, ParsedTurn, ToolCall, ToolCallParser, resolve_parser
 from agents.tools import Tool
 
 #: The name of the tool message that answers a call the parser could not read.
 INVALID_CALL_NAME = "invalid_tool_call"
+
+
+def call_id(index: int) -> str:
+    """The id of an episode's ``index``-th call: 9 alphanumeric characters, the form Mistral's
+    templates require (``call00003``)."""
+    return f"call{index:05d}"
 
 
 @dataclass
@@ -122,6 +128,7 @@ class Episode:
         self.rounds = 0
         self.results: list[ToolResult] = []
         self.done = False
+        self._last_calls: list[tuple[str, ToolCall]] = []
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -161,35 +168,54 @@ class Episode:
         Returns:
             None when the turn holds no tool call, or ``max_tool_calling_iterations`` rounds
             have run (the episode is over); else the tool messages
-            ``{"role": "tool", "name": ..., "content": ...}`` to append, one per call in order,
-            then one per malformed call.
+            ``{"role": "tool", "name": ..., "content": ..., "tool_call_id": ...}`` to append,
+            one per call in order, then one per malformed call. Append the turn itself as
+            :meth:`assistant_message` before them.
         """
         if self.done:
             raise ValueError("Episode.step called after the episode ended (it returned None)")
         self.turns += 1
         parsed = self.parse(assistant_text)
+        self._last_calls = []
         if not parsed.has_calls or self.rounds >= self.settings.max_tool_calling_iterations:
             self.done = True
             return None
         self.rounds += 1
-        messages = []
         limit = self.settings.max_tool_output_chars
-        for call in parsed.calls:
-            result = execute_call(
-                call,
-                self.tools,
-                timeout_s=self.settings.tool_timeout_s,
-                max_output_chars=limit,
+        results = [
+            execute_call(
+                call, self.tools, timeout_s=self.settings.tool_timeout_s, max_output_chars=limit
             )
-            self.results.append(result)
-            messages.append({"role": "tool", "name": result.name, "content": result.content})
-        for error in parsed.errors:
-            result = ToolResult(INVALID_CALL_NAME, truncate(error, limit), False)
-            self.results.append(result)
-            messages.append({"role": "tool", "name": result.name, "content": result.content})
-        self.calls += len(parsed.calls) + len(parsed.errors)
-        self.successful_calls += sum(r.ok for r in self.results[-len(messages) :])
-        return messages
+            for call in parsed.calls
+        ]
+        results += [ToolResult(INVALID_CALL_NAME, truncate(e, limit), False) for e in parsed.errors]
+        ids = [call_id(self.calls + i) for i in range(len(results))]
+        self._last_calls = list(zip(ids, parsed.calls))
+        self.results += results
+        self.calls += len(results)
+        self.successful_calls += sum(r.ok for r in results)
+        return [
+            {"role": "tool", "name": r.name, "content": r.content, "tool_call_id": i}
+            for i, r in zip(ids, results)
+        ]
+
+    def assistant_message(self, assistant_text: str) -> dict[str, Any]:
+        """The assistant turn last given to :meth:`step`, as a chat message: its text, and its
+        calls as ``tool_calls`` (OpenAI's form, with the ids the tool messages answer), which
+        templates such as Mistral's require before tool messages. Only the rendering *after*
+        the turn is used (:func:`agents.rendering.continuation_tokens`), so a template that
+        writes the calls a second time from ``tool_calls`` changes nothing the model reads."""
+        message: dict[str, Any] = {"role": "assistant", "content": assistant_text}
+        if self._last_calls:
+            message["tool_calls"] = [
+                {
+                    "id": identifier,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for identifier, call in self._last_calls
+            ]
+        return message
 
     def episode_reward(self) -> float | list[float] | None:
         """``env.get_reward()`` checked (a finite float, or one per assistant turn), or None

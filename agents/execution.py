@@ -35,6 +35,11 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+class ToolError(Exception):
+    """Raised by a tool to report a failure in its own words: the model reads the message as
+    it is (``ok=False``), without the exception's type."""
+
+
 @dataclass(frozen=True)
 class ToolResult:
     """The outcome of one call.
@@ -156,6 +161,8 @@ def execute_call(
     if "error" in outcome:
         err = outcome["error"]
         text = f"Error: {call.name} raised {type(err).__name__}: {err}"
+        if isinstance(err, ToolError):
+            text = str(err)
         return ToolResult(call.name, truncate(text, max_output_chars), False)
     if "value" not in outcome:  # the thread ended by BaseException (SystemExit)
         text = f"Error: {call.name} exited without returning a value"

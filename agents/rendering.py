@@ -20,6 +20,8 @@ from agents.tools import Tool
 # Probe texts for check_template_supports_tools: unlikely to occur in a template.
 _PROBE_USER = "Probe question 7"
 _PROBE_RESULT = "Probe tool result 42"
+# Characters of the end of the model's turn that must read the same in both renderings.
+_TURN_END_CHARS = 32
 
 
 def _schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
@@ -112,12 +114,14 @@ def continuation_tokens(
     template's end-of-turn token (``<|im_end|>``), which is then not repeated; without it (a turn
     cut at the token limit), the continuation starts with that token.
 
-    Computed as ``render(messages + tool_messages, generation prompt)`` minus the prefix
-    ``render(messages)``, from the assistant's end-of-turn token on.
+    Computed from ``render(messages + tool_messages, generation prompt)``: what follows the
+    end-of-turn token that closes the model's turn there (the one of the same rank as the last
+    one of ``render(messages)``); the text before it may differ (Qwen3 rewrites a past turn's
+    think block), the end of the model's turn may not.
 
     Raises:
         ValueError: the template has no end-of-turn token, cannot render the messages, or
-            renders the earlier conversation differently once tool messages follow.
+            renders the end of the model's turn differently once tool messages follow.
     """
     if not messages or messages[-1].get("role") != "assistant":
         raise ValueError("messages must end with the assistant turn the model just generated")
@@ -134,31 +138,47 @@ def continuation_tokens(
         add_generation_prompt=True,
         template_kwargs=kwargs,
     )
-    if not full.startswith(prefix):
-        at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), len(prefix))
-        raise ValueError(
-            "the chat template renders the conversation differently once tool messages follow "
-            f"(they differ at character {at}: {prefix[at:at + 40]!r} vs {full[at:at + 40]!r}), "
-            "so the model's cached tokens would not match; use a template that renders earlier "
-            "turns the same whatever follows them"
-        )
     end_of_turn = _end_of_turn_text(tokenizer)
-    at = prefix.rfind(end_of_turn)
-    if at < 0:
+    closes = _positions(prefix, end_of_turn)
+    if not closes:
         raise ValueError(
             f"the end-of-turn token {end_of_turn!r} does not close the rendered assistant turn"
         )
-    start = at + len(end_of_turn) if ended_turn else at
-    text = prefix[start:] + full[len(prefix) :]
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+    # The model's turn closes with the prefix's last end-of-turn token, and with the same-numbered
+    # one once the tool messages follow. Only what comes after it is used: a template may rewrite
+    # earlier text once more turns follow (Qwen3 drops a past turn's empty think block), which
+    # changes nothing after the model's last token; the end of the turn itself must agree.
+    reopened = _positions(full, end_of_turn)
+    turn_end = reopened[len(closes) - 1] if len(reopened) >= len(closes) else -1
+    before = closes[-2] + len(end_of_turn) if len(closes) > 1 else 0
+    tail = prefix[before : closes[-1]][-_TURN_END_CHARS:]
+    if turn_end < 0 or not full[:turn_end].endswith(tail):
+        raise ValueError(
+            "the chat template renders the model's turn differently once tool messages follow "
+            f"(it ends with {tail!r} alone, but not before the tool messages), so the tokens "
+            "after it cannot be found; use a template that keeps each turn's end whatever "
+            "follows it"
+        )
+    start = turn_end + len(end_of_turn) if ended_turn else turn_end
+    return [int(i) for i in tokenizer.encode(full[start:], add_special_tokens=False)]
+
+
+def _positions(text: str, token: str) -> list[int]:
+    """Start of every occurrence of ``token`` in ``text``."""
+    found, at = [], text.find(token)
+    while at >= 0:
+        found.append(at)
+        at = text.find(token, at + len(token))
+    return found
 
 
 def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None:
     """Stop a run whose chat template cannot show the model its tools or their results.
 
     Renders a probe conversation: a user turn with and without ``tools`` (the texts must
-    differ: the model must see the tools' descriptions), then an assistant turn and a tool
-    message (the result's text must appear), and finds the end-of-turn token.
+    differ: the model must see the tools' descriptions), then an assistant turn with a call and
+    a tool message answering it, as :class:`agents.Episode` writes them (the result's text must
+    appear), and finds the end-of-turn token.
 
     Raises:
         ValueError: no chat template, a template that ignores ``tools`` or drops ``tool``
@@ -174,10 +194,12 @@ def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None
             "whose template renders tools (Qwen2.5, Qwen3, Llama 3.1+, Mistral) or set a "
             "tool-capable chat_template in its tokenizer_config.json"
         )
-    turn = [
+    name = tools[0].name if tools else "probe"
+    call = {"id": "call00000", "type": "function", "function": {"name": name, "arguments": {}}}
+    turn: list[dict[str, Any]] = [
         *user,
-        {"role": "assistant", "content": "Probe call"},
-        {"role": "tool", "name": tools[0].name if tools else "probe", "content": _PROBE_RESULT},
+        {"role": "assistant", "content": "Probe call", "tool_calls": [call]},
+        {"role": "tool", "name": name, "content": _PROBE_RESULT, "tool_call_id": "call00000"},
     ]
     rendered = render_text(tokenizer, turn, tools=tools, add_generation_prompt=True)
     if _PROBE_RESULT not in rendered:
