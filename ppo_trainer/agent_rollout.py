@@ -154,7 +154,6 @@ def play_episodes(
     started: Episodes,
     sampling: SamplingSettings,
     *,
-    decode: Callable[[Sequence[int]], str],
     template_kwargs: Mapping[str, Any],
     keys: mx.array | None = None,
 ) -> GenerationOutput:
@@ -167,13 +166,14 @@ def play_episodes(
 
     def continue_fn(row: int, turn: list[int]) -> list[int] | None:
         ended = turn[-1] in stops
-        text = decode(turn[:-1] if ended else turn)
+        # Special tokens kept: Mistral's [TOOL_CALLS] is one (the parsers skip the others).
+        text = str(tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False))
         episode = started.episodes[row]
         tool_messages = episode.step(text)
         if tool_messages is None:
             return None
         conversation = started.conversations[row]
-        conversation.append({"role": "assistant", "content": text})
+        conversation.append(episode.assistant_message(text))
         ids = continuation_tokens(
             tokenizer,
             conversation,

@@ -598,7 +598,6 @@ class PPOTrainer:
                 self.tokenizer,
                 started,
                 sampling,
-                decode=self.decode_completion,
                 template_kwargs=template_kwargs,
                 keys=keys,
             )
