@@ -247,6 +247,8 @@ def test_grpo_with_function_tools(
     assert 0.0 <= metrics["agent/tool_call_success"] <= 1.0
     assert metrics["agent/tool_calls"] > 0
     assert "<tools> lookup</tools>" in capture.rollout.texts[0]  # the tools are in the prompt
+    result = trainer.evaluate(PROMPTS, max_new_tokens=96, temperature=1.0, num_samples=1)
+    assert result["eval/agent/turns"] >= 1 and "eval/agent/tool_call_success" in result
 
 
 def test_rloo_scored_by_the_environment_alone(
