@@ -103,7 +103,7 @@ SMOKE: dict[str, Any] = dict(
     sft={"total_steps": 2, "warmup_steps": 0},
     rl={"total_steps": 1, "batch_size": 2, "max_new_tokens": 48},
     grpo={"batch_size": 2, "group_size": 2},
-    held_out=4,
+    held_out=2,
 )
 
 
