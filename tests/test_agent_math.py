@@ -7,6 +7,8 @@ Its action mask is ``1 1 0 0 1 1 0``. Row 1 is a one-turn episode ``a0 a1 a2 | p
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -107,3 +109,69 @@ def test_context_tokens_weigh_nothing_in_the_losses() -> None:
     np.testing.assert_allclose(dirty, clean, rtol=1e-6)
     np.testing.assert_allclose(dirty_grad, clean_grad, rtol=1e-6, atol=1e-8)
     assert not dirty_grad[CONTEXT].any()
+
+
+def _two_turn_rollout(algorithm: str) -> tuple[Any, Any]:
+    """Rows 0-1 of this module's episodes as a :class:`Rollout`, with per-action rewards."""
+    from ppo_trainer.experience import ExperienceSettings
+    from ppo_trainer.generator import GenerationOutput
+    from ppo_trainer.rollout import Rollout
+
+    B, T = MASK.shape
+    zeros = mx.zeros((B, T))
+    gen = GenerationOutput(
+        responses=mx.zeros((B, T), dtype=mx.int32),
+        lengths=mx.array([6, 3]),
+        ended_with_stop=mx.array([True, True]),
+        logprobs=zeros,
+        entropy=zeros,
+        action_mask=MASK,
+        turn_spans=[[(0, 2), (4, 6)], [(0, 3)]],
+    )
+    rollout = Rollout(
+        texts=["a", "b"],
+        completions=["a", "b"],
+        prompt_ids=[[1], [1]],
+        generation=gen,
+        query_responses=mx.zeros((B, T + 1), dtype=mx.int32),
+        prompt_lengths=mx.array([1, 1]),
+        mask=MASK,
+        logprobs=zeros,
+        ref_logprobs=zeros,
+        entropy=zeros,
+        values=zeros if algorithm == "ppo" else None,
+        scores=mx.array([1.5, 0.5]),
+        action_rewards=mx.array([[0.25, -0.5], [3.0, 0.0]]),
+        turn_ends=TURN_ENDS,
+    )
+    settings = ExperienceSettings(
+        algorithm=algorithm,  # type: ignore[arg-type]
+        kl_estimator="k1",
+        gamma=1.0,
+        lam=1.0,
+        whiten_rewards=False,
+        whiten_advantages=False,
+        group_size=2 if algorithm != "ppo" else 1,
+        beta=0.0,
+        grpo_advantage_scale="group",
+        missing_eos_penalty=None,
+    )
+    return rollout, settings
+
+
+def test_make_experience_places_per_action_rewards() -> None:
+    """PPO: each turn's reward on its last token, the score on the last policy token, returns
+    (gamma = lam = 1, V = 0) the sums of what follows; GRPO: the rewards summed into the score."""
+    from ppo_trainer.experience import make_experience
+
+    rollout, settings = _two_turn_rollout("ppo")
+    batch, stats = make_experience(rollout, settings, 0.0, step=1)
+    expected = [[0, 0.25, 0, 0, 0, 1.0, 0], [0, 0, 3.5, 0, 0, 0, 0]]
+    np.testing.assert_allclose(np.array(stats["rewards"]), expected)
+    assert batch.returns is not None
+    np.testing.assert_allclose(
+        np.array(batch.returns), [[1.25, 1.25, 0, 0, 1.0, 1.0, 0], [3.5, 3.5, 3.5, 0, 0, 0, 0]]
+    )
+    rollout, settings = _two_turn_rollout("grpo")
+    batch, _ = make_experience(rollout, settings, 0.0, step=1)
+    np.testing.assert_allclose(np.array(batch.scores), [1.25, 3.5])
