@@ -82,7 +82,8 @@ SFT_SETTINGS: dict[str, Any] = dict(
 )
 RL_SETTINGS: dict[str, Any] = dict(
     batch_size=8,
-    max_new_tokens=96,
+    # An episode: the call (~50 tokens), the tool's result (~40), the answer (~15).
+    max_new_tokens=160,
     max_prompt_length=64,
     max_tool_calling_iterations=2,
     temperature=0.7,
@@ -118,6 +119,31 @@ def tool_checkpoint(output_dir: Path) -> Path:
     return path
 
 
+def warm_up(
+    output_dir: Path, base: Path, train: Sequence[dict[str, Any]], seed: int, scale: dict[str, Any]
+) -> Path:
+    """The SFT warm-up on :data:`DEMONSTRATIONS` demonstrations; returns the model's folder."""
+    data = output_dir / "sft.jsonl"
+    with data.open("w", encoding="utf-8") as f:
+        for record in demonstrations(train, DEMONSTRATIONS):
+            f.write(json.dumps(record) + "\n")
+    sft = {**SFT_SETTINGS, **scale.get("sft", {})}
+    sft["num_epochs"] = math.ceil(
+        sft["total_steps"] / math.ceil(DEMONSTRATIONS / sft["batch_size"])
+    )
+    print(f"[SFT] {sft['total_steps']} steps on {DEMONSTRATIONS} demonstrations of tool calls")
+    return run_sft(
+        SFTConfig(
+            **sft,
+            model_name=str(base),
+            dataset=str(data),
+            seed=seed,
+            output_dir=str(output_dir / "sft"),
+            overwrite_output_dir=True,
+        )
+    )
+
+
 def evaluate(trainer: PPOTrainer, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Greedy episodes on ``records``: task reward (mean and per problem), tool-call success
     rate, tool calls and turns per episode."""
@@ -140,6 +166,7 @@ def run(
     smoke: bool = False,
     algorithms: Sequence[str] = ("ppo", "grpo"),
     steps: int | None = None,
+    sft_model: Path | None = None,
 ) -> dict[str, Any]:
     """The four stages under ``output_dir``; returns the evaluations before and after each
     algorithm."""
@@ -150,26 +177,9 @@ def run(
     held_out = held_out[: scale.get("held_out", len(held_out))]
     base = tool_checkpoint(output_dir)
 
-    # 2. SFT warm-up on a few demonstrations (training problems only).
-    data = output_dir / "sft.jsonl"
-    with data.open("w", encoding="utf-8") as f:
-        for record in demonstrations(train, DEMONSTRATIONS):
-            f.write(json.dumps(record) + "\n")
-    sft = {**SFT_SETTINGS, **scale.get("sft", {})}
-    sft["num_epochs"] = math.ceil(
-        sft["total_steps"] / math.ceil(DEMONSTRATIONS / sft["batch_size"])
-    )
-    print(f"[SFT] {sft['total_steps']} steps on {DEMONSTRATIONS} demonstrations of tool calls")
-    sft_model = run_sft(
-        SFTConfig(
-            **sft,
-            model_name=str(base),
-            dataset=str(data),
-            seed=seed,
-            output_dir=str(output_dir / "sft"),
-            overwrite_output_dir=True,
-        )
-    )
+    # 2. SFT warm-up on a few demonstrations (training problems only), unless given.
+    if sft_model is None:
+        sft_model = warm_up(output_dir, base, train, seed, scale)
 
     # 3-4. PPO and GRPO from the warmed-up model, each evaluated before and after.
     results: dict[str, Any] = {}
@@ -187,6 +197,11 @@ def run(
         )
         trainer = PPOTrainer(config, tools=[calculator], reward_model=answer_reward)
         before = evaluate(trainer, held_out)
+        print(
+            f"[{name.upper()}] before: reward {before['reward']:.3f}, tool-call success "
+            f"{before['tool_call_success']:.3f}, turns {before['turns']:.2f}",
+            flush=True,
+        )
         print(
             f"[{name.upper()}] {config.total_steps} steps of {config.batch_size} problems"
             + (f" x {config.group_size} samples" if config.group_size > 1 else "")
@@ -221,13 +236,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--output-dir", default="runs/tool_use", help="where the stages go")
     parser.add_argument("--smoke", action="store_true", help="toy scale (tests)")
+    parser.add_argument("--sft-model", type=Path, help="a warmed-up model to start from (no SFT)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         parser.error(f"unknown algorithms {unknown}: choose among {sorted(ALGORITHMS)}")
-    run(Path(args.output_dir), args.seed, smoke=args.smoke, algorithms=algorithms, steps=args.steps)
+    run(
+        Path(args.output_dir),
+        args.seed,
+        smoke=args.smoke,
+        algorithms=algorithms,
+        steps=args.steps,
+        sft_model=args.sft_model,
+    )
     return 0
 
 
