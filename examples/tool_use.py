@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from config.ppo_config import PPOConfig
 from config.sft_config import SFTConfig
@@ -101,6 +101,7 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "grpo": dict(algorithm="grpo", group_size=4, batch_size=4, beta=0.0, loss_type="dapo"),
 }
 SMOKE: dict[str, Any] = dict(
+    size="test",
     sft={"total_steps": 2, "warmup_steps": 0},
     rl={"total_steps": 1, "batch_size": 2, "max_new_tokens": 48},
     grpo={"batch_size": 2, "group_size": 2},
@@ -108,9 +109,10 @@ SMOKE: dict[str, Any] = dict(
 )
 
 
-def tool_checkpoint(output_dir: Path) -> Path:
-    """The tiny demo checkpoint with :data:`TOOL_TEMPLATE` as its chat template."""
-    path = build_tiny_checkpoint(output_dir / "base", size="demo", seed=0)
+def tool_checkpoint(output_dir: Path, size: Literal["test", "demo"] = "demo") -> Path:
+    """The tiny checkpoint (``size`` "demo" or "test") with :data:`TOOL_TEMPLATE` as its chat
+    template."""
+    path = build_tiny_checkpoint(output_dir / "base", size=size, seed=0)
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("chat_template") != TOOL_TEMPLATE:
@@ -175,7 +177,7 @@ def run(
     output_dir.mkdir(parents=True, exist_ok=True)
     train, held_out = problems(seed)
     held_out = held_out[: scale.get("held_out", len(held_out))]
-    base = tool_checkpoint(output_dir)
+    base = tool_checkpoint(output_dir, scale.get("size", "demo"))
 
     # 2. SFT warm-up on a few demonstrations (training problems only), unless given.
     if sft_model is None:

@@ -756,7 +756,7 @@ def test_tool_use_example_runs_every_stage(tmp_path: Path) -> None:
     reward, tool-call success rate and turns per episode before and after."""
     cmd = [sys.executable, "-m", "examples.tool_use", "--smoke", "--algorithms", "grpo"]
     cmd += ["--output-dir", str(tmp_path)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     for metric in ("reward", "tool_call_success", "tool_calls", "turns"):
         assert re.search(
