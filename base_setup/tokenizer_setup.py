@@ -221,7 +221,11 @@ def _check_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> None:
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``) in the chat format.
 
@@ -229,9 +233,15 @@ def apply_chat_template(
     generation. The template's text is encoded with :func:`encode_text`, as PPO encodes a
     formatted prompt, so both give the same ids (templates that write the BOS token themselves
     get no second one). Raises ``ValueError`` if the tokenizer has no chat template (base models):
-    build the prompt text yourself and ``encode`` it instead.
+    build the prompt text yourself and ``encode`` it instead. ``template_kwargs`` reach the
+    template as keyword arguments (``tools``: the tools' JSON schemas; ``enable_thinking``).
     """
-    text = chat_template_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = chat_template_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        template_kwargs=template_kwargs,
+    )
     return encode_text(tokenizer, text)
 
 

@@ -5,6 +5,7 @@ This package never imports mlx: it is imported before the backend is set up and 
 argument parsing.
 """
 
+from config.agent_config import TOOL_CALL_PARSERS, AgentConfig
 from config.loading import SECTIONS, config_to_dict, field_docs, load_config, save_config
 from config.model_config import Dtype, LoraConfig, ModelConfig, ValueInit, ValueSource
 from config.ppo_config import (
@@ -21,6 +22,8 @@ from config.training_config import Logger, LRScheduler, OptimConfig, TrainingCon
 
 __all__ = [
     "SECTIONS",
+    "TOOL_CALL_PARSERS",
+    "AgentConfig",
     "Algorithm",
     "Dtype",
     "GRPOAdvantageScale",

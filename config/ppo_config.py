@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
+from config.agent_config import AgentConfig
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
 
@@ -55,10 +56,11 @@ def reward_func_name(spec: RewardSpec) -> str:
 
 
 @dataclass(kw_only=True)
-class PPOConfig(ModelConfig, TrainingConfig):
+class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     """Everything a PPO (or GRPO) RLHF run needs, as one flat set of keyword fields.
 
-    Inherits every field of :class:`ModelConfig` and :class:`TrainingConfig`; components receive
+    Inherits every field of :class:`ModelConfig`, :class:`TrainingConfig` and
+    :class:`AgentConfig` (tool calling); components receive
     only their part via :meth:`model_config` / :meth:`training_config`.
 
     Defaults follow "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR
@@ -280,6 +282,7 @@ class PPOConfig(ModelConfig, TrainingConfig):
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)
         TrainingConfig.__post_init__(self)
+        AgentConfig.__post_init__(self)
         check_field_types(self, PPOConfig)
         self._check_generation()
         self._check_algorithm()

@@ -12,6 +12,7 @@ import typing
 from typing import Any
 
 from config._fields import describe
+from config.agent_config import AgentConfig
 from config.loading import _section_of, field_docs
 from config.model_config import LoraConfig, ModelConfig
 from config.ppo_config import PPOConfig
@@ -35,6 +36,7 @@ _PARTS: dict[str, tuple[tuple[str, type], ...]] = {
         ("optimisation and bookkeeping", OptimConfig),
         ("PPO optimisation", TrainingConfig),
         ("the algorithm", PPOConfig),
+        ("agents: tools and environments", AgentConfig),
     ),
     "sft": (
         ("model and data", FineTuneConfig),

@@ -21,6 +21,8 @@ TRL_ALIASES: dict[str, str] = {
     "max_completion_length": "max_new_tokens",
     "max_steps": "total_steps",
     "scale_rewards": "grpo_advantage_scale",
+    # Not TRL's: the name verl and textpolicy give the turn limit.
+    "max_turns": "max_tool_calling_iterations",
 }
 
 #: The defaults of a GRPO run where TRL's (1.x ``GRPOConfig``) differ from PPO's.

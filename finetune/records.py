@@ -11,7 +11,9 @@ dataset:
 * SFT, chat: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}``,
   rendered with the chat template; the loss covers every assistant turn (its content and the
   template's end-of-turn tokens), the rest is context. The conversation must end with an
-  assistant turn.
+  assistant turn. A ``"tools"`` field (TRL's column: the tools' JSON schemas, a list or its
+  JSON text) is passed to the template, which describes the tools as in a tool-calling
+  rollout's prompt; ``{"role": "tool", "content": ...}`` turns are context.
 * Preferences: ``{"prompt": ..., "chosen": ..., "rejected": ..., "margin": 0.5}`` (``margin``
   optional). Each side is scored as ``prompt + answer + EOS``, the token sequence PPO's reward
   model sees (prompt, response, stop token). Conversational (TRL's format): ``prompt`` is a list
@@ -107,6 +109,30 @@ def check_sft_record(record: Any, where: str) -> None:
             f"{where}: the conversation starts with an assistant turn; put the user (or system) "
             "message it answers before it"
         )
+    if record.get("tools") is not None:
+        sft_tools(record, where)
+
+
+def sft_tools(record: Mapping[str, Any], where: str = "SFT record") -> list[dict[str, Any]] | None:
+    """The ``tools`` of a chat SFT record (a list of JSON schemas, or its JSON text), or None.
+
+    Raises:
+        ValueError: tools that are not a list of objects.
+    """
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: 'tools' is not valid JSON ({err.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError(
+            f"{where}: 'tools' must be a list of the tools' JSON schemas "
+            '({"type": "function", "function": {...}}), got ' + f"{tools!r:.80}"
+        )
+    return [dict(t) for t in tools]
 
 
 def _check_messages(messages: Any, where: str, field: str) -> None:

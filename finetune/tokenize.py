@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from base_setup.tokenizer_setup import apply_chat_template, encode_text, eos_token_ids
-from finetune.records import check_preference_record, check_sft_record
+from finetune.records import check_preference_record, check_sft_record, sft_tools
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -111,9 +111,15 @@ def prompt_completion_tokens(
 
 
 def chat_tokens(
-    tokenizer: Any, messages: Sequence[Mapping[str, str]], where: str = "conversation"
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    where: str = "conversation",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """``(input_ids, loss_mask)`` of a conversation in the chat template, loss on assistant turns.
+
+    ``tools`` (JSON schemas, TRL's ``tools`` column) are rendered by the template as in a
+    tool-calling rollout's prompt; ``tool`` messages are context like user turns.
 
     Each assistant turn ``i`` covers the tokens between the template of ``messages[:i]`` with a
     generation prompt and the template of ``messages[:i + 1]`` (its content and end-of-turn
@@ -125,9 +131,15 @@ def chat_tokens(
         ValueError: the tokenizer has no chat template, or the last assistant turn cannot be
             located in the rendered conversation.
     """
-    dicts = [{"role": m["role"], "content": m["content"]} for m in messages]
+    dicts = [
+        {"role": m["role"], "content": m["content"], **({"name": m["name"]} if "name" in m else {})}
+        for m in messages
+    ]
+    kwargs = {"tools": [dict(t) for t in tools]} if tools else None
     try:
-        ids = apply_chat_template(tokenizer, dicts, add_generation_prompt=False)
+        ids = apply_chat_template(
+            tokenizer, dicts, add_generation_prompt=False, template_kwargs=kwargs
+        )
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
     mask = [0] * len(ids)
@@ -135,8 +147,12 @@ def chat_tokens(
     for i, message in enumerate(dicts):
         if message["role"] != "assistant" or i == 0:
             continue
-        before = apply_chat_template(tokenizer, dicts[:i], add_generation_prompt=True)
-        through = apply_chat_template(tokenizer, dicts[: i + 1], add_generation_prompt=False)
+        before = apply_chat_template(
+            tokenizer, dicts[:i], add_generation_prompt=True, template_kwargs=kwargs
+        )
+        through = apply_chat_template(
+            tokenizer, dicts[: i + 1], add_generation_prompt=False, template_kwargs=kwargs
+        )
         start, end = len(before), len(through)
         lines_up = through[:start] == before and ids[:end] == through and end > start
         if not lines_up:
@@ -210,7 +226,7 @@ def tokenize_sft(
                 {"role": "assistant", "content": record["completion"]},
             ]
         if messages is not None:
-            ids, mask = chat_tokens(tokenizer, messages, where)
+            ids, mask = chat_tokens(tokenizer, messages, where, tools=sft_tools(record))
         else:
             ids, mask = prompt_completion_tokens(tokenizer, record["prompt"], record["completion"])
         if len(ids) > max_length:

@@ -55,13 +55,17 @@ TARGETS: dict[str, list[str]] = {
     "token_attribution/sequences.py": ["tests/test_token_attribution.py"],
     "token_attribution/head_logprobs.py": ["tests/test_token_attribution.py"],
     "token_attribution/token_weights.py": ["tests/test_reasoning_losses.py"],
+    "agents/tool_calls.py": ["tests/test_agents.py"],
+    "agents/execution.py": ["tests/test_agents.py"],
+    "agents/episode.py": ["tests/test_agents.py"],
+    "agents/rendering.py": ["tests/test_agents.py"],
 }
 
 #: Every top-level package and module the tests import (copied unmutated beside the target).
 PACKAGES = [
     "config", "base_setup", "models", "fixtures", "token_attribution", "reward_kl",
     "advantage", "experience_buffer", "training", "finetune", "ppo_trainer", "sandbox",
-    "examples", "main.py",
+    "agents", "examples", "main.py",
 ]  # fmt: skip
 
 EQUIVALENT = Path(__file__).with_name("equivalent.txt")

@@ -30,7 +30,9 @@ def evaluate_rollouts(
 ) -> dict[str, Any]:
     """Roll out ``prompts`` in chunks of ``rollout_batch_size`` with ``sampling`` (no values).
 
-    Returns ``{"eval/mean_reward", "eval/kl", "eval/response_length", "samples"}``, the KL summed
+    Returns ``{"eval/mean_reward", "eval/kl", "eval/response_length", "samples"}`` (with tools or
+    environments also ``eval/agent/turns``, ``eval/agent/tool_calls``,
+    ``eval/agent/tool_call_success`` and ``eval/agent/context_tokens``), the KL summed
     over each response's tokens with the training's estimator, and the first ``num_samples``
     ``{"prompt", "completion", "reward"}``. While ``trainer`` records its evaluations (periodic
     evaluations during training), up to ``rollout_records_per_step`` rows are written to
@@ -42,6 +44,7 @@ def evaluate_rollouts(
     lengths: list[float] = []
     samples: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
+    agent: dict[str, float] = {}  # agents: each metric summed over the episodes
     record = trainer.run.record_eval
     for start in range(0, len(prompts), cfg.rollout_batch_size):
         stop = min(start + cfg.rollout_batch_size, len(prompts))
@@ -61,6 +64,8 @@ def evaluate_rollouts(
             )
             rows = select_rows(len(texts), 1, room)
             records += rollout_records(arrays, trainer.tokenizer, rows)
+        for key, value in rollout.agent_metrics.items():
+            agent[f"eval/{key}"] = agent.get(f"eval/{key}", 0.0) + value * len(texts)
         rewards.extend(np.array(rollout.scores).tolist())
         kls.extend(np.array(kl).tolist())
         lengths.extend(np.array(rollout.generation.lengths).tolist())
@@ -74,5 +79,6 @@ def evaluate_rollouts(
         "eval/mean_reward": float(np.mean(rewards)),
         "eval/kl": float(np.mean(kls)),
         "eval/response_length": float(np.mean(lengths)),
+        **{key: total / len(rewards) for key, total in agent.items()},
         "samples": samples,
     }

@@ -24,7 +24,11 @@ from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.rollout import Rollout
 from reward_kl.kl_divergence import kl_estimate
 from reward_kl.reward_normalization import RunningMoments, normalize_scores
-from reward_kl.reward_computer import apply_missing_eos_penalty, per_token_rewards
+from reward_kl.reward_computer import (
+    add_action_rewards,
+    apply_missing_eos_penalty,
+    per_token_rewards,
+)
 from token_attribution.extractor import mask_truncated_completions
 
 
@@ -110,6 +114,11 @@ def make_experience(
     ``mask_truncated_completions`` (group methods) then drops responses without a stop token from
     the loss (``batch.mask`` all 0 for them); they still count in their group's baseline.
 
+    Agents (multi-turn episodes): ``r.mask`` holds the policy's tokens only, so the KL, the
+    losses and GAE skip the tool tokens (GAE's next state after a turn is the next turn's first
+    token). Per-action rewards (``r.action_rewards``) land on each turn's last token for PPO,
+    and are summed into the episode's score for the others (sequence-level advantages).
+
     Returns:
         ``(batch, stats)`` with ``stats``: ``kl`` (B, T), ``non_score`` (B, T) the KL part of the
         reward, and ``rewards`` (B, T) the per-token rewards (before any whitening; for GRPO the
@@ -122,11 +131,17 @@ def make_experience(
     r = rollout
     ended = r.generation.ended_with_stop
     scores = raw_scores = penalized_scores(r, settings)  # (B,)
+    per_token_actions = settings.algorithm == "ppo"
+    if r.action_rewards is not None and not per_token_actions:
+        scores = raw_scores = scores + r.action_rewards.sum(axis=1)  # (B,) the episode's total
     if score_moments is not None:
         scores = normalize_scores(scores, score_moments)  # (B,)
     kl = kl_per_token(r, settings)  # (B, T)
     coef = settings.beta if settings.algorithm == "grpo" else kl_coef
     rewards, non_score = per_token_rewards(scores, kl, r.mask, coef)  # (B, T) each
+    if r.action_rewards is not None and per_token_actions:
+        assert r.turn_ends is not None, "per-action rewards come with their turns' ends"
+        rewards = add_action_rewards(rewards, r.action_rewards, r.turn_ends)  # (B, T)
     stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # rewards before whitening
     returns = None
     algorithm = settings.algorithm

@@ -57,6 +57,12 @@ class GenerationOutput:
         stopped_by_string: ``(B,)`` bool, ``True`` where a stop string ended the response (its
             last token completes the string; ``ended_with_stop`` is then ``True`` too).
             ``None`` when generation had no stop strings.
+        action_mask: ``(B, T)`` float32, multi-turn episodes only
+            (:func:`ppo_trainer.multi_turn.generate_turns`): 1 on the tokens the policy sampled,
+            0 on the tools' and environment's context tokens and after the end. ``None``: every
+            token up to ``lengths`` is the policy's.
+        turn_spans: multi-turn only: per row, the ``(start, end)`` columns (end exclusive) of
+            each of the policy's turns, in order.
     """
 
     responses: mx.array
@@ -65,6 +71,8 @@ class GenerationOutput:
     logprobs: mx.array | None = None
     entropy: mx.array | None = None
     stopped_by_string: mx.array | None = None
+    action_mask: mx.array | None = None
+    turn_spans: list[list[tuple[int, int]]] | None = None
 
 
 def stop_string_window(stop_strings: Sequence[str]) -> int:

@@ -61,10 +61,19 @@ from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
+from agents import AgentSettings
+from ppo_trainer.agent_rollout import (
+    AgentRun,
+    agent_metrics,
+    episode_rewards,
+    play_episodes,
+    start_episodes,
+)
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
     build_models,
+    load_function,
     check_data_parallel_config,
     context_length,
     kl_controller,
@@ -100,6 +109,8 @@ from ppo_trainer.rollout import (
     decode_completions,
     ended_at_once,
     rollout_keys,
+    split_scores,
+    check_scores,
 )
 from ppo_trainer.rollout_records import (
     log_rollouts,
@@ -180,6 +191,13 @@ class PPOTrainer:
         value_model: a ready value model (PPO only); default: from ``config.value_model_name``, else
             from the reward model checkpoint, else from the policy's backbone.
         tokenizer: default: the policy's tokenizer.
+        tools: agents: Python functions (type hints and a Google-style docstring each) or
+            :class:`agents.Tool` s the policy may call (TRL's ``tools``); each rollout is then a
+            multi-turn episode (docs/agents.md).
+        environment_factory: agents: a callable returning a fresh environment per rollout
+            (TRL's contract: ``reset(**record)``, public methods as tools, optional
+            ``get_reward()``, whose reward is added to the score, or is the score when no
+            reward is given).
 
     Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
     group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
@@ -198,6 +216,8 @@ class PPOTrainer:
         reward_model: RewardModel | RewardFunction | None = None,
         value_model: ValueModel | None = None,
         tokenizer: Any = None,
+        tools: Sequence[Any] | None = None,
+        environment_factory: Any = None,
     ) -> None:
         self.config = config
         # Data parallelism (mlx.launch): this process is rank `rank` of `world_size` (1 without
@@ -225,6 +245,15 @@ class PPOTrainer:
                 "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
                 "trainer: pass no policy=, or set async_rollout: false"
             )
+        #: Agents (tools, environments): checked before any model loads; None without them.
+        self.agent = AgentRun.build(
+            tools, environment_factory, AgentSettings.from_config(config, load_function)
+        )
+        if self.agent is not None and config.async_rollout:
+            raise ValueError(
+                "async_rollout samples single-turn responses in a worker process; agents "
+                "(tools, environment_factory) need multi-turn episodes: set async_rollout: false"
+            )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
@@ -238,7 +267,8 @@ class PPOTrainer:
             reward=reward_model,
             value_model=value_model,
             tokenizer=tokenizer,
-            custom_scores=type(self).compute_scores is not PPOTrainer.compute_scores,
+            custom_scores=type(self).compute_scores is not PPOTrainer.compute_scores
+            or (self.agent is not None and self.agent.environment_rewards()),
         )
         if config.gradient_checkpointing:  # the two models trained (a given one, in place)
             for trained in (models.policy, models.value_model):
@@ -255,6 +285,8 @@ class PPOTrainer:
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
+        if self.agent is not None:  # a template that cannot show the tools stops the run here
+            self.agent.check_tokenizer(self.tokenizer)
         #: Whether plain-text prompts go through the chat template (config.use_chat_template).
         self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
         if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:
@@ -493,6 +525,7 @@ class PPOTrainer:
             metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
         if sampled is not None:  # of every group generated, not only those kept
             metrics.update(sampled)
+        metrics.update(rollout.agent_metrics)  # this rank's episodes
         if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()
@@ -624,9 +657,49 @@ class PPOTrainer:
         with_values: bool = True,
         generation: GenerationOutput | None = None,
     ) -> Rollout:
-        """Phases 1-3 with this trainer's models and reward (training and evaluation)."""
+        """Phases 1-3 with this trainer's models and reward (training and evaluation); with
+        tools or environments, phase 1 plays multi-turn episodes (:mod:`ppo_trainer.agent_rollout`)
+        whose prompts (``columns["prompt"]``) are rendered with their tools."""
+        started = env_rewards = None
+        if self.agent is not None and generation is None:
+            template_kwargs = dict(self.config.chat_template_kwargs or {})
+            started = start_episodes(
+                self.agent,
+                self.tokenizer,
+                columns,
+                system_prompt=self.config.system_prompt,
+                template_kwargs=template_kwargs,
+            )
+            texts, prompt_ids = started.texts, started.prompt_ids
+            check_prompts(
+                prompt_ids,
+                texts,
+                max_prompt_length=self.config.max_prompt_length,
+                max_new_tokens=sampling.max_new_tokens,
+                context_length=context_length(self.policy),
+            )
+            generation = play_episodes(
+                self.policy,
+                self.tokenizer,
+                started,
+                sampling,
+                template_kwargs=template_kwargs,
+                keys=keys,
+            )
+            env_rewards = episode_rewards(started.episodes, generation)
 
         def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
+            if env_rewards is None:
+                return task_score(completions, query_responses, lengths)
+            if not self._has_reward():  # the environments' rewards are the scores
+                return env_rewards.scores
+            raw, metrics = split_scores(
+                task_score(completions, query_responses, lengths), self._score_source()
+            )
+            base = check_scores(raw, len(completions), self._score_source())
+            return base + env_rewards.scores, metrics
+
+        def task_score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
             # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
             rows = np.asarray(query_responses).tolist()
             ends = np.asarray(lengths).tolist()
@@ -640,7 +713,7 @@ class PPOTrainer:
                 **columns_for(self.compute_scores, all_columns, positional=4),
             )
 
-        return collect_rollout(
+        rollout = collect_rollout(
             self.policy,
             self.ref_model,
             self.value_model if with_values else None,
@@ -654,8 +727,20 @@ class PPOTrainer:
             score_source=self._score_source(),
             keys=keys,
             generation=generation,
-            model_reward=self._reward_is_model(),
+            model_reward=self._reward_is_model() and started is None,
         )
+        if started is not None and env_rewards is not None:
+            rollout.action_rewards = env_rewards.action_rewards
+            rollout.turn_ends = env_rewards.turn_ends
+            rollout.agent_metrics = agent_metrics(started.episodes, rollout.generation)
+        return rollout
+
+    def _has_reward(self) -> bool:
+        """Whether the run has a reward besides its environments' (a model, a function, several,
+        or an overridden ``compute_scores``)."""
+        custom = type(self).compute_scores is not PPOTrainer.compute_scores
+        r = self.rewards
+        return custom or r.model is not None or r.fn is not None or bool(r.funcs)
 
     def _reward_is_model(self) -> bool:
         """Whether the scores are the reward model's pass, returned unevaluated (the rollout may

@@ -29,6 +29,7 @@ from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.generator import GenerationOutput, cut_after_stop_string, generate
+from ppo_trainer.multi_turn import ContinueFn, generate_turns
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
@@ -107,6 +108,12 @@ class Rollout:
     #: What the score function returned beside the scores (scalar arrays; the default
     #: ``compute_scores``: each of several rewards' ``rewards/<name>/mean`` and ``/std``).
     reward_metrics: dict[str, mx.array] = field(default_factory=dict)
+    #: Agents: (B, K) per-action rewards (an environment's ``get_reward()`` list), landing on
+    #: ``turn_ends`` (B, K), each policy turn's last column (-1: none); None without them.
+    action_rewards: mx.array | None = None
+    turn_ends: mx.array | None = None
+    #: Agents: turns, tool calls and their success per episode (``agent/...``).
+    agent_metrics: dict[str, float] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""
@@ -158,6 +165,32 @@ def sample_responses(
         )
 
 
+def sample_episodes(
+    policy: PolicyModel,
+    prompt_ids: list[list[int]],
+    sampling: SamplingSettings,
+    continue_fn: ContinueFn,
+    keys: mx.array | None = None,
+) -> GenerationOutput:
+    """Phase 1 for multi-turn episodes (agents): as :func:`sample_responses`, with
+    :func:`ppo_trainer.multi_turn.generate_turns` (``max_new_tokens`` bounds each episode's
+    tokens after its prompt, tool results included)."""
+    merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
+    with generation_buffer_cache(), merged:
+        return generate_turns(
+            policy,
+            prompt_ids,
+            continue_fn=continue_fn,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            stop_token_ids=list(sampling.stop_token_ids),
+            pad_token_id=sampling.pad_token_id,
+            keys=keys,
+        )
+
+
 def collect_rollout(
     policy: PolicyModel,
     ref_model: ReferenceModel | None,
@@ -185,16 +218,18 @@ def collect_rollout(
         keys: one PRNG key per sequence (so a row's sample does not depend on the others), or
             None for the global random state.
         generation: responses already sampled, with their behaviour log-probs and entropy (the
-            asynchronous rollout worker's, from the policy of one update earlier): phase 1 is
-            skipped and their log-probs are the rollout's (``sampling.logprobs_from`` must be
-            "sampling").
+            asynchronous rollout worker's, from the policy of one update earlier, or multi-turn
+            episodes): phase 1 is skipped and their log-probs are the rollout's
+            (``sampling.logprobs_from`` must be "sampling", except for episodes sampled by the
+            current policy: those with an ``action_mask``). With an ``action_mask`` it is the
+            rollout's mask: only the policy's tokens are actions.
         model_reward: ``score`` runs a model's pass and returns it unevaluated (the trainer's
             reward model): on the CPU it then runs beside the reference's pass when there is
             no value model (a scheduling choice; the values are the same either way).
     """
     # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
     if generation is not None:
-        if sampling.logprobs_from != "sampling":
+        if sampling.logprobs_from != "sampling" and generation.action_mask is None:
             raise ValueError(
                 'a generation made elsewhere brings its behaviour log-probs: use logprobs_from "sampling"'
             )
@@ -203,6 +238,8 @@ def collect_rollout(
         gen = sample_responses(policy, prompt_ids, sampling, keys)
     num_tokens = gen.responses.shape[1]
     mask = (mx.arange(num_tokens)[None, :] < gen.lengths[:, None]).astype(mx.float32)  # (B, T)
+    if gen.action_mask is not None:  # multi-turn: tool and environment tokens are not actions
+        mask = gen.action_mask  # (B, T)
     query_responses, prompt_lengths = build_query_responses(
         prompt_ids, gen.responses, sampling.pad_token_id
     )

@@ -38,6 +38,11 @@ rounded to 6 significant digits; a non-finite number is written as the string ``
     advantage: per token, the advantage the policy loss used (PPO: GAE, whitened when
         whiten_advantages; GRPO: the sequence advantage on every token); null if not given
     return: per token, the value target (PPO's GAE return); null for GRPO
+    actions: multi-turn episodes (agents): per token, 1 where the policy sampled it, 0 where it
+        came from a tool or the environment (context the model read); the per-token numbers
+        above are null on context tokens (they are not actions). Null for single-turn rollouts
+    turns: multi-turn episodes: the ``[start, end)`` token ranges of the policy's turns; null
+        for single-turn rollouts
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ class RolloutArrays:
         group_size: responses per prompt; rows ``g * group_size ... (g+1) * group_size - 1``
             answer prompt ``g``.
         source: "train" for a training rollout, "eval" for evaluation samples.
+        actions: (B, T) multi-turn episodes: nonzero on the policy's tokens (``mask`` then
+            covers every token of the episode, context included), or None.
+        turns: multi-turn episodes: per row, the ``(start, end)`` ranges of the policy's turns.
     """
 
     step: int
@@ -117,6 +125,8 @@ class RolloutArrays:
     returns: Array | None = None
     group_size: int = 1
     source: Source = "train"
+    actions: Array | None = None
+    turns: Sequence[Sequence[tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -152,6 +162,7 @@ class RolloutArrays:
             "values": (batch, tokens),
             "rewards": (batch, tokens),
             "returns": (batch, tokens),
+            "actions": (batch, tokens),
         }
         for name, shape in expected.items():
             value = getattr(self, name)
@@ -269,7 +280,7 @@ def _number(x: float) -> float | str:
     return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
 
 
-def _numbers(row: np.ndarray) -> list[float | str]:
+def _numbers(row: np.ndarray) -> list[float | str | None]:
     return [_number(x) for x in row.tolist()]
 
 
@@ -302,6 +313,7 @@ def rollout_records(
     ended = _host(arrays.ended_with_stop)
     scores = _host(arrays.scores)
     advantages = None if arrays.advantages is None else _host(arrays.advantages)
+    actions = None if arrays.actions is None else _host(arrays.actions) != 0
     per_token = {
         "logprob": arrays.logprobs,
         "ref_logprob": arrays.ref_logprobs,
@@ -333,6 +345,8 @@ def rollout_records(
             "ended_with_stop": bool(ended[row]),
             "score": _number(scores[row]),
             "sequence_advantage": None,
+            "actions": None if actions is None else actions[row, :n].astype(int).tolist(),
+            "turns": None if arrays.turns is None else [list(t) for t in arrays.turns[row]],
         }
         if advantages is not None and advantages.ndim == 1:
             record["sequence_advantage"] = _number(advantages[row])
@@ -342,9 +356,12 @@ def rollout_records(
                 continue
             values = _host(values)
             if values.ndim == 1:  # a sequence-level advantage applies to every token
-                record[name] = _numbers(np.full(n, values[row], dtype=np.float64))
+                numbers = _numbers(np.full(n, values[row], dtype=np.float64))
             else:
-                record[name] = _numbers(values[row, :n])
+                numbers = _numbers(values[row, :n])
+            if actions is not None:  # a tool's token is no action: no numbers of its own
+                numbers = [x if a else None for x, a in zip(numbers, actions[row, :n])]
+            record[name] = numbers
         records.append(record)
     return records
 
@@ -447,7 +464,13 @@ def rollout_arrays(
     """What the records of one step are made of, from the trainer's rollout
     (:class:`ppo_trainer.rollout.Rollout`), its batch (:class:`RolloutBatch`) and the experience
     phase's per-token ``stats`` (``kl``, and ``rewards`` when there are any). An evaluation
-    (``source="eval"``) records no advantages."""
+    (``source="eval"``) records no advantages. Multi-turn episodes record every token up to
+    each episode's end, with the policy's ``actions`` and ``turns``."""
+    gen = rollout.generation
+    multi_turn = gen.action_mask is not None
+    mask = batch.mask
+    if multi_turn:  # the whole episode: the policy's tokens and the tools'
+        mask = mx.arange(gen.responses.shape[1])[None, :] < gen.lengths[:, None]  # (B, T)
     return RolloutArrays(
         step=step,
         algorithm=algorithm,
@@ -455,7 +478,7 @@ def rollout_arrays(
         query_responses=batch.query_responses,
         prompt_lengths=batch.prompt_lengths,
         responses=batch.responses,
-        mask=batch.mask,
+        mask=mask,
         ended_with_stop=rollout.generation.ended_with_stop,
         scores=batch.scores,
         logprobs=batch.logprobs,
@@ -468,4 +491,6 @@ def rollout_arrays(
         returns=batch.returns,
         group_size=group_size if source == "train" else 1,
         source=source,
+        actions=gen.action_mask if multi_turn else None,
+        turns=gen.turn_spans if multi_turn else None,
     )

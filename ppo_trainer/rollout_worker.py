@@ -222,7 +222,14 @@ def _generation_output(arrays: dict[str, np.ndarray]) -> GenerationOutput:
 
     from ppo_trainer.generator import GenerationOutput
 
-    return GenerationOutput(**{name: mx.array(arrays[name]) for name in _FIELDS})
+    fields = {name: mx.array(arrays[name]) for name in _FIELDS}
+    return GenerationOutput(
+        responses=fields["responses"],
+        lengths=fields["lengths"],
+        ended_with_stop=fields["ended_with_stop"],
+        logprobs=fields["logprobs"],
+        entropy=fields["entropy"],
+    )
 
 
 def worker_main(conn: Connection, spec: bytes) -> None:

@@ -113,3 +113,40 @@ def apply_missing_eos_penalty(
         )
     missing = mx.logical_not(valid_mask(ended_with_stop))  # (B,)
     return scores.astype(mx.float32) - mx.where(missing, penalty, 0.0)
+
+
+def add_action_rewards(
+    rewards: mx.array, action_rewards: mx.array, turn_ends: mx.array
+) -> mx.array:
+    """Per-action rewards of multi-turn episodes added on each action's last token.
+
+    ``out[b, t] = rewards[b, t] + sum_k action_rewards[b, k] * [t == turn_ends[b, k]]``: the
+    reward of assistant turn ``k`` (an environment's ``get_reward()`` list) lands on that turn's
+    last policy token, as the episode's score lands on the last one (:func:`per_token_rewards`).
+    GAE then credits it to the turn's tokens and, discounted, to the turns before.
+
+    Args:
+        rewards: (B, T) per-token rewards (constants).
+        action_rewards: (B, K) one reward per assistant turn (0 past a row's turns).
+        turn_ends: (B, K) int, the column of turn ``k``'s last token, -1 past a row's turns.
+
+    Returns:
+        (B, T) float32.
+    """
+    check_ndim("rewards", rewards, 2, "(B, T)")
+    check_ndim("action_rewards", action_rewards, 2, "(B, K)")
+    if tuple(turn_ends.shape) != tuple(action_rewards.shape):
+        raise ValueError(
+            f"turn_ends has shape {tuple(turn_ends.shape)} but action_rewards has "
+            f"{tuple(action_rewards.shape)}; they must match (one end per assistant turn)"
+        )
+    if action_rewards.shape[0] != rewards.shape[0]:
+        raise ValueError(
+            f"action_rewards has {action_rewards.shape[0]} rows but rewards has "
+            f"{rewards.shape[0]}; one row per episode"
+        )
+    T = rewards.shape[1]
+    positions = mx.arange(T, dtype=mx.int32)[None, None, :]  # (1, 1, T)
+    at_end = positions == turn_ends.astype(mx.int32)[:, :, None]  # (B, K, T); -1 matches none
+    landed = mx.where(at_end, action_rewards.astype(mx.float32)[:, :, None], 0.0).sum(axis=1)
+    return rewards.astype(mx.float32) + landed  # (B, T)

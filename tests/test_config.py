@@ -12,6 +12,7 @@ import yaml
 
 from config.trl_names import GRPOConfig
 from config import (
+    AgentConfig,
     FineTuneConfig,
     LoraConfig,
     ModelConfig,
@@ -465,7 +466,10 @@ def test_model_and_training_parts() -> None:
 @pytest.mark.parametrize(
     "config_cls, parts",
     [
-        (PPOConfig, (LoraConfig, ModelConfig, OptimConfig, TrainingConfig, PPOConfig)),
+        (
+            PPOConfig,
+            (LoraConfig, ModelConfig, OptimConfig, TrainingConfig, AgentConfig, PPOConfig),
+        ),
         (SFTConfig, (LoraConfig, OptimConfig, FineTuneConfig, SFTConfig)),
         (RewardConfig, (OptimConfig, FineTuneConfig, RewardConfig)),
     ],

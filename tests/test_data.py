@@ -67,6 +67,11 @@ def test_load_sft_data_reads_every_format(tmp_path: Path) -> None:
     assert data[2]["system"] == "Be brief."
 
 
+GOOD_CHAT = json.dumps(
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+)
+
+
 @pytest.mark.parametrize(
     ("lines", "line", "words"),
     [
@@ -82,6 +87,12 @@ def test_load_sft_data_reads_every_format(tmp_path: Path) -> None:
         ),
         ([json.dumps({"messages": [{"role": "user"}]})], 1, ["messages[0]", "'content'"]),
         ([json.dumps({"messages": []})], 1, ["non-empty list"]),
+        (
+            [json.dumps({**json.loads(GOOD_CHAT), "tools": "[{"})],
+            1,
+            ["'tools' is not valid JSON"],
+        ),
+        ([json.dumps({**json.loads(GOOD_CHAT), "tools": ["calc"]})], 1, ["JSON schemas"]),
     ],
 )
 def test_malformed_sft_file_names_file_and_line(

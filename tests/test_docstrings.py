@@ -26,6 +26,7 @@ LIBRARY = [
     "finetune",
     "ppo_trainer",
     "sandbox",
+    "agents",
     "examples",
 ]
 

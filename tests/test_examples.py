@@ -747,3 +747,22 @@ def test_reasoning_problems_are_seeded_and_held_out_apart() -> None:
     assert worked_solution(record) == "<think>3+4=7</think>7"
     result = score([record, record], [worked_solution(record), "<think>3+4=8</think>8"])
     assert (result["format"], result["accuracy"]) == (1.0, 0.5)
+
+
+@pytest.mark.slow
+def test_tool_use_example_runs_every_stage(tmp_path: Path) -> None:
+    """``python -m examples.tool_use --smoke``: SFT warm-up on demonstrations of tool calls, then
+    (here GRPO only, to stay short) multi-turn training with the calculator tool, and the task
+    reward, tool-call success rate and turns per episode before and after."""
+    cmd = [sys.executable, "-m", "examples.tool_use", "--smoke", "--algorithms", "grpo"]
+    cmd += ["--output-dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for metric in ("reward", "tool_call_success", "tool_calls", "turns"):
+        assert re.search(
+            rf"^grpo {metric} on held-out problems: \d+\.\d{{3}} -> \d+\.\d{{3}}",
+            result.stdout,
+            re.M,
+        ), metric
+    assert re.search(r"grpo task reward (clearly rose|did NOT clearly rise)", result.stdout)
+    assert (tmp_path / "grpo" / "metrics.jsonl").is_file()

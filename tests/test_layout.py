@@ -22,6 +22,7 @@ ORDER = [
     "finetune",
     "sandbox",
     "rewards",
+    "agents",
     "ppo_trainer",
     "examples",
 ]

@@ -1,0 +1,66 @@
+"""Agents: multi-turn rollouts in which the policy calls tools and environments answer.
+
+The pieces the trainer drives, in the order of an episode (docs/agents.md):
+
+* :mod:`agents.tools`: Python functions with type hints and Google docstrings as tools, their
+  JSON schemas from ``transformers.utils.get_json_schema`` (TRL's contract).
+* :mod:`agents.environment`: TRL's ``environment_factory`` contract (``reset``, public methods as
+  tools, an optional ``get_reward``).
+* :mod:`agents.tool_calls`: tool calls parsed from an assistant turn (Hermes/Qwen,
+  Llama 3 JSON, Mistral, or a function of yours); malformed calls become messages.
+* :mod:`agents.execution`: one call run with a timeout, its output truncated; every failure is
+  a message the model reads.
+* :mod:`agents.code_tool`: a ``python_code`` tool that runs code in the sandbox (:mod:`sandbox`).
+* :mod:`agents.rendering`: the tool turns as tokens, written by the model's chat template.
+* :mod:`agents.episode`: one rollout's state (:class:`Episode`).
+
+Nothing here imports MLX: the trainer (``ppo_trainer``) owns generation and the losses.
+"""
+
+from agents.environment import check_environment_factory, environment_tools
+from agents.episode import INVALID_CALL_NAME, AgentSettings, Episode
+from agents.execution import ToolError, ToolResult, execute_call, truncate
+from agents.rendering import (
+    check_template_supports_tools,
+    continuation_tokens,
+    prompt_tokens,
+    render_text,
+)
+from agents.tool_calls import (
+    PARSERS,
+    ParsedTurn,
+    ToolCall,
+    ToolCallParser,
+    parse_hermes,
+    parse_llama3_json,
+    parse_mistral,
+    resolve_parser,
+)
+from agents.tools import Tool, make_tools, tool_schema
+
+__all__ = [
+    "INVALID_CALL_NAME",
+    "PARSERS",
+    "AgentSettings",
+    "Episode",
+    "ParsedTurn",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolError",
+    "ToolResult",
+    "check_environment_factory",
+    "check_template_supports_tools",
+    "continuation_tokens",
+    "environment_tools",
+    "execute_call",
+    "make_tools",
+    "parse_hermes",
+    "parse_llama3_json",
+    "parse_mistral",
+    "prompt_tokens",
+    "render_text",
+    "resolve_parser",
+    "tool_schema",
+    "truncate",
+]

@@ -1,0 +1,247 @@
+"""Phase 1 for agents: multi-turn episodes in which the policy calls tools and reads their results.
+
+Each sequence of the rollout batch is one :class:`agents.Episode` (its own environment from
+``environment_factory``, reset with the prompt's record). Its prompt is rendered by the chat
+template with the tools' schemas (and the environment's reset text added to the last user
+message); the policy's turns are sampled by :func:`ppo_trainer.multi_turn.generate_turns`, which
+keeps the KV cache: when a turn ends, the episode parses it and runs its tool calls, and the
+tool messages, rendered by the template (:func:`agents.continuation_tokens`), are fed as the
+row's next context. The generation's ``action_mask`` marks the policy's tokens: the only actions
+the losses, the KL and GAE see.
+
+Rewards from the environment (``get_reward()``): one float is added to the episode's score; a
+list (one per assistant turn) gives per-action rewards, which land on each turn's last token
+(:func:`reward_kl.reward_computer.add_action_rewards`; summed into the score for GRPO / RLOO).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from agents import (
+    AgentSettings,
+    Episode,
+    Tool,
+    check_environment_factory,
+    check_template_supports_tools,
+    continuation_tokens,
+    environment_tools,
+    make_tools,
+    render_text,
+)
+from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
+from models.policy_model import PolicyModel
+from ppo_trainer.generator import GenerationOutput
+from ppo_trainer.multi_turn import turn_ends
+from ppo_trainer.prompt_records import PROMPT_KEY, Columns
+from ppo_trainer.rollout import SamplingSettings, sample_episodes
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """A run's agent part: the function tools, the environment factory and the settings."""
+
+    tools: list[Tool]
+    environment_factory: Callable[[], Any] | None
+    settings: AgentSettings
+
+    @classmethod
+    def build(
+        cls,
+        tools: Sequence[Callable[..., Any] | Tool] | None,
+        environment_factory: Callable[[], Any] | None,
+        settings: AgentSettings,
+    ) -> AgentRun | None:
+        """The agent part of a trainer given ``tools=`` / ``environment_factory=``, checked
+        before anything loads (None when neither is given).
+
+        Raises:
+            ValueError: a tool without type hints or docstring, duplicate names, or an
+                environment factory whose environment has no ``reset`` or no tools.
+        """
+        if not tools and environment_factory is None:
+            return None
+        made = make_tools(list(tools or []))
+        if environment_factory is not None:
+            check_environment_factory(environment_factory)
+        return cls(made, environment_factory, settings)
+
+    def sample_tools(self) -> list[Tool]:
+        """The tools an episode has (the function tools and one environment's), for checks."""
+        env_tools = (
+            environment_tools(self.environment_factory())
+            if self.environment_factory is not None
+            else []
+        )
+        return self.tools + env_tools
+
+    def environment_rewards(self) -> bool:
+        """Whether the environments score their episodes (``get_reward``)."""
+        if self.environment_factory is None:
+            return False
+        return callable(getattr(self.environment_factory(), "get_reward", None))
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Stop the run before any rollout when the chat template cannot render the tools or
+        their results, or has no end-of-turn token (:func:`agents.check_template_supports_tools`).
+        """
+        check_template_supports_tools(tokenizer, self.sample_tools())
+
+
+@dataclass
+class Episodes:
+    """A batch of started episodes: one per sequence, with its conversation and prompt."""
+
+    episodes: list[Episode]
+    conversations: list[list[dict[str, Any]]]  # the messages so far, per sequence
+    texts: list[str]  # the rendered prompts
+    prompt_ids: list[list[int]]
+
+
+def start_episodes(
+    agent: AgentRun,
+    tokenizer: Any,
+    columns: Columns,
+    *,
+    system_prompt: str | None,
+    template_kwargs: Mapping[str, Any],
+) -> Episodes:
+    """One episode per row of ``columns`` (the prompt records, ``"prompt"`` included): its
+    environment built and reset with the row (``env.reset(**record)``), the reset text added
+    to the last user message, and the prompt rendered with the episode's tools."""
+    prompts = columns[PROMPT_KEY]
+    episodes, conversations, texts, ids = [], [], [], []
+    for row, prompt in enumerate(prompts):
+        env = agent.environment_factory() if agent.environment_factory is not None else None
+        episode = Episode(agent.tools, agent.settings, environment=env)
+        extra = episode.start({name: values[row] for name, values in columns.items()})
+        messages = (
+            [{"role": "user", "content": prompt}]
+            if isinstance(prompt, str)
+            else [dict(m) for m in prompt]
+        )
+        if system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        if extra:
+            users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+            if not users:
+                raise ValueError(
+                    f"prompt {row} has no user message to add the environment's reset text to"
+                )
+            content = str(messages[users[-1]].get("content") or "")
+            messages[users[-1]]["content"] = f"{content}\n\n{extra}" if content else extra
+        text = render_text(
+            tokenizer,
+            messages,
+            tools=list(episode.tools.values()),
+            add_generation_prompt=True,
+            template_kwargs=template_kwargs,
+        )
+        episodes.append(episode)
+        conversations.append(messages)
+        texts.append(text)
+        ids.append(encode_text(tokenizer, text))
+    return Episodes(episodes, conversations, texts, ids)
+
+
+def play_episodes(
+    policy: PolicyModel,
+    tokenizer: Any,
+    started: Episodes,
+    sampling: SamplingSettings,
+    *,
+    template_kwargs: Mapping[str, Any],
+    keys: mx.array | None = None,
+) -> GenerationOutput:
+    """Sample the episodes to their ends (multi-turn, KV cache kept): after each policy turn
+    that ends with a stop token, the episode runs the turn's tool calls and the tool messages'
+    tokens continue the row; an episode ends on a turn without calls, after
+    ``max_tool_calling_iterations`` rounds, or at ``max_new_tokens`` tokens."""
+    stops = set(int(t) for t in sampling.stop_token_ids)
+    end_of_turn = end_of_turn_token_id(tokenizer)
+
+    def continue_fn(row: int, turn: list[int]) -> list[int] | None:
+        ended = turn[-1] in stops
+        # Special tokens kept: Mistral's [TOOL_CALLS] is one (the parsers skip the others).
+        text = str(tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False))
+        episode = started.episodes[row]
+        tool_messages = episode.step(text)
+        if tool_messages is None:
+            return None
+        conversation = started.conversations[row]
+        conversation.append(episode.assistant_message(text))
+        ids = continuation_tokens(
+            tokenizer,
+            conversation,
+            tool_messages,
+            tools=list(episode.tools.values()),
+            template_kwargs=template_kwargs,
+            ended_turn=turn[-1] == end_of_turn,
+        )
+        conversation.extend(tool_messages)
+        return ids
+
+    generation = sample_episodes(policy, started.prompt_ids, sampling, continue_fn, keys)
+    assert generation.turn_spans is not None
+    for episode, spans in zip(started.episodes, generation.turn_spans):
+        # A last turn cut by the token budget was never read (no tool call of it ran), but it
+        # is an assistant turn: it counts, as get_reward()'s one-reward-per-turn expects.
+        episode.turns = max(episode.turns, len(spans))
+    return generation
+
+
+@dataclass(frozen=True)
+class EpisodeRewards:
+    """The environments' rewards of a batch of episodes.
+
+    Attributes:
+        scores: (B,) float32, each episode's ``get_reward()`` float (0 for a list or none).
+        action_rewards: (B, K) float32, per-action rewards (turn ``k`` of row ``b``; 0 where
+            a row gave a float, none, or has fewer turns); None when no episode gave a list.
+        turn_ends: (B, K) int32, the column of each policy turn's last token (-1: none).
+    """
+
+    scores: mx.array
+    action_rewards: mx.array | None
+    turn_ends: mx.array
+
+
+def episode_rewards(episodes: Sequence[Episode], generation: GenerationOutput) -> EpisodeRewards:
+    """The environments' rewards, placed on the generation's policy turns."""
+    assert generation.turn_spans is not None, "a multi-turn generation has turn spans"
+    ends = turn_ends(generation.turn_spans)  # (B, K)
+    scores = np.zeros(len(episodes), dtype=np.float32)
+    actions = np.zeros(ends.shape, dtype=np.float32)
+    any_list = False
+    for row, episode in enumerate(episodes):
+        reward = episode.episode_reward()
+        if isinstance(reward, list):
+            any_list = True
+            spans = generation.turn_spans[row]
+            # One reward per assistant turn the episode read; a last turn cut by the token
+            # budget before the episode read it gets none.
+            actions[row, : min(len(reward), len(spans))] = reward[: len(spans)]
+        elif reward is not None:
+            scores[row] = reward
+    return EpisodeRewards(mx.array(scores), mx.array(actions) if any_list else None, ends)
+
+
+def agent_metrics(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, float]:
+    """``agent/turns`` (policy turns per episode), ``agent/tool_calls`` (calls per episode),
+    ``agent/tool_call_success`` (successful calls / calls; 0 without calls),
+    ``agent/context_tokens`` (tool and environment tokens per episode)."""
+    assert generation.turn_spans is not None and generation.action_mask is not None
+    calls = sum(e.calls for e in episodes)
+    ok = sum(e.successful_calls for e in episodes)
+    lengths = np.asarray(generation.lengths)
+    policy_tokens = np.asarray(generation.action_mask).sum(axis=1)
+    return {
+        "agent/turns": float(np.mean([len(s) for s in generation.turn_spans])),
+        "agent/tool_calls": calls / len(episodes),
+        "agent/tool_call_success": ok / calls if calls else 0.0,
+        "agent/context_tokens": float(np.mean(lengths - policy_tokens)),
+    }

@@ -1,0 +1,184 @@
+"""Multi-turn generation keeping the KV cache, against re-running generation from scratch each
+turn (one episode at a time, the whole history re-prefilled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from models.policy_model import PolicyModel
+from ppo_trainer.generator import generate
+from ppo_trainer.multi_turn import generate_turns, turn_ends
+
+PAD = 1
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir: Path) -> PolicyModel:
+    return PolicyModel.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy: PolicyModel) -> list[list[int]]:
+    texts = ["Review of the camera:", "Hi", "The food was", "Review of the new phone: The"]
+    return [policy.tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def stops(policy: PolicyModel, prompts: list[list[int]]) -> list[int]:
+    """Tokens the greedy model emits early, so that turns end after a few tokens."""
+    out = generate(
+        policy, prompts, max_new_tokens=6, temperature=0, stop_token_ids=[], pad_token_id=PAD
+    )
+    return sorted({int(t) for t in np.array(out.responses)[:, 2:5].reshape(-1)})
+
+
+def _context(row: int, turn: int) -> list[int] | None:
+    """Row ``row`` gets ``row % 3 + 1`` context turns, of different lengths."""
+    if turn > row % 3:
+        return None
+    return [(7 * row + 5 * turn + j) % 400 + 20 for j in range(2 + row + 3 * turn)]
+
+
+def _reference(
+    policy: PolicyModel, prompt: list[int], row: int, stops: list[int], max_turns: int | None
+) -> tuple[list[int], list[int], list[float]]:
+    """One episode re-generated from scratch (prompt + whole history) at every turn."""
+    history: list[int] = []
+    action: list[int] = []
+    logprobs: list[float] = []
+    turn = 0
+    while True:
+        out = generate(
+            policy,
+            [prompt + history],
+            max_new_tokens=MAX_NEW - len(history),
+            temperature=0,
+            stop_token_ids=stops,
+            pad_token_id=PAD,
+            return_logprobs=True,
+            prefill_once=False,
+        )
+        n = int(np.array(out.lengths)[0])
+        history += np.array(out.responses)[0, :n].tolist()
+        action += [1] * n
+        assert out.logprobs is not None
+        logprobs += np.array(out.logprobs)[0, :n].tolist()
+        turn += 1
+        if not bool(out.ended_with_stop[0].item()) or (max_turns and turn >= max_turns):
+            return history, action, logprobs
+        ctx = _context(row, turn - 1)
+        if ctx is None or len(history) + len(ctx) >= MAX_NEW:
+            return history, action, logprobs
+        history += ctx
+        action += [0] * len(ctx)
+        logprobs += [0.0] * len(ctx)
+
+
+@pytest.mark.parametrize("max_turns", [None, 2])
+def test_greedy_episodes_equal_regenerating_each_turn(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int], max_turns: int | None
+) -> None:
+    calls: list[tuple[int, list[int]]] = []
+    turns = [0] * len(prompts)
+
+    def continue_fn(row: int, turn_tokens: list[int]) -> list[int] | None:
+        calls.append((row, turn_tokens))
+        assert turn_tokens[-1] in stops
+        turns[row] += 1
+        return _context(row, turns[row] - 1)
+
+    out = generate_turns(
+        policy,
+        prompts,
+        continue_fn=continue_fn,
+        max_new_tokens=MAX_NEW,
+        temperature=0,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+        max_turns=max_turns,
+    )
+    assert out.action_mask is not None and out.logprobs is not None and out.turn_spans
+    lengths = np.array(out.lengths)
+    multi = 0
+    for row, prompt in enumerate(prompts):
+        tokens, action, logprobs = _reference(policy, prompt, row, stops, max_turns)
+        n = int(lengths[row])
+        assert np.array(out.responses)[row, :n].tolist() == tokens, row
+        assert np.array(out.action_mask)[row, :n].tolist() == action
+        assert not np.array(out.action_mask)[row, n:].any()
+        np.testing.assert_allclose(np.array(out.logprobs)[row, :n], logprobs, atol=2e-4)
+        # Turn spans cover exactly the policy's tokens, in order.
+        spans = out.turn_spans[row]
+        covered = [t for start, end in spans for t in range(start, end)]
+        assert covered == [t for t in range(n) if action[t]]
+        multi += len(spans) > 1
+    assert multi >= 2, "the test needs episodes of several turns"
+    if max_turns is None:
+        assert len({len(s) for s in out.turn_spans}) > 1, "episodes should end at different turns"
+
+
+def test_turn_ends_and_errors(policy: PolicyModel, prompts: list[list[int]]) -> None:
+    assert np.array(turn_ends([[(0, 3), (5, 9)], [(0, 2)]])).tolist() == [[2, 8], [1, -1]]
+    with pytest.raises(ValueError, match="return None to end"):
+        generate_turns(
+            policy,
+            prompts[:1],
+            continue_fn=lambda row, toks: [],
+            max_new_tokens=8,
+            temperature=0,
+            stop_token_ids=list(range(512)),
+            pad_token_id=PAD,
+        )
+
+
+def test_sampling_with_keys_does_not_depend_on_other_rows(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int]
+) -> None:
+    keys = mx.random.split(mx.random.key(3), len(prompts))
+
+    def run(rows: list[int]) -> np.ndarray:
+        out = generate_turns(
+            policy,
+            [prompts[r] for r in rows],
+            continue_fn=lambda i, toks: [30 + rows[i], 31] if len(toks) < 30 else None,
+            max_new_tokens=24,
+            temperature=1.0,
+            stop_token_ids=stops,
+            pad_token_id=PAD,
+            keys=keys[mx.array(rows)],
+        )
+        return np.array(out.responses)[:, : int(np.array(out.lengths).min())]
+
+    both = run([0, 1, 2, 3])
+    alone = run([2])
+    n = alone.shape[1]
+    assert both[2, :n].tolist() == alone[0, :n].tolist()
+
+
+def test_one_episode_alone_prefills_its_context_as_a_chunk(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int]
+) -> None:
+    """With one live row every context run is fed as one (1, k) chunk: the same episode."""
+    turns = [0]
+
+    def continue_fn(row: int, turn_tokens: list[int]) -> list[int] | None:
+        turns[0] += 1
+        return _context(2, turns[0] - 1)
+
+    out = generate_turns(
+        policy,
+        [prompts[2]],
+        continue_fn=continue_fn,
+        max_new_tokens=MAX_NEW,
+        temperature=0,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+    )
+    tokens, action, _ = _reference(policy, prompts[2], 2, stops, None)
+    assert 0 in action
+    assert np.array(out.responses)[0].tolist() == tokens
