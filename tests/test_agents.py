@@ -795,3 +795,90 @@ def test_demonstrations_train_both_assistant_turns_with_the_tools_in_the_prompt(
         demo["messages"][3]["content"] + "<|im_end|>\n",
     ]
     assert '"name": "calculator"' in tok.decode(example.input_ids)  # the tools' block
+
+
+# --------------------------------------------------------------------------- parsing, case by case
+
+HERMES_HINT = (
+    '; write <tool_call>{"name": <tool name>, "arguments": {<argument>: <value>}}</tool_call>'
+)
+LLAMA_HINT = '; write {"name": <tool name>, "parameters": {<argument>: <value>}}'
+MISTRAL_HINT = '; write [TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>}}]'
+LONG = "x" * 300
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "calls", "errors"),
+    [
+        # hermes
+        ("hermes", '<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>',
+         [ToolCall("add", {"a": 1})], []),
+        ("hermes", '<tool_call>{"name": "add"}</tool_call><tool_call>{"name": "add", '
+         '"arguments": null}</tool_call><tool_call>{"name": "add", "arguments": " "}</tool_call>',
+         [ToolCall("add", {})] * 3, []),
+        ("hermes", "<tool_call>{not json}</tool_call>", [],
+         ["Error: the tool call {not json} is not valid JSON (Expecting property name enclosed "
+          "in double quotes)" + HERMES_HINT]),
+        ("hermes", "<tool_call>[1, 2]</tool_call>", [],
+         ["Error: a tool call must be a JSON object with a name, got [1, 2]"]),
+        ("hermes", '<tool_call>{"name": ""}</tool_call><tool_call>{"name": 3}</tool_call>', [],
+         ['Error: the tool call {"name": ""} has no "name" (a string)',
+          'Error: the tool call {"name": 3} has no "name" (a string)']),
+        ("hermes", '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', [],
+         ["Error: the arguments of the call to 'add' must be a JSON object of argument names "
+          "to values, got [1, 2]"]),
+        ("hermes", '<tool_call>{"name": "add", "arguments": "{oops"}</tool_call>', [],
+         ["Error: the arguments of the call to 'add' are not valid JSON (Expecting property "
+          "name enclosed in double quotes)"]),
+        ("hermes", f'<tool_call>"{"y" * 198}"</tool_call>', [],
+         [f'Error: a tool call must be a JSON object with a name, got "{"y" * 198}"']),
+        ("hermes", f'<tool_call>"{"y" * 199}"</tool_call>', [],
+         [f'Error: a tool call must be a JSON object with a name, got "{"y" * 199}...']),
+        # llama3_json
+        ("llama3_json", '<|python_tag|> {"name": "add", "arguments": {"a": 1}}',
+         [ToolCall("add", {"a": 1})], []),
+        ("llama3_json", '{"name": "add", "parameters": {}};  \n {"name": "shout", '
+         '"parameters": {"text": "a"}}', [ToolCall("add", {}), ToolCall("shout", {"text": "a"})],
+         []),
+        ("llama3_json", '{"name": "add", "parameters": {}}X{"name": "shout", "parameters": {}}',
+         [ToolCall("add", {})], []),  # text after the calls is not read as calls
+        ("llama3_json", '{"nam": "add"}', [],
+         ['Error: the tool call {"nam": "add"} has no "name" (a string)']),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1,', [],
+         ['Error: a tool call is not valid JSON (Expecting property name enclosed in double '
+          'quotes in {"name": "add", "parameters": {"a": 1,)' + LLAMA_HINT]),
+        # mistral
+        ("mistral", '[TOOL_CALLS]{"name": "add", "parameters": {"a": 1}}',
+         [ToolCall("add", {"a": 1})], []),
+        ("mistral", '[TOOL_CALLS][{"name": "shout", "arguments": {"text": "[ARGS]"}}]',
+         [ToolCall("shout", {"text": "[ARGS]"})], []),
+        ("mistral", '[TOOL_CALLS]shout[ARGS]{"text": "[ARGS]"}',
+         [ToolCall("shout", {"text": "[ARGS]"})], []),
+        ("mistral", '[TOOL_CALLS]add[ARGS]not json[TOOL_CALLS]shout[ARGS]{"text": "x"}',
+         [ToolCall("shout", {"text": "x"})],
+         ["Error: the arguments of the call to 'add' are not a JSON object (not json)"]),
+        ("mistral", "[TOOL_CALLS]add[ARGS]X{}", [],
+         ["Error: the arguments of the call to 'add' are not a JSON object (X{})"]),
+        ("mistral", "[TOOL_CALLS]add[ARGS][1]", [],
+         ["Error: the arguments of the call to 'add' must be a JSON object of argument names "
+          "to values, got [1]"]),
+        ("mistral", '[TOOL_CALLS][{broken[TOOL_CALLS][{"name": "add", "arguments": {}}]',
+         [ToolCall("add", {})],
+         ["Error: the tool calls [{broken are not valid JSON (Expecting property name enclosed "
+          "in double quotes in [{broken)" + MISTRAL_HINT]),
+        ("mistral", "[TOOL_CALLS][1]", [],
+         ["Error: a tool call must be a JSON object with a name, got 1"]),
+    ],
+)  # fmt: skip
+def test_each_parser_reads_calls_and_words_its_errors(
+    parser: str, text: str, calls: list[ToolCall], errors: list[str]
+) -> None:
+    assert resolve_parser(parser)(text) == ParsedTurn(calls=calls, errors=errors)
+
+
+def test_the_parser_names_resolve_to_their_parsers() -> None:
+    assert [resolve_parser(name) for name in ("hermes", "llama3_json", "mistral")] == [
+        parse_hermes,
+        parse_llama3_json,
+        parse_mistral,
+    ]
