@@ -462,6 +462,21 @@ def test_calls_after_max_tool_calling_iterations_are_not_run() -> None:
     assert Episode(TOOLS, AgentSettings(max_tool_calling_iterations=0)).step(calls) is None
 
 
+def test_a_turn_cut_by_the_token_budget_counts_but_runs_nothing() -> None:
+    class PerTurn(Store):
+        def get_reward(self) -> list[float]:
+            return [0.5, 0.0]
+
+    episode = Episode([], AgentSettings(), environment=PerTurn())
+    episode.start({})
+    assert episode.step('<tool_call>{"name": "read", "arguments": {"key": "k"}}</tool_call>')
+    episode.cut()  # the second turn ran out of tokens
+    assert (episode.done, episode.turns, episode.calls) == (True, 2, 1)
+    assert episode.episode_reward() == [0.5, 0.0]
+    with pytest.raises(ValueError, match="after the episode ended"):
+        episode.cut()
+
+
 def test_a_custom_parser_is_used_and_checked() -> None:
     def every_word_adds(text: str) -> ParsedTurn:
         return ParsedTurn(calls=[ToolCall("add", {"a": 1, "b": 1}) for _ in text.split()])
