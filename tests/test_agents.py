@@ -464,7 +464,7 @@ def test_calls_after_max_tool_calling_iterations_are_not_run() -> None:
 
 def test_a_turn_cut_by_the_token_budget_counts_but_runs_nothing() -> None:
     class PerTurn(Store):
-        def get_reward(self) -> list[float]:
+        def get_reward(self) -> Any:
             return [0.5, 0.0]
 
     episode = Episode([], AgentSettings(), environment=PerTurn())
