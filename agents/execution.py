@@ -96,7 +96,7 @@ def argument_errors(call: ToolCall, tool: Tool) -> list[str]:
 
 
 def _usage(tool: Tool) -> str:
-    props = tool.parameters.get("properties", {}) or {}
+    props = tool.parameters.get("properties") or {}
     args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
     return f"{tool.name}({args})"
 

@@ -21,7 +21,9 @@ from agents import (
     Episode,
     ParsedTurn,
     ToolCall,
+    Tool,
     ToolError,
+    ToolResult,
     check_environment_factory,
     check_template_supports_tools,
     continuation_tokens,
@@ -241,6 +243,40 @@ def test_every_failure_is_a_message_for_the_model() -> None:
     assert (raised.ok, raised.content) == (False, "Error: fail raised RuntimeError: disk on fire")
     own_words = run("refuse", {"reason": "Error: no such key"})
     assert (own_words.ok, own_words.content) == (False, "Error: no such key")
+
+
+def test_arguments_are_checked_by_the_schema_as_written() -> None:
+    """A hand-written schema: an untyped argument, a type list, a type the check does not know;
+    a value JSON cannot write is sent as text."""
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "raw",
+            "description": "Return a set.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "x": {},
+                    "y": {"type": ["integer", "null"]},
+                    "z": {"type": "custom"},
+                },
+                "required": ["x"],
+            },
+        },
+    }
+    tools = {"raw": Tool("raw", lambda **kwargs: {3}, schema)}
+
+    def call(**arguments: Any) -> Any:
+        return execute_call(ToolCall("raw", arguments), tools, timeout_s=5, max_output_chars=200)
+
+    assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "{3}", True)
+    assert call(x=1, y=2).ok
+    assert call(x=1, y="2") == ToolResult(
+        "raw",
+        "Error: bad arguments for raw: argument 'y' must be of type ['integer', 'null'], got "
+        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom)",
+        False,
+    )
 
 
 def test_output_is_truncated_with_a_note() -> None:
