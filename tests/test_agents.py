@@ -259,6 +259,7 @@ def test_arguments_are_checked_by_the_schema_as_written() -> None:
                     "x": {},
                     "y": {"type": ["integer", "null"]},
                     "z": {"type": "custom"},
+                    "w": {"type": "number"},
                 },
                 "required": ["x"],
             },
@@ -270,11 +271,12 @@ def test_arguments_are_checked_by_the_schema_as_written() -> None:
         return execute_call(ToolCall("raw", arguments), tools, timeout_s=5, max_output_chars=200)
 
     assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "{3}", True)
-    assert call(x=1, y=2).ok
+    assert call(x=1, y=2, w=2).ok and call(x=1, w=2.5).ok
+    assert not call(x=1, w=True).ok  # JSON true is not a number
     assert call(x=1, y="2") == ToolResult(
         "raw",
         "Error: bad arguments for raw: argument 'y' must be of type ['integer', 'null'], got "
-        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom)",
+        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom, w: number)",
         False,
     )
 
