@@ -297,7 +297,7 @@ def test_a_hanging_tool_times_out_without_hanging_the_caller() -> None:
         Args:
             seconds: How long.
         """
-        release.wait(60)
+        release.wait(120)
         return "late"
 
     (tool,) = make_tools([hang])
@@ -308,7 +308,7 @@ def test_a_hanging_tool_times_out_without_hanging_the_caller() -> None:
     elapsed = time.monotonic() - start
     release.set()  # let the abandoned thread end
     assert (result.ok, result.content) == (False, "Error: hang timed out after 0.2 s")
-    assert elapsed < 2.0
+    assert elapsed < 60  # far less than the tool would take: the caller did not wait for it
 
 
 # --------------------------------------------------------------------------- environments
