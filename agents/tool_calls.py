@@ -77,14 +77,13 @@ def _call_from_object(obj: Any, argument_keys: tuple[str, ...], source: str) -> 
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return f'Error: the tool call {_short(source)} has no "name" (a string)'
-    arguments: Any = {}
-    for key in argument_keys:
-        if key in obj:
-            arguments = obj[key]
-            break
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+    # No arguments (absent, null, or an empty string) is a call without any.
+    arguments = next((obj[key] for key in argument_keys if key in obj), None)
+    if isinstance(arguments, str):  # arguments written as a JSON string
+        if not arguments.strip():
+            return ToolCall(name=name, arguments={})
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments)
         except json.JSONDecodeError as err:
             return f"Error: the arguments of the call to {name!r} are not valid JSON ({err.msg})"
     if arguments is None:

@@ -21,7 +21,9 @@ from agents import (
     Episode,
     ParsedTurn,
     ToolCall,
+    Tool,
     ToolError,
+    ToolResult,
     check_environment_factory,
     check_template_supports_tools,
     continuation_tokens,
@@ -243,6 +245,42 @@ def test_every_failure_is_a_message_for_the_model() -> None:
     assert (own_words.ok, own_words.content) == (False, "Error: no such key")
 
 
+def test_arguments_are_checked_by_the_schema_as_written() -> None:
+    """A hand-written schema: an untyped argument, a type list, a type the check does not know;
+    a value JSON cannot write is sent as text."""
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "raw",
+            "description": "Return a set.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "x": {},
+                    "y": {"type": ["integer", "null"]},
+                    "z": {"type": "custom"},
+                    "w": {"type": "number"},
+                },
+                "required": ["x"],
+            },
+        },
+    }
+    tools = {"raw": Tool("raw", lambda **kwargs: {3}, schema)}
+
+    def call(**arguments: Any) -> Any:
+        return execute_call(ToolCall("raw", arguments), tools, timeout_s=5, max_output_chars=200)
+
+    assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "{3}", True)
+    assert call(x=1, y=2, w=2).ok and call(x=1, w=2.5).ok
+    assert not call(x=1, w=True).ok  # JSON true is not a number
+    assert call(x=1, y="2") == ToolResult(
+        "raw",
+        "Error: bad arguments for raw: argument 'y' must be of type ['integer', 'null'], got "
+        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom, w: number)",
+        False,
+    )
+
+
 def test_output_is_truncated_with_a_note() -> None:
     result = run("shout", {"text": "a", "times": 250}, max_output_chars=100)
     assert result.ok
@@ -259,7 +297,7 @@ def test_a_hanging_tool_times_out_without_hanging_the_caller() -> None:
         Args:
             seconds: How long.
         """
-        release.wait(60)
+        release.wait(120)
         return "late"
 
     (tool,) = make_tools([hang])
@@ -270,7 +308,7 @@ def test_a_hanging_tool_times_out_without_hanging_the_caller() -> None:
     elapsed = time.monotonic() - start
     release.set()  # let the abandoned thread end
     assert (result.ok, result.content) == (False, "Error: hang timed out after 0.2 s")
-    assert elapsed < 2.0
+    assert elapsed < 60  # far less than the tool would take: the caller did not wait for it
 
 
 # --------------------------------------------------------------------------- environments
@@ -460,6 +498,21 @@ def test_calls_after_max_tool_calling_iterations_are_not_run() -> None:
     assert episode.step(calls) is None  # a third round: the episode ends, the call is not run
     assert (episode.turns, episode.rounds, episode.calls) == (3, 2, 2)
     assert Episode(TOOLS, AgentSettings(max_tool_calling_iterations=0)).step(calls) is None
+
+
+def test_a_turn_cut_by_the_token_budget_counts_but_runs_nothing() -> None:
+    class PerTurn(Store):
+        def get_reward(self) -> Any:
+            return [0.5, 0.0]
+
+    episode = Episode([], AgentSettings(), environment=PerTurn())
+    episode.start({})
+    assert episode.step('<tool_call>{"name": "read", "arguments": {"key": "k"}}</tool_call>')
+    episode.cut()  # the second turn ran out of tokens
+    assert (episode.done, episode.turns, episode.calls) == (True, 2, 1)
+    assert episode.episode_reward() == [0.5, 0.0]
+    with pytest.raises(ValueError, match="after the episode ended"):
+        episode.cut()
 
 
 def test_a_custom_parser_is_used_and_checked() -> None:
@@ -795,3 +848,90 @@ def test_demonstrations_train_both_assistant_turns_with_the_tools_in_the_prompt(
         demo["messages"][3]["content"] + "<|im_end|>\n",
     ]
     assert '"name": "calculator"' in tok.decode(example.input_ids)  # the tools' block
+
+
+# --------------------------------------------------------------------------- parsing, case by case
+
+HERMES_HINT = (
+    '; write <tool_call>{"name": <tool name>, "arguments": {<argument>: <value>}}</tool_call>'
+)
+LLAMA_HINT = '; write {"name": <tool name>, "parameters": {<argument>: <value>}}'
+MISTRAL_HINT = '; write [TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>}}]'
+LONG = "x" * 300
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "calls", "errors"),
+    [
+        # hermes
+        ("hermes", '<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>',
+         [ToolCall("add", {"a": 1})], []),
+        ("hermes", '<tool_call>{"name": "add"}</tool_call><tool_call>{"name": "add", '
+         '"arguments": null}</tool_call><tool_call>{"name": "add", "arguments": " "}</tool_call>',
+         [ToolCall("add", {})] * 3, []),
+        ("hermes", "<tool_call>{not json}</tool_call>", [],
+         ["Error: the tool call {not json} is not valid JSON (Expecting property name enclosed "
+          "in double quotes)" + HERMES_HINT]),
+        ("hermes", "<tool_call>[1, 2]</tool_call>", [],
+         ["Error: a tool call must be a JSON object with a name, got [1, 2]"]),
+        ("hermes", '<tool_call>{"name": ""}</tool_call><tool_call>{"name": 3}</tool_call>', [],
+         ['Error: the tool call {"name": ""} has no "name" (a string)',
+          'Error: the tool call {"name": 3} has no "name" (a string)']),
+        ("hermes", '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>', [],
+         ["Error: the arguments of the call to 'add' must be a JSON object of argument names "
+          "to values, got [1, 2]"]),
+        ("hermes", '<tool_call>{"name": "add", "arguments": "{oops"}</tool_call>', [],
+         ["Error: the arguments of the call to 'add' are not valid JSON (Expecting property "
+          "name enclosed in double quotes)"]),
+        ("hermes", f'<tool_call>"{"y" * 198}"</tool_call>', [],
+         [f'Error: a tool call must be a JSON object with a name, got "{"y" * 198}"']),
+        ("hermes", f'<tool_call>"{"y" * 199}"</tool_call>', [],
+         [f'Error: a tool call must be a JSON object with a name, got "{"y" * 199}...']),
+        # llama3_json
+        ("llama3_json", '<|python_tag|> {"name": "add", "arguments": {"a": 1}}',
+         [ToolCall("add", {"a": 1})], []),
+        ("llama3_json", '{"name": "add", "parameters": {}};  \n {"name": "shout", '
+         '"parameters": {"text": "a"}}', [ToolCall("add", {}), ToolCall("shout", {"text": "a"})],
+         []),
+        ("llama3_json", '{"name": "add", "parameters": {}}X{"name": "shout", "parameters": {}}',
+         [ToolCall("add", {})], []),  # text after the calls is not read as calls
+        ("llama3_json", '{"nam": "add"}', [],
+         ['Error: the tool call {"nam": "add"} has no "name" (a string)']),
+        ("llama3_json", '{"name": "add", "parameters": {"a": 1,', [],
+         ['Error: a tool call is not valid JSON (Expecting property name enclosed in double '
+          'quotes in {"name": "add", "parameters": {"a": 1,)' + LLAMA_HINT]),
+        # mistral
+        ("mistral", '[TOOL_CALLS]{"name": "add", "parameters": {"a": 1}}',
+         [ToolCall("add", {"a": 1})], []),
+        ("mistral", '[TOOL_CALLS][{"name": "shout", "arguments": {"text": "[ARGS]"}}]',
+         [ToolCall("shout", {"text": "[ARGS]"})], []),
+        ("mistral", '[TOOL_CALLS]shout[ARGS]{"text": "[ARGS]"}',
+         [ToolCall("shout", {"text": "[ARGS]"})], []),
+        ("mistral", '[TOOL_CALLS]add[ARGS]not json[TOOL_CALLS]shout[ARGS]{"text": "x"}',
+         [ToolCall("shout", {"text": "x"})],
+         ["Error: the arguments of the call to 'add' are not a JSON object (not json)"]),
+        ("mistral", "[TOOL_CALLS]add[ARGS]X{}", [],
+         ["Error: the arguments of the call to 'add' are not a JSON object (X{})"]),
+        ("mistral", "[TOOL_CALLS]add[ARGS][1]", [],
+         ["Error: the arguments of the call to 'add' must be a JSON object of argument names "
+          "to values, got [1]"]),
+        ("mistral", '[TOOL_CALLS][{broken[TOOL_CALLS][{"name": "add", "arguments": {}}]',
+         [ToolCall("add", {})],
+         ["Error: the tool calls [{broken are not valid JSON (Expecting property name enclosed "
+          "in double quotes in [{broken)" + MISTRAL_HINT]),
+        ("mistral", "[TOOL_CALLS][1]", [],
+         ["Error: a tool call must be a JSON object with a name, got 1"]),
+    ],
+)  # fmt: skip
+def test_each_parser_reads_calls_and_words_its_errors(
+    parser: str, text: str, calls: list[ToolCall], errors: list[str]
+) -> None:
+    assert resolve_parser(parser)(text) == ParsedTurn(calls=calls, errors=errors)
+
+
+def test_the_parser_names_resolve_to_their_parsers() -> None:
+    assert [resolve_parser(name) for name in ("hermes", "llama3_json", "mistral")] == [
+        parse_hermes,
+        parse_llama3_json,
+        parse_mistral,
+    ]
