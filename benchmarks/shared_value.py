@@ -4,7 +4,13 @@ Usage::
 
     python -m benchmarks.shared_value                  # both parts, SmolLM2-135M's shape (~10 min)
     python -m benchmarks.shared_value --part prefill   # the group prefill only (~1 min)
-    python -m benchmarks.shared_value --model qwen3-1.7b --part value   # needs ~20 GB free
+    # Qwen3-1.7B's shape, value model on the policy's base, a reward function (no reward model)
+    python -m benchmarks.shared_value --part value --model qwen3-1.7b --value-init shared \
+        --reward-function repetition_penalty --batch-size 8 --new-tokens 64 --warmup 1 \
+        --iterations 1 --gradient-checkpointing
+    # Qwen3-0.6B's shape, both value models and TRL 1.12, alternated twice
+    python -m benchmarks.shared_value --part value --model qwen3-0.6b --rounds 2 \
+        --trl-python /path/to/trl-venv/bin/python --gradient-checkpointing
 
 * ``value``: PPO at a real shape (``benchmarks.ppo_throughput.MODEL_SHAPES``, plus
   ``qwen3-1.7b`` here), LoRA policy (rank 16, all linear layers, as the throughput benchmark's
@@ -13,6 +19,11 @@ Usage::
   (``value_init: shared``); each in its own fresh worker process
   (``benchmarks.throughput_worker``), so each peak resident memory is its own. Prints seconds
   per iteration, the time split, peak RSS and MLX's peak array memory.
+  ``--reward-function`` scores with a built-in reward instead of the reward model (shared value
+  model only: no reward checkpoint is loaded). ``--trl-python`` adds TRL 1.12's PPO (LoRA policy,
+  full-weight value model from the reward checkpoint; an interpreter with
+  ``requirements-bench.txt``); ``--rounds`` repeats every configuration in turn, for medians
+  on a noisy machine.
 * ``prefill``: ``ppo_trainer.generator.generate`` on GRPO's batch (``--prompts`` prompts of
   ``--prompt-tokens`` tokens, each ``--group`` times) with ``prefill_once`` on and off, on the
   benchmark's ``tiny`` shape; prints the median seconds of each and their ratio.
@@ -42,7 +53,7 @@ from benchmarks.ppo_throughput import (
     run_spec,
 )
 from benchmarks.throughput_models import RealShape, benchmark_prompts, build_benchmark_checkpoints
-from benchmarks.throughput_spec import RunSpec
+from benchmarks.throughput_spec import RunSpec, System
 
 #: Qwen3-1.7B's published config.json sizes (random weights, float32, tied embeddings).
 QWEN3_1_7B = replace(
@@ -57,47 +68,69 @@ SHAPES = {**MODEL_SHAPES, "qwen3-1.7b": QWEN3_1_7B}
 def value_part(args: argparse.Namespace, work: Path) -> None:
     shape = SHAPES[args.model]
     assert isinstance(shape, RealShape), f"{args.model} is not a real shape"
+    if args.reward_function is not None and "reward" in args.value_init:
+        raise SystemExit("--reward-function loads no reward model: use --value-init shared")
     start = time.perf_counter()
     policy_dir, reward_dir = build_benchmark_checkpoints(work / args.model, shape)
     prompts = tuple(benchmark_prompts(policy_dir, args.batch_size))
     print(f"built the {args.model} checkpoints in {time.perf_counter() - start:.0f} s")
+    reward = (
+        "reward model (full weights)"
+        if args.reward_function is None
+        else f"reward function {args.reward_function} (no reward model)"
+    )
     print(
         f"PPO, {args.model}, {args.batch_size} prompts x {args.new_tokens} new tokens, LoRA r="
-        f"{REAL_LORA_RANK} policy, {args.warmup} + {args.iterations} iterations, "
-        f"{platform.machine()} CPU, 2 threads"
+        f"{REAL_LORA_RANK} policy, {reward}, {args.warmup} + {args.iterations} iterations, "
+        f"gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
+        f"{platform.machine()} CPU, 2 threads, {args.rounds} round(s)"
     )
-    print(
-        "value_init | s/iter (median) | generation / scoring / update s | peak RSS MB | MLX peak MB"
-    )
-    for value_init in args.value_init:
-        spec = RunSpec(
-            system="mlx",
-            algorithm="ppo",
-            label=f"value-{value_init}",
-            model=args.model,
-            policy_dir=str(policy_dir),
-            reward_dir=str(reward_dir),
-            prompts=prompts,
-            batch_size=args.batch_size,
-            group_size=1,
-            max_new_tokens=args.new_tokens,
-            warmup=args.warmup,
-            iterations=args.iterations,
-            lora_rank=REAL_LORA_RANK,
-            lora_alpha=REAL_LORA_ALPHA,
-            lora_modules=REAL_LORA_MODULES,
-            gradient_checkpointing=args.gradient_checkpointing,
-            value_init=value_init,
-        )
-        result = run_spec(spec, isolate=True, log_dir=work)
-        split = " / ".join(
-            f"{statistics.median(result.split[k]):.2f}" for k in ("generation", "scoring", "update")
-        )
-        print(
-            f"{value_init} | {result.median:.2f} | {split} | {result.peak_rss_mb:.0f} | "
-            f"{result.mlx_peak_mb or 0:.0f}",
-            flush=True,
-        )
+    print("run | s/iter (median) | generation / scoring / update s | peak RSS MB | MLX peak MB")
+    runs = [("mlx", value_init) for value_init in args.value_init]
+    if args.trl_python is not None:
+        runs.append(("trl", "reward"))
+    seconds: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
+    for round_ in range(args.rounds):
+        for system, value_init in runs:
+            spec = RunSpec(
+                system=cast(System, system),
+                algorithm="ppo",
+                label=f"value-{value_init}-{round_}",
+                model=args.model,
+                policy_dir=str(policy_dir),
+                reward_dir=str(reward_dir),
+                prompts=prompts,
+                batch_size=args.batch_size,
+                group_size=1,
+                max_new_tokens=args.new_tokens,
+                warmup=args.warmup,
+                iterations=args.iterations,
+                lora_rank=REAL_LORA_RANK,
+                lora_alpha=REAL_LORA_ALPHA,
+                lora_modules=REAL_LORA_MODULES,
+                gradient_checkpointing=args.gradient_checkpointing,
+                value_init=value_init,
+                reward_function=args.reward_function if system == "mlx" else None,
+            )
+            python = str(args.trl_python) if system == "trl" else None
+            result = run_spec(spec, isolate=True, log_dir=work, python=python)
+            name = "TRL 1.12 (separate value model)" if system == "trl" else value_init
+            split = " / ".join(
+                f"{statistics.median(result.split[k]):.2f}"
+                for k in ("generation", "scoring", "update")
+            )
+            print(
+                f"{name} | {result.median:.2f} | {split} | {result.peak_rss_mb:.0f} | "
+                f"{result.mlx_peak_mb or 0:.0f}",
+                flush=True,
+            )
+            seconds.setdefault(name, []).append(result.median)
+            peaks.setdefault(name, []).append(result.peak_rss_mb)
+    if args.rounds > 1:
+        print("median over rounds: run | s/iter | peak RSS MB (max)")
+        for name, values in seconds.items():
+            print(f"{name} | {statistics.median(values):.2f} | {max(peaks[name]):.0f}")
 
 
 def prefill_part(args: argparse.Namespace, work: Path) -> None:
@@ -150,6 +183,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=2)
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--reward-function",
+        default=None,
+        help="score with this built-in reward (e.g. repetition_penalty) instead of a reward model",
+    )
+    parser.add_argument(
+        "--trl-python",
+        type=Path,
+        default=None,
+        help="also run TRL 1.12's PPO (separate value model) in this interpreter's environment",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the configurations this many times, alternating"
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=512)

@@ -69,7 +69,8 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
         }
     config = PPOConfig(
         model_name=spec.policy_dir,
-        reward_model_name=spec.reward_dir,
+        reward_model_name=spec.reward_dir if spec.reward_function is None else None,
+        reward_funcs=None if spec.reward_function is None else [spec.reward_function],
         value_init=cast(ValueInit, spec.value_init),
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,

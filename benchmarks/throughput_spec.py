@@ -78,6 +78,9 @@ class RunSpec:
             float32 on both (PyTorch's default).
         value_init: the MLX worker's ``value_init``: "reward" (a full-weight value model from
             the reward checkpoint) or "shared" (adapters and a head on the LoRA policy's base).
+        reward_function: the MLX worker's reward as a ``reward_funcs`` entry (a built-in
+            reward's name, e.g. "repetition_penalty") instead of the reward model of
+            ``reward_dir``, which is then not loaded; None = the reward model.
     """
 
     system: System
@@ -103,6 +106,7 @@ class RunSpec:
     device: Device = "cpu"
     tf32: bool = False
     value_init: str = "reward"
+    reward_function: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -126,6 +130,13 @@ class RunSpec:
             raise ValueError(f"value_init must be 'reward' or 'shared', got {self.value_init!r}")
         if self.value_init == "shared" and (self.system != "mlx" or self.lora_rank == 0):
             raise ValueError("value_init='shared' is the MLX worker's, with a LoRA policy")
+        if self.reward_function is not None and (
+            self.system != "mlx" or self.value_init == "reward"
+        ):
+            raise ValueError(
+                "reward_function is the MLX worker's, with a value model that does not start "
+                "from the reward checkpoint (value_init='shared')"
+            )
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")
         if self.system in PEER_SYSTEMS and self.lora_rank > 0:

@@ -391,6 +391,13 @@ def test_run_spec_rejects_bad_input() -> None:
         _spec(device="cuda")
     with pytest.raises(ValueError, match="tf32 is a GPU setting"):
         _spec(tf32=True)
+    with pytest.raises(ValueError, match="reward_function is the MLX worker's"):
+        _spec(reward_function="repetition_penalty")  # the value model would need the checkpoint
+    lora = dict(lora_rank=8, lora_alpha=16.0, lora_modules=("self_attn.q_proj",))
+    with pytest.raises(ValueError, match="reward_function is the MLX worker's"):
+        _spec(system="trl", reward_function="repetition_penalty", **lora)
+    shared = _spec(value_init="shared", reward_function="repetition_penalty", **lora)
+    assert RunSpec.from_json(shared.to_json()) == shared
 
 
 def test_device_and_tf32_travel_from_the_arguments_to_every_spec() -> None:
