@@ -87,6 +87,7 @@ logger = logging.getLogger("ppo_mlx")
 
 E = TypeVar("E", bound=Sized)  # one tokenised example; len() = its tokens
 B = TypeVar("B")  # one collated micro-batch
+T = TypeVar("T")
 
 #: Name of the trained model's directory under ``output_dir``.
 MODEL_DIR = "model"
@@ -162,7 +163,7 @@ def check_data_parallel_config(config: FineTuneConfig, group: dist.Group | None 
         dist.fail_together(ValueError(problem), group)
 
 
-def rank_share(batch: Sequence[E], rank: int, world_size: int) -> Sequence[E]:
+def rank_share(batch: Sequence[T], rank: int, world_size: int) -> Sequence[T]:
     """Rank ``rank``'s contiguous share of a global batch: ``batch[round(r B / N) :
     round((r + 1) B / N)]`` (``B / N`` examples each when N divides B; the last batch of an epoch
     may be smaller, and a rank's share then empty when B < N)."""
