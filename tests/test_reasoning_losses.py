@@ -159,7 +159,7 @@ def clip_loss(ratio: float, adv: float) -> float:
     return max(-adv * ratio, -adv * min(max(ratio, 1 - LOW), 1 + HIGH))
 
 
-def naive_weighted_loss(logp: np.ndarray, kind: str) -> float:
+def naive_weighted_loss(logp: np.ndarray, kind: str, beta: float = BETA) -> float:
     """The weighted losses of training.policy_loss's docstring, one token at a time."""
     rows = range(B)
     tokens = [[t for t in range(T) if W_MASK[b, t]] for b in rows]
@@ -189,9 +189,9 @@ def naive_weighted_loss(logp: np.ndarray, kind: str) -> float:
             kl = math.exp(d) - d - 1
             if level == "token":
                 surrogate = clip_loss(math.exp(logp[b, t] - W_OLD[b, t]), W_ADV_SEQ[b])
-                per_token[b, t] = WEIGHTS[b, t] * (surrogate + BETA * kl)
+                per_token[b, t] = WEIGHTS[b, t] * (surrogate + beta * kl)
             else:
-                per_token[b, t] = clip_loss(seq_ratio, W_ADV_SEQ[b]) + WEIGHTS[b, t] * BETA * kl
+                per_token[b, t] = clip_loss(seq_ratio, W_ADV_SEQ[b]) + WEIGHTS[b, t] * beta * kl
     if loss_type == "grpo":
         return sum(sum(per_token[b, t] for t in tokens[b]) / len(tokens[b]) for b in rows) / B
     total = sum(per_token.values())
@@ -200,7 +200,9 @@ def naive_weighted_loss(logp: np.ndarray, kind: str) -> float:
     return total / sum(len(t) for t in tokens)  # dapo, bnpo
 
 
-def weighted_loss(logp: mx.array, kind: str, weights: mx.array | None) -> mx.array:
+def weighted_loss(
+    logp: mx.array, kind: str, weights: mx.array | None, beta: float = BETA
+) -> mx.array:
     old, mask = mx.array(W_OLD.astype(np.float32)), mx.array(W_MASK)
     if kind == "ppo":
         adv = mx.array(W_ADV_TOKEN.astype(np.float32))
@@ -212,7 +214,7 @@ def weighted_loss(logp: mx.array, kind: str, weights: mx.array | None) -> mx.arr
     ref = mx.array(W_REF.astype(np.float32))
     options: dict[str, Any] = dict(loss_type=loss_type, importance_sampling_level=level)
     return grpo_policy_loss(
-        logp, old, ref, adv, mask, LOW, BETA, cliprange_high=HIGH, max_completion_length=L_MAX,
+        logp, old, ref, adv, mask, LOW, beta, cliprange_high=HIGH, max_completion_length=L_MAX,
         weights=weights, **options,
     )[0]  # fmt: skip
 
@@ -244,6 +246,20 @@ def test_weighted_policy_loss_equals_a_naive_loop(kind: str) -> None:
     plain = weighted_loss(logp, kind, None)
     assert float(weighted_loss(logp, kind, ones)) == float(plain)
     assert float(plain) != pytest.approx(float(loss), abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["grpo/token", "grpo/sequence"])
+def test_weighted_grpo_loss_with_a_kl_weight_of_one(kind: str) -> None:
+    weights = mx.array(WEIGHTS.astype(np.float32))
+    loss = weighted_loss(mx.array(LOGP.astype(np.float32)), kind, weights, beta=1.0)
+    assert float(loss) == pytest.approx(naive_weighted_loss(LOGP, kind, 1.0), rel=1e-5)
+
+
+def test_weights_must_have_the_tokens_shape() -> None:
+    logp = mx.array(LOGP.astype(np.float32))
+    for kind in ("ppo", "rloo", "grpo/token"):
+        with pytest.raises(ValueError, match=r"^weights has shape \(3, 4\) but per_token has"):
+            weighted_loss(logp, kind, mx.ones((B, T - 1)))
 
 
 # ---------------------------------------------------------------- through policy_loss_fn
