@@ -61,6 +61,7 @@ def needs_solution(completions, solution):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["rewards:brevity", "rewards.py:brevity", "config:brevity"])
 def test_cli_loads_the_users_reward_file_from_the_working_directory(
     tmp_path: Path, spec: str
@@ -117,6 +118,7 @@ def test_help_is_quiet_and_a_missing_model_names_the_flag(tmp_path: Path) -> Non
     assert "BLAS: " in verbose.stderr  # said when asked for
 
 
+@pytest.mark.slow
 def test_evaluate_leaves_no_empty_run_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "prompts.txt").write_text("Review of the lamp:\nReview of the park:\n")
     (tmp_path / "rewards.py").write_text(USER_REWARDS)

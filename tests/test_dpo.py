@@ -426,6 +426,7 @@ def test_qlora_dpo_trains_adapters_on_a_4bit_model(tiny_model_dir: Path, tmp_pat
     assert history[0]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-5)  # reference = base
 
 
+@pytest.mark.slow
 def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -514,6 +515,7 @@ def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
         trainer.request_stop()
 
 
+@pytest.mark.slow
 def test_run_dpo_writes_metrics_curves_and_a_model_that_generates_chats_and_exports(
     tiny_model_dir: Path,
     tmp_path: Path,

@@ -199,6 +199,7 @@ def test_cli_writes_the_page_and_prints_its_path(tmp_path: Path) -> None:
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_screenshot_colours_tokens_by_the_sign_of_their_advantage(tmp_path: Path) -> None:
     from PIL import Image
 
@@ -234,6 +235,7 @@ def test_screenshot_colours_tokens_by_the_sign_of_their_advantage(tmp_path: Path
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_tooltip_numbers_equal_the_records(tmp_path: Path) -> None:
     run = tmp_path / "run"
     make_run(run)
@@ -273,6 +275,7 @@ def test_tooltip_numbers_equal_the_records(tmp_path: Path) -> None:
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_compare_view_and_a_hostile_prompt(tmp_path: Path) -> None:
     run = tmp_path / "run"
     make_run(run)

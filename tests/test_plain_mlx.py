@@ -97,6 +97,7 @@ def _run(
     return history, weights, calls, probe.limits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_plain_mlx_run_equals_the_run_with_every_trick(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str

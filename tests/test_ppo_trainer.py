@@ -527,6 +527,7 @@ def test_a_binding_total_steps_is_named(
     assert "total_steps=1 caps the run at 1 steps (num_epochs=5 x 1 steps per epoch" in caplog.text
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_starts_a_new_schedule_segment(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -180,6 +180,7 @@ def test_a_ppo_step_moves_every_trainable_parameter_and_keeps_one_base(
             np.testing.assert_array_equal(saved, np.array(policy_params[name]), err_msg=name)
 
 
+@pytest.mark.slow
 def test_stop_and_resume_equals_an_uninterrupted_run(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
