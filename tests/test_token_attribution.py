@@ -248,7 +248,14 @@ def _heads(dims: int, vocab: int) -> dict[str, tuple[nn.Module, Any]]:
     embedding = nn.Embedding(vocab, dims)
     quantized = nn.QuantizedLinear(dims, vocab, bias=False, group_size=32, bits=4)
     quantized_embedding = nn.QuantizedEmbedding(vocab, dims, group_size=32, bits=4)
+    quantized_8bit = nn.QuantizedLinear(dims, vocab, bias=True, group_size=64, bits=8)
+    quantized_8bit.bias = mx.random.normal((vocab,))  # initialised to zeros
+    mxfp4 = nn.QuantizedLinear(dims, vocab, bias=False, group_size=32, bits=4, mode="mxfp4")
+    mxfp4_embedding = nn.QuantizedEmbedding(vocab, dims, group_size=32, bits=4, mode="mxfp4")
     heads = {
+        "quantized_bias_8bit": (quantized_8bit, quantized_8bit),
+        "mxfp4": (mxfp4, mxfp4),
+        "mxfp4_tied": (mxfp4_embedding, mxfp4_embedding.as_linear),
         "linear": (linear, linear),
         "linear_bias": (with_bias, with_bias),
         "tied": (embedding, embedding.as_linear),
@@ -305,6 +312,12 @@ def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_rows
         np.testing.assert_allclose(np.array(entropy), np.array(want_entropy), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["quantized_bias_8bit", "mxfp4", "mxfp4_tied"])
+def test_head_token_logprobs_match_the_logits_path_of_other_quantized_heads(kind):
+    """A biased 8-bit head (group 64), and mxfp4 heads (no quantization biases), as above."""
+    test_head_token_logprobs_match_the_logits_path(kind, 0.7, 7)
+
+
 def test_head_token_logprobs_with_masked_vocabulary_rows():
     """A head whose bias is -inf on some rows (a masked vocabulary), the first block entirely:
     finite log-probs and gradients equal to the logits path's."""
@@ -322,6 +335,76 @@ def test_head_token_logprobs_with_masked_vocabulary_rows():
     assert np.isfinite(got.item()) and np.isfinite(np.array(grad)).all()
     np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5)
     np.testing.assert_allclose(np.array(grad), np.array(want_grad), rtol=1e-4, atol=1e-6)
+
+
+def test_head_token_logprobs_of_logits_in_the_hundreds():
+    """Logits far past exp's float32 range (about 88): each block's exp is taken after the
+    running max is subtracted, so the log-probs and entropy stay exact."""
+    rng = np.random.default_rng(9)
+    weight = rng.normal(size=(12, 4)).astype(np.float32) * 100  # logits of a few hundred
+    hidden = rng.normal(size=(1, 3, 4)).astype(np.float32)
+    hidden[0, 0] = 0.0  # logits 0 beside rows in the hundreds: each row subtracts its own max
+    tokens = rng.integers(0, 12, size=(1, 3))
+    head = nn.Linear(4, 12, bias=False)
+    head.weight = mx.array(weight)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    lp, entropy = head_token_logprobs(
+        mx.array(hidden), frozen, mx.array(tokens), with_entropy=True, block_rows=5
+    )
+    logp = np_log_softmax(hidden @ weight.T)
+    assert np.abs(hidden @ weight.T).max() > 100
+    want = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.array(lp), want, rtol=1e-4, atol=1e-3)
+    assert entropy is not None
+    np.testing.assert_allclose(
+        np.array(entropy), -(np.exp(logp) * logp).sum(-1), rtol=1e-4, atol=1e-3
+    )
+
+
+def test_head_token_logprobs_after_a_masked_block_of_very_negative_logits():
+    """A first block of -inf logits (a masked vocabulary), then logits near -200: the later
+    blocks subtract their own max, not the 0 that stood in for the masked block's."""
+    head = nn.Linear(4, 12)
+    head.weight = mx.array(np.random.default_rng(10).normal(size=(12, 4)).astype(np.float32))
+    head.bias = mx.where(mx.arange(12) < 5, -mx.inf, -200.0)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    hidden, tokens = mx.ones((1, 2, 4)), mx.array([[5, 11]])
+    lp, _ = head_token_logprobs(hidden, frozen, tokens, block_rows=5)
+    logits = np.array(hidden) @ np.array(head.weight).T - 200.0  # (1, 2, 12)
+    logp = np_log_softmax(logits[..., 5:])
+    want = np.take_along_axis(logp, np.array(tokens)[..., None] - 5, axis=-1)[..., 0]
+    np.testing.assert_allclose(np.array(lp), want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_token_logprobs_defaults_and_temperature_half(monkeypatch):
+    """No entropy unless asked for (differentiable or not); the default block covers the B * T
+    positions; at temperature 0.5 the gradient is scaled by 2 as the logits are."""
+    import token_attribution.head_logprobs as module
+
+    head = nn.Linear(4, 9, bias=False)
+    head.freeze()
+    frozen = FrozenHead.of(head)
+    assert frozen is not None
+    hidden = mx.random.normal((2, 3, 4), key=mx.random.key(11))
+    tokens = mx.array([[0, 4, 8], [1, 2, 3]])
+    asked: list[tuple[int, int]] = []
+    real = module.default_block_rows
+
+    def spy(vocab: int, positions: int) -> int:
+        asked.append((vocab, positions))
+        return real(vocab, positions)
+
+    monkeypatch.setattr(module, "default_block_rows", spy)
+    assert head_token_logprobs(hidden, frozen, tokens)[1] is None
+    assert head_token_logprobs(hidden, frozen, tokens, differentiable=False)[1] is None
+    assert asked == [(9, 6), (9, 6)]
+    grad = mx.grad(lambda h: head_token_logprobs(h, frozen, tokens, 0.5)[0].sum())(hidden)
+    want = mx.grad(lambda h: token_logprobs(head(h), tokens, 0.5)[0].sum())(hidden)
+    np.testing.assert_allclose(np.array(grad), np.array(want), rtol=1e-4, atol=1e-6)
 
 
 def test_head_token_logprobs_against_numpy_in_bfloat16():
@@ -374,6 +457,11 @@ def test_frozen_head_takes_only_frozen_linear_heads():
     embedding.freeze()
     assert FrozenHead.of(embedding.as_linear) is not None
     assert FrozenHead.of(lambda h: h) is None
+
+    def as_linear(h: mx.array) -> mx.array:  # named as a tied head's method, but no method
+        return h
+
+    assert FrozenHead.of(as_linear) is None
     assert FrozenHead.of(nn.Sequential(nn.Linear(8, 20))) is None
 
 

@@ -106,8 +106,11 @@ class FrozenHead:
 
     def _quantized(self, x: mx.array, start: int, stop: int, transpose: bool) -> mx.array:
         assert self.scales is not None
+        # Affine scales carry the model's float dtype; the mx* modes' scales are uint8 exponents,
+        # so the input keeps its own float dtype there.
+        floating = mx.issubdtype(self.scales.dtype, mx.floating)
         return mx.quantized_matmul(
-            x.astype(self.scales.dtype),
+            x.astype(self.scales.dtype) if floating else x,
             self.weight[start:stop],
             self.scales[start:stop],
             None if self.biases is None else self.biases[start:stop],
@@ -184,9 +187,11 @@ def _online_softmax(
         if inv_temperature != 1.0:
             x = x * inv_temperature
         new_m = mx.maximum(m, x.max(axis=-1, keepdims=True))  # (N, 1)
-        new_m = mx.where(mx.isinf(new_m), 0.0, new_m)  # a row of -inf so far: no NaN
-        rescale = fast_math.exp(m - new_m)  # (N, 1)
-        e = fast_math.exp(x - new_m)  # (N, V_b)
+        # The exps' reference: the running max, or 0 for a row of -inf so far (no NaN); the
+        # running max itself stays -inf there, so that later blocks subtract their own max.
+        ref = mx.where(mx.isinf(new_m), 0.0, new_m)  # (N, 1)
+        rescale = fast_math.exp(m - ref)  # (N, 1)
+        e = fast_math.exp(x - ref)  # (N, V_b)
         s = s * rescale + e.sum(axis=-1, keepdims=True)
         here = (col >= start) & (col < stop)  # (N, 1): the chosen token is in this block
         picked = mx.take_along_axis(x, mx.clip(col - start, 0, stop - start - 1), axis=-1)
