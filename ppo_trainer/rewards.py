@@ -92,9 +92,18 @@ class Rewards:
         functions += [(name, r) for name, r in self.funcs if not isinstance(r, RewardModel)]
         for name, function in functions:
             args, kwargs = reward_arguments(function, prompts, completions, columns)
-            count, what = _count(function(*args, **kwargs))
+            label = name or getattr(function, "__name__", repr(function))
+            try:
+                out = function(*args, **kwargs)
+            except BaseException as error:  # re-raised, with what was being done
+                error.add_note(
+                    f"raised by the reward {label} in a trial call before training (the first "
+                    f"prompt {n} times, empty completions): a rollout can produce an empty "
+                    "completion, so a reward must score one"
+                )
+                raise
+            count, what = _count(out)
             if count != n:
-                label = name or getattr(function, "__name__", repr(function))
                 raise ValueError(
                     f"the reward {label} returned {what} for {n} completions in a trial call "
                     f"before training (the first prompt {n} times, empty completions): it must "

@@ -300,6 +300,16 @@ def test_a_reward_of_the_wrong_length_or_column_fails_before_any_rollout(
         trainer.train(records)
     trainer.rewards.fn = right
     trainer._check_reward_call(records)  # a right one passes
+
+    def first_word(completions: list[str], **kwargs: Any) -> list[float]:
+        return [float(len(c.split()[0])) for c in completions]  # fails on an empty completion
+
+    trainer.rewards.fn = first_word
+    with pytest.raises(IndexError) as raised:
+        trainer.train(records)
+    assert "raised by the reward first_word in a trial call before training" in "".join(
+        raised.value.__notes__
+    )
     import rewards
 
     monkeypatch.setitem(
