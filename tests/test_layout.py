@@ -71,3 +71,8 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path: Path) -> None:
     assert imported_packages("advantage", tmp_path) == {
         "advantage/gae.py": {"reward_kl", "ppo_trainer"}
     }
+
+
+def test_the_readme_stays_a_page_and_a_half() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 170, f"README.md has {len(lines)} lines: move detail to docs/"
