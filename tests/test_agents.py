@@ -857,7 +857,6 @@ HERMES_HINT = (
 )
 LLAMA_HINT = '; write {"name": <tool name>, "parameters": {<argument>: <value>}}'
 MISTRAL_HINT = '; write [TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>}}]'
-LONG = "x" * 300
 
 
 @pytest.mark.parametrize(
@@ -917,8 +916,11 @@ LONG = "x" * 300
           "to values, got [1]"]),
         ("mistral", '[TOOL_CALLS][{broken[TOOL_CALLS][{"name": "add", "arguments": {}}]',
          [ToolCall("add", {})],
-         ["Error: the tool calls [{broken are not valid JSON (Expecting property name enclosed "
+         ["Error: the tool calls [{broken are not a JSON list (Expecting property name enclosed "
           "in double quotes in [{broken)" + MISTRAL_HINT]),
+        ("mistral", '[TOOL_CALLS]X[{"name": "add", "arguments": {}}]', [],
+         ['Error: the tool calls X[{"name": "add", "arguments": {}}] are not a JSON list (no '
+          "JSON)" + MISTRAL_HINT]),
         ("mistral", "[TOOL_CALLS][1]", [],
          ["Error: a tool call must be a JSON object with a name, got 1"]),
     ],
