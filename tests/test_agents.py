@@ -443,11 +443,24 @@ def test_an_environment_reward_per_turn_must_have_one_value_per_turn() -> None:
 
     assert finished([0.5, 1.0]).episode_reward() == [0.5, 1.0]
     assert finished(np.float32(0.25)).episode_reward() == 0.25  # a NumPy scalar is a number
-    with pytest.raises(ValueError, match="3 rewards for an episode of 2 assistant turns"):
+    with pytest.raises(
+        ValueError,
+        match="^environment PerTurn: get_reward.. returned 3 rewards for an episode of 2 assistant turns",
+    ):
         finished([0.0, 0.0, 1.0]).episode_reward()
     with pytest.raises(ValueError, match="finite numbers"):
         finished(math.nan).episode_reward()
     assert Episode([], AgentSettings()).episode_reward() is None  # no environment
+
+    class NoReward:
+        def reset(self, **record: Any) -> None:
+            return None
+
+        def noop(self) -> str:
+            """Do nothing."""
+            return ""
+
+    assert Episode([], AgentSettings(), environment=NoReward()).episode_reward() is None
 
 
 def test_environment_and_tool_of_one_name_and_a_bad_reset_are_refused() -> None:
@@ -466,8 +479,12 @@ def test_environment_and_tool_of_one_name_and_a_bad_reset_are_refused() -> None:
         def reset(self, **record: Any) -> Any:
             return 3
 
-    with pytest.raises(ValueError, match="must return a str"):
+    with pytest.raises(ValueError) as err:
         Episode([], AgentSettings(), environment=BadReset()).start({})
+    assert str(err.value) == (
+        "environment BadReset.reset() must return a str (text added to the prompt) or None, "
+        "got int"
+    )
 
 
 # --------------------------------------------------------------------------- episode
@@ -511,7 +528,7 @@ def test_a_turn_cut_by_the_token_budget_counts_but_runs_nothing() -> None:
     episode.cut()  # the second turn ran out of tokens
     assert (episode.done, episode.turns, episode.calls) == (True, 2, 1)
     assert episode.episode_reward() == [0.5, 0.0]
-    with pytest.raises(ValueError, match="after the episode ended"):
+    with pytest.raises(ValueError, match="^Episode.cut called after the episode ended$"):
         episode.cut()
 
 
@@ -541,8 +558,12 @@ def test_settings_come_from_the_config_and_max_turns_is_an_alias() -> None:
     spec = load_config(None, ["model_name=m", "tool_call_parser=my_parsers:read_calls"])
     with pytest.raises(ValueError, match="pass load_function"):
         AgentSettings.from_config(spec)
-    loaded = AgentSettings.from_config(spec, load_function=lambda s: parse_mistral)
+    loaded = AgentSettings.from_config(
+        spec, load_function={"my_parsers:read_calls": parse_mistral}.__getitem__
+    )
     assert loaded.tool_call_parser is parse_mistral
+    short = load_config(None, ["model_name=m", "max_tool_output_chars=50"])
+    assert AgentSettings.from_config(short).max_tool_output_chars == 50
 
 
 # --------------------------------------------------------------------------- rendering
@@ -732,7 +753,7 @@ def test_a_template_that_needs_structured_calls_gets_them(
         with pytest.raises(ValueError, match="must alternate"):
             continuation_tokens(tok, plain_history, again, tools=tools, template_kwargs={})
         assert episode.step("Done.") is None
-        assert "tool_calls" not in episode.assistant_message("Done.")
+        assert episode.assistant_message("Done.") == {"role": "assistant", "content": "Done."}
     finally:
         tok.chat_template = CHATML_TEMPLATE
 
