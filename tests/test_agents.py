@@ -229,8 +229,16 @@ def test_a_call_returns_the_tools_output_as_text() -> None:
 
 def test_every_failure_is_a_message_for_the_model() -> None:
     unknown = run("divide", {"a": 1})
-    assert not unknown.ok and "unknown tool 'divide'" in unknown.content
-    assert "add, fail, refuse, shout" in unknown.content
+    assert unknown == ToolResult(
+        "divide", "Error: unknown tool 'divide'; the tools are: add, fail, refuse, shout", False
+    )
+    alone = execute_call(ToolCall("add", {}), {}, timeout_s=1, max_output_chars=100)
+    assert alone.content == "Error: unknown tool 'add'; the tools are: none"
+    two = run("add", {"a": 1, "c": 3}, max_output_chars=200)
+    assert two.content == (
+        "Error: bad arguments for add: unknown argument 'c'; missing required argument 'b'. "
+        "Usage: add(a: integer, b: integer)"
+    )
     missing = run("add", {"a": 1})
     assert not missing.ok and "missing required argument 'b'" in missing.content
     assert "add(a: integer, b: integer)" in missing.content  # how to call it
@@ -260,6 +268,7 @@ def test_arguments_are_checked_by_the_schema_as_written() -> None:
                     "y": {"type": ["integer", "null"]},
                     "z": {"type": "custom"},
                     "w": {"type": "number"},
+                    "v": {"type": ["integer", "boolean"]},
                 },
                 "required": ["x"],
             },
@@ -273,10 +282,11 @@ def test_arguments_are_checked_by_the_schema_as_written() -> None:
     assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "{3}", True)
     assert call(x=1, y=2, w=2).ok and call(x=1, w=2.5).ok
     assert not call(x=1, w=True).ok  # JSON true is not a number
+    assert call(x=1, v=True).ok  # ... but it is a boolean
     assert call(x=1, y="2") == ToolResult(
         "raw",
         "Error: bad arguments for raw: argument 'y' must be of type ['integer', 'null'], got "
-        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom, w: number)",
+        "\"2\". Usage: raw(x: any, y: ['integer', 'null'], z: custom, w: number, v: ['integer', 'boolean'])",
         False,
     )
 
@@ -306,8 +316,13 @@ def test_a_hanging_tool_times_out_without_hanging_the_caller() -> None:
         ToolCall("hang", {"seconds": 100}), {"hang": tool}, timeout_s=0.2, max_output_chars=100
     )
     elapsed = time.monotonic() - start
-    release.set()  # let the abandoned thread end
+    episode = Episode([tool], AgentSettings(tool_timeout_s=0.2))
+    in_episode = episode.step(
+        '<tool_call>{"name": "hang", "arguments": {"seconds": 1}}</tool_call>'
+    )
+    release.set()  # let the abandoned threads end
     assert (result.ok, result.content) == (False, "Error: hang timed out after 0.2 s")
+    assert in_episode is not None and in_episode[0]["content"] == result.content
     assert elapsed < 60  # far less than the tool would take: the caller did not wait for it
 
 
