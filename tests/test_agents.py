@@ -793,9 +793,9 @@ def test_python_code_runs_in_the_sandbox_and_is_stopped_at_its_deadline() -> Non
     ok = run_code("python_code", "print(2 ** 100)")
     assert (ok.ok, ok.content) == (True, "1267650600228229401496703205376\n")
     raised = run_code("python_code", "print('before')\n1 / 0")
-    assert (raised.ok, raised.content) == (
-        False,
-        "before\n\nError: the program raised ZeroDivisionError: division by zero",
+    assert not raised.ok  # the sandbox may add a note on what it ignored
+    assert raised.content.startswith(
+        "before\n\nError: the program raised ZeroDivisionError: division by zero"
     )
     # The sandbox's own deadline stops the loop (the thread's timeout is far longer).
     looped = run_code("quick", "while True: pass")
