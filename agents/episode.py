@@ -199,6 +199,20 @@ class Episode:
             for i, r in zip(ids, results)
         ]
 
+    def cut(self) -> None:
+        """End the episode on a turn the token budget cut before its end: it counts as an
+        assistant turn (a per-turn reward list has an entry for it), but its text is not read
+        and its calls do not run.
+
+        Raises:
+            ValueError: the episode had already ended.
+        """
+        if self.done:
+            raise ValueError("Episode.cut called after the episode ended")
+        self.turns += 1
+        self._last_calls = []
+        self.done = True
+
     def assistant_message(self, assistant_text: str) -> dict[str, Any]:
         """The assistant turn last given to :meth:`step`, as a chat message: its text, and its
         calls as ``tool_calls`` (OpenAI's form, with the ids the tool messages answer), which

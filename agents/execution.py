@@ -82,8 +82,8 @@ def argument_errors(call: ToolCall, tool: Tool) -> list[str]:
     """What is wrong with ``call.arguments`` for ``tool``: unknown or missing arguments and
     values of the wrong JSON type (by the tool's schema); empty when they are fine."""
     params = tool.parameters
-    properties: Mapping[str, Any] = params.get("properties", {}) or {}
-    required = list(params.get("required", []) or [])
+    properties: Mapping[str, Any] = params.get("properties") or {}
+    required = list(params.get("required") or [])
     errors = [f"unknown argument {k!r}" for k in call.arguments if k not in properties]
     errors += [f"missing required argument {k!r}" for k in required if k not in call.arguments]
     for key, value in call.arguments.items():
@@ -96,7 +96,7 @@ def argument_errors(call: ToolCall, tool: Tool) -> list[str]:
 
 
 def _usage(tool: Tool) -> str:
-    props = tool.parameters.get("properties", {}) or {}
+    props = tool.parameters.get("properties") or {}
     args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
     return f"{tool.name}({args})"
 

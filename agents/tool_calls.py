@@ -77,14 +77,13 @@ def _call_from_object(obj: Any, argument_keys: tuple[str, ...], source: str) -> 
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return f'Error: the tool call {_short(source)} has no "name" (a string)'
-    arguments: Any = {}
-    for key in argument_keys:
-        if key in obj:
-            arguments = obj[key]
-            break
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+    # No arguments (absent, null, or an empty string) is a call without any.
+    arguments = next((obj[key] for key in argument_keys if key in obj), None)
+    if isinstance(arguments, str):  # arguments written as a JSON string
+        if not arguments.strip():
+            return ToolCall(name=name, arguments={})
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments)
         except json.JSONDecodeError as err:
             return f"Error: the arguments of the call to {name!r} are not valid JSON ({err.msg})"
     if arguments is None:
@@ -185,7 +184,8 @@ def parse_mistral(text: str) -> ParsedTurn:
         values, error = _json_objects(chunk, "")
         if not values:
             parsed.errors.append(
-                f"Error: the tool calls {_short(chunk)} are not valid JSON ({error}); write "
+                f"Error: the tool calls {_short(chunk)} are not a JSON list ({error or 'no JSON'}); "
+                "write "
                 '[TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>}}]'
             )
             continue
