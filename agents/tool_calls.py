@@ -184,7 +184,8 @@ def parse_mistral(text: str) -> ParsedTurn:
         values, error = _json_objects(chunk, "")
         if not values:
             parsed.errors.append(
-                f"Error: the tool calls {_short(chunk)} are not valid JSON ({error}); write "
+                f"Error: the tool calls {_short(chunk)} are not a JSON list ({error or 'no JSON'}); "
+                "write "
                 '[TOOL_CALLS][{"name": <tool name>, "arguments": {<argument>: <value>}}]'
             )
             continue

@@ -8,7 +8,8 @@ do in its head, then PPO and GRPO train it on whole episodes (call, result, answ
    that the model is often wrong: it copies digits badly into its calls and answers.
 3. PPO (value model and GAE across the turns; only the model's tokens are actions) and GRPO,
    each from the warmed-up model, with ``tools=[calculator]`` (multi-turn episodes, KV cache kept
-   across turns).
+   across turns), on :func:`shaped_reward` (the task reward plus credit for a calculator result
+   and for the answer's digits: the exact answer alone never happens at first).
 4. Before and after each: task reward, tool-call success rate and turns per episode (greedy, on
    the held-out problems), and whether the reward clearly rose (by more than twice its standard
    error, paired per problem).
@@ -31,6 +32,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -40,7 +42,13 @@ from typing import Any, Literal
 from config.ppo_config import PPOConfig
 from config.sft_config import SFTConfig
 from examples.reasoning import clearly_rose
-from examples.tool_use_task import answer_reward, calculator, demonstrations, problems
+from examples.tool_use_task import (
+    answer_reward,
+    calculator,
+    demonstrations,
+    final_answer,
+    problems,
+)
 from finetune.sft_trainer import run_sft
 from fixtures.tiny_model import build_tiny_checkpoint
 from ppo_trainer.ppo_trainer import PPOTrainer
@@ -109,6 +117,27 @@ SMOKE: dict[str, Any] = dict(
 )
 
 
+_RESULT = re.compile(r"<tool_response>\s*(-?\d+)\s*</tool_response>")
+
+
+def shaped_reward(completions: Sequence[str], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """What RL trains on: the task reward (1 for the right final answer), plus 0.5 when the
+    episode holds a calculator result, plus 0.5 times the share of the answer's digits the final
+    answer gets right in place. The exact answer alone is too rare for the warmed-up tiny model
+    to learn from (every episode scores 0); the shaping rewards the call and copying its result."""
+    task = answer_reward(completions, answer)
+    rewards = []
+    for text, target, exact in zip(completions, answer, task, strict=True):
+        called = 0.5 if _RESULT.search(text) else 0.0
+        given = final_answer(text)
+        digits = 0.0
+        if given is not None:
+            right = sum(a == b for a, b in zip(str(given), target))
+            digits = 0.5 * right / max(len(target), len(str(given)))
+        rewards.append(exact + called + digits)
+    return rewards
+
+
 def tool_checkpoint(output_dir: Path, size: Literal["test", "demo"] = "demo") -> Path:
     """The tiny checkpoint (``size`` "demo" or "test") with :data:`TOOL_TEMPLATE` as its chat
     template."""
@@ -147,13 +176,16 @@ def warm_up(
 
 
 def evaluate(trainer: PPOTrainer, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Greedy episodes on ``records``: task reward (mean and per problem), tool-call success
-    rate, tool calls and turns per episode."""
+    """Greedy episodes on ``records``: task reward (mean and per problem), the shaped reward
+    RL trains on, tool-call success rate, tool calls and turns per episode."""
     result = trainer.evaluate(list(records), num_samples=len(records), temperature=0.0)
-    per_record = [float(s["reward"]) for s in result["samples"]]
+    completions = [s["completion"] for s in result["samples"]]
+    per_record = answer_reward(completions, [r["answer"] for r in records])  # the task's
+    shaped = [float(s["reward"]) for s in result["samples"]]
     return {
         "reward": sum(per_record) / len(per_record),
         "per_record": per_record,
+        "shaped_reward": sum(shaped) / len(shaped),
         "tool_call_success": result["eval/agent/tool_call_success"],
         "tool_calls": result["eval/agent/tool_calls"],
         "turns": result["eval/agent/turns"],
@@ -197,7 +229,7 @@ def run(
             output_dir=str(output_dir / name),
             overwrite_output_dir=True,
         )
-        trainer = PPOTrainer(config, tools=[calculator], reward_model=answer_reward)
+        trainer = PPOTrainer(config, tools=[calculator], reward_model=shaped_reward)
         before = evaluate(trainer, held_out)
         print(
             f"[{name.upper()}] before: reward {before['reward']:.3f}, tool-call success "
@@ -211,7 +243,7 @@ def run(
         epochs = math.ceil((config.total_steps or 1) * config.batch_size / len(train))
         trainer.train(train, num_epochs=epochs)
         after = evaluate(trainer, held_out)
-        for metric in ("reward", "tool_call_success", "tool_calls", "turns"):
+        for metric in ("reward", "shaped_reward", "tool_call_success", "tool_calls", "turns"):
             print(
                 f"{name} {metric} on held-out problems: {before[metric]:.3f} -> {after[metric]:.3f}"
             )
