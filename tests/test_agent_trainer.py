@@ -301,3 +301,9 @@ def test_configuration_errors_stop_the_run_before_any_rollout(
             tools=[lookup],
             reward_model=lambda p, c: [0.0] * len(c),
         )
+    with pytest.raises(ValueError, match="remove stop_strings"):
+        PPOTrainer(
+            make_config(tools_model, tmp_path, [0], stop_strings=["</answer>"]),
+            tools=[lookup],
+            reward_model=lambda p, c: [0.0] * len(c),
+        )
