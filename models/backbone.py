@@ -31,7 +31,6 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.utils import save_config
 
 from base_setup.fast_layers import accelerate_model
 from models.backbone_loading import (
@@ -312,6 +311,8 @@ class ScalarHeadModel(nn.Module):
             }
             with open(save_dir / "model.safetensors.index.json", "w") as f:
                 json.dump(index, f, indent=2)
+        from mlx_lm.utils import save_config
+
         save_config(config, save_dir / "config.json")
         return save_dir
 

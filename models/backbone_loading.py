@@ -22,7 +22,6 @@ from typing import Any, Mapping, Union, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, _get_classes, load_config
 
 from models.checkpoint_config import check_config_is_read, config_updates
 
@@ -88,6 +87,7 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
             "'owner/name'); pass an existing checkpoint directory"
         )
     import huggingface_hub
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
         snapshot = huggingface_hub.snapshot_download(name, allow_patterns=DEFAULT_ALLOW_PATTERNS)
@@ -291,6 +291,8 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
         ValueError: unsupported or quantized architecture, ``num_labels != 1``, a head with a
             bias, or weights the backbone does not have.
     """
+    from mlx_lm.utils import _get_classes, load_config  # here: mlx-lm imports transformers
+
     path = resolve_model_path(path_or_repo)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no config.json in {path}; is it a model checkpoint directory?")

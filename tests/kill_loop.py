@@ -140,8 +140,11 @@ def final_weights(run: Path) -> dict[str, Any]:
     return weights
 
 
-def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
-    """The whole procedure (see the module doc); returns what happened."""
+def kill_loop(out: Path, kills: int, seed: int, random_kills: int | None = None) -> dict[str, Any]:
+    """The whole procedure (see the module doc); returns what happened. ``random_kills``: how
+    many of the ``kills`` come at random moments (the first ones, alternating with kills inside
+    the writes; default half); the others go inside the writes, each crash point in turn."""
+    at_random = (kills + 1) // 2 if random_kills is None else random_kills
     from fixtures.tiny_corpus import review_prompts
     from fixtures.tiny_model import build_tiny_checkpoint
 
@@ -163,7 +166,7 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     run = out / "run"
     shutil.rmtree(run, ignore_errors=True)
-    done = finished = 0
+    done = finished = random_done = 0
     log: list[str] = []
     while True:
         has_checkpoint = check_complete(run) > 0 if run.exists() else False
@@ -171,12 +174,14 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
         child_env = dict(env)
         kill_after: float | None = None
         if done < kills:
-            if done % 2 == 0:
+            inside_done = done - random_done
+            at_random_now = random_done <= inside_done or inside_done >= kills - at_random
+            if random_done < at_random and at_random_now:
                 kill_after = rng.uniform(0.2, duration)
                 how = f"at {kill_after:.1f} s"
             else:
                 # Each crash point in turn; the final model is written once per run.
-                point = sorted(CRASH_POINTS)[(done // 2) % len(CRASH_POINTS)]
+                point = sorted(CRASH_POINTS)[inside_done % len(CRASH_POINTS)]
                 nth = 1 if point == "final model" else rng.randint(1, 3)
                 child_env["PPO_MLX_KILL_AT"] = f"{point}:{nth}"
                 how = f"inside {child_env['PPO_MLX_KILL_AT']}"
@@ -197,6 +202,7 @@ def kill_loop(out: Path, kills: int, seed: int) -> dict[str, Any]:
             shutil.rmtree(run)
         else:
             done += 1
+            random_done += kill_after is not None
     return {"kills": done, "finished": finished, "log": log}
 
 

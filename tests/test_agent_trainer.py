@@ -195,6 +195,7 @@ def run_step(trainer: PPOTrainer, prompts: list[Any]) -> tuple[dict[str, float],
     return metrics, capture
 
 
+@pytest.mark.slow
 def test_ppo_with_an_environment_rewarding_each_action(
     tools_model: Path, frequent_tokens: list[int], tmp_path: Path
 ) -> None:

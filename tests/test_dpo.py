@@ -382,6 +382,7 @@ def test_lora_dpo_trains_only_adapters_against_the_adapters_off_reference(
     np.testing.assert_allclose(np.concatenate([cached[:, 0], cached[:, 1]]), want, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_and_accumulation_give_the_same_update(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -412,6 +413,7 @@ def test_gradient_checkpointing_and_accumulation_give_the_same_update(
             np.testing.assert_allclose(after[key], want, rtol=1e-3, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow
 def test_qlora_dpo_trains_adapters_on_a_4bit_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     from fixtures.checkpoint_families import quantize_checkpoint
 

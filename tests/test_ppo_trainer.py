@@ -134,6 +134,7 @@ def test_lora_policy_samples_with_merged_adapters(
     assert np.allclose(np.array(recomputed)[on], np.array(gen.logprobs)[on], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_ppo_step(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

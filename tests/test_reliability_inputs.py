@@ -38,6 +38,7 @@ def test_fingerprints_see_a_retrained_model_and_other_data(tmp_path: Path) -> No
     assert data_fingerprint(["a", "b"]) != data_fingerprint(["a", "c"])
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_base_model_replaced_at_the_same_path(tmp_path: Path) -> None:
     """An SFT stage re-run into the folder the PPO run starts from."""
     model = build_tiny_checkpoint(tmp_path / "sft_model", size="test", seed=0)
@@ -51,6 +52,7 @@ def test_resume_refuses_a_base_model_replaced_at_the_same_path(tmp_path: Path) -
     assert trainer.global_step == 0
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_prompts_and_another_reward(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
