@@ -198,7 +198,9 @@ class PPOTrainer:
         environment_factory: agents: a callable returning a fresh environment per rollout
             (TRL's contract: ``reset(**record)``, public methods as tools, optional
             ``get_reward()``, whose reward is added to the score, or is the score when no
-            reward is given).
+            reward is given). A factory with a ``seed`` parameter is called as
+            ``factory(seed=...)``, a seed per rollout from (run seed, step, place in the global
+            batch), so that a resumed or data-parallel run builds the same environments.
 
     Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
     group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
