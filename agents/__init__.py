@@ -17,7 +17,13 @@ The pieces the trainer drives, in the order of an episode (docs/agents.md):
 Nothing here imports MLX: the trainer (``ppo_trainer``) owns generation and the losses.
 """
 
-from agents.environment import check_environment_factory, environment_tools
+from agents.environment import (
+    build_environment,
+    check_environment_factory,
+    environment_tools,
+    factory_name,
+    takes_seed,
+)
 from agents.episode import INVALID_CALL_NAME, AgentSettings, Episode
 from agents.execution import ToolError, ToolResult, execute_call, truncate
 from agents.rendering import (
@@ -49,11 +55,13 @@ __all__ = [
     "ToolCallParser",
     "ToolError",
     "ToolResult",
+    "build_environment",
     "check_environment_factory",
     "check_template_supports_tools",
     "continuation_tokens",
     "environment_tools",
     "execute_call",
+    "factory_name",
     "make_tools",
     "parse_hermes",
     "parse_llama3_json",
@@ -61,6 +69,7 @@ __all__ = [
     "prompt_tokens",
     "render_text",
     "resolve_parser",
+    "takes_seed",
     "tool_schema",
     "truncate",
 ]

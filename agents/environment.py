@@ -7,6 +7,11 @@ last user message, or None; each public method other than ``reset`` and ``get_re
 not starting with ``_``) is a tool, described like a function tool (type hints and a Google
 docstring); ``env.get_reward()``, optional, scores the finished episode: one float, or a list
 with one float per assistant turn (a reward per action).
+
+Seeded environments: a factory that takes a ``seed`` keyword (a class whose ``__init__`` has a
+``seed`` parameter) is called as ``factory(seed=...)`` with a seed per rollout that the trainer
+derives from the run's seed, the step and the rollout's place in the global batch; one that does
+not is called as ``factory()``, as TRL calls it.
 """
 
 from __future__ import annotations
@@ -41,8 +46,36 @@ def environment_tools(env: Any) -> list[Tool]:
     return make_tools(methods)
 
 
-def check_environment_factory(factory: Callable[[], Any]) -> None:
+def takes_seed(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` accepts a ``seed`` keyword argument (a parameter of that name;
+    ``**kwargs`` alone does not count: a factory says it is seeded by naming it)."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: not seeded
+        return False
+    seed = parameters.get("seed")
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return seed is not None and seed.kind in kinds
+
+
+def build_environment(factory: Callable[..., Any], seed: int) -> Any:
+    """A fresh environment: ``factory(seed=seed)`` when the factory takes a seed
+    (:func:`takes_seed`), else ``factory()`` (TRL's zero-argument contract)."""
+    return factory(seed=seed) if takes_seed(factory) else factory()
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """``module:qualname`` of ``factory`` (a class or function), as a checkpoint records it; an
+    instance with ``__call__`` is named by its class."""
+    named = factory if hasattr(factory, "__qualname__") else type(factory)
+    module = getattr(named, "__module__", None) or "?"
+    return f"{module}:{getattr(named, '__qualname__', repr(named))}"
+
+
+def check_environment_factory(factory: Callable[..., Any]) -> None:
     """Build one environment and check it against the contract, before any rollout.
+
+    A factory that takes a ``seed`` is called with ``seed=0``.
 
     Raises:
         ValueError: ``factory`` is not callable, its environment has no ``reset`` method, has
@@ -53,7 +86,7 @@ def check_environment_factory(factory: Callable[[], Any]) -> None:
             "environment_factory must be a callable returning a fresh environment (e.g. the "
             f"class itself), got {type(factory).__name__}"
         )
-    env = factory()
+    env = build_environment(factory, 0)
     name = type(env).__name__
     if not callable(getattr(env, "reset", None)):
         raise ValueError(

@@ -26,12 +26,15 @@ from agents import (
     AgentSettings,
     Episode,
     Tool,
+    build_environment,
     check_environment_factory,
     check_template_supports_tools,
     continuation_tokens,
     environment_tools,
+    factory_name,
     make_tools,
     render_text,
+    takes_seed,
 )
 from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
 from models.policy_model import PolicyModel
@@ -73,7 +76,7 @@ class AgentRun:
     def sample_tools(self) -> list[Tool]:
         """The tools an episode has (the function tools and one environment's), for checks."""
         env_tools = (
-            environment_tools(self.environment_factory())
+            environment_tools(build_environment(self.environment_factory, 0))
             if self.environment_factory is not None
             else []
         )
@@ -83,7 +86,21 @@ class AgentRun:
         """Whether the environments score their episodes (``get_reward``)."""
         if self.environment_factory is None:
             return False
-        return callable(getattr(self.environment_factory(), "get_reward", None))
+        env = build_environment(self.environment_factory, 0)
+        return callable(getattr(env, "get_reward", None))
+
+    def seeded(self) -> bool:
+        """Whether the environments are built from seeds (the factory takes ``seed``)."""
+        return self.environment_factory is not None and takes_seed(self.environment_factory)
+
+    def description(self) -> dict[str, str]:
+        """What a checkpoint records of the agent part, and a resume compares: the environment
+        factory's and the function tools' import paths (``module:qualname``)."""
+        env = self.environment_factory
+        return {
+            "environment": factory_name(env) if env is not None else "none",
+            "tools": ", ".join(factory_name(t.function) for t in self.tools) or "none",
+        }
 
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Stop the run before any rollout when the chat template cannot render the tools or
@@ -109,14 +126,19 @@ def start_episodes(
     *,
     system_prompt: str | None,
     template_kwargs: Mapping[str, Any],
+    seeds: Sequence[int],
 ) -> Episodes:
     """One episode per row of ``columns`` (the prompt records, ``"prompt"`` included): its
-    environment built and reset with the row (``env.reset(**record)``), the reset text added
-    to the last user message, and the prompt rendered with the episode's tools."""
+    environment built from the row's seed (``factory(seed=seeds[row])`` when the factory takes
+    one, else ``factory()``) and reset with the row (``env.reset(**record)``), the reset text
+    added to the last user message, and the prompt rendered with the episode's tools."""
     prompts = columns[PROMPT_KEY]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} environment seeds for {len(prompts)} episodes")
     episodes, conversations, texts, ids = [], [], [], []
     for row, prompt in enumerate(prompts):
-        env = agent.environment_factory() if agent.environment_factory is not None else None
+        factory = agent.environment_factory
+        env = build_environment(factory, seeds[row]) if factory is not None else None
         episode = Episode(agent.tools, agent.settings, environment=env)
         extra = episode.start({name: values[row] for name, values in columns.items()})
         messages = (
@@ -146,6 +168,15 @@ def start_episodes(
         texts.append(text)
         ids.append(encode_text(tokenizer, text))
     return Episodes(episodes, conversations, texts, ids)
+
+
+def environment_seeds(keys: mx.array) -> list[int]:
+    """One environment seed per sequence from its sampling key ((B, 2) uint32, from
+    :func:`ppo_trainer.rollout.rollout_keys`): ``key[0] * 2**32 + key[1]``, so an episode's
+    environment, like its samples, is a function of (run seed, step, place in the global batch),
+    whichever rank plays it and whether or not the run was resumed."""
+    pairs = np.asarray(keys).astype(np.uint64)  # (B, 2)
+    return [int(hi) << 32 | int(lo) for hi, lo in pairs.tolist()]
 
 
 def play_episodes(
@@ -230,18 +261,35 @@ def episode_rewards(episodes: Sequence[Episode], generation: GenerationOutput) -
     return EpisodeRewards(mx.array(scores), mx.array(actions) if any_list else None, ends)
 
 
-def agent_metrics(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, float]:
-    """``agent/turns`` (policy turns per episode), ``agent/tool_calls`` (calls per episode),
-    ``agent/tool_call_success`` (successful calls / calls; 0 without calls),
-    ``agent/context_tokens`` (tool and environment tokens per episode)."""
+#: The sums behind the ``agent/`` metrics, in the order :func:`agent_counts` returns them.
+AGENT_COUNTS = ("episodes", "turns", "tool_calls", "successful_calls", "context_tokens")
+
+
+def agent_counts(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, float]:
+    """The sums over a batch of episodes behind the ``agent/`` metrics (:data:`AGENT_COUNTS`):
+    episodes, policy turns, tool calls (malformed ones included), successful calls, and context
+    (tool and environment) tokens. Sums, not means, so that batches and ranks add up exactly."""
     assert generation.turn_spans is not None and generation.action_mask is not None
-    calls = sum(e.calls for e in episodes)
-    ok = sum(e.successful_calls for e in episodes)
     lengths = np.asarray(generation.lengths)
     policy_tokens = np.asarray(generation.action_mask).sum(axis=1)
     return {
-        "agent/turns": float(np.mean([len(s) for s in generation.turn_spans])),
-        "agent/tool_calls": calls / len(episodes),
-        "agent/tool_call_success": ok / calls if calls else 0.0,
-        "agent/context_tokens": float(np.mean(lengths - policy_tokens)),
+        "episodes": float(len(episodes)),
+        "turns": float(sum(len(s) for s in generation.turn_spans)),
+        "tool_calls": float(sum(e.calls for e in episodes)),
+        "successful_calls": float(sum(e.successful_calls for e in episodes)),
+        "context_tokens": float(np.sum(lengths - policy_tokens)),
+    }
+
+
+def agent_metrics(counts: Mapping[str, float], prefix: str = "agent/") -> dict[str, float]:
+    """The ``agent/`` metrics from :func:`agent_counts`' sums (of one batch, or added over
+    batches and ranks): ``turns`` (policy turns per episode), ``tool_calls`` (calls per
+    episode), ``tool_call_success`` (successful calls / calls; 0 without calls),
+    ``context_tokens`` (tool and environment tokens per episode)."""
+    episodes, calls = counts["episodes"], counts["tool_calls"]
+    return {
+        f"{prefix}turns": counts["turns"] / episodes,
+        f"{prefix}tool_calls": calls / episodes,
+        f"{prefix}tool_call_success": counts["successful_calls"] / calls if calls else 0.0,
+        f"{prefix}context_tokens": counts["context_tokens"] / episodes,
     }

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from ppo_trainer.agent_rollout import agent_metrics
 from ppo_trainer.experience import kl_per_token
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout import SamplingSettings
@@ -44,7 +45,7 @@ def evaluate_rollouts(
     lengths: list[float] = []
     samples: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
-    agent: dict[str, float] = {}  # agents: each metric summed over the episodes
+    agent: dict[str, float] = {}  # agents: the sums behind the agent metrics, over the batches
     record = trainer.run.record_eval
     for start in range(0, len(prompts), cfg.rollout_batch_size):
         stop = min(start + cfg.rollout_batch_size, len(prompts))
@@ -64,8 +65,8 @@ def evaluate_rollouts(
             )
             rows = select_rows(len(texts), 1, room)
             records += rollout_records(arrays, trainer.tokenizer, rows)
-        for key, value in rollout.agent_metrics.items():
-            agent[f"eval/{key}"] = agent.get(f"eval/{key}", 0.0) + value * len(texts)
+        for key, value in rollout.agent_counts.items():
+            agent[key] = agent.get(key, 0.0) + value
         rewards.extend(np.array(rollout.scores).tolist())
         kls.extend(np.array(kl).tolist())
         lengths.extend(np.array(rollout.generation.lengths).tolist())
@@ -79,6 +80,6 @@ def evaluate_rollouts(
         "eval/mean_reward": float(np.mean(rewards)),
         "eval/kl": float(np.mean(kls)),
         "eval/response_length": float(np.mean(lengths)),
-        **{key: total / len(rewards) for key, total in agent.items()},
+        **(agent_metrics(agent, prefix="eval/agent/") if agent else {}),
         "samples": samples,
     }

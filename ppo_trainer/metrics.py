@@ -15,6 +15,7 @@ import numpy as np
 from advantage.whitening import masked_var
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch
+from ppo_trainer.agent_rollout import agent_metrics
 from ppo_trainer.rollout import Rollout
 
 
@@ -28,6 +29,15 @@ def reduce_over_ranks(
     scale = mx.array([1.0 / world] * len(means) + [1.0] * len(sums))  # (K,)
     values = np.array(dist.all_sum(local, group) * scale).tolist()
     return dict(zip([*means, *sums], values))
+
+
+def agent_metrics_over_ranks(counts: dict[str, float], group: Any) -> dict[str, float]:
+    """The ``agent/`` metrics of the global batch: each rank's episode sums
+    (:func:`ppo_trainer.agent_rollout.agent_counts`) added over the ranks of ``group``, then
+    divided, so that ``agent/tool_call_success`` is the global successful calls / calls, not
+    a mean of the ranks' rates."""
+    totals = reduce_over_ranks({}, {k: mx.array(v) for k, v in counts.items()}, group)
+    return agent_metrics(totals)
 
 
 def frac_reward_zero_std(scores: mx.array, group_size: int) -> mx.array:

@@ -64,7 +64,8 @@ from models.value_model import ValueModel
 from agents import AgentSettings
 from ppo_trainer.agent_rollout import (
     AgentRun,
-    agent_metrics,
+    agent_counts,
+    environment_seeds,
     episode_rewards,
     play_episodes,
     start_episodes,
@@ -87,7 +88,7 @@ from ppo_trainer.experience import (
     penalized_scores,
 )
 from ppo_trainer.memory_estimate import check_memory
-from ppo_trainer.metrics import iteration_metrics, reduce_over_ranks
+from ppo_trainer.metrics import agent_metrics_over_ranks, iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
     COMPLETION_IDS,
     Columns,
@@ -197,7 +198,9 @@ class PPOTrainer:
         environment_factory: agents: a callable returning a fresh environment per rollout
             (TRL's contract: ``reset(**record)``, public methods as tools, optional
             ``get_reward()``, whose reward is added to the score, or is the score when no
-            reward is given).
+            reward is given). A factory with a ``seed`` parameter is called as
+            ``factory(seed=...)``, a seed per rollout from (run seed, step, place in the global
+            batch), so that a resumed or data-parallel run builds the same environments.
 
     Attributes (data parallelism, see the module docstring): ``group`` (the ``mx.distributed``
     group of the launched processes), ``world_size``, ``rank``, ``is_main_process`` (rank 0).
@@ -259,6 +262,12 @@ class PPOTrainer:
                 "stop_strings end a single-turn response; with tools or environment_factory a "
                 "turn ends at the template's end-of-turn token and the episode when a turn makes "
                 "no tool call: remove stop_strings"
+            )
+        if self.agent is not None and config.dynamic_sampling:
+            raise ValueError(
+                "dynamic_sampling rebuilds a batch from single-turn groups; it does not carry "
+                "agent episodes' action masks and turns yet: remove dynamic_sampling, or the "
+                "tools and environment_factory"
             )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
@@ -344,6 +353,9 @@ class PPOTrainer:
         # What the run reads besides its settings, recorded in its checkpoints and compared on
         # resume (train() adds the prompts).
         self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
+        # Agents: the environment factory's and tools' import paths ("none": a run without).
+        no_agent = {"environment": "none", "tools": "none"}
+        self.inputs.update(self.agent.description() if self.agent is not None else no_agent)
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -531,7 +543,8 @@ class PPOTrainer:
             metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
         if sampled is not None:  # of every group generated, not only those kept
             metrics.update(sampled)
-        metrics.update(rollout.agent_metrics)  # this rank's episodes
+        if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
+            metrics.update(agent_metrics_over_ranks(rollout.agent_counts, self.group))
         if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()
@@ -669,12 +682,18 @@ class PPOTrainer:
         started = env_rewards = None
         if self.agent is not None and generation is None:
             template_kwargs = dict(self.config.chat_template_kwargs or {})
+            # Each environment's seed comes from its sequence's key (seed, step, place in the
+            # global batch); an evaluation's (no keys) from the random state, as its samples.
+            seed_keys = keys
+            if seed_keys is None:
+                seed_keys = mx.random.randint(0, 2**31 - 1, (len(texts), 2)).astype(mx.uint32)
             started = start_episodes(
                 self.agent,
                 self.tokenizer,
                 columns,
                 system_prompt=self.config.system_prompt,
                 template_kwargs=template_kwargs,
+                seeds=environment_seeds(seed_keys),
             )
             texts, prompt_ids = started.texts, started.prompt_ids
             check_prompts(
@@ -738,7 +757,7 @@ class PPOTrainer:
         if started is not None and env_rewards is not None:
             rollout.action_rewards = env_rewards.action_rewards
             rollout.turn_ends = env_rewards.turn_ends
-            rollout.agent_metrics = agent_metrics(started.episodes, rollout.generation)
+            rollout.agent_counts = agent_counts(started.episodes, rollout.generation)
         return rollout
 
     def _has_reward(self) -> bool:

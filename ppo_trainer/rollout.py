@@ -112,8 +112,9 @@ class Rollout:
     #: ``turn_ends`` (B, K), each policy turn's last column (-1: none); None without them.
     action_rewards: mx.array | None = None
     turn_ends: mx.array | None = None
-    #: Agents: turns, tool calls and their success per episode (``agent/...``).
-    agent_metrics: dict[str, float] = field(default_factory=dict)
+    #: Agents: the sums behind the ``agent/`` metrics (episodes, turns, tool calls, successful
+    #: calls, context tokens: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
+    agent_counts: dict[str, float] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""

@@ -220,6 +220,20 @@ class TrainingRun:
         )
         check_resume_source(t.run_dir, path)
         check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), t.inputs)
+        agent = t.agent
+        if (
+            t.is_main_process
+            and agent is not None
+            and agent.environment_factory is not None
+            and not agent.seeded()
+        ):
+            logger.warning(
+                "resuming with environment factory %s, which takes no seed: its environments "
+                "are rebuilt by calling it, and the resumed run equals an uninterrupted one only "
+                "if they draw no random numbers of their own (give it a seed parameter: "
+                "docs/agents.md)",
+                agent.description()["environment"],
+            )
         t.load_checkpoint(path)
         if t.is_main_process:
             continue_timeline(t.checkpoints, t.global_step)

@@ -12,6 +12,9 @@
   ``[STOP_STEP, <main.py arguments>]`` (``dpo ...``, ``sft ...``); a run stops after ``STOP_STEP``
   steps and resumes (``null``: runs straight through), and each rank saves its final trainable
   weights to ``DUMP_DIR/<name>/rank<r>.safetensors``.
+* ``python -m tests.distributed_helpers agents RUN_YAML DUMP_DIR``: GRPO with tools and seeded
+  environments (``tests.test_agent_trainer``'s ``Dice``) on its two prompts for one step; each
+  rank saves its final trainable weights to ``DUMP_DIR/rank<r>.safetensors``.
 * ``python -m tests.distributed_helpers checks RUN_YAML``: checks the all-reduced statistics and
   the agreement checks of :mod:`base_setup.distributed` against single-process references, and
   that PPOTrainer refuses ranks whose configs differ (rank 1 changes the learning rate of
@@ -210,6 +213,22 @@ def _check_config_agreement(run_yaml: str) -> None:
     print(f"rank {r}: config agreement ok", flush=True)
 
 
+def _agents(run_yaml: Path, dump_dir: Path) -> int:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from config.loading import load_config
+    from ppo_trainer.ppo_trainer import PPOTrainer
+    from tests.test_agent_trainer import PROMPTS, Dice
+
+    trainer = PPOTrainer(load_config(run_yaml), environment_factory=Dice)
+    trainer.train(PROMPTS, num_epochs=1)
+    weights = dict(tree_flatten(trainer.policy.trainable_parameters()))
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dump_dir / f"rank{trainer.rank}.safetensors"), weights)
+    return 0
+
+
 def run(argv: Sequence[str]) -> int:
     """The command line of this module (see the module docstring)."""
     if len(argv) == 2 and argv[0] == "checks":
@@ -218,11 +237,13 @@ def run(argv: Sequence[str]) -> int:
         return 0
     if len(argv) >= 4 and argv[0] == "train" and argv[3] == "--":
         return _train_then_resume(Path(argv[1]), int(argv[2]), list(argv[4:]))
+    if len(argv) == 3 and argv[0] == "agents":
+        return _agents(Path(argv[1]), Path(argv[2]))
     if len(argv) == 3 and argv[0] == "stages":
         return _stages(Path(argv[1]), json.loads(Path(argv[2]).read_text()))
     raise SystemExit(
         "usage: python -m tests.distributed_helpers {checks RUN_YAML | train DUMP_DIR STOP_STEP -- "
-        "<main.py train arguments> | stages DUMP_DIR RUNS_JSON}"
+        "<main.py train arguments> | stages DUMP_DIR RUNS_JSON | agents RUN_YAML DUMP_DIR}"
     )
 
 

@@ -9,6 +9,7 @@ The random tiny model writes no ``<tool_call>``: the tests read its turns with
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,11 @@ from models.policy_model import PolicyModel
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.generator import generate
 from ppo_trainer.inspector import write_inspector
+from ppo_trainer.metrics import agent_metrics_over_ranks
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.rollout import Rollout
 from ppo_trainer.rollout_records import read_rollout_records
+from tests.test_advantage import _ThreadRanks, threaded_all_sum  # noqa: F401 (a fixture)
 
 PROMPTS = [
     {"prompt": "What is stored under apple?", "target": 2},
@@ -308,3 +311,122 @@ def test_configuration_errors_stop_the_run_before_any_rollout(
             tools=[lookup],
             reward_model=lambda p, c: [0.0] * len(c),
         )
+    with pytest.raises(ValueError, match="remove dynamic_sampling"):
+        PPOTrainer(
+            make_config(
+                tools_model, tmp_path, [0], algorithm="grpo", group_size=2, dynamic_sampling=True
+            ),
+            tools=[lookup],
+            reward_model=lambda p, c: [0.0] * len(c),
+        )
+
+
+def test_agent_metrics_are_the_global_batchs_over_two_ranks(threaded_all_sum: None) -> None:
+    """Each rank's episode sums add up over the ranks before dividing: the tool-call success is
+    all successful calls / all calls (7/8 here), not the mean of the ranks' rates (0.75)."""
+    counts = [
+        {"episodes": 2, "turns": 3, "tool_calls": 2, "successful_calls": 1, "context_tokens": 10},
+        {"episodes": 2, "turns": 7, "tool_calls": 6, "successful_calls": 6, "context_tokens": 30},
+    ]
+    keys = ("agent/turns", "agent/tool_calls", "agent/tool_call_success", "agent/context_tokens")
+
+    def on_rank(group: Any, rank: int) -> mx.array:
+        metrics = agent_metrics_over_ranks({k: float(v) for k, v in counts[rank].items()}, group)
+        return mx.array([metrics[k] for k in keys])
+
+    got = _ThreadRanks().run(on_rank)
+    want = [10 / 4, 8 / 4, 7 / 8, 40 / 4]
+    np.testing.assert_allclose(got, [want, want], rtol=1e-6)
+
+
+class Dice:
+    """A seeded environment: its reset text, tool results and reward come from its own random
+    numbers (``seed``: the trainer's per-rollout seed; None: unseeded, as TRL builds it)."""
+
+    seeds: list[int | None] = []  # every seed it was built with (a test's record)
+
+    def __init__(self, seed: int | None = None) -> None:
+        Dice.seeds.append(seed)
+        self.rng = random.Random(seed)
+
+    def reset(self, **record: Any) -> str:
+        self.total = 0
+        return f"Roll {self.rng.randint(1, 6)}."
+
+    def increment(self, by: int) -> str:
+        """Roll the die and add it, times a factor.
+
+        Args:
+            by: The factor.
+        """
+        self.total += by * self.rng.randint(1, 6)
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return self.total + self.rng.random()
+
+
+def length(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict[str, float]) -> None:
+        if step == self.step:
+            trainer.request_stop()
+
+
+@pytest.mark.slow
+def test_a_run_with_seeded_environments_resumes_exactly_and_names_a_changed_factory(
+    tools_model: Path,
+    frequent_tokens: list[int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # two fresh runs: the same BLAS threads
+    settings: dict[str, Any] = dict(
+        algorithm="grpo",
+        group_size=2,
+        save_every=100,
+        tool_call_parser="tests.test_agent_trainer:every_turn_increments",
+    )
+
+    def config(name: str) -> PPOConfig:
+        return make_config(
+            tools_model, tmp_path / name, frequent_tokens, max_new_tokens=64, **settings
+        )
+
+    Dice.seeds.clear()
+    straight = PPOTrainer(config("a"), environment_factory=Dice)
+    initial = trainable(straight.policy)
+    straight_history = straight.train(PROMPTS, num_epochs=2)
+    assert len(straight_history) == 2
+    # Each episode's environment has its own seed (4 per step), a function of the run's seed.
+    played = Dice.seeds[-8:]
+    assert None not in played and len(set(played)) == 8
+
+    first = PPOTrainer(config("b"), environment_factory=Dice)
+    first.train(PROMPTS, num_epochs=2, callbacks=[StopAt(1)])
+    assert first.global_step == 1
+    second = PPOTrainer(config("b"), environment_factory=Dice)
+    resumed_history = second.train(PROMPTS, num_epochs=2, resume_from="latest")
+    assert Dice.seeds[-4:] == played[-4:]  # step 2's environments, rebuilt from their seeds
+
+    def comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
+        skip = ("time/", "tokens_per_second")
+        return [{k: v for k, v in h.items() if not k.startswith(skip)} for h in history]
+
+    assert comparable(resumed_history) == comparable(straight_history)
+    assert straight_history[0]["objective/scores_std"] > 0  # the dice made the scores differ
+    final, resumed = trainable(straight.policy), trainable(second.policy)
+    for key in final:
+        assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
+        np.testing.assert_array_equal(resumed[key], final[key], err_msg=key)
+
+    # Resuming with another environment factory, or none, names it before any step.
+    for other in (dict(environment_factory=Counter), dict(tools=[lookup], reward_model=length)):
+        with pytest.raises(ValueError, match=r"environment factory.*test_agent_trainer:Dice ->"):
+            PPOTrainer(config("b"), **other).train(PROMPTS, num_epochs=3, resume_from="latest")

@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 from agents import (
+    build_environment,
+    factory_name,
+    takes_seed,
     INVALID_CALL_NAME,
     AgentSettings,
     Episode,
@@ -973,3 +976,23 @@ def test_the_parser_names_resolve_to_their_parsers() -> None:
         parse_llama3_json,
         parse_mistral,
     ]
+
+
+class _Seeded:
+    def __init__(self, seed: int = 7) -> None:
+        self.seed = seed
+
+
+def test_a_factory_with_a_seed_parameter_is_built_from_the_seed() -> None:
+    def keyword_only(*, seed: int) -> dict[str, int]:
+        return {"seed": seed}
+
+    def any_keywords(**kwargs: Any) -> dict[str, Any]:
+        return kwargs
+
+    assert takes_seed(_Seeded) and takes_seed(keyword_only)
+    assert not takes_seed(any_keywords) and not takes_seed(dict)
+    assert build_environment(_Seeded, 5).seed == 5
+    assert build_environment(keyword_only, 3) == {"seed": 3}
+    assert build_environment(any_keywords, 3) == {}  # TRL's zero-argument call
+    assert factory_name(_Seeded) == "tests.test_agents:_Seeded"

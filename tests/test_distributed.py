@@ -20,12 +20,14 @@ import yaml
 from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
-from config.loading import load_config
+from config.loading import config_to_dict, load_config
 from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.generator import generate
 from ppo_trainer.ppo_trainer import PPOTrainer
 from main import read_prompts
 from tests.distributed_helpers import e_rate, letter_rate
+from tests.test_agent_trainer import PROMPTS as AGENT_PROMPTS
+from tests.test_agent_trainer import Dice, frequent_tokens, make_config, tools_model  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240  # a hung collective fails the test instead of hanging CI
@@ -375,6 +377,47 @@ def test_two_ranks_train_a_shared_base_value_model_like_one_process(run_files: P
         assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
         np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
         np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+def test_two_ranks_play_seeded_environments_like_one_process(
+    tools_model: Path, frequent_tokens: list[int], tmp_path: Path
+) -> None:
+    """GRPO with tools and seeded environments (``Dice``), one step: each rank plays its share
+    of the episodes with the environments one process builds (their seeds follow the global
+    batch), the ranks end identical and equal to one process, and the logged ``agent/`` metrics
+    are the global batch's."""
+    config = make_config(
+        tools_model,
+        tmp_path / "single",
+        frequent_tokens,
+        algorithm="grpo",
+        group_size=2,
+        max_new_tokens=64,
+        tool_call_parser="tests.test_agent_trainer:every_turn_increments",
+    )
+    single = PPOTrainer(config, environment_factory=Dice)
+    initial = flat_weights(single.policy)
+    history = single.train(AGENT_PROMPTS, num_epochs=1)
+    final = flat_weights(single.policy)
+    settings = {**config_to_dict(config), "output_dir": str(tmp_path / "ranks")}
+    (tmp_path / "agents.yaml").write_text(yaml.safe_dump(settings))
+    command = ["-m", "tests.distributed_helpers", "agents", str(tmp_path / "agents.yaml")]
+    output = launch(2, command + [str(tmp_path / "dump")])
+    assert rank_exit_codes(output) == {}, output
+    ranks = [mx.load(str(tmp_path / "dump" / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
+    assert ranks[0].keys() == ranks[1].keys() == final.keys()
+    for key in final:
+        assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
+        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
+        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+    logged = [json.loads(line) for line in (tmp_path / "ranks" / "metrics.jsonl").open()]
+    assert [r["step"] for r in logged] == [1] and len(history) == 1
+    for got, want in zip(logged, history):
+        assert want["agent/tool_calls"] > 0
+        for key in ("agent/turns", "agent/tool_calls", "agent/context_tokens", "objective/scores"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
 
 
 # --------------------------------------------------------------------------- supervised stages

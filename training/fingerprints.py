@@ -76,6 +76,8 @@ _LABELS = {
     "ref_model": "the reference model (sft_model_name)",
     "value_model": "the value model (value_model_name)",
     "reward": "the reward",
+    "environment": "the environment factory (environment_factory=)",
+    "tools": "the tools (tools=)",
     "prompts": "the prompts",
     "data": "the training data",
     "eval_data": "the held-out data",
