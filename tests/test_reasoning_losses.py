@@ -331,8 +331,14 @@ def test_think_tags_are_found_or_the_weights_refused() -> None:
     assert think_tags_for(cfg, in_template) == ([ord(c) for c in "<think>"],
                                                 [ord(c) for c in "</think>"])  # fmt: skip
     plain = fake_tokenizer({"a": 0}, "{{ messages }}")
-    with pytest.raises(ValueError, match="no <think> token.*set both weights to 1.0"):
+    with pytest.raises(ValueError) as err:
         think_tags_for(cfg, plain)
+    assert str(err.value) == (
+        "think_loss_weight=0.5 and answer_loss_weight=1.0 weigh the tokens inside and after "
+        "<think> ... </think>, but this model's vocabulary has no <think> token and neither its "
+        "chat template nor system_prompt writes <think>: use a thinking model (Qwen3, an R1 "
+        "distill), ask for the tags in system_prompt, or set both weights to 1.0"
+    )
     asked = config("grpo", answer_loss_weight=2.0, system_prompt="Reason in <think> tags.")
     assert think_tags_for(asked, plain) is not None
     assert think_tags_for(config("grpo", system_prompt=None), plain) is None  # weights 1: none
