@@ -331,8 +331,14 @@ def test_think_tags_are_found_or_the_weights_refused() -> None:
     assert think_tags_for(cfg, in_template) == ([ord(c) for c in "<think>"],
                                                 [ord(c) for c in "</think>"])  # fmt: skip
     plain = fake_tokenizer({"a": 0}, "{{ messages }}")
-    with pytest.raises(ValueError, match="no <think> token.*set both weights to 1.0"):
+    with pytest.raises(ValueError) as err:
         think_tags_for(cfg, plain)
+    assert str(err.value) == (
+        "think_loss_weight=0.5 and answer_loss_weight=1.0 weigh the tokens inside and after "
+        "<think> ... </think>, but this model's vocabulary has no <think> token and neither its "
+        "chat template nor system_prompt writes <think>: use a thinking model (Qwen3, an R1 "
+        "distill), ask for the tags in system_prompt, or set both weights to 1.0"
+    )
     asked = config("grpo", answer_loss_weight=2.0, system_prompt="Reason in <think> tags.")
     assert think_tags_for(asked, plain) is not None
     assert think_tags_for(config("grpo", system_prompt=None), plain) is None  # weights 1: none
@@ -418,6 +424,29 @@ def test_sft_stream_is_shuffled_passes_continued_by_the_cursor() -> None:
     assert sorted(whole[:5]) == sorted(whole[5:10]) == list(range(5))
     assert whole[:5] != whole[5:10]  # each pass its own order
     assert whole[:5] != sft_stream_indices(0, 5, 5, seed=4)  # the order follows the seed
+    # The documented stream: pass e is default_rng([seed, e, 2]).permutation(num_examples).
+    passes = [np.random.default_rng([3, e, 2]).permutation(5).tolist() for e in range(3)]
+    assert whole == (passes[0] + passes[1] + passes[2])[:12]
+
+
+def test_sft_stream_edges_and_refusals() -> None:
+    assert sft_stream_indices(4, 3, 1, seed=0) == [0, 0, 0]  # one example
+    assert sft_stream_indices(2, 0, 5, seed=0) == []  # nothing to take
+    for args in [(0, 1, 0), (-1, 1, 5), (0, -1, 5)]:
+        cursor, count, num_examples = args
+        with pytest.raises(ValueError) as err:
+            sft_stream_indices(cursor, count, num_examples, seed=0)
+        assert str(err.value) == (
+            f"need num_examples >= 1, count >= 0, cursor >= 0; got {num_examples}, {count}, "
+            f"{cursor}"
+        )
+    with pytest.raises(ValueError) as err:
+        SFTMix([], batch_size=2, seed=0, pad_token_id=9)
+    assert str(err.value) == "sft_data holds no examples"
+    mix = SFTMix(SFT_EXAMPLES, batch_size=2, seed=0, pad_token_id=9)
+    mix.next_batch()
+    mix.next_batch()
+    assert mix.cursor == 4  # examples taken so far
 
 
 def test_sft_coef_needs_its_data(tiny_model_dir: Path) -> None:

@@ -1103,12 +1103,47 @@ def test_entropy_bonus_against_a_naive_mean_with_its_gradient() -> None:
         return loss
 
     h = np.array(entropy_of(logits))
-    naive = 0.5 - 0.1 * (h[0, 0] + h[0, 1] + h[1, 0]) / 3
-    assert float(total(logits)) == pytest.approx(naive, rel=1e-6)
+    naive_h = (h[0, 0] + h[0, 1] + h[1, 0]) / 3
+    assert float(total(logits)) == pytest.approx(0.5 - 0.1 * naive_h, rel=1e-6)
     _, metrics = entropy_bonus(mx.array(0.5), {"x": mx.array(1.0)}, entropy_of(logits), mask, 0.1)
     assert set(metrics) == {"x", "entropy"}
     grad = np.array(mx.grad(total)(logits))
     assert np.abs(grad[0, 2]).max() == 0.0 and np.abs(grad[1, 1:]).max() == 0.0  # masked out
     assert np.abs(grad[0, 0]).max() > 0.0  # the bonus is differentiated
-    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
-        entropy_bonus(mx.array(0.5), {}, entropy_of(logits), mask, -1.0)
+    # entropy_coef 0 is no bonus at all (the config's default): the loss bit for bit.
+    loss0, metrics0 = entropy_bonus(mx.array(0.5), {}, entropy_of(logits), mask, 0.0)
+    assert float(loss0) == 0.5 and float(metrics0["entropy"]) == pytest.approx(naive_h, rel=1e-6)
+
+
+def test_entropy_bonus_refuses_bad_arguments_by_name() -> None:
+    from training.policy_loss import entropy_bonus
+
+    entropy, mask, loss = mx.ones((2, 3)), mx.ones((2, 3)), mx.array(0.5)
+    with pytest.raises(ValueError, match=r"^entropy must have shape \(B, T\), got \(6,\)$"):
+        entropy_bonus(loss, {}, entropy.reshape(6), mask.reshape(6), 0.1)
+    with pytest.raises(
+        ValueError, match=r"^mask has shape \(2, 4\) but entropy has \(2, 3\); they must match$"
+    ):
+        entropy_bonus(loss, {}, entropy, mx.ones((2, 4)), 0.1)
+    # Negative (an entropy penalty), infinite and NaN weights are refused, as the config does.
+    for coef in (-1.0, -1e-9, math.inf, math.nan):
+        with pytest.raises(ValueError) as err:
+            entropy_bonus(loss, {}, entropy, mask, coef)
+        assert str(err.value) == (
+            f"entropy_coef must be a finite number >= 0 (0 for no entropy bonus), got {coef}"
+        )
+
+
+def test_entropy_bonus_of_a_micro_batch_without_action_tokens_is_zero() -> None:
+    """Every row dropped by mask_truncated_completions: H counts 0 (as the GRPO losses), not
+    NaN, so the update neither logs NaN nor refuses a step."""
+    from training.policy_loss import entropy_bonus
+
+    h = mx.array([[0.7, 1.3], [0.2, 0.4]])
+
+    def total(x: mx.array) -> mx.array:
+        return entropy_bonus(mx.array(0.5), {}, x, mx.zeros((2, 2)), 0.1)[0]
+
+    _, metrics = entropy_bonus(mx.array(0.5), {}, h, mx.zeros((2, 2), dtype=mx.bool_), 0.1)
+    assert float(total(h)) == 0.5 and float(metrics["entropy"]) == 0.0
+    assert np.array_equal(np.array(mx.grad(total)(h)), np.zeros((2, 2)))

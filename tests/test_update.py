@@ -152,7 +152,7 @@ def naive_policy_loss(table: np.ndarray, cfg: SimpleNamespace, rows: list[int]) 
     valid = mask > 0
     if cfg.algorithm in ("ppo", "reinforce_pp"):
         per_token = surrogate(np.exp(logp - old), TOKEN_ADVANTAGES[rows], low, high)
-        return float(per_token[valid].mean())
+        return float((per_token * top_entropy_keep(table, cfg, rows))[valid].mean())
     advantages = SEQUENCE_ADVANTAGES[rows][:, None]  # (b, 1)
     if cfg.algorithm == "rloo":
         ratio = np.exp(((logp - old) * mask).sum(axis=1, keepdims=True))
@@ -172,6 +172,32 @@ def naive_policy_loss(table: np.ndarray, cfg: SimpleNamespace, rows: list[int]) 
     if cfg.loss_type == "dr_grpo":
         return float(per_token[valid].sum() / (len(rows) * MAX_NEW_TOKENS))
     return float(per_token[valid].mean())  # bnpo, dapo
+
+
+def token_entropies(table: np.ndarray, temperature: float, rows: list[int]) -> np.ndarray:
+    """(b, T) entropy of the sampling distribution at each response token of ``rows``."""
+    logits = table[scoring_tokens()[rows]] / temperature  # (b, T, V)
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return -(np.exp(logp) * logp).sum(axis=-1)
+
+
+def top_entropy_keep(table: np.ndarray, cfg: SimpleNamespace, rows: list[int]) -> np.ndarray:
+    """(b, T) 1 on the action tokens whose entropy is at least the (1 - q)-quantile of theirs."""
+    entropy, valid = token_entropies(table, cfg.temperature, rows), MASK[rows] > 0
+    threshold = np.quantile(entropy[valid], 1.0 - cfg.top_entropy_quantile)
+    return (entropy >= threshold).astype(np.float64)
+
+
+def naive_entropy(table: np.ndarray, temperature: float, rows: list[int]) -> float:
+    """The mean over the action tokens of ``rows`` of the sampling distribution's entropy."""
+    logits = table[scoring_tokens()[rows]] / temperature  # (b, T, V)
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    return float((-(np.exp(logp) * logp).sum(axis=-1))[MASK[rows] > 0].mean())
+
+
+def naive_loss_with_bonus(table: np.ndarray, cfg: SimpleNamespace, rows: list[int]) -> float:
+    bonus = cfg.entropy_coef * naive_entropy(table, cfg.temperature, rows)
+    return naive_policy_loss(table, cfg, rows) - bonus
 
 
 def naive_value_loss(weight: np.ndarray, cfg: SimpleNamespace, rows: list[int]) -> float:
@@ -205,6 +231,9 @@ POLICY_CASES = [
     ],
     config("grpo", beta=0.0, clip_epsilon_high=0.28),
     config("ppo", temperature=1.0),
+    config("ppo", entropy_coef=0.5),
+    config("grpo", entropy_coef=0.5),
+    config("ppo", top_entropy_quantile=0.5),
 ]
 
 
@@ -212,7 +241,8 @@ POLICY_CASES = [
     "cfg",
     POLICY_CASES,
     ids=lambda c: f"{c.algorithm}-{c.loss_type}-{c.importance_sampling_level}-"
-    f"b{c.beta}-eh{c.clip_epsilon_high}-T{c.temperature}",
+    f"b{c.beta}-eh{c.clip_epsilon_high}-T{c.temperature}-H{c.entropy_coef}-"
+    f"q{c.top_entropy_quantile}",
 )
 def test_policy_loss_reads_the_old_logprobs_and_the_reference(cfg: SimpleNamespace) -> None:
     """Value and gradient of ``policy_loss_fn(config)`` equal the naive loss's (float64 finite
@@ -222,10 +252,16 @@ def test_policy_loss_reads_the_old_logprobs_and_the_reference(cfg: SimpleNamespa
     loss_fn = policy_loss_fn(cfg)
     (loss, metrics), grads = nn.value_and_grad(policy, loss_fn)(policy, batch(sequence))
     rows = list(range(B))
-    assert float(loss) == pytest.approx(naive_policy_loss(TABLE, cfg, rows), rel=1e-5, abs=1e-6)
-    expected = finite_difference(lambda t: naive_policy_loss(t, cfg, rows), TABLE)
+    assert float(loss) == pytest.approx(naive_loss_with_bonus(TABLE, cfg, rows), rel=1e-5, abs=1e-6)
+    expected = finite_difference(lambda t: naive_loss_with_bonus(t, cfg, rows), TABLE)
     np.testing.assert_allclose(np.array(grads["table"]), expected, rtol=1e-3, atol=1e-4)
     assert np.abs(expected).max() > 0.01  # the gradient is not trivially zero
+    # The entropy is computed (and reported) only for an entropy bonus.
+    assert ("entropy" in metrics) == (cfg.entropy_coef > 0)
+    if cfg.entropy_coef > 0:
+        assert float(metrics["entropy"]) == pytest.approx(
+            naive_entropy(TABLE, cfg.temperature, rows), rel=1e-5
+        )
     if cfg.algorithm == "grpo":
         logp = naive_logprobs(TABLE, cfg.temperature)
         d = REF - logp

@@ -263,22 +263,27 @@ def entropy_bonus(
     entropy_coef: float,
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """A policy loss minus an entropy bonus: ``loss - entropy_coef * H`` with
-    ``H = masked_mean(entropy)`` over the action tokens, the current policy's entropy (OpenRLHF's
-    ``entropy_loss_coef``); ``H`` is differentiated, so the update also raises the entropy.
+    ``H = sum(m * entropy) / max(sum m, 1)``, the mean over the action tokens of the current
+    policy's entropy (OpenRLHF's ``entropy_loss_coef``); ``H`` is differentiated, so the update
+    also raises the entropy. A micro-batch with no action token (every row dropped by
+    ``mask_truncated_completions``) has ``H = 0``, as the GRPO losses count it, not NaN.
 
     Args:
         loss: scalar policy loss; metrics: its metrics (``entropy`` is added).
         entropy: (B, T) per-token entropy of the current policy (differentiated).
         mask: (B, T), nonzero on action tokens.
-        entropy_coef: >= 0.
+        entropy_coef: finite, >= 0 (0: no bonus).
 
     Returns:
         ``(loss - entropy_coef * H, metrics + {"entropy": H})``.
     """
     check_token_arrays("entropy", entropy, mask=mask)
     if not 0.0 <= entropy_coef < math.inf:
-        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
-    mean_entropy = masked_mean(entropy.astype(mx.float32), valid_mask(mask), validate=False)
+        raise ValueError(
+            f"entropy_coef must be a finite number >= 0 (0 for no entropy bonus), got "
+            f"{entropy_coef}"
+        )
+    mean_entropy = _token_mean(entropy, valid_mask(mask))
     return loss - entropy_coef * mean_entropy, {**metrics, "entropy": mean_entropy}
 
 
