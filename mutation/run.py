@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: file to mutate -> the fast tests that guard it (mutmut runs, per mutant, those that cover it).
 TARGETS: dict[str, list[str]] = {
-    "ppo_trainer/experience.py": ["tests/test_experience.py"],
+    "ppo_trainer/experience.py": ["tests/test_experience.py", "tests/test_agent_math.py"],
     "ppo_trainer/update.py": ["tests/test_update.py", "tests/test_reasoning_losses.py"],
     "ppo_trainer/sft_mix.py": ["tests/test_reasoning_losses.py"],
     "training/policy_loss.py": [
@@ -44,7 +44,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     "training/value_loss.py": ["tests/test_training_losses.py", "tests/test_update.py"],
     "reward_kl/kl_divergence.py": ["tests/test_reward_kl.py"],
-    "reward_kl/reward_computer.py": ["tests/test_reward_kl.py", "tests/test_experience.py"],
+    "reward_kl/reward_computer.py": [
+        "tests/test_reward_kl.py",
+        "tests/test_experience.py",
+        "tests/test_agent_math.py",
+    ],
     "reward_kl/combined_reward.py": ["tests/test_reward_kl.py"],
     "advantage/gae_advantage.py": ["tests/test_advantage.py"],
     "advantage/group_advantage.py": ["tests/test_advantage.py", "tests/test_experience.py"],
