@@ -19,6 +19,7 @@ from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.experience import ExperienceSettings, kl_per_token, make_experience
 from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import Rollout
+from reward_kl.reward_normalization import RunningMoments
 
 Rows = list[list[float]]
 
@@ -224,6 +225,20 @@ def test_ppo_by_hand() -> None:
     assert listed(batch.query_responses) == listed(r.query_responses)
     assert listed(batch.prompt_lengths) == listed(r.prompt_lengths)
     assert listed(batch.responses) == listed(r.generation.responses)
+
+
+def test_normalize_reward_feeds_the_rewards_normalised_scores_and_keeps_the_raw_ones() -> None:
+    """``score_moments`` (normalize_reward): (score - running mean) / running std is the score
+    in the rewards, and so in the advantages and returns; ``batch.scores`` stays the raw one."""
+    moments = RunningMoments(count=8.0, mean=0.5, var=4.0)
+    batch, stats = make_experience(rollout(), settings("ppo"), 0.1, step=0, score_moments=moments)
+    normalised = [(s - 0.5) / 2.0 for s in SCORES]
+    rewards, _ = naive_rewards(normalised, naive_kl("k1"), 0.1)
+    close(stats["rewards"], rewards)
+    same, _ = make_experience(rollout(normalised), settings("ppo"), 0.1, step=0)
+    close(batch.advantages, listed(same.advantages))
+    close(batch.returns, listed(same.returns))
+    close(batch.scores, SCORES)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
