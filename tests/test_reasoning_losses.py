@@ -4,6 +4,7 @@ each against a naive loop."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -456,6 +457,45 @@ def test_sft_coef_needs_its_data(tiny_model_dir: Path) -> None:
         PPOConfig(model_name=str(tiny_model_dir), sft_data="sft.jsonl")
     with pytest.raises(ValueError, match="top_entropy_quantile must be in"):
         PPOConfig(model_name=str(tiny_model_dir), top_entropy_quantile=1.5)
+
+
+def test_load_sft_mix_reads_tokenises_and_batches_the_sft_data(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from base_setup.tokenizer_setup import load_tokenizer
+    from finetune.records import load_sft_data
+    from finetune.tokenize import tokenize_sft
+    from ppo_trainer.sft_mix import load_sft_mix
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    data = tmp_path / "sft.jsonl"
+    records = [
+        {"prompt": "Say hi.", "completion": " hi"},
+        {"prompt": "Count:", "completion": " one two three four five six seven eight nine ten"},
+        {"prompt": "Name a colour.", "completion": " blue"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = SimpleNamespace(
+        sft_coef=0.0,
+        sft_data=str(data),
+        max_prompt_length=8,
+        max_new_tokens=4,
+        sft_batch_size=None,
+        micro_batch_size=2,
+        seed=5,
+    )
+    assert load_sft_mix(config, tokenizer) is None  # sft_coef 0: no mix, the data unread
+    config.sft_coef = 0.1
+    mix = load_sft_mix(config, tokenizer)
+    assert mix is not None
+    want = tokenize_sft(load_sft_data(str(data)), tokenizer, 12)  # prompt + new tokens
+    assert [list(e.input_ids) for e in mix.examples] == [list(e.input_ids) for e in want]
+    assert max(len(e.input_ids) for e in mix.examples) == 12  # the long one cut at 12
+    assert (mix.batch_size, mix.seed, mix.cursor) == (2, 5, 0)  # micro_batch_size by default
+    assert mix.pad_token_id == tokenizer.pad_token_id
+    config.sft_batch_size = 3
+    mix = load_sft_mix(config, tokenizer)
+    assert mix is not None and mix.batch_size == 3
 
 
 # ---------------------------------------------------------------- end to end
