@@ -2,8 +2,9 @@
 model cannot do in its head, a ``calculator`` tool that can, the reward, and a few
 demonstrations of tool calls for the SFT warm-up.
 
-* :func:`problems`: seeded ``a * b`` and ``a + b`` questions with 3- to 4-digit operands (a
-  random-weight model of a few hundred tokens has no chance without the tool); records
+* :func:`problems`: seeded ``a * b`` questions with 2-digit operands and ``a + b`` with 3-digit
+  ones, results of 3-4 digits: short enough for the tiny model to copy, beyond what it can
+  compute (the held-out problems are new products and sums); records
   ``{"prompt": [user message], "answer": "<integer>"}``, a held-out part kept apart.
 * :func:`calculator`: the tool (type hints and a Google docstring: TRL's contract), an
   arithmetic evaluator over integers that runs nothing but arithmetic.
@@ -88,15 +89,15 @@ def calculator(expression: str) -> str:
 
 def problems(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(training, held_out)`` prompt records ``{"prompt": [{"role": "user", ...}], "answer"}``:
-    :data:`NUM_PROBLEMS` seeded questions ``a * b`` (a of 3-4 digits, b of 3 digits) and
-    ``a + b`` (4 digits each), every pair distinct; the last :data:`HELD_OUT` are held out."""
+    :data:`NUM_PROBLEMS` seeded questions ``a * b`` (2 digits each) and ``a + b`` (3 digits
+    each), every pair distinct; the last :data:`HELD_OUT` are held out."""
     rng = random.Random(seed)
     seen: set[tuple[str, int, int]] = set()
     records: list[dict[str, Any]] = []
     while len(records) < NUM_PROBLEMS:
         op = rng.choice(["*", "+"])
-        a = rng.randint(100, 9999) if op == "*" else rng.randint(1000, 9999)
-        b = rng.randint(100, 999) if op == "*" else rng.randint(1000, 9999)
+        a = rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
+        b = rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
         if (op, a, b) in seen:
             continue
         seen.add((op, a, b))
@@ -107,7 +108,7 @@ def problems(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def expression_of(record: Mapping[str, Any]) -> str:
-    """The arithmetic of a problem record (``"4821 * 397"``)."""
+    """The arithmetic of a problem record (``"82 * 18"``)."""
     question = str(record["prompt"][-1]["content"])
     return question.removeprefix("What is ").removesuffix("?")
 
