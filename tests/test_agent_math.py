@@ -34,6 +34,28 @@ def test_action_rewards_land_on_each_turns_last_token() -> None:
         add_action_rewards(rewards, mx.zeros((2, 2)), TURN_ENDS[:, :1])
 
 
+def test_action_rewards_refuse_shapes_that_do_not_fit() -> None:
+    def refused(rewards: mx.array, action_rewards: mx.array, ends: mx.array) -> str:
+        with pytest.raises(ValueError) as raised:
+            add_action_rewards(rewards, action_rewards, ends)
+        return str(raised.value)
+
+    assert refused(mx.zeros((7,)), mx.zeros((2, 2)), TURN_ENDS) == (
+        "rewards must have shape (B, T), got (7,)"
+    )
+    assert refused(mx.zeros((2, 7)), mx.zeros((2,)), TURN_ENDS[:, 0]) == (
+        "action_rewards must have shape (B, K), got (2,)"
+    )
+    # 3 episodes of 2 turns against 2 rows of rewards (K == B: the rows, not the turns, count)
+    three = mx.zeros((3, 2), dtype=mx.int32)
+    assert refused(mx.zeros((2, 7)), mx.zeros((3, 2)), three) == (
+        "action_rewards has 3 rows but rewards has 2; one row per episode"
+    )
+    assert refused(mx.zeros((2, 3)), mx.zeros((3, 2)), three) == (
+        "action_rewards has 3 rows but rewards has 2; one row per episode"
+    )
+
+
 def test_gae_of_a_two_turn_episode_bootstraps_across_the_tool_tokens() -> None:
     """Per-token rewards (KL on actions, score on the last policy token, per-action rewards on
     each turn's end) and GAE, against the recursion written out by hand for row 0."""
