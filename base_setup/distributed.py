@@ -22,8 +22,9 @@ MPI on CPU or Metal, NCCL on CUDA).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-from typing import Any, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -245,3 +246,15 @@ def check_same_weights(tree: Any, what: str, group: Group | None = None) -> None
             ),
             group,
         )
+
+
+def check_same_settings_on_all_ranks(settings: Mapping[str, Any], group: Group) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks hold the same ``settings``
+    (a run's config as a JSON-able dict, compared by hash): every later start-up check must see
+    the same numbers everywhere."""
+    check_same_on_all_ranks(
+        json.dumps(settings, sort_keys=True).encode(),
+        "the configuration",
+        "launch every rank with the same --config file and --set overrides",
+        group,
+    )

@@ -59,7 +59,7 @@ from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
 from training.checkpoint import (
-    STATE_FILE,
+    resolve_on_all_ranks,
     CheckpointManager,
     check_resume_config,
     load_training_state,
@@ -138,12 +138,7 @@ def check_data_parallel_config(config: FineTuneConfig, group: dist.Group | None 
     n = group.size()
     if n == 1:
         return
-    dist.check_same_on_all_ranks(
-        json.dumps(config_to_dict(config), sort_keys=True).encode(),
-        "the configuration",
-        "launch every rank with the same --config file and --set overrides",
-        group,
-    )
+    dist.check_same_settings_on_all_ranks(config_to_dict(config), group)
     problem = None
     if config.batch_size % n:
         problem = (
@@ -651,21 +646,7 @@ class SupervisedTrainer(Generic[E, B]):
 
     def _resume(self, resume_from: str | Path) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""
-        path: Path | None = None
-        error: BaseException | None = None
-        try:
-            path = self.checkpoints.resolve(resume_from)
-        except FileNotFoundError as err:
-            error = err
-        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", self.group)
-        assert path is not None
-        dist.check_same_on_all_ranks(
-            (path / STATE_FILE).read_bytes(),
-            f"the checkpoint {path}",
-            "every rank must read the same checkpoint: keep output_dir on storage that every "
-            "machine shares, or copy it to the same path on each",
-            self.group,
-        )
+        path = resolve_on_all_ranks(self.checkpoints, resume_from, self.group)
         error = None
         try:  # before rank 0 writes anything to the folder: every rank checks it as it was
             check_resume_source(self.run_dir, path)

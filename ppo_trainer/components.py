@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import logging
 import re
 import sys
@@ -324,12 +323,7 @@ def check_data_parallel_config(config: PPOConfig, group: dist.Group) -> None:
     n = group.size()
     if n == 1:
         return
-    dist.check_same_on_all_ranks(
-        json.dumps(config_to_dict(config), sort_keys=True).encode(),
-        "the configuration",
-        "launch every rank with the same --config file and --set overrides",
-        group,
-    )
+    dist.check_same_settings_on_all_ranks(config_to_dict(config), group)
     rollout = config.batch_size // n * config.group_size
     mini = rollout // config.num_mini_batches
     problem = None

@@ -27,7 +27,7 @@ from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
 from ppo_trainer.run_state import RunState, check_same_weights, ensure_optimizers
-from training.checkpoint import STATE_FILE, CheckpointManager, named_write
+from training.checkpoint import CheckpointManager, named_write, resolve_on_all_ranks
 from training.fingerprints import check_same_inputs, data_fingerprint
 from training.run_control import (
     RunLog,
@@ -203,21 +203,7 @@ class TrainingRun:
     def _resume(self, resume_from: str | Path) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""
         t = self.trainer
-        path: Path | None = None
-        error: FileNotFoundError | None = None
-        try:
-            path = t.checkpoints.resolve(resume_from)
-        except FileNotFoundError as err:
-            error = err
-        dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", t.group)
-        assert path is not None
-        dist.check_same_on_all_ranks(
-            (path / STATE_FILE).read_bytes(),
-            f"the checkpoint {path}",
-            "every rank must read the same checkpoint: keep output_dir on storage that every "
-            "machine shares, or copy it to the same path on each",
-            t.group,
-        )
+        path = resolve_on_all_ranks(t.checkpoints, resume_from, t.group)
         check_resume_source(t.run_dir, path)
         check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), t.inputs)
         agent = t.agent

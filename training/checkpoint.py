@@ -37,6 +37,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
+from base_setup import distributed as dist
+
 logger = logging.getLogger("ppo_mlx")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -511,3 +513,27 @@ def warn_changed_settings(
     if changes:
         head += " with changed settings: " + ", ".join(changes)
     logger.warning("; ".join([head, *said]))
+
+
+def resolve_on_all_ranks(
+    checkpoints: CheckpointManager, resume_from: str | Path, group: Any
+) -> Path:
+    """The checkpoint directory ``resume_from`` names (:meth:`CheckpointManager.resolve`), found
+    on every rank and the same everywhere (its state file compared by hash): a rank that cannot
+    find it, or reads another, stops every rank with one message."""
+    path: Path | None = None
+    error: FileNotFoundError | None = None
+    try:
+        path = checkpoints.resolve(resume_from)
+    except FileNotFoundError as err:
+        error = err
+    dist.raise_if_any_rank_failed(error, f"finding the checkpoint {resume_from}", group)
+    assert path is not None
+    dist.check_same_on_all_ranks(
+        (path / STATE_FILE).read_bytes(),
+        f"the checkpoint {path}",
+        "every rank must read the same checkpoint: keep output_dir on storage that every "
+        "machine shares, or copy it to the same path on each",
+        group,
+    )
+    return path
