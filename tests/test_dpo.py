@@ -589,6 +589,7 @@ def test_dpo_config_validation() -> None:
             DPOConfig(**base, **bad)
 
 
+@pytest.mark.slow
 def test_main_dpo_command_and_config_listing(tiny_model_dir: Path, tmp_path: Path) -> None:
     from main import main
 

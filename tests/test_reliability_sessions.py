@@ -97,6 +97,7 @@ def test_sighup_finishes_the_step_and_saves_like_sigterm(
     assert stop_exit_code("SIGHUP") == 129
 
 
+@pytest.mark.slow
 def test_after_a_full_disk_before_any_checkpoint_the_way_out_it_names_works(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,6 +95,7 @@ def test_overwrite_while_a_run_is_going_is_refused_before_anything_is_removed(
     assert trainer.global_step == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_the_command_line_refuses_a_second_writer_before_any_model_loads(
     held: tuple[Path, subprocess.Popen[str]], tmp_path: Path, command: str
