@@ -203,6 +203,33 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], mx.arra
     return [list(p) for p in index], mx.array(rows, dtype=mx.int32)
 
 
+def prompt_batch(
+    lm: nn.Module, prompts: list[list[int]], pad_token_id: int, prefill_once: bool | None
+) -> tuple[mx.array, list[Any], mx.array | None]:
+    """``(batch (U, L), cache, rows)``: the distinct prompts (all of them when ``prefill_once``
+    is off; None: the speed tricks' setting) left-padded to the longest, their batched cache,
+    and per row which of them it is (None: one per row)."""
+    if prefill_once is None:
+        prefill_once = speed_tricks()
+    distinct, rows = distinct_prompts(prompts) if prefill_once else (prompts, None)
+    max_len = max(len(p) for p in distinct)
+    left_padding = [max_len - len(p) for p in distinct]
+    batch = mx.array(
+        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, distinct)], dtype=mx.int32
+    )  # (U, L)
+    return batch, _batch_cache(lm, left_padding), rows
+
+
+def per_step_keys(
+    keys: mx.array | None, temperature: float, max_new_tokens: int
+) -> mx.array | None:
+    """One PRNG key per row and decoding step, ``(B, max_new_tokens, 2)``: row b's t-th token
+    uses ``[b, t]``; None when sampling is greedy or ``keys`` is None."""
+    if keys is None or temperature <= 0:
+        return None
+    return mx.vmap(lambda key: mx.random.split(key, max_new_tokens))(keys)
+
+
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
@@ -286,24 +313,11 @@ def generate(
             "lower max_new_tokens"
         )
 
-    # The distinct prompts (all of them under plain MLX) and, per row, which of them it is.
-    if prefill_once is None:
-        prefill_once = speed_tricks()
-    distinct, rows = distinct_prompts(prompts) if prefill_once else (prompts, None)
-    left_padding = [max_len - len(p) for p in distinct]
-    batch = mx.array(
-        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, distinct)], dtype=mx.int32
-    )  # (U, L), left-padded: U distinct prompts
-    cache = _batch_cache(lm, left_padding)
+    batch, cache, rows = prompt_batch(lm, prompts, pad_token_id, prefill_once)
     stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
     pad = mx.array(pad_token_id, dtype=mx.int32)
 
-    # One key per row and decoding step: row b's t-th token uses step_keys[b, t].
-    step_keys = (
-        mx.vmap(lambda key: mx.random.split(key, max_new_tokens))(keys)  # (B, max_new_tokens, 2)
-        if keys is not None and temperature > 0
-        else None
-    )
+    step_keys = per_step_keys(keys, temperature, max_new_tokens)
     was_training = lm.training
     lm.eval()
     try:

@@ -29,9 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from base_setup.plain import speed_tricks
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput, _batch_cache, _sample, distinct_prompts
+from ppo_trainer.generator import GenerationOutput, _sample, per_step_keys, prompt_batch
 
 #: ``continue_fn(row, turn_tokens) -> context tokens | None``: called when row ``row`` ends a turn
 #: with a stop token; ``turn_tokens`` are that turn's sampled tokens (the stop token last). The
@@ -96,20 +95,9 @@ def generate_turns(
             f"the longest prompt ({max_len} tokens) plus max_new_tokens ({max_new_tokens}) "
             f"exceeds the model's context of {context} tokens"
         )
-    if prefill_once is None:
-        prefill_once = speed_tricks()
-    distinct, rows = distinct_prompts(prompts) if prefill_once else (prompts, None)
-    left_padding = [max_len - len(p) for p in distinct]
-    batch = mx.array(
-        [[pad_token_id] * pad + list(p) for pad, p in zip(left_padding, distinct)], dtype=mx.int32
-    )  # (U, L) left-padded
-    cache = _batch_cache(lm, left_padding)
+    batch, cache, rows = prompt_batch(lm, prompts, pad_token_id, prefill_once)
     stops = set(int(t) for t in stop_token_ids)
-    step_keys = (
-        mx.vmap(lambda key: mx.random.split(key, max_new_tokens))(keys)  # (B, max_new_tokens, 2)
-        if keys is not None and temperature > 0
-        else None
-    )
+    step_keys = per_step_keys(keys, temperature, max_new_tokens)
     sample_top_p = top_p if temperature > 0 else 1.0
     sample_top_k = top_k if temperature > 0 else 0
 
