@@ -265,24 +265,32 @@ def episode_rewards(episodes: Sequence[Episode], generation: GenerationOutput) -
 AGENT_COUNTS = ("episodes", "turns", "tool_calls", "successful_calls", "context_tokens")
 
 
-def agent_counts(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, float]:
-    """The sums over a batch of episodes behind the ``agent/`` metrics (:data:`AGENT_COUNTS`):
-    episodes, policy turns, tool calls (malformed ones included), successful calls, and context
-    (tool and environment) tokens. Sums, not means, so that batches and ranks add up exactly."""
+def agent_counts(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, mx.array]:
+    """Per episode, the counts behind the ``agent/`` metrics (:data:`AGENT_COUNTS`), each
+    ``(B,)`` float32: 1 (the episode), policy turns, tool calls (malformed ones included),
+    successful calls, and context (tool and environment) tokens. Per row, so that the rows a
+    step keeps (dynamic sampling) carry theirs; their sums (:func:`agent_count_sums`) add up
+    exactly over batches and ranks."""
     assert generation.turn_spans is not None and generation.action_mask is not None
     lengths = np.asarray(generation.lengths)
     policy_tokens = np.asarray(generation.action_mask).sum(axis=1)
-    return {
-        "episodes": float(len(episodes)),
-        "turns": float(sum(len(s) for s in generation.turn_spans)),
-        "tool_calls": float(sum(e.calls for e in episodes)),
-        "successful_calls": float(sum(e.successful_calls for e in episodes)),
-        "context_tokens": float(np.sum(lengths - policy_tokens)),
+    rows = {
+        "episodes": [1.0] * len(episodes),
+        "turns": [len(s) for s in generation.turn_spans],
+        "tool_calls": [e.calls for e in episodes],
+        "successful_calls": [e.successful_calls for e in episodes],
+        "context_tokens": (lengths - policy_tokens).tolist(),
     }
+    return {name: mx.array(np.asarray(rows[name], dtype=np.float32)) for name in AGENT_COUNTS}
+
+
+def agent_count_sums(counts: Mapping[str, mx.array]) -> dict[str, float]:
+    """The sums over a batch's episodes of :func:`agent_counts`' per-episode counts."""
+    return {name: float(np.asarray(v, dtype=np.float64).sum()) for name, v in counts.items()}
 
 
 def agent_metrics(counts: Mapping[str, float], prefix: str = "agent/") -> dict[str, float]:
-    """The ``agent/`` metrics from :func:`agent_counts`' sums (of one batch, or added over
+    """The ``agent/`` metrics from :func:`agent_count_sums` (of one batch, or added over
     batches and ranks): ``turns`` (policy turns per episode), ``tool_calls`` (calls per
     episode), ``tool_call_success`` (successful calls / calls; 0 without calls),
     ``context_tokens`` (tool and environment tokens per episode)."""

@@ -112,9 +112,10 @@ class Rollout:
     #: ``turn_ends`` (B, K), each policy turn's last column (-1: none); None without them.
     action_rewards: mx.array | None = None
     turn_ends: mx.array | None = None
-    #: Agents: the sums behind the ``agent/`` metrics (episodes, turns, tool calls, successful
-    #: calls, context tokens: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
-    agent_counts: dict[str, float] = field(default_factory=dict)
+    #: Agents: per episode, the counts behind the ``agent/`` metrics, each (B,) (episodes,
+    #: turns, tool calls, successful calls, context tokens:
+    #: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
+    agent_counts: dict[str, mx.array] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""

@@ -311,14 +311,6 @@ def test_configuration_errors_stop_the_run_before_any_rollout(
             tools=[lookup],
             reward_model=lambda p, c: [0.0] * len(c),
         )
-    with pytest.raises(ValueError, match="remove dynamic_sampling"):
-        PPOTrainer(
-            make_config(
-                tools_model, tmp_path, [0], algorithm="grpo", group_size=2, dynamic_sampling=True
-            ),
-            tools=[lookup],
-            reward_model=lambda p, c: [0.0] * len(c),
-        )
 
 
 def test_agent_metrics_are_the_global_batchs_over_two_ranks(threaded_all_sum: None) -> None:
