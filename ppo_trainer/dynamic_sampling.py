@@ -165,12 +165,12 @@ def take_groups(
     )
     taken: dict[str, Any] = {}
     for f in fields(Rollout):
-        how = ROLLOUT_FIELDS.get(f.name)
-        if how == "generation":
+        rule = ROLLOUT_FIELDS.get(f.name)
+        if rule == "generation":
             taken[f.name] = generation
-        elif how == "first":
+        elif rule == "first":
             taken[f.name] = getattr(rollouts[0], f.name)
-        elif how != "rebuilt":
+        elif rule != "rebuilt":
             taken[f.name] = take("Rollout", ROLLOUT_FIELDS, f.name, list(rollouts))
     taken["query_responses"], taken["prompt_lengths"] = build_query_responses(
         taken["prompt_ids"], generation.responses, pad_token_id
