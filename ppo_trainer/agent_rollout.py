@@ -38,7 +38,7 @@ from agents import (
 )
 from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput
+from ppo_trainer.generator import GenerationOutput, cut_after_stop_string
 from ppo_trainer.multi_turn import turn_ends
 from ppo_trainer.prompt_records import PROMPT_KEY, Columns
 from ppo_trainer.rollout import SamplingSettings, sample_episodes
@@ -189,9 +189,10 @@ def play_episodes(
     keys: mx.array | None = None,
 ) -> GenerationOutput:
     """Sample the episodes to their ends (multi-turn, KV cache kept): after each policy turn
-    that ends with a stop token, the episode runs the turn's tool calls and the tool messages'
-    tokens continue the row; an episode ends on a turn without calls, after
-    ``max_tool_calling_iterations`` rounds, or at ``max_new_tokens`` tokens."""
+    that ends with a stop token or a stop string (the turn's text up to it), the episode runs
+    the turn's tool calls and the tool messages' tokens continue the row (after a stop string
+    the template's end-of-turn token first, as context); an episode ends on a turn without
+    calls, after ``max_tool_calling_iterations`` rounds, or at ``max_new_tokens`` tokens."""
     stops = set(int(t) for t in sampling.stop_token_ids)
     end_of_turn = end_of_turn_token_id(tokenizer)
 
@@ -199,6 +200,8 @@ def play_episodes(
         ended = turn[-1] in stops
         # Special tokens kept: Mistral's [TOOL_CALLS] is one (the parsers skip the others).
         text = str(tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False))
+        if not ended:  # a stop string ended the turn: the text its last token carried after it
+            text = cut_after_stop_string(text, sampling.stop_strings)
         episode = started.episodes[row]
         tool_messages = episode.step(text)
         if tool_messages is None:

@@ -258,12 +258,6 @@ class PPOTrainer:
                 "async_rollout samples single-turn responses in a worker process; agents "
                 "(tools, environment_factory) need multi-turn episodes: set async_rollout: false"
             )
-        if self.agent is not None and config.stop_strings:
-            raise ValueError(
-                "stop_strings end a single-turn response; with tools or environment_factory a "
-                "turn ends at the template's end-of-turn token and the episode when a turn makes "
-                "no tool call: remove stop_strings"
-            )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
