@@ -105,7 +105,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             stays in the completion the reward reads (any text after it in that token is cut),
             and the tokens up to it are trained as a stop token is. vLLM drops it unless
             include_stop_str_in_output; here it is kept, so a format reward can see it. None
-            = only stop_token_ids stop. Not with async_rollout.
+            = only stop_token_ids stop. With tools or an environment, a stop string ends the
+            current turn as the end-of-turn token does (e.g. "</tool_call>"). Not with
+            async_rollout.
         rollout_logprobs: Where the rollout policy's log-probs (PPO's "old" log-probs, and the
             KL's policy side) come from: "sampling" keeps those the sampler computed from the
             same logits, the same function of the same weights, saving one forward pass of the

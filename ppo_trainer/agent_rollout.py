@@ -38,7 +38,7 @@ from agents import (
 )
 from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput
+from ppo_trainer.generator import GenerationOutput, cut_after_stop_string
 from ppo_trainer.multi_turn import turn_ends
 from ppo_trainer.prompt_records import PROMPT_KEY, Columns
 from ppo_trainer.rollout import SamplingSettings, sample_episodes
@@ -189,9 +189,10 @@ def play_episodes(
     keys: mx.array | None = None,
 ) -> GenerationOutput:
     """Sample the episodes to their ends (multi-turn, KV cache kept): after each policy turn
-    that ends with a stop token, the episode runs the turn's tool calls and the tool messages'
-    tokens continue the row; an episode ends on a turn without calls, after
-    ``max_tool_calling_iterations`` rounds, or at ``max_new_tokens`` tokens."""
+    that ends with a stop token or a stop string (the turn's text up to it), the episode runs
+    the turn's tool calls and the tool messages' tokens continue the row (after a stop string
+    the template's end-of-turn token first, as context); an episode ends on a turn without
+    calls, after ``max_tool_calling_iterations`` rounds, or at ``max_new_tokens`` tokens."""
     stops = set(int(t) for t in sampling.stop_token_ids)
     end_of_turn = end_of_turn_token_id(tokenizer)
 
@@ -199,6 +200,8 @@ def play_episodes(
         ended = turn[-1] in stops
         # Special tokens kept: Mistral's [TOOL_CALLS] is one (the parsers skip the others).
         text = str(tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False))
+        if not ended:  # a stop string ended the turn: the text its last token carried after it
+            text = cut_after_stop_string(text, sampling.stop_strings)
         episode = started.episodes[row]
         tool_messages = episode.step(text)
         if tool_messages is None:
@@ -265,24 +268,32 @@ def episode_rewards(episodes: Sequence[Episode], generation: GenerationOutput) -
 AGENT_COUNTS = ("episodes", "turns", "tool_calls", "successful_calls", "context_tokens")
 
 
-def agent_counts(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, float]:
-    """The sums over a batch of episodes behind the ``agent/`` metrics (:data:`AGENT_COUNTS`):
-    episodes, policy turns, tool calls (malformed ones included), successful calls, and context
-    (tool and environment) tokens. Sums, not means, so that batches and ranks add up exactly."""
+def agent_counts(episodes: Sequence[Episode], generation: GenerationOutput) -> dict[str, mx.array]:
+    """Per episode, the counts behind the ``agent/`` metrics (:data:`AGENT_COUNTS`), each
+    ``(B,)`` float32: 1 (the episode), policy turns, tool calls (malformed ones included),
+    successful calls, and context (tool and environment) tokens. Per row, so that the rows a
+    step keeps (dynamic sampling) carry theirs; their sums (:func:`agent_count_sums`) add up
+    exactly over batches and ranks."""
     assert generation.turn_spans is not None and generation.action_mask is not None
     lengths = np.asarray(generation.lengths)
     policy_tokens = np.asarray(generation.action_mask).sum(axis=1)
-    return {
-        "episodes": float(len(episodes)),
-        "turns": float(sum(len(s) for s in generation.turn_spans)),
-        "tool_calls": float(sum(e.calls for e in episodes)),
-        "successful_calls": float(sum(e.successful_calls for e in episodes)),
-        "context_tokens": float(np.sum(lengths - policy_tokens)),
+    rows = {
+        "episodes": [1.0] * len(episodes),
+        "turns": [len(s) for s in generation.turn_spans],
+        "tool_calls": [e.calls for e in episodes],
+        "successful_calls": [e.successful_calls for e in episodes],
+        "context_tokens": (lengths - policy_tokens).tolist(),
     }
+    return {name: mx.array(np.asarray(rows[name], dtype=np.float32)) for name in AGENT_COUNTS}
+
+
+def agent_count_sums(counts: Mapping[str, mx.array]) -> dict[str, float]:
+    """The sums over a batch's episodes of :func:`agent_counts`' per-episode counts."""
+    return {name: float(np.asarray(v, dtype=np.float64).sum()) for name, v in counts.items()}
 
 
 def agent_metrics(counts: Mapping[str, float], prefix: str = "agent/") -> dict[str, float]:
-    """The ``agent/`` metrics from :func:`agent_counts`' sums (of one batch, or added over
+    """The ``agent/`` metrics from :func:`agent_count_sums` (of one batch, or added over
     batches and ranks): ``turns`` (policy turns per episode), ``tool_calls`` (calls per
     episode), ``tool_call_success`` (successful calls / calls; 0 without calls),
     ``context_tokens`` (tool and environment tokens per episode)."""

@@ -10,7 +10,8 @@ batches.
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import fields
+from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -45,65 +46,133 @@ def choose_groups(informative: Sequence[bool], num_groups: int) -> tuple[list[in
     return sorted(good + fill), len(fill)
 
 
+#: How :func:`take_groups` builds each field of a :class:`Rollout` (and of its
+#: :class:`GenerationOutput`) from the chosen rows of several rollouts: "rows" (one entry per
+#: row: a list, a ``(B, ...)`` array, or a dict of them), "tokens" (``(B, T)``, right-padded
+#: to the longest response), "turns" (``(B, K)``, right-padded to the most policy turns),
+#: "rebuilt" (the sequences, from the prompts and responses kept), "first" (the batch as
+#: first sampled), "generation" (field by field, from :data:`GENERATION_FIELDS`). Every field
+#: has an entry: a field added to the dataclasses without one stops :func:`take_groups`.
+ROLLOUT_FIELDS: dict[str, str] = {
+    "texts": "rows",
+    "completions": "rows",
+    "prompt_ids": "rows",
+    "generation": "generation",
+    "query_responses": "rebuilt",
+    "prompt_lengths": "rebuilt",
+    "mask": "tokens",
+    "logprobs": "tokens",
+    "ref_logprobs": "tokens",
+    "entropy": "tokens",
+    "values": "tokens",
+    "scores": "rows",
+    "reward_metrics": "first",
+    "action_rewards": "turns",
+    "turn_ends": "turns",
+    "agent_counts": "rows",
+}
+GENERATION_FIELDS: dict[str, str] = {
+    "responses": "tokens",
+    "lengths": "rows",
+    "ended_with_stop": "rows",
+    "logprobs": "tokens",
+    "entropy": "tokens",
+    "stopped_by_string": "rows",
+    "action_mask": "tokens",
+    "turn_spans": "rows",
+}
+
+#: Where a rollout of the rounds lacks a field the others have (None): what stands for it.
+#: A round in which no episode gave per-action rewards has none (0 on every turn); any other
+#: field is there in every round of a run, or in none.
+_MISSING_AS_ZEROS = ("action_rewards",)
+
+
 def _pad_columns(x: mx.array, width: int, value: float | int = 0) -> mx.array:
-    """``x`` (B, T) right-padded with ``value`` to (B, ``width``)."""
+    """``x`` (B, C) right-padded with ``value`` to (B, ``width``)."""
     if x.shape[1] == width:
         return x
     return mx.pad(x, [(0, 0), (0, width - x.shape[1])], constant_values=value)
+
+
+def _take_rows(parts: Sequence[Any], rows: np.ndarray) -> Any:
+    """``rows`` of the concatenation of ``parts`` (lists, ``(B_r, ...)`` arrays or dicts of
+    either, all of one kind; arrays of equal trailing shapes)."""
+    if isinstance(parts[0], dict):
+        return {key: _take_rows([p[key] for p in parts], rows) for key in parts[0]}
+    if isinstance(parts[0], list):
+        joined = [x for p in parts for x in p]
+        return [joined[i] for i in rows.tolist()]
+    return mx.concatenate(list(parts), axis=0)[mx.array(rows, dtype=mx.int32)]
 
 
 def take_groups(
     rollouts: Sequence[Rollout], groups: Sequence[int], group_size: int, pad_token_id: int
 ) -> Rollout:
     """The rollout of ``groups`` (indices into the groups of ``rollouts`` concatenated in
-    order, each of ``group_size`` adjacent sequences), each group whole: per-token arrays
+    order, each of ``group_size`` adjacent sequences), each group whole, with every per-row
+    field of the rows kept (:data:`ROLLOUT_FIELDS`, agents' included): per-token arrays
     right-padded to the longest response (``T``, masked out beyond each response's length),
-    the sequences rebuilt at ``L = max prompt + T``. Its ``reward_metrics`` are the first
-    rollout's (the batch as first sampled)."""
+    per-turn arrays (``K``) to the most turns (turn ends with -1: none), the sequences rebuilt
+    at ``L = max prompt + T``. Its ``reward_metrics`` are the first rollout's (the batch as
+    first sampled).
+
+    Raises:
+        ValueError: a field of :class:`Rollout` or :class:`GenerationOutput` without a rule in
+            :data:`ROLLOUT_FIELDS` / :data:`GENERATION_FIELDS`.
+    """
     rows = np.array([g * group_size + k for g in groups for k in range(group_size)])  # (B,)
-    index = mx.array(rows, dtype=mx.int32)
-    width = max(r.generation.responses.shape[1] for r in rollouts)  # T
+    counts = [len(r.texts) for r in rollouts]
+    # One width per kind of columns, over every field of the kind: T for the per-token
+    # arrays, K for the per-turn ones (action rewards and turn ends stay of one shape).
+    widths = {"tokens": 0, "turns": 0}
+    for r in rollouts:
+        for source, table in ((r, ROLLOUT_FIELDS), (r.generation, GENERATION_FIELDS)):
+            for name, how in table.items():
+                part = getattr(source, name, None)
+                if how in widths and part is not None:
+                    widths[how] = max(widths[how], part.shape[1])
 
-    def cat(get: str, source: str = "rollout", value: float | int = 0) -> mx.array:
-        parts = [
-            getattr(r.generation if source == "generation" else r, get) for r in rollouts
-        ]  # each (B_r, T_r) or (B_r,)
-        if parts[0].ndim == 2:
-            parts = [_pad_columns(p, width, value) for p in parts]
-        return mx.concatenate(parts, axis=0)[index]
+    def take(obj: str, table: dict[str, str], name: str, sources: list[Any]) -> Any:
+        if name not in table:
+            where = "ROLLOUT_FIELDS" if obj == "Rollout" else "GENERATION_FIELDS"
+            raise ValueError(
+                f"take_groups has no rule for the {obj} field {name!r}: add one to "
+                f"ppo_trainer.dynamic_sampling.{where}"
+            )
+        parts = [getattr(s, name) for s in sources]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            if name not in _MISSING_AS_ZEROS:
+                raise ValueError(f"take_groups: {obj}.{name} is None in some rollouts only")
+            parts = [mx.zeros((n, 0)) if p is None else p for n, p in zip(counts, parts)]
+        how = table[name]
+        if how == "rows":
+            return _take_rows(parts, rows)
+        assert how in ("tokens", "turns"), how
+        # Padding: the pad token after a response, -1 (no turn) after a row's turns, else 0.
+        value = pad_token_id if name == "responses" else -1 if name == "turn_ends" else 0
+        return _take_rows([_pad_columns(p, widths[how], value) for p in parts], rows)
 
-    def cat_list(get: str) -> list:
-        return [x for r in rollouts for x in getattr(r, get)]
-
-    texts, completions, prompt_ids = (
-        [cat_list(name)[i] for i in rows] for name in ("texts", "completions", "prompt_ids")
-    )
-    first = rollouts[0].generation
     generation = GenerationOutput(
-        responses=cat("responses", "generation", pad_token_id),
-        lengths=cat("lengths", "generation"),
-        ended_with_stop=cat("ended_with_stop", "generation"),
-        logprobs=None if first.logprobs is None else cat("logprobs", "generation"),
-        entropy=None if first.entropy is None else cat("entropy", "generation"),
-        stopped_by_string=(
-            None if first.stopped_by_string is None else cat("stopped_by_string", "generation")
-        ),
+        **{
+            f.name: take(
+                "GenerationOutput", GENERATION_FIELDS, f.name, [r.generation for r in rollouts]
+            )
+            for f in fields(GenerationOutput)
+        }
     )
-    query_responses, prompt_lengths = build_query_responses(
-        prompt_ids, generation.responses, pad_token_id
+    taken: dict[str, Any] = {}
+    for f in fields(Rollout):
+        rule = ROLLOUT_FIELDS.get(f.name)
+        if rule == "generation":
+            taken[f.name] = generation
+        elif rule == "first":
+            taken[f.name] = getattr(rollouts[0], f.name)
+        elif rule != "rebuilt":
+            taken[f.name] = take("Rollout", ROLLOUT_FIELDS, f.name, list(rollouts))
+    taken["query_responses"], taken["prompt_lengths"] = build_query_responses(
+        taken["prompt_ids"], generation.responses, pad_token_id
     )
-    return Rollout(
-        texts,
-        completions,
-        prompt_ids,
-        generation,
-        query_responses,
-        prompt_lengths,
-        cat("mask"),
-        cat("logprobs"),
-        cat("ref_logprobs"),
-        cat("entropy"),
-        None if rollouts[0].values is None else cat("values"),
-        cat("scores"),
-        rollouts[0].reward_metrics,
-    )
+    return Rollout(**taken)

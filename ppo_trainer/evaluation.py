@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ppo_trainer.agent_rollout import agent_metrics
+from ppo_trainer.agent_rollout import agent_count_sums, agent_metrics
 from ppo_trainer.experience import kl_per_token
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout import SamplingSettings
@@ -65,7 +65,7 @@ def evaluate_rollouts(
             )
             rows = select_rows(len(texts), 1, room)
             records += rollout_records(arrays, trainer.tokenizer, rows)
-        for key, value in rollout.agent_counts.items():
+        for key, value in agent_count_sums(rollout.agent_counts).items():
             agent[key] = agent.get(key, 0.0) + value
         rewards.extend(np.array(rollout.scores).tolist())
         kls.extend(np.array(kl).tolist())

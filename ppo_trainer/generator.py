@@ -55,8 +55,9 @@ class GenerationOutput:
         entropy: ``(B, T)`` float32 entropy (nats) of that distribution at each step; 0 after
             the end. ``None`` unless log-probs are requested.
         stopped_by_string: ``(B,)`` bool, ``True`` where a stop string ended the response (its
-            last token completes the string; ``ended_with_stop`` is then ``True`` too).
-            ``None`` when generation had no stop strings.
+            last token completes the string; ``ended_with_stop`` is then ``True`` too; for a
+            multi-turn episode, its last turn, ``ended_with_stop`` true unless the episode was
+            then cut by the budget). ``None`` when generation had no stop strings.
         action_mask: ``(B, T)`` float32, multi-turn episodes only
             (:func:`ppo_trainer.multi_turn.generate_turns`): 1 on the tokens the policy sampled,
             0 on the tools' and environment's context tokens and after the end. ``None``: every
@@ -87,9 +88,13 @@ def ends_in_stop_string(text: str, stop_strings: Sequence[str]) -> bool:
     return any(s in text for s in stop_strings)
 
 
-def cut_after_stop_string(text: str, stop_strings: Sequence[str]) -> str:
+def cut_after_stop_string(text: str, stop_strings: Sequence[str], last: bool = False) -> str:
     """``text`` up to and including the stop string that ends first in it (the text a token
-    carried past it dropped); ``text`` itself when none occurs."""
+    carried past it dropped); with ``last``, the one that ends last (an episode's last turn,
+    after earlier turns' stop strings); ``text`` itself when none occurs."""
+    if last:
+        ends = [text.rfind(s) + len(s) for s in stop_strings if s in text]
+        return text[: max(ends)] if ends else text
     ends = [text.find(s) + len(s) for s in stop_strings if s in text]
     return text[: min(ends)] if ends else text
 

@@ -30,11 +30,19 @@ import mlx.nn as nn
 import numpy as np
 
 from models.policy_model import PolicyModel
-from ppo_trainer.generator import GenerationOutput, _sample, per_step_keys, prompt_batch
+from ppo_trainer.generator import (
+    GenerationOutput,
+    _sample,
+    ends_in_stop_string,
+    per_step_keys,
+    prompt_batch,
+    stop_string_window,
+)
 
 #: ``continue_fn(row, turn_tokens) -> context tokens | None``: called when row ``row`` ends a turn
-#: with a stop token; ``turn_tokens`` are that turn's sampled tokens (the stop token last). The
-#: returned ids (non-empty) are fed before the policy's next turn; None ends the episode.
+#: with a stop token or a stop string; ``turn_tokens`` are that turn's sampled tokens (the stop
+#: token last, or the token that completed the stop string). The returned ids (non-empty) are fed
+#: before the policy's next turn; None ends the episode.
 ContinueFn = Callable[[int, list[int]], "list[int] | None"]
 
 
@@ -52,6 +60,8 @@ def generate_turns(
     max_turns: int | None = None,
     keys: mx.array | None = None,
     prefill_once: bool | None = None,
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
 ) -> GenerationOutput:
     """Sample multi-turn episodes after each prompt, all at once, keeping the KV cache.
 
@@ -67,10 +77,17 @@ def generate_turns(
         keys: ``(B, 2)`` uint32 PRNG keys, one per row: the token at column ``t`` of row ``b`` is
             drawn with the ``t``-th split of ``keys[b]``, whatever the other rows do.
         prefill_once: prefill each distinct prompt once (None: unless under plain MLX).
+        stop_strings: a policy token that completes one of these in its turn's text also ends
+            the turn (as :func:`~ppo_trainer.generator.generate`'s: the turn's last
+            :func:`~ppo_trainer.generator.stop_string_window` tokens decoded with ``decode``;
+            context tokens never end a turn).
+        decode: token ids to text; needed with ``stop_strings``.
 
     Returns:
         A :class:`~ppo_trainer.generator.GenerationOutput` with ``action_mask`` (1 on the
-        policy's tokens), ``logprobs`` and ``entropy`` (0 on context tokens) and ``turn_spans``.
+        policy's tokens), ``logprobs`` and ``entropy`` (0 on context tokens) and ``turn_spans``;
+        with ``stop_strings``, ``stopped_by_string`` (``True`` where a stop string ended the
+        episode's last turn).
 
     Raises:
         ValueError: bad arguments (as :func:`~ppo_trainer.generator.generate`), or a
@@ -82,6 +99,8 @@ def generate_turns(
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if stop_strings and decode is None:
+        raise ValueError("stop_strings needs decode, the function from token ids to text")
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 (or None), got {max_turns}")
     B = len(prompts)
@@ -110,6 +129,16 @@ def generate_turns(
     turn_start = [0] * B
     done = [False] * B
     ended = [False] * B
+    by_string = [False] * B  # the row's last turn ended at a stop string
+    window = stop_string_window(stop_strings) if stop_strings else 0
+
+    def completes_stop_string(i: int) -> bool:
+        """Whether row ``i``'s last token completes a stop string in its turn's text."""
+        if not stop_strings:
+            return False
+        assert decode is not None
+        tail = tokens[i][max(turn_start[i], len(tokens[i]) - window) :]
+        return ends_in_stop_string(decode(tail), stop_strings)
 
     def emit_context(i: int, token: int) -> None:
         tokens[i].append(token)
@@ -118,7 +147,7 @@ def generate_turns(
         entropy[i].append(0.0)
 
     def end_turn(i: int) -> None:
-        """Row ``i`` sampled a stop token: ask for context, or end the episode."""
+        """Row ``i`` ended a turn (a stop token or string): ask for context, or end the episode."""
         end = len(tokens[i])
         spans[i].append((turn_start[i], end))
         if max_turns is not None and len(spans[i]) >= max_turns:
@@ -183,11 +212,13 @@ def generate_turns(
                 action[i].append(1)
                 logprobs[i].append(float(host_logprobs[i]))
                 entropy[i].append(float(host_entropy[i]))
-                if token in stops:
+                if token in stops or completes_stop_string(i):
+                    by_string[i] = token not in stops
                     end_turn(i)
                 elif len(tokens[i]) >= max_new_tokens:  # cut by the budget mid-turn
                     spans[i].append((turn_start[i], len(tokens[i])))
                     done[i] = True
+                    by_string[i] = False
     finally:
         lm.train(was_training)
 
@@ -208,6 +239,7 @@ def generate_turns(
         ended_with_stop=mx.array(ended),
         logprobs=mx.array(lp),
         entropy=mx.array(ent),
+        stopped_by_string=mx.array(by_string) if stop_strings else None,
         action_mask=mx.array(mask),
         turn_spans=spans,
     )

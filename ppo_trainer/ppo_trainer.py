@@ -64,6 +64,7 @@ from models.value_model import ValueModel
 from agents import AgentSettings
 from ppo_trainer.agent_rollout import (
     AgentRun,
+    agent_count_sums,
     agent_counts,
     environment_seeds,
     episode_rewards,
@@ -256,18 +257,6 @@ class PPOTrainer:
             raise ValueError(
                 "async_rollout samples single-turn responses in a worker process; agents "
                 "(tools, environment_factory) need multi-turn episodes: set async_rollout: false"
-            )
-        if self.agent is not None and config.stop_strings:
-            raise ValueError(
-                "stop_strings end a single-turn response; with tools or environment_factory a "
-                "turn ends at the template's end-of-turn token and the episode when a turn makes "
-                "no tool call: remove stop_strings"
-            )
-        if self.agent is not None and config.dynamic_sampling:
-            raise ValueError(
-                "dynamic_sampling rebuilds a batch from single-turn groups; it does not carry "
-                "agent episodes' action masks and turns yet: remove dynamic_sampling, or the "
-                "tools and environment_factory"
             )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
@@ -544,7 +533,8 @@ class PPOTrainer:
         if sampled is not None:  # of every group generated, not only those kept
             metrics.update(sampled)
         if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
-            metrics.update(agent_metrics_over_ranks(rollout.agent_counts, self.group))
+            sums = agent_count_sums(rollout.agent_counts)
+            metrics.update(agent_metrics_over_ranks(sums, self.group))
         if cfg.algorithm in KL_IN_REWARD:
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
         t_end = time.perf_counter()

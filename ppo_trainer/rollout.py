@@ -112,9 +112,10 @@ class Rollout:
     #: ``turn_ends`` (B, K), each policy turn's last column (-1: none); None without them.
     action_rewards: mx.array | None = None
     turn_ends: mx.array | None = None
-    #: Agents: the sums behind the ``agent/`` metrics (episodes, turns, tool calls, successful
-    #: calls, context tokens: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
-    agent_counts: dict[str, float] = field(default_factory=dict)
+    #: Agents: per episode, the counts behind the ``agent/`` metrics, each (B,) (episodes,
+    #: turns, tool calls, successful calls, context tokens:
+    #: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
+    agent_counts: dict[str, mx.array] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""
@@ -175,7 +176,8 @@ def sample_episodes(
 ) -> GenerationOutput:
     """Phase 1 for multi-turn episodes (agents): as :func:`sample_responses`, with
     :func:`ppo_trainer.multi_turn.generate_turns` (``max_new_tokens`` bounds each episode's
-    tokens after its prompt, tool results included)."""
+    tokens after its prompt, tool results included; a stop string ends a turn as a stop
+    token does)."""
     merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
     with generation_buffer_cache(), merged:
         return generate_turns(
@@ -189,6 +191,8 @@ def sample_episodes(
             stop_token_ids=list(sampling.stop_token_ids),
             pad_token_id=sampling.pad_token_id,
             keys=keys,
+            stop_strings=sampling.stop_strings,
+            decode=lambda ids: str(policy.tokenizer.decode(ids, skip_special_tokens=True)),
         )
 
 
@@ -365,7 +369,8 @@ def decode_completions(
     stop_strings: Sequence[str] = (),
 ) -> list[str]:
     """Texts of the generated responses, each decoded without its stop token; one a stop
-    string ended is decoded whole and cut right after the stop string (which it keeps)."""
+    string ended is decoded whole and cut right after the stop string (which it keeps): the
+    first in its text, or for a multi-turn episode (``turn_spans``) the last, its last turn's."""
     lengths = np.array(gen.lengths)
     by_string = (
         np.zeros(len(lengths), bool)
@@ -376,8 +381,9 @@ def decode_completions(
     ends = (lengths - token_stop.astype(np.int64)).tolist()
     rows = np.array(gen.responses).tolist()
     texts = [decode(row[:end]) for row, end in zip(rows, ends)]
+    last = gen.turn_spans is not None
     return [
-        cut_after_stop_string(text, stop_strings) if cut else text
+        cut_after_stop_string(text, stop_strings, last=last) if cut else text
         for text, cut in zip(texts, by_string.tolist())
     ]
 

@@ -19,6 +19,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from agents import ParsedTurn, ToolCall
+from base_setup.tokenizer_setup import end_of_turn_token_id
 from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from fixtures.checkpoint_families import _QWEN_TOOLS_MESSAGES, build_family_checkpoint
@@ -255,6 +256,49 @@ def test_grpo_with_function_tools(
     assert result["eval/agent/turns"] >= 1 and "eval/agent/tool_call_success" in result
 
 
+@pytest.mark.slow
+def test_stop_strings_end_a_turn_as_the_end_of_turn_token_does(
+    tools_model: Path, frequent_tokens: list[int], tmp_path: Path
+) -> None:
+    """A stop string ends the policy's turn: the tool results follow it (the template's
+    end-of-turn token first, as context), and the episode's completion ends with it."""
+    tokens = frequent_tokens[:6]  # the others are left to the stop string
+    probe = PolicyModel.from_pretrained(tools_model).tokenizer
+    stop = next(
+        text
+        for t in frequent_tokens[6:]
+        if (text := str(probe.decode([t], skip_special_tokens=True)).strip())
+    )
+    config = make_config(
+        tools_model, tmp_path, tokens, algorithm="grpo", group_size=2, stop_strings=[stop]
+    )
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [float(len(c) % 5) for c in completions]
+
+    trainer = PPOTrainer(config, tools=[lookup], reward_model=reward)
+    metrics, capture = run_step(trainer, PROMPTS)
+    gen = capture.rollout.generation
+    assert gen.turn_spans is not None and gen.stopped_by_string is not None
+    responses = np.array(gen.responses)
+    decode = trainer.decode_completion
+    end_of_turn = end_of_turn_token_id(trainer.tokenizer)
+    by_string = 0
+    for row, spans in enumerate(gen.turn_spans):
+        for k, (start, end) in enumerate(spans):
+            turn = responses[row, start:end].tolist()
+            if turn[-1] in tokens:
+                continue
+            last_turn = k == len(spans) - 1
+            if not last_turn:  # ended by the string (only a last turn is cut by the budget)
+                assert stop in decode(turn) and stop not in decode(turn[:-1])
+                assert responses[row, end] == end_of_turn  # the context closes the turn
+                by_string += 1
+            elif bool(gen.stopped_by_string[row].item()):
+                assert capture.rollout.completions[row].endswith(stop)
+    assert by_string > 0, "some turns should end at the stop string"
+
+
 def test_rloo_scored_by_the_environment_alone(
     tools_model: Path, frequent_tokens: list[int], tmp_path: Path
 ) -> None:
@@ -302,20 +346,6 @@ def test_configuration_errors_stop_the_run_before_any_rollout(
     with pytest.raises(ValueError, match="async_rollout"):
         PPOTrainer(
             make_config(tools_model, tmp_path, [0], async_rollout=True),
-            tools=[lookup],
-            reward_model=lambda p, c: [0.0] * len(c),
-        )
-    with pytest.raises(ValueError, match="remove stop_strings"):
-        PPOTrainer(
-            make_config(tools_model, tmp_path, [0], stop_strings=["</answer>"]),
-            tools=[lookup],
-            reward_model=lambda p, c: [0.0] * len(c),
-        )
-    with pytest.raises(ValueError, match="remove dynamic_sampling"):
-        PPOTrainer(
-            make_config(
-                tools_model, tmp_path, [0], algorithm="grpo", group_size=2, dynamic_sampling=True
-            ),
             tools=[lookup],
             reward_model=lambda p, c: [0.0] * len(c),
         )

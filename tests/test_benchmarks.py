@@ -170,6 +170,36 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     assert (tmp_path / "again" / "ppo_throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_multi_turn_benchmark_prefills_each_token_once_with_the_cache_kept(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import multi_turn
+
+    batch, prompt, turns, context = 2, 4, 2, 3
+    multi_turn.main(
+        ["--model", "toy-llama", "--batch", str(batch), "--prompt", str(prompt)]
+        + ["--turns", str(turns), "--turn-tokens", "4", "--context", str(context)]
+        + ["--max-new-tokens", "64", "--repeats", "1"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == [
+        *("CPU", "s/turn", "wall", "s/turn", "CPU", "ms/token"),
+        *("turns", "policy", "tok", "prefilled"),
+    ]
+    rows = {line[:22].strip(): [float(x) for x in line[22:].split()] for line in lines[2:]}
+    assert set(rows) == {"KV cache kept", "re-prefill each turn"}
+    kept, again = rows["KV cache kept"], rows["re-prefill each turn"]
+    for name, (cpu_turn, wall_turn, cpu_token, n_turns, policy, prefilled) in rows.items():
+        assert 0 < cpu_turn < 60 and 0 < wall_turn < 60 and 0 < cpu_token < 60_000, name
+        assert n_turns == batch * turns, name  # the budget has room for every turn
+        assert policy >= n_turns  # a turn samples at least its stop token
+    # Kept: each prompt and tool token prefilled once. Re-prefilled: every turn prefills its
+    # episode's prompt again, and its history.
+    assert kept[5] == batch * prompt + batch * (turns - 1) * context
+    assert again[5] >= batch * turns * prompt + batch * (turns - 1) * context
+    assert again[5] > kept[5]
+
+
 def test_full_plan_leads_with_the_real_shapes_with_lora_and_fewer_iterations(
     tmp_path: Path,
 ) -> None:

@@ -518,6 +518,29 @@ def test_cut_after_stop_string_keeps_the_first_string_to_end() -> None:
     assert cut_after_stop_string("a</b>c</b>", ["</b>"]) == "a</b>"
     assert cut_after_stop_string("xy END. more", ["END", "y"]) == "xy"
     assert cut_after_stop_string("no stop here", ["END"]) == "no stop here"
+    # An episode's last turn: after the stop strings of earlier turns (and of tool results).
+    assert cut_after_stop_string("a</b>c</b>d", ["</b>"], last=True) == "a</b>c</b>"
+    assert cut_after_stop_string("xy END.y more", ["END", "y"], last=True) == "xy END.y"
+    assert cut_after_stop_string("no stop here", ["END"], last=True) == "no stop here"
+
+
+def test_decode_completions_cuts_an_episode_after_its_last_turns_stop_string() -> None:
+    from ppo_trainer.generator import GenerationOutput
+    from ppo_trainer.rollout import decode_completions
+
+    words = {1: "call</c>", 2: " tool", 3: " done</c>!", 4: "<eot>", 5: "x"}
+    # Two turns with a tool result between; the last one ended by the string (row 0, whose
+    # last token carried "!" past it) or by a stop token (row 1).
+    gen = GenerationOutput(
+        responses=mx.array([[1, 2, 3], [1, 5, 4]]),
+        lengths=mx.array([3, 3]),
+        ended_with_stop=mx.array([True, True]),
+        stopped_by_string=mx.array([True, False]),
+        action_mask=mx.array([[1.0, 0.0, 1.0], [1.0, 0.0, 1.0]]),
+        turn_spans=[[(0, 1), (2, 3)], [(0, 1), (2, 3)]],
+    )
+    texts = decode_completions(gen, lambda ids: "".join(words[i] for i in ids), ["</c>"])
+    assert texts == ["call</c> tool done</c>", "call</c>x"]
 
 
 def test_stop_strings_settings_are_checked() -> None:

@@ -4,6 +4,7 @@ turn (one episode at a time, the whole history re-prefilled)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -44,8 +45,17 @@ def _context(row: int, turn: int) -> list[int] | None:
     return [(7 * row + 5 * turn + j) % 400 + 20 for j in range(2 + row + 3 * turn)]
 
 
+def _decode(policy: PolicyModel) -> Callable[[list[int]], str]:
+    return lambda ids: str(policy.tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def _reference(
-    policy: PolicyModel, prompt: list[int], row: int, stops: list[int], max_turns: int | None
+    policy: PolicyModel,
+    prompt: list[int],
+    row: int,
+    stops: list[int],
+    max_turns: int | None,
+    stop_strings: Sequence[str] = (),
 ) -> tuple[list[int], list[int], list[float]]:
     """One episode re-generated from scratch (prompt + whole history) at every turn."""
     history: list[int] = []
@@ -62,6 +72,8 @@ def _reference(
             pad_token_id=PAD,
             return_logprobs=True,
             prefill_once=False,
+            stop_strings=stop_strings,
+            decode=_decode(policy),
         )
         n = int(np.array(out.lengths)[0])
         history += np.array(out.responses)[0, :n].tolist()
@@ -79,16 +91,31 @@ def _reference(
         logprobs += [0.0] * len(ctx)
 
 
-@pytest.mark.parametrize("max_turns", [None, 2])
+#: Frequent in the greedy tiny model's text: with them, stop strings end some turns.
+STOP_STRINGS = ("e", "T")
+
+
+@pytest.mark.parametrize(
+    "max_turns, stop_strings",
+    [(None, ()), (2, ()), pytest.param(None, STOP_STRINGS, marks=pytest.mark.slow)],
+)
 def test_greedy_episodes_equal_regenerating_each_turn(
-    policy: PolicyModel, prompts: list[list[int]], stops: list[int], max_turns: int | None
+    policy: PolicyModel,
+    prompts: list[list[int]],
+    stops: list[int],
+    max_turns: int | None,
+    stop_strings: tuple[str, ...],
 ) -> None:
+    """The reference (:func:`generate` on the whole history, each turn) ends a turn at a stop
+    string as a single response ends: the same episodes, context tokens never ending a turn."""
     calls: list[tuple[int, list[int]]] = []
     turns = [0] * len(prompts)
+    decode = _decode(policy)
 
     def continue_fn(row: int, turn_tokens: list[int]) -> list[int] | None:
         calls.append((row, turn_tokens))
-        assert turn_tokens[-1] in stops
+        by_string = any(s in decode(turn_tokens) for s in stop_strings)
+        assert turn_tokens[-1] in stops or by_string
         turns[row] += 1
         return _context(row, turns[row] - 1)
 
@@ -101,12 +128,14 @@ def test_greedy_episodes_equal_regenerating_each_turn(
         stop_token_ids=stops,
         pad_token_id=PAD,
         max_turns=max_turns,
+        stop_strings=stop_strings,
+        decode=decode,
     )
     assert out.action_mask is not None and out.logprobs is not None and out.turn_spans
     lengths = np.array(out.lengths)
     multi = 0
     for row, prompt in enumerate(prompts):
-        tokens, action, logprobs = _reference(policy, prompt, row, stops, max_turns)
+        tokens, action, logprobs = _reference(policy, prompt, row, stops, max_turns, stop_strings)
         n = int(lengths[row])
         assert np.array(out.responses)[row, :n].tolist() == tokens, row
         assert np.array(out.action_mask)[row, :n].tolist() == action
@@ -118,6 +147,15 @@ def test_greedy_episodes_equal_regenerating_each_turn(
         assert covered == [t for t in range(n) if action[t]]
         multi += len(spans) > 1
     assert multi >= 2, "the test needs episodes of several turns"
+    if stop_strings:  # some turns ended at a stop string, and the flags say which last turn did
+        assert any(turn[-1] not in stops for _, turn in calls)
+        assert out.stopped_by_string is not None
+        for row, spans in enumerate(out.turn_spans):
+            last = np.array(out.responses)[row, spans[-1][0] : spans[-1][1]].tolist()
+            string = last[-1] not in stops and any(s in decode(last) for s in stop_strings)
+            assert bool(out.stopped_by_string[row].item()) == string, row
+    else:
+        assert out.stopped_by_string is None
     if max_turns is None:
         assert len({len(s) for s in out.turn_spans}) > 1, "episodes should end at different turns"
 
