@@ -188,7 +188,9 @@ def check_shared_reward(config: ModelConfig) -> None:
     if recorded is not None and policy is not None:
         same, found = recorded == policy, f"fingerprint {recorded} vs {policy}"
     else:
-        here = [str(Path(p).resolve()) if Path(p).exists() else p for p in (base, config.model_name)]
+        here = [
+            str(Path(p).resolve()) if Path(p).exists() else p for p in (base, config.model_name)
+        ]
         same, found = here[0] == here[1], f"{here[0]} vs {here[1]}"
     if not same:
         raise ValueError(
