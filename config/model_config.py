@@ -101,9 +101,11 @@ class ModelConfig(LoraConfig):
         share_reward_base: Put the reward model's LoRA adapters and head (reward_model_name
             must be a reward adapter checkpoint, trained with use_lora: true on model_name's
             base) on the policy's frozen base weights instead of loading a second copy of the
-            base: one copy serves the policy, reference, value and reward models. The reward
-            adapters stay frozen; the scores equal the reward model loaded on its own. Needs
-            use_lora and reward_model_name.
+            base: one copy serves the policy, the reference and the reward model, and the value
+            model too with value_init: shared (value_init: reward would start a full-weight
+            value model from the reward's weights, a copy of its own). The reward adapters stay
+            frozen; the scores equal the reward model loaded on its own. Needs use_lora and
+            reward_model_name.
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
         fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
