@@ -247,12 +247,12 @@ def test_a_ppo_step_trains_policy_and_value_and_scores_as_the_standalone_reward(
         after = numpy(model.trainable_parameters())
         assert before.keys() == after.keys()
         assert [k for k in before if np.array_equal(before[k], after[k])] == []
-    for name, after in numpy(reward.parameters()).items():  # the reward never trains
-        np.testing.assert_array_equal(reward_before[name], after, err_msg=name)
+    for name, array in numpy(reward.parameters()).items():  # the reward never trains
+        np.testing.assert_array_equal(reward_before[name], array, err_msg=name)
     # One base for the four models.
     policy_params = arrays(trainer.policy.model.parameters())
-    for model in (reward, value):
-        for name, array in arrays(model.parameters()).items():
+    for scalar_model in (reward, value):
+        for name, array in arrays(scalar_model.parameters()).items():
             if "lora_" not in name and "score" not in name:
                 assert array is policy_params[name], name
     standalone = RewardModel.from_pretrained(reward_dir, dtype="float32")
