@@ -247,8 +247,8 @@ def test_a_ppo_step_trains_policy_and_value_and_scores_as_the_standalone_reward(
         after = numpy(model.trainable_parameters())
         assert before.keys() == after.keys()
         assert [k for k in before if np.array_equal(before[k], after[k])] == []
-    for name, array in numpy(reward.parameters()).items():  # the reward never trains
-        np.testing.assert_array_equal(reward_before[name], array, err_msg=name)
+    for name, kept in numpy(reward.parameters()).items():  # the reward never trains
+        np.testing.assert_array_equal(reward_before[name], kept, err_msg=name)
     # One base for the four models.
     policy_params = arrays(trainer.policy.model.parameters())
     for scalar_model in (reward, value):
