@@ -163,8 +163,10 @@ def load_policy(config: ModelConfig, *, plain: bool = False) -> PolicyModel:
     )
 
 
-def check_shared_reward(config: ModelConfig) -> None:
-    """Refuse ``share_reward_base`` unless ``reward_model_name`` is a reward adapter checkpoint
+def check_reward_adapters(config: ModelConfig) -> None:
+    """Refuse a reward adapter checkpoint (``reward_model_name``) whose base is no longer the
+    weights its adapters were trained on (the fingerprint it recorded against its base's now),
+    and ``share_reward_base`` unless ``reward_model_name`` is a reward adapter checkpoint
     trained on the policy's base: the same weights, by the fingerprint the checkpoint recorded
     when it was trained and that of ``model_name`` now (:mod:`training.fingerprints`: the config
     and tokenizer files whole, each weights file's header and sampled blocks), or, where either
@@ -172,11 +174,22 @@ def check_shared_reward(config: ModelConfig) -> None:
 
     Raises:
         ValueError: a reward checkpoint that is not an adapter checkpoint, or one on another
-            base; the message says what to change.
+            base (or a changed one); the message says what to change.
     """
-    if not config.share_reward_base or config.reward_model_name is None:
-        return
     path = config.reward_model_name
+    if path is None:
+        return
+    if not config.share_reward_base:
+        if is_adapter_checkpoint(path):  # loaded on its own: its base must be the one it had
+            base, recorded = adapter_checkpoint_base(path)
+            now = model_fingerprint(base)
+            if recorded is not None and now is not None and recorded != now:
+                raise ValueError(
+                    f"the reward adapters in {path} were trained on another model than the one "
+                    f"now at {base} (fingerprint {recorded} then, {now} now): retrain the reward "
+                    "model on it, or restore the base it was trained on"
+                )
+        return
     if not is_adapter_checkpoint(path):
         raise ValueError(
             f"share_reward_base: {path} is not a reward adapter checkpoint (adapter_config.json, "
@@ -224,13 +237,13 @@ def build_models(
       weights (``config.value_source``).
 
     With ``share_reward_base`` the reward model's adapters and head go on the policy's base
-    (:meth:`RewardModel.sharing_base`), after :func:`check_shared_reward`, before any model loads.
+    (:meth:`RewardModel.sharing_base`), after :func:`check_reward_adapters`, before any model loads.
 
     Raises:
         ValueError: no reward, a reward that is not callable, a quantized policy without LoRA,
             or a reward model that cannot share the policy's base.
     """
-    check_shared_reward(config)
+    check_reward_adapters(config)
     if config.share_reward_base and reward is not None:
         raise ValueError(
             "share_reward_base puts reward_model_name on the policy's base, but a reward was "

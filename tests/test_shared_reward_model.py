@@ -24,7 +24,7 @@ from models.backbone import is_adapter_checkpoint
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
 from models.value_model import ValueModel
-from ppo_trainer.components import check_shared_reward
+from ppo_trainer.components import check_reward_adapters
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.fingerprints import model_fingerprint
 
@@ -182,7 +182,7 @@ def test_sharing_is_refused_with_an_actionable_message(
     full = tmp_path / "full"
     RewardModel.from_causal_lm(str(tiny_model_dir)).save_pretrained(full)
     with pytest.raises(ValueError) as err:
-        check_shared_reward(ppo_config(tiny_model_dir, full, tmp_path))
+        check_reward_adapters(ppo_config(tiny_model_dir, full, tmp_path))
     assert str(err.value) == (
         f"share_reward_base: {full} is not a reward adapter checkpoint (adapter_config.json, "
         "adapters.safetensors, score.safetensors): train the reward model with use_lora: true "
@@ -196,7 +196,7 @@ def test_sharing_is_refused_with_an_actionable_message(
     config_file.write_text(json.dumps({**saved, "base_model_fingerprint": "sha256 0"}))
     now = model_fingerprint(tiny_model_dir)
     with pytest.raises(ValueError) as err:
-        check_shared_reward(ppo_config(tiny_model_dir, other, tmp_path))
+        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))
     assert str(err.value) == (
         f"share_reward_base: the reward adapters in {other} were trained on "
         f"{tiny_model_dir.resolve()}, not on the policy's base model_name {tiny_model_dir} "
@@ -206,14 +206,24 @@ def test_sharing_is_refused_with_an_actionable_message(
     del saved["base_model_fingerprint"]
     config_file.write_text(json.dumps({**saved, "model": "org/another-base"}))
     with pytest.raises(ValueError) as err:
-        check_shared_reward(ppo_config(tiny_model_dir, other, tmp_path))
+        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))
     assert str(err.value) == (
         f"share_reward_base: the reward adapters in {other} were trained on org/another-base, "
         f"not on the policy's base model_name {tiny_model_dir} (org/another-base vs "
         f"{tiny_model_dir.resolve()}): train the reward model on model_name, or set "
         "share_reward_base: false to load it with its own base"
     )
-    check_shared_reward(ppo_config(tiny_model_dir, reward_dir, tmp_path))  # the right base
+    check_reward_adapters(ppo_config(tiny_model_dir, reward_dir, tmp_path))  # the right base
+    # Loaded on its own, an adapter checkpoint whose base changed since it was trained.
+    config_file.write_text(json.dumps({**saved, "base_model_fingerprint": "sha256 0"}))
+    with pytest.raises(ValueError) as err:
+        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path, share_reward_base=False))
+    assert str(err.value) == (
+        f"the reward adapters in {other} were trained on another model than the one now at "
+        f"{tiny_model_dir.resolve()} (fingerprint sha256 0 then, {now} now): retrain the reward "
+        "model on it, or restore the base it was trained on"
+    )
+    check_reward_adapters(ppo_config(tiny_model_dir, reward_dir, tmp_path, share_reward_base=False))
     with pytest.raises(ValueError, match="needs a LoRA policy"):
         RewardModel.sharing_base(PolicyModel.from_pretrained(tiny_model_dir).model, reward_dir)
 
@@ -349,6 +359,6 @@ def test_the_reward_stage_with_lora_trains_adapters_and_head_only(
     np.testing.assert_array_equal(np.array(loaded(PROBE)), np.array(trainer.model(PROBE)))
     # It shares a PPO policy's base as it is.
     policy = PolicyModel.from_pretrained(tiny_model_dir, dtype="float32", lora=LORA)
-    check_shared_reward(ppo_config(tiny_model_dir, out, tmp_path / "ppo"))
+    check_reward_adapters(ppo_config(tiny_model_dir, out, tmp_path / "ppo"))
     shared = RewardModel.sharing_base(policy.model, out, dtype="float32")
     np.testing.assert_allclose(np.array(shared(PROBE)), np.array(loaded(PROBE)), atol=1e-6)
