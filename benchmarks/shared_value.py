@@ -11,6 +11,9 @@ Usage::
     # Qwen3-0.6B's shape, both value models and TRL 1.12, alternated twice
     python -m benchmarks.shared_value --part value --model qwen3-0.6b --rounds 2 \
         --trl-python /path/to/trl-venv/bin/python --gradient-checkpointing
+    # SmolLM2-135M's shape, shared value model, the reward model on its own base or on the
+    # policy's (one base for the four models)
+    python -m benchmarks.shared_value --part value --value-init shared --reward-base own shared
 
 * ``value``: PPO at a real shape (``benchmarks.ppo_throughput.MODEL_SHAPES``, plus
   ``qwen3-1.7b`` here), LoRA policy (rank 16, all linear layers, as the throughput benchmark's
@@ -20,7 +23,10 @@ Usage::
   (``benchmarks.throughput_worker``), so each peak resident memory is its own. Prints seconds
   per iteration, the time split, peak RSS and MLX's peak array memory.
   ``--reward-function`` scores with a built-in reward instead of the reward model (shared value
-  model only: no reward checkpoint is loaded). ``--trl-python`` adds TRL 1.12's PPO (LoRA policy,
+  model only: no reward checkpoint is loaded). ``--reward-base own shared`` runs each value
+  model with the reward model on its own copy of the base (a full-weight checkpoint, the
+  default) and on the policy's base (``share_reward_base``: a LoRA reward model's adapter
+  checkpoint, rank 16 on the policy's modules, with random adapters and head). ``--trl-python`` adds TRL 1.12's PPO (LoRA policy,
   full-weight value model from the reward checkpoint; an interpreter with
   ``requirements-bench.txt``); ``--rounds`` repeats every configuration in turn, for medians
   on a noisy machine.
@@ -65,6 +71,34 @@ QWEN3_1_7B = replace(
 SHAPES = {**MODEL_SHAPES, "qwen3-1.7b": QWEN3_1_7B}
 
 
+def build_reward_adapters(policy_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A reward adapter checkpoint on ``policy_dir``'s base, as the reward stage saves it with
+    ``use_lora``: the policy's LoRA rank, alpha and modules, random ``N(0, 0.01^2)`` adapters
+    (both matrices, so they change the scores) and a random ``N(0, 1/(D+1))`` head."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from base_setup.lora_setup import LoraSettings, apply_lora
+    from models.reward_model import RewardModel
+    from training.fingerprints import model_fingerprint
+
+    reward = RewardModel.from_causal_lm(policy_dir, head_init="normal", seed=seed + 2)
+    reward.lora = LoraSettings(
+        r=REAL_LORA_RANK, alpha=REAL_LORA_ALPHA, dropout=0.0, keys=REAL_LORA_MODULES
+    )
+    apply_lora(reward, reward.lora)
+    trainable = cast(list[tuple[str, mx.array]], tree_flatten(reward.trainable_parameters()))
+    adapters = [
+        (name, 0.01 * mx.random.normal(value.shape, key=mx.random.key(seed + i)))
+        for i, (name, value) in enumerate(trainable)
+    ]
+    reward.update(tree_unflatten(adapters))
+    out = reward.save_pretrained(out_dir, base_fingerprint=model_fingerprint(policy_dir))
+    del reward
+    mx.clear_cache()  # this process goes on while the workers run: keep no freed buffers
+    return out
+
+
 def value_part(args: argparse.Namespace, work: Path) -> None:
     shape = SHAPES[args.model]
     assert isinstance(shape, RealShape), f"{args.model} is not a real shape"
@@ -72,10 +106,13 @@ def value_part(args: argparse.Namespace, work: Path) -> None:
         raise SystemExit("--reward-function loads no reward model: use --value-init shared")
     start = time.perf_counter()
     policy_dir, reward_dir = build_benchmark_checkpoints(work / args.model, shape)
+    reward_dirs = {"own": reward_dir}
+    if "shared" in args.reward_base:
+        reward_dirs["shared"] = build_reward_adapters(policy_dir, work / args.model / "reward-lora")
     prompts = tuple(benchmark_prompts(policy_dir, args.batch_size))
     print(f"built the {args.model} checkpoints in {time.perf_counter() - start:.0f} s")
     reward = (
-        "reward model (full weights)"
+        f"reward model on base: {' / '.join(args.reward_base)}"
         if args.reward_function is None
         else f"reward function {args.reward_function} (no reward model)"
     )
@@ -86,20 +123,21 @@ def value_part(args: argparse.Namespace, work: Path) -> None:
         f"{platform.machine()} CPU, 2 threads, {args.rounds} round(s)"
     )
     print("run | s/iter (median) | generation / scoring / update s | peak RSS MB | MLX peak MB")
-    runs = [("mlx", value_init) for value_init in args.value_init]
+    bases = ["own"] if args.reward_function is not None else args.reward_base
+    runs = [("mlx", value_init, base) for value_init in args.value_init for base in bases]
     if args.trl_python is not None:
-        runs.append(("trl", "reward"))
+        runs.append(("trl", "reward", "own"))
     seconds: dict[str, list[float]] = {}
     peaks: dict[str, list[float]] = {}
     for round_ in range(args.rounds):
-        for system, value_init in runs:
+        for system, value_init, base in runs:
             spec = RunSpec(
                 system=cast(System, system),
                 algorithm="ppo",
-                label=f"value-{value_init}-{round_}",
+                label=f"value-{value_init}-reward-{base}-{round_}",
                 model=args.model,
                 policy_dir=str(policy_dir),
-                reward_dir=str(reward_dir),
+                reward_dir=str(reward_dirs[base]),
                 prompts=prompts,
                 batch_size=args.batch_size,
                 group_size=1,
@@ -112,10 +150,13 @@ def value_part(args: argparse.Namespace, work: Path) -> None:
                 gradient_checkpointing=args.gradient_checkpointing,
                 value_init=value_init,
                 reward_function=args.reward_function if system == "mlx" else None,
+                share_reward_base=base == "shared",
             )
             python = str(args.trl_python) if system == "trl" else None
             result = run_spec(spec, isolate=True, log_dir=work, python=python)
             name = "TRL 1.12 (separate value model)" if system == "trl" else value_init
+            if system == "mlx" and args.reward_function is None and len(bases) > 1:
+                name = f"value {value_init}, reward on {base} base"
             split = " / ".join(
                 f"{statistics.median(result.split[k]):.2f}"
                 for k in ("generation", "scoring", "update")
@@ -178,6 +219,15 @@ def main() -> None:
     parser.add_argument("--part", choices=["value", "prefill", "both"], default="both")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--value-init", nargs="+", default=["reward", "shared"])
+    parser.add_argument(
+        "--reward-base",
+        nargs="+",
+        choices=["own", "shared"],
+        default=["own"],
+        help="the reward model on its own copy of the base, or on the policy's "
+        "(share_reward_base, a LoRA reward adapter checkpoint; needs --value-init shared or "
+        "policy for one base)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)

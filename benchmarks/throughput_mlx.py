@@ -72,6 +72,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
         reward_model_name=spec.reward_dir if spec.reward_function is None else None,
         reward_funcs=None if spec.reward_function is None else [spec.reward_function],
         value_init=cast(ValueInit, spec.value_init),
+        share_reward_base=spec.share_reward_base,
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,
         **lora,

@@ -81,6 +81,8 @@ class RunSpec:
         reward_function: the MLX worker's reward as a ``reward_funcs`` entry (a built-in
             reward's name, e.g. "repetition_penalty") instead of the reward model of
             ``reward_dir``, which is then not loaded; None = the reward model.
+        share_reward_base: the MLX worker's ``share_reward_base``: ``reward_dir`` is then a
+            reward adapter checkpoint on ``policy_dir``'s base, put on the LoRA policy's base.
     """
 
     system: System
@@ -107,6 +109,7 @@ class RunSpec:
     tf32: bool = False
     value_init: str = "reward"
     reward_function: str | None = None
+    share_reward_base: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -136,6 +139,12 @@ class RunSpec:
             raise ValueError(
                 "reward_function is the MLX worker's, with a value model that does not start "
                 "from the reward checkpoint (value_init='shared')"
+            )
+        if self.share_reward_base and (
+            self.system != "mlx" or self.lora_rank == 0 or self.reward_function is not None
+        ):
+            raise ValueError(
+                "share_reward_base is the MLX worker's, with a LoRA policy and a reward model"
             )
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")

@@ -98,6 +98,14 @@ class ModelConfig(LoraConfig):
             on the policy's frozen base weights, held once in memory for the policy, the
             reference and the value model (needs use_lora; the value optimiser holds only
             these adapters and the head).
+        share_reward_base: Put the reward model's LoRA adapters and head (reward_model_name
+            must be a reward adapter checkpoint, trained with use_lora: true on model_name's
+            base) on the policy's frozen base weights instead of loading a second copy of the
+            base: one copy serves the policy, the reference and the reward model, and the value
+            model too with value_init: shared (value_init: reward would start a full-weight
+            value model from the reward's weights, a copy of its own). The reward adapters stay
+            frozen; the scores equal the reward model loaded on its own. Needs use_lora and
+            reward_model_name.
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
         fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
@@ -111,6 +119,7 @@ class ModelConfig(LoraConfig):
     reward_model_name: str | None = None
     value_model_name: str | None = None
     value_init: ValueInit = "reward"
+    share_reward_base: bool = False
     dtype: Dtype = "float32"
     fast_math: bool = True
 
@@ -141,6 +150,23 @@ class ModelConfig(LoraConfig):
                 self.value_model_name,
                 "null with value_init: shared",
                 "unset value_model_name, or choose another value_init",
+            )
+
+        if self.share_reward_base:
+            require(
+                self.use_lora,
+                "share_reward_base",
+                self.share_reward_base,
+                "false when use_lora is false",
+                "set use_lora: true (the shared base must stay frozen) or share_reward_base: false",
+            )
+            require(
+                self.reward_model_name is not None,
+                "share_reward_base",
+                self.share_reward_base,
+                "false without reward_model_name",
+                "set reward_model_name to a reward adapter checkpoint (main.py reward with "
+                "use_lora: true), or share_reward_base: false",
             )
 
     @property

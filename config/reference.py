@@ -46,6 +46,7 @@ _PARTS: dict[str, tuple[tuple[str, type], ...]] = {
     ),
     "reward": (
         ("model and data", FineTuneConfig),
+        ("LoRA", LoraConfig),
         ("optimisation and bookkeeping", OptimConfig),
         ("reward model", RewardConfig),
     ),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from config._fields import check_field_types, is_non_negative, require
+from config.model_config import LoraConfig
 from config.sft_config import FineTuneConfig
 
 #: How the fresh scalar head starts (see ``models.backbone.HeadInit``).
@@ -17,13 +18,16 @@ RewardHeadInit = Literal["zeros", "normal"]
 
 
 @dataclass(kw_only=True)
-class RewardConfig(FineTuneConfig):
+class RewardConfig(FineTuneConfig, LoraConfig):
     """Reward-model training: ``loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected) - margin)``
     over preference pairs, plus an optional reward-centering term.
 
-    Every weight trains (backbone and head). The final model is saved in the Hugging Face
+    Every weight trains (backbone and head), and the final model is saved in the Hugging Face
     ``*ForSequenceClassification`` layout with one label, which loads as PPO's reward model and
-    as the start of its value model.
+    as the start of its value model. With LoRA (:class:`LoraConfig`; off by default here) the
+    base stays frozen, the adapters and the head train, and the final model is an adapter
+    checkpoint (adapters, head, and the base's path and fingerprint) that loads as the reward
+    model too, on its own or on the PPO policy's base (share_reward_base).
 
     Attributes:
         head_init: How the scalar head starts: "normal" (N(0, 1/(D+1)) from seed, as in
@@ -40,9 +44,11 @@ class RewardConfig(FineTuneConfig):
     head_init: RewardHeadInit = "normal"
     margin: float = 0.0
     center_rewards_coefficient: float = 0.0
+    use_lora: bool = False
 
     def __post_init__(self) -> None:
         FineTuneConfig.__post_init__(self)
+        LoraConfig.__post_init__(self)
         check_field_types(self, RewardConfig)
         require(
             is_non_negative(self.margin),

@@ -6,7 +6,10 @@ Bradley-Terry loss of "Fine-Tuning Language Models from Human Preferences" / Ins
 reward of a sequence is the head's output at its last token (the EOS), the token PPO scores a
 response at. The saved model is a one-label Hugging Face ``*ForSequenceClassification``
 checkpoint, which ``RewardModel.from_pretrained`` (PPO's ``reward_model_name``) and
-``ValueModel.from_pretrained`` (PPO's value model starts from it) load.
+``ValueModel.from_pretrained`` (PPO's value model starts from it) load. With ``use_lora`` the
+backbone stays frozen, LoRA adapters and the head train, and the saved model is an adapter
+checkpoint on its base (``RewardModel.save_pretrained``), which the same loaders read and PPO's
+``share_reward_base`` puts on the policy's base.
 
 ::
 
@@ -24,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from base_setup import seed_everything
+from base_setup.lora_setup import LoraSettings, apply_lora
 from base_setup.tokenizer_setup import load_tokenizer
 from config.reward_config import RewardConfig
 from models.backbone import last_token_values, resolve_model_path
@@ -36,6 +40,7 @@ from finetune.tokenize import (
     tokenize_preferences,
 )
 from training.checkpoint import atomic_directory, check_save_target
+from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
@@ -92,7 +97,9 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
     Args:
         config: the run's :class:`RewardConfig`.
         model: a ready reward model; default: ``RewardModel.from_causal_lm(config.model_name)``
-            (the causal LM's backbone, its LM head dropped, and a fresh scalar head).
+            (the causal LM's backbone, its LM head dropped, and a fresh scalar head), with fresh
+            LoRA adapters on the frozen backbone when ``config.use_lora`` (the head trains too).
+            A given model must have adapters exactly when ``config.use_lora``.
         tokenizer: default: the tokenizer of ``config.model_name``. PPO scores the policy's
             token ids with the reward model, so it must be the policy's tokenizer.
 
@@ -117,6 +124,20 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
                 dtype=config.dtype,
                 fast_math=config.fast_math and not config.plain_mlx,
             )
+            if config.use_lora:
+                model.lora = LoraSettings.from_model_config(config)
+                apply_lora(model, model.lora)  # freezes the backbone and the head ...
+                model.head.unfreeze()  # ... and the head trains with the adapters
+        elif (model.lora is not None) != config.use_lora:
+            has = "has" if model.lora is not None else "has no"
+            raise ValueError(
+                f"the given reward model {has} LoRA adapters but config.use_lora="
+                f"{config.use_lora}: set use_lora to match, or pass model=None to load "
+                "config.model_name"
+            )
+        #: The fingerprint of the base a LoRA reward model's adapters are trained on, which its
+        #: adapter checkpoint records (PPO's share_reward_base compares the policy's with it).
+        self.base_fingerprint = model_fingerprint(config.model_name) if config.use_lora else None
         if tokenizer is None:
             tokenizer = load_tokenizer(resolve_model_path(config.model_name))
         self.reward_model = model
@@ -182,18 +203,21 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
         }
 
     def save_pretrained(self, path: str | Path, overwrite: bool = False) -> Path:
-        """The one-label ``*ForSequenceClassification`` layout with the tokenizer, which
+        """The one-label ``*ForSequenceClassification`` layout with the tokenizer (with LoRA: the
+        adapter checkpoint, its base and the base's fingerprint recorded), which
         ``RewardModel.from_pretrained`` and ``ValueModel.from_pretrained`` load. Only rank 0 of a
         data-parallel run writes."""
         if not self.is_main_process:
             return Path(path)
         check_save_target(path, overwrite=overwrite)  # never destroy what is there
         with atomic_directory(path) as tmp:  # a kill mid-save never leaves half a model
-            self.reward_model.save_pretrained(tmp, tokenizer=self.tokenizer)
+            self.reward_model.save_pretrained(
+                tmp, tokenizer=self.tokenizer, base_fingerprint=self.base_fingerprint
+            )
         return Path(path)
 
     def _resume_keys(self) -> tuple[str, ...]:
-        return ("head_init",)
+        return ("head_init", "use_lora", "lora_r", "lora_alpha", "lora_layers", "lora_keys")
 
 
 def run_reward_training(config: RewardConfig, *, resume_from: str | Path | None = None) -> Path:

@@ -20,6 +20,7 @@ builds one from a causal LM's backbone with a fresh head.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import glob
 import json
 import logging
@@ -31,8 +32,18 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from base_setup.fast_layers import accelerate_model
+from base_setup.lora_setup import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    LoraSettings,
+    adapter_base_model,
+    adapters_disabled,
+    load_adapters,
+    lora_modules,
+)
 from models.backbone_loading import (
     ARCH_SUFFIX,
     BACKBONE_PREFIX,
@@ -58,6 +69,43 @@ HeadInit = Literal["zeros", "normal"]
 _DEFAULT_MAX_SHARD_BYTES = 5 << 30  # transformers' and mlx-lm's default shard size (5 GiB)
 
 M = TypeVar("M", bound="ScalarHeadModel")
+
+#: The head's weight (``score.weight``) in an adapter checkpoint, beside mlx-lm's
+#: ``adapters.safetensors`` and ``adapter_config.json`` (see :func:`is_adapter_checkpoint`).
+ADAPTER_HEAD_FILE = "score.safetensors"
+#: The key of adapter_config.json where an adapter checkpoint records its base's fingerprint
+#: (``training.fingerprints.model_fingerprint`` when it was trained; absent when unknown).
+BASE_FINGERPRINT_KEY = "base_model_fingerprint"
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a local adapter checkpoint of a scalar-head model: LoRA adapters in
+    mlx-lm's format (``adapters.safetensors``, ``adapter_config.json`` naming the base under
+    ``"model"``) and the head (:data:`ADAPTER_HEAD_FILE`), as ``RewardModel.save_pretrained``
+    writes for a LoRA reward model."""
+    folder = Path(path)
+    return all(
+        (folder / name).is_file()
+        for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ADAPTER_HEAD_FILE)
+    )
+
+
+def adapter_checkpoint_base(path: str | Path) -> tuple[str, str | None]:
+    """``(base model, its fingerprint when trained or None)`` an adapter checkpoint records.
+
+    Raises:
+        ValueError: the checkpoint names no base model.
+    """
+    base = adapter_base_model(path)
+    if base is None:
+        raise ValueError(
+            f'{path}/{ADAPTER_CONFIG_FILE} names no base model ("model"): the adapters cannot '
+            "be loaded without the weights they were trained on; add the base's path or repo "
+            'id as "model"'
+        )
+    config = json.loads((Path(path) / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))
+    fingerprint = config.get(BASE_FINGERPRINT_KEY)
+    return base, fingerprint if isinstance(fingerprint, str) else None
 
 
 def check_lengths(lengths: mx.array | Sequence[int], batch_size: int, seq_len: int) -> mx.array:
@@ -109,7 +157,14 @@ class ScalarHeadModel(nn.Module):
 
     ``fast_math`` (default True) runs the backbone's layers through the fast CPU functions of
     :mod:`base_setup.fast_math` (this instance only; False: mlx-lm's own layers).
+
+    A model may carry LoRA adapters on a frozen backbone: ``lora`` then holds their settings
+    (None: no adapters) and ``base_model`` names the causal LM whose backbone it is (a resolved
+    local path or a Hub id; None when unknown, e.g. built from an in-memory model).
     """
+
+    lora: LoraSettings | None = None
+    base_model: str | None = None
 
     def __init__(
         self,
@@ -164,6 +219,10 @@ class ScalarHeadModel(nn.Module):
         """Load a ``*ForSequenceClassification`` checkpoint with one label (backbone + scalar
         head), e.g. one written by transformers or by :meth:`save_pretrained`.
 
+        An adapter checkpoint (:func:`is_adapter_checkpoint`) loads too: its base model (the
+        causal LM it names, ``lm_head`` dropped), its adapters and its head, in eval mode, the
+        adapters and head trainable (:meth:`attach_adapter_checkpoint`).
+
         Args:
             path_or_repo: checkpoint directory, or a Hugging Face repo id when it is not a local
                 path (needs network or the hub cache).
@@ -175,6 +234,11 @@ class ScalarHeadModel(nn.Module):
             ValueError: the checkpoint has no scalar head (a causal LM), ``num_labels != 1``, or
                 an architecture mlx-lm cannot build.
         """
+        if is_adapter_checkpoint(path_or_repo):
+            base, _ = adapter_checkpoint_base(path_or_repo)
+            model = cls.from_causal_lm(base, dtype=dtype, fast_math=fast_math)
+            model.attach_adapter_checkpoint(path_or_repo, dtype=dtype)
+            return model
         loaded = load_backbone(path_or_repo)
         if loaded.head_weight is None:
             architectures = loaded.config.get("architectures")
@@ -191,6 +255,77 @@ class ScalarHeadModel(nn.Module):
         model.set_dtype(resolve_dtype(dtype))
         mx.eval(model.parameters())
         return model
+
+    @classmethod
+    def on_policy_base(cls: type[M], policy_lm: nn.Module, *, fast_math: bool = True) -> M:
+        """A model whose backbone is the base of ``policy_lm`` (a LoRA policy's mlx-lm causal LM)
+        with its adapters off, and a zero head (float32); no adapters of its own yet.
+
+        The module tree is new (a copy of the policy's inner model taken with its adapters
+        swapped out), but every array in it is the policy's own base array, quantised layers
+        included: no base weight is copied, and adapters added to this model (or the policy's,
+        and their merging for sampling) are invisible to the other. The base must stay frozen
+        (a LoRA policy's is), or the two models would drift apart.
+
+        Raises:
+            ValueError: ``policy_lm`` is no mlx-lm causal LM, or has no LoRA adapters (its base
+                would train).
+        """
+        args = getattr(policy_lm, "args", None)
+        inner = getattr(policy_lm, "model", None)
+        if args is None or not dataclasses.is_dataclass(args) or not isinstance(inner, nn.Module):
+            raise ValueError(
+                f"expected the policy's mlx-lm causal LM (`args` and an inner `model`), got "
+                f"{type(policy_lm).__name__}"
+            )
+        if not lora_modules(policy_lm):
+            raise ValueError(
+                f"a {cls.__name__} sharing the policy's base needs a LoRA policy (use_lora: "
+                "true): a policy that trains all weights changes the base it stands on"
+            )
+        with adapters_disabled(policy_lm):
+            # Every array maps to itself: the module tree is copied, the weights are not.
+            flat = cast(list[tuple[str, mx.array]], tree_flatten(inner.parameters()))
+            shared = {id(a): a for _, a in flat}
+            backbone = copy.deepcopy(inner, memo=cast(dict[int, Any], shared))
+        hidden_size = int(getattr(args, "hidden_size", 0) or getattr(args, "n_embd", 0))
+        if hidden_size <= 0:
+            raise ValueError(f"cannot read the hidden size of {type(policy_lm).__name__}")
+        config = {k: v for k, v in dataclasses.asdict(cast(Any, args)).items() if v is not None}
+        model = cls(backbone, hidden_size, config, fast_math=fast_math)
+        model.head.weight = mx.zeros((1, hidden_size))  # (1, D)
+        model.train(policy_lm.training)
+        return model
+
+    def attach_adapter_checkpoint(self, path: str | Path, *, dtype: DtypeLike = None) -> None:
+        """Add the LoRA adapters of the adapter checkpoint at ``path`` to this model (which has
+        none) and set its head, in place; the model is then in eval mode (no adapter dropout),
+        its backbone frozen, the adapters and head trainable, ``lora`` and ``base_model`` those
+        the checkpoint records.
+
+        The adapters keep their saved dtype and the head is cast to ``dtype`` (None = float32),
+        so a model loaded on its own (:meth:`from_pretrained`) and one on a shared base of the
+        same weights and dtype compute the same function.
+
+        Raises:
+            ValueError: a head that is not ``score.weight`` of shape (1, hidden_size), or
+                adapters that do not fit the backbone (mlx-lm's names and shapes check).
+        """
+        head = cast(dict[str, mx.array], mx.load(str(Path(path) / ADAPTER_HEAD_FILE)))
+        hidden_size = int(self.head.weight.shape[1])
+        weight = head.get(HF_HEAD_WEIGHT)
+        if set(head) != {HF_HEAD_WEIGHT} or weight is None or weight.shape != (1, hidden_size):
+            shapes = {k: tuple(v.shape) for k, v in head.items()}
+            raise ValueError(
+                f"{path}/{ADAPTER_HEAD_FILE} must hold only {HF_HEAD_WEIGHT} of shape "
+                f"(1, {hidden_size}) (this backbone's hidden size), got {shapes}"
+            )
+        self.lora = load_adapters(self, path)  # freezes the backbone
+        self.head.weight = weight.astype(resolve_dtype(dtype))
+        self.head.unfreeze()
+        self.base_model, _ = adapter_checkpoint_base(path)
+        self.eval()  # LoRA dropout of the reward training must not act when scoring
+        mx.eval(self.parameters())
 
     @classmethod
     def from_causal_lm(
@@ -217,12 +352,16 @@ class ScalarHeadModel(nn.Module):
         """
         if head_init not in ("zeros", "normal"):
             raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
+        base_model = None
         if isinstance(path_or_model, nn.Module):
             backbone, hidden_size, config = backbone_from_causal_lm(path_or_model)
         else:
             loaded = load_backbone(path_or_model)
             backbone, hidden_size, config = loaded.backbone, loaded.hidden_size, loaded.config
+            local = Path(path_or_model).exists()
+            base_model = str(Path(path_or_model).resolve()) if local else str(path_or_model)
         model = cls(backbone, hidden_size, config, fast_math=fast_math)
+        model.base_model = base_model
         if head_init == "zeros":
             model.head.weight = mx.zeros((1, hidden_size))  # (1, D)
         else:

@@ -15,22 +15,18 @@ policy's adapters (and their merging for sampling) never see the value adapters.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import json
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_unflatten
 
 from base_setup.lora_setup import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     LoraSettings,
     adapter_parameters,
-    adapters_disabled,
     apply_lora,
     lora_modules,
     read_adapter_settings,
@@ -57,7 +53,23 @@ class ValueModel(ScalarHeadModel):
             shares (:meth:`sharing_base`); None when every weight trains.
     """
 
-    lora: LoraSettings | None = None
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo: str | Path, *, dtype: DtypeLike = None, fast_math: bool = True
+    ) -> ValueModel:
+        """Load a reward- or value-model checkpoint (see :meth:`ScalarHeadModel.from_pretrained`)
+        as a value model that trains every weight; a LoRA reward model's adapter checkpoint has
+        its adapters merged into the weights (``W + scale * B^T A^T``), so the value model
+        starts from the reward model's function."""
+        model = super().from_pretrained(path_or_repo, dtype=dtype, fast_math=fast_math)
+        if model.lora is not None:
+            fused = [(name, m.fuse(dequantize=False)) for name, m in lora_modules(model)]
+            model.update_modules(tree_unflatten(fused))
+            model.unfreeze()
+            model.lora = None
+            model.train()
+            mx.eval(model.parameters())
+        return model
 
     @classmethod
     def from_policy_backbone(
@@ -116,28 +128,8 @@ class ValueModel(ScalarHeadModel):
         """
         if head_init not in ("zeros", "normal"):
             raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
-        args = getattr(policy_lm, "args", None)
-        inner = getattr(policy_lm, "model", None)
-        if args is None or not dataclasses.is_dataclass(args) or not isinstance(inner, nn.Module):
-            raise ValueError(
-                f"expected the policy's mlx-lm causal LM (`args` and an inner `model`), got "
-                f"{type(policy_lm).__name__}"
-            )
-        if not lora_modules(policy_lm):
-            raise ValueError(
-                "a value model sharing the policy's base needs a LoRA policy (use_lora: true): "
-                "a policy that trains all weights changes the base the value model stands on"
-            )
-        with adapters_disabled(policy_lm):
-            # Every array maps to itself: the module tree is copied, the weights are not.
-            flat = cast(list[tuple[str, mx.array]], tree_flatten(inner.parameters()))
-            shared = {id(a): a for _, a in flat}
-            backbone = copy.deepcopy(inner, memo=cast(dict[int, Any], shared))
-        hidden_size = int(getattr(args, "hidden_size", 0) or getattr(args, "n_embd", 0))
-        if hidden_size <= 0:
-            raise ValueError(f"cannot read the hidden size of {type(policy_lm).__name__}")
-        config = {k: v for k, v in dataclasses.asdict(cast(Any, args)).items() if v is not None}
-        model = cls(backbone, hidden_size, config, fast_math=fast_math)
+        model = cls.on_policy_base(policy_lm, fast_math=fast_math)
+        hidden_size = int(model.head.weight.shape[1])
         head_dtype = resolve_dtype(dtype)
         if head_init == "zeros":
             model.head.weight = mx.zeros((1, hidden_size), dtype=head_dtype)  # (1, D)
@@ -145,7 +137,6 @@ class ValueModel(ScalarHeadModel):
             std = 1.0 / (hidden_size + 1) ** 0.5
             weight = std * mx.random.normal((1, hidden_size), key=mx.random.key(seed))  # (1, D)
             model.head.weight = weight.astype(head_dtype)
-        model.train(policy_lm.training)
         apply_lora(model, lora)  # freezes the backbone and the head ...
         model.head.unfreeze()  # ... and the head trains with the adapters
         model.lora = lora

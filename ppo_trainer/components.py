@@ -20,12 +20,14 @@ from config._fields import divisors
 from config.loading import config_to_dict
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
+from models.backbone import adapter_checkpoint_base, is_adapter_checkpoint
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from rewards import bind_reward, resolve_reward, reward_spec_name
+from training.fingerprints import model_fingerprint
 
 #: One of several rewards: its name (for ``rewards/<name>/...``) and the model or function.
 NamedReward = tuple[str, "RewardModel | RewardFunction"]
@@ -161,6 +163,56 @@ def load_policy(config: ModelConfig, *, plain: bool = False) -> PolicyModel:
     )
 
 
+def check_reward_adapters(config: ModelConfig) -> None:
+    """Refuse a reward adapter checkpoint (``reward_model_name``) whose base is no longer the
+    weights its adapters were trained on (the fingerprint it recorded against its base's now),
+    and ``share_reward_base`` unless ``reward_model_name`` is a reward adapter checkpoint
+    trained on the policy's base: the same weights, by the fingerprint the checkpoint recorded
+    when it was trained and that of ``model_name`` now (:mod:`training.fingerprints`: the config
+    and tokenizer files whole, each weights file's header and sampled blocks), or, where either
+    has none (a Hub repo id), the same resolved path or repo id. Reads no weights.
+
+    Raises:
+        ValueError: a reward checkpoint that is not an adapter checkpoint, or one on another
+            base (or a changed one); the message says what to change.
+    """
+    path = config.reward_model_name
+    if path is None:
+        return
+    if not config.share_reward_base:
+        if is_adapter_checkpoint(path):  # loaded on its own: its base must be the one it had
+            base, recorded = adapter_checkpoint_base(path)
+            now = model_fingerprint(base)
+            if recorded is not None and now is not None and recorded != now:
+                raise ValueError(
+                    f"the reward adapters in {path} were trained on another model than the one "
+                    f"now at {base} (fingerprint {recorded} then, {now} now): retrain the reward "
+                    "model on it, or restore the base it was trained on"
+                )
+        return
+    if not is_adapter_checkpoint(path):
+        raise ValueError(
+            f"share_reward_base: {path} is not a reward adapter checkpoint (adapter_config.json, "
+            "adapters.safetensors, score.safetensors): train the reward model with use_lora: "
+            "true on model_name's base, or set share_reward_base: false to load it on its own"
+        )
+    base, recorded = adapter_checkpoint_base(path)
+    policy = model_fingerprint(config.model_name)
+    if recorded is not None and policy is not None:
+        same, found = recorded == policy, f"fingerprint {recorded} vs {policy}"
+    else:
+        here = [
+            str(Path(p).resolve()) if Path(p).exists() else p for p in (base, config.model_name)
+        ]
+        same, found = here[0] == here[1], f"{here[0]} vs {here[1]}"
+    if not same:
+        raise ValueError(
+            f"share_reward_base: the reward adapters in {path} were trained on {base}, not on "
+            f"the policy's base model_name {config.model_name} ({found}): train the reward "
+            "model on model_name, or set share_reward_base: false to load it with its own base"
+        )
+
+
 def build_models(
     config: PPOConfig,
     *,
@@ -184,10 +236,19 @@ def build_models(
       policy's backbone with a fresh head, or adapters and a head on the policy's own base
       weights (``config.value_source``).
 
+    With ``share_reward_base`` the reward model's adapters and head go on the policy's base
+    (:meth:`RewardModel.sharing_base`), after :func:`check_reward_adapters`, before any model loads.
+
     Raises:
-        ValueError: no reward, a reward that is not callable, or a quantized policy without
-            LoRA.
+        ValueError: no reward, a reward that is not callable, a quantized policy without LoRA,
+            or a reward model that cannot share the policy's base.
     """
+    check_reward_adapters(config)
+    if config.share_reward_base and reward is not None:
+        raise ValueError(
+            "share_reward_base puts reward_model_name on the policy's base, but a reward was "
+            "passed to the trainer: pass none, or set share_reward_base: false"
+        )
     if config.use_lora and config.lora_dropout > 0:
         # As TRL's PPO / GRPO trainers (which disable dropout): with dropout the policy's
         # log-probs in the loss would differ from the rollout's on the same weights.
@@ -220,6 +281,11 @@ def build_models(
         reward_fn = reward
     elif config.reward_funcs:
         pass  # several rewards, below
+    elif config.reward_model_name and config.share_reward_base:
+        # Adapters and a head on the policy's base, held once; frozen, adapters off for the rest.
+        reward_model = RewardModel.sharing_base(
+            policy.model, config.reward_model_name, dtype=config.dtype, fast_math=fast
+        )
     elif config.reward_model_name:
         reward_model = RewardModel.from_pretrained(
             config.reward_model_name, dtype=config.dtype, fast_math=fast

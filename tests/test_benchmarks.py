@@ -428,6 +428,12 @@ def test_run_spec_rejects_bad_input() -> None:
         _spec(system="trl", reward_function="repetition_penalty", **lora)
     shared = _spec(value_init="shared", reward_function="repetition_penalty", **lora)
     assert RunSpec.from_json(shared.to_json()) == shared
+    with pytest.raises(ValueError, match="share_reward_base is the MLX worker's"):
+        _spec(share_reward_base=True)  # a full-weight policy
+    with pytest.raises(ValueError, match="share_reward_base is the MLX worker's"):
+        _spec(share_reward_base=True, value_init="shared", reward_function="x", **lora)
+    one_base = _spec(share_reward_base=True, value_init="shared", **lora)
+    assert RunSpec.from_json(one_base.to_json()) == one_base
 
 
 def test_device_and_tf32_travel_from_the_arguments_to_every_spec() -> None:

@@ -471,7 +471,7 @@ def test_model_and_training_parts() -> None:
             (LoraConfig, ModelConfig, OptimConfig, TrainingConfig, AgentConfig, PPOConfig),
         ),
         (SFTConfig, (LoraConfig, OptimConfig, FineTuneConfig, SFTConfig)),
-        (RewardConfig, (OptimConfig, FineTuneConfig, RewardConfig)),
+        (RewardConfig, (LoraConfig, OptimConfig, FineTuneConfig, RewardConfig)),
     ],
 )
 def test_every_field_documented_exactly_once(config_cls: type, parts: tuple[type, ...]) -> None:
