@@ -11,7 +11,9 @@
 * :func:`adapters_fused` temporarily replaces each LoRA layer by its fused linear layer (mlx-lm's
   ``fuse``), e.g. to save a merged model without changing the live one.
 * :func:`adapters_merged` does the same for sampling, where it is exact enough to: float32 bases
-  only, and no random state used.
+  only, and no random state used. :func:`merge_adapters_for_sampling` decides whether to
+  (config ``merge_adapters_for_sampling``): the merged copy costs as much memory as the
+  adapted base weights, :func:`merged_adapter_bytes`.
 
 Convention: LoRA papers (and PEFT) write the update as ``(alpha / r) * B A x``; mlx-lm stores the
 product ``scale = alpha / r`` instead of ``alpha``. :class:`LoraSettings` takes ``alpha`` and
@@ -24,7 +26,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Iterator, Literal, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -368,3 +370,46 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
     evaluate_in_groups([merged["weight"] for _, _, merged in swaps], MERGE_GROUP_BYTES)
     with _layers_swapped(lm, swaps):
         yield lm
+
+
+#: ``merge_adapters_for_sampling``: merge always, never, or "auto" (:func:`merge_adapters_for_sampling`).
+MergeSetting = bool | Literal["auto"]
+#: "auto" merges when the merged copy is at most this fraction of the memory MLX may use.
+AUTO_MERGE_MEMORY_FRACTION = 1 / 8
+
+
+def merged_adapter_bytes(model: nn.Module) -> int:
+    """Bytes of the merged weights :func:`adapters_merged` would make for ``model``: the sum of
+    the float32 base weights of its mergeable LoRA layers (one new array of each's size)."""
+    return sum(
+        int(module.linear["weight"].nbytes)
+        for _, module in lora_modules(_lm(model))
+        if _mergeable(module)
+    )
+
+
+def merge_adapters_for_sampling(
+    setting: MergeSetting, merged_bytes: int, memory_bytes: int
+) -> bool:
+    """Whether to sample with the adapters merged (:func:`adapters_merged`).
+
+    ``True`` / ``False`` say so; ``"auto"`` merges when the merged copy, ``merged_bytes``, is
+    at most :data:`AUTO_MERGE_MEMORY_FRACTION` of ``memory_bytes`` (the memory MLX may use): a
+    small copy buys the speed of one matmul per layer for little memory, while a large one is a
+    second copy of nearly all the weights and sets the run's peak. Nothing to merge (0 bytes)
+    is never merged.
+
+    Raises:
+        ValueError: ``setting`` is not True, False or "auto", or a size is negative.
+    """
+    if setting not in (True, False, "auto") or not isinstance(setting, (bool, str)):
+        raise ValueError(
+            f'merge_adapters_for_sampling must be true, false or "auto", got {setting!r}'
+        )
+    if merged_bytes < 0 or memory_bytes < 0:
+        raise ValueError(f"sizes must be >= 0, got {merged_bytes} and {memory_bytes} bytes")
+    if merged_bytes == 0 or setting is False:
+        return False
+    if setting is True:
+        return True
+    return merged_bytes <= memory_bytes * AUTO_MERGE_MEMORY_FRACTION
