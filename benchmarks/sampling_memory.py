@@ -5,6 +5,8 @@ Usage::
     python -m benchmarks.sampling_memory                       # SmolLM2-135M's shape (~5 min)
     python -m benchmarks.sampling_memory --model qwen3-0.6b --batch-size 16 --new-tokens 128
     python -m benchmarks.sampling_memory --model qwen3-1.7b --new-tokens 8 --repeats 1
+    # Qwen3-0.6B's layer sizes, 6 of its 28 blocks (under 2 GB resident)
+    python -m benchmarks.sampling_memory --model qwen3-0.6b --layers 6 --rounds 2
 
 What the trainer's phase 1 runs: ``ppo_trainer.rollout.sample_responses`` (batched, KV cache,
 sampling log-probs, temperature 1, no stop tokens: every response ``--new-tokens`` long) on a
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,7 +66,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import mlx.core as mx
 
     from base_setup.backend import run_blas_threads, run_scope
-    from base_setup.lora_setup import LoraSettings, lora_modules, merged_adapter_bytes
+    from base_setup.lora_setup import LoraSettings, lora_modules, mergeable_weight_bytes
     from models.policy_model import PolicyModel
     from ppo_trainer.rollout import SamplingSettings, sample_responses
 
@@ -109,7 +112,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "load_peak_mb": load_peak,
             "sampling_peak_mb": peak_rss_mb() if reset else None,
             "mlx_peak_mb": mx.get_peak_memory() / 2**20,
-            "merged_mb": merged_adapter_bytes(policy.model) / 2**20,
+            "merged_mb": sum(mergeable_weight_bytes(policy.model)) / 2**20,
             "weights_mb": sum(v.nbytes for v in _leaves(policy.model.parameters())) / 2**20,
         }
 
@@ -146,6 +149,12 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="run merged and unmerged this many times, alternating"
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep only this many of the shape's blocks (its layer sizes, less memory)",
+    )
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -167,6 +176,8 @@ def main() -> None:
         for model in args.model:
             shape = SHAPES[model]
             assert isinstance(shape, RealShape), f"{model} is not a real shape"
+            if args.layers is not None:
+                shape = replace(shape, num_hidden_layers=args.layers)
             policy_dir = build_real_checkpoint(work / model, shape)
             prompts = benchmark_prompts(policy_dir, args.batch_size)
             for _ in range(args.rounds):
@@ -180,8 +191,9 @@ def main() -> None:
                     }
                     r = run_worker(spec, work)
                     sampling_peak = r["sampling_peak_mb"]
+                    name = model if args.layers is None else f"{model} ({args.layers} blocks)"
                     print(
-                        f"{model} | {'merged' if merge else 'unmerged'} | "
+                        f"{name} | {'merged' if merge else 'unmerged'} | "
                         f"{statistics.median(r['seconds']):.2f} | "
                         f"{statistics.median(r['cpu_seconds']):.2f} | "
                         f"{'-' if sampling_peak is None else f'{sampling_peak:.0f}'} | "

@@ -26,7 +26,7 @@ from base_setup.lora_setup import (
     MergeSetting,
     adapters_merged,
     merge_adapters_for_sampling,
-    merged_adapter_bytes,
+    mergeable_weight_bytes,
 )
 from base_setup.plain import speed_tricks
 from experience_buffer.buffer import RolloutBatch
@@ -145,13 +145,13 @@ def sampling_adapters(policy: PolicyModel, setting: MergeSetting) -> AbstractCon
     float32 adapted layer one merged weight ``W + scale B^T A^T``, one matmul per layer and
     decoding step instead of three; the sampling log-probs then differ from the loss's
     recomputation by float32 rounding, as a decoding step's already do) when ``setting`` asks
-    for it (:func:`base_setup.lora_setup.merge_adapters_for_sampling`: "auto" when the merged
-    copy is at most an eighth of MLX's memory limit), else the plain LoRA forward. Never under
+    for it (:func:`base_setup.lora_setup.merge_adapters_for_sampling`: "auto" for small layers
+    and a copy of at most an eighth of MLX's memory limit), else the plain LoRA forward. Never under
     plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`)."""
     if not speed_tricks():
         return nullcontext()
-    size = merged_adapter_bytes(policy.model)
-    if merge_adapters_for_sampling(setting, size, int(mx.get_memory_limit())):
+    sizes = mergeable_weight_bytes(policy.model)
+    if merge_adapters_for_sampling(setting, sizes, int(mx.get_memory_limit())):
         return adapters_merged(policy.model)
     return nullcontext()
 

@@ -13,43 +13,62 @@ from base_setup.lora_setup import (
     LoraSettings,
     lora_modules,
     merge_adapters_for_sampling,
-    merged_adapter_bytes,
+    mergeable_weight_bytes,
 )
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from ppo_trainer import rollout
 from ppo_trainer.rollout import SamplingSettings, sample_responses, sampling_adapters
 
-GB = 10**9
-#: MLX's memory limit on a 24 GiB machine's CPU (0.8 of its memory).
+MIB = 2**20
+#: MLX's memory limit on the CPU of a 24 GiB and of a 64 GiB machine (0.8 of its memory).
 LIMIT_24 = int(0.8 * 24 * 2**30)
+LIMIT_64 = int(0.8 * 64 * 2**30)
+
+
+def _all_linear(hidden: int, attention: int, kv: int, mlp: int, blocks: int) -> list[int]:
+    """Bytes of the float32 q, k, v, o, gate, up and down weights of ``blocks`` blocks."""
+    block = [hidden * attention, hidden * kv, hidden * kv, attention * hidden] + [hidden * mlp] * 3
+    return [4 * n for n in block] * blocks
+
+
+SMOLLM2_135M = _all_linear(576, 576, 192, 1536, 30)  # 405 MiB, 1.9 MiB a matrix
+QWEN3_0_6B = _all_linear(1024, 2048, 1024, 3072, 28)  # 1.64 GiB, 8.6 MiB a matrix
+QWEN3_1_7B = _all_linear(2048, 2048, 1024, 6144, 28)  # 5.25 GiB, 27 MiB a matrix
+
+
+def test_the_shapes_sizes() -> None:
+    assert sum(SMOLLM2_135M) // MIB == 405  # as benchmarks/sampling_memory printed
+    assert round(sum(QWEN3_1_7B) / 10**9, 1) == 5.6  # the issue's 5.6 GB
 
 
 @pytest.mark.parametrize(
-    ("setting", "merged", "memory", "expected"),
+    ("setting", "matrices", "memory", "expected"),
     [
-        (True, 5 * GB, GB, True),  # asked for: merged whatever the size
-        (False, 1, 100 * GB, False),  # refused: never merged
-        (True, 0, 100 * GB, False),  # nothing to merge (no LoRA, or a 4-bit / bfloat16 base)
-        ("auto", 0, 100 * GB, False),
-        ("auto", 12, 96, True),  # exactly an eighth: merged
-        ("auto", 13, 96, False),  # just above: not merged
-        ("auto", int(0.43 * GB), LIMIT_24, True),  # SmolLM2-135M's copy on 24 GiB
-        ("auto", int(1.76 * GB), LIMIT_24, True),  # Qwen3-0.6B's
-        ("auto", int(5.64 * GB), LIMIT_24, False),  # Qwen3-1.7B's: a second copy of its weights
-        ("auto", int(5.64 * GB), int(0.8 * 64 * 2**30), True),  # ... fits on 64 GiB
+        (True, QWEN3_1_7B, 2**30, True),  # asked for: merged whatever the size
+        (False, [1], 2**40, False),  # refused: never merged
+        (True, [], 2**40, False),  # nothing to merge (no LoRA, or a 4-bit / bfloat16 base)
+        ("auto", [0, 0], 2**40, False),
+        ("auto", [4 * MIB] * 2, 64 * MIB, True),  # 4 MiB a matrix, an eighth: merged
+        ("auto", [4 * MIB + 1, 4 * MIB], 2**40, False),  # larger matrices: not merged
+        ("auto", [4 * MIB] * 2, 64 * MIB - 1, False),  # over an eighth of the memory
+        ("auto", SMOLLM2_135M, LIMIT_24, True),  # small layers, small copy
+        ("auto", SMOLLM2_135M, 3 * 2**30, False),  # ... but not on a 3 GiB memory limit
+        ("auto", QWEN3_0_6B, LIMIT_64, False),  # larger layers: merging did not pay
+        ("auto", QWEN3_1_7B, LIMIT_64, False),
     ],
 )
-def test_the_merge_rule(setting: Any, merged: int, memory: int, expected: bool) -> None:
-    assert merge_adapters_for_sampling(setting, merged, memory) is expected
+def test_the_merge_rule(setting: Any, matrices: list[int], memory: int, expected: bool) -> None:
+    assert merge_adapters_for_sampling(setting, matrices, memory) is expected
 
 
 @pytest.mark.parametrize(
-    ("setting", "merged", "memory"), [("yes", 1, 8), (1, 1, 8), (None, 1, 8), ("auto", -1, 8)]
+    ("setting", "matrices", "memory"),
+    [("yes", [1], 8), (1, [1], 8), (None, [1], 8), ("auto", [-1], 8), ("auto", [1], -8)],
 )
-def test_the_merge_rule_rejects_bad_input(setting: Any, merged: int, memory: int) -> None:
+def test_the_merge_rule_rejects_bad_input(setting: Any, matrices: list[int], memory: int) -> None:
     with pytest.raises(ValueError, match="merge_adapters_for_sampling|sizes"):
-        merge_adapters_for_sampling(setting, merged, memory)
+        merge_adapters_for_sampling(setting, matrices, memory)
 
 
 def test_the_config_key_is_validated_and_reaches_the_sampler() -> None:
@@ -76,7 +95,7 @@ def lora_policy(tiny_model_dir: Path) -> PolicyModel:
 def test_merged_bytes_are_the_adapted_base_weights(lora_policy: PolicyModel) -> None:
     layers = lora_modules(lora_policy.model)
     assert len(layers) == 14
-    assert merged_adapter_bytes(lora_policy.model) == sum(m.linear.weight.nbytes for _, m in layers)
+    assert mergeable_weight_bytes(lora_policy.model) == [m.linear.weight.nbytes for _, m in layers]
 
 
 def test_sampling_merged_and_unmerged_gives_the_same_tokens(
@@ -97,7 +116,7 @@ def test_sampling_merged_and_unmerged_gives_the_same_tokens(
     outputs = {}
     for merge in (True, False):
         sampling = SamplingSettings(
-            max_new_tokens=8,
+            max_new_tokens=6,
             temperature=0.0,
             top_p=1.0,
             top_k=0,
