@@ -413,8 +413,9 @@ def merge_adapters_for_sampling(
         raise ValueError(
             f'merge_adapters_for_sampling must be true, false or "auto", got {setting!r}'
         )
-    if memory_bytes < 0 or any(size < 0 for size in matrix_bytes):
-        raise ValueError(f"sizes must be >= 0, got {list(matrix_bytes)} and {memory_bytes} bytes")
+    smallest = min(matrix_bytes, default=0)
+    if memory_bytes < 0 or smallest < 0:
+        raise ValueError(f"sizes must be >= 0, got {smallest} and {memory_bytes} bytes")
     merged = sum(matrix_bytes)
     if merged == 0 or setting is False:
         return False
