@@ -11,7 +11,9 @@
 * :func:`adapters_fused` temporarily replaces each LoRA layer by its fused linear layer (mlx-lm's
   ``fuse``), e.g. to save a merged model without changing the live one.
 * :func:`adapters_merged` does the same for sampling, where it is exact enough to: float32 bases
-  only, and no random state used.
+  only, and no random state used. :func:`merge_adapters_for_sampling` decides whether to
+  (config ``merge_adapters_for_sampling``): the merged copy costs as much memory as the
+  adapted base weights (:func:`mergeable_weight_bytes`) and pays only for small layers.
 
 Convention: LoRA papers (and PEFT) write the update as ``(alpha / r) * B A x``; mlx-lm stores the
 product ``scale = alpha / r`` instead of ``alpha``. :class:`LoraSettings` takes ``alpha`` and
@@ -24,7 +26,7 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Iterator, Literal, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -368,3 +370,56 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
     evaluate_in_groups([merged["weight"] for _, _, merged in swaps], MERGE_GROUP_BYTES)
     with _layers_swapped(lm, swaps):
         yield lm
+
+
+#: ``merge_adapters_for_sampling``: merge always, never, or "auto" (:func:`merge_adapters_for_sampling`).
+MergeSetting = bool | Literal["auto"]
+#: "auto" merges only where the adapted weight matrices average at most this many bytes: there a
+#: layer's matmul is cheap enough that the adapter's two extra products and add are a share of
+#: it worth removing (between SmolLM2-135M's 1.9 MiB, where merging paid, and Qwen3-0.6B's
+#: 8.6 MiB, where it did not: docs/performance.md).
+AUTO_MERGE_MAX_MEAN_MATRIX_BYTES = 4 << 20
+#: ... and where the merged copy is at most this fraction of the memory MLX may use.
+AUTO_MERGE_MEMORY_FRACTION = 1 / 8
+
+
+def mergeable_weight_bytes(model: nn.Module) -> list[int]:
+    """The bytes of each base weight :func:`adapters_merged` would merge in ``model`` (the float32
+    linear layers under plain LoRA layers): the merged copy is one new array of each size."""
+    return [
+        int(module.linear["weight"].nbytes)
+        for _, module in lora_modules(_lm(model))
+        if _mergeable(module)
+    ]
+
+
+def merge_adapters_for_sampling(
+    setting: MergeSetting, matrix_bytes: Sequence[int], memory_bytes: int
+) -> bool:
+    """Whether to sample with the adapters merged (:func:`adapters_merged`), given the bytes of
+    each weight matrix it would merge (:func:`mergeable_weight_bytes`) and ``memory_bytes``, the
+    memory MLX may use (``mx.get_memory_limit()``).
+
+    ``True`` / ``False`` say so (nothing to merge is never merged). ``"auto"`` merges when the
+    matrices average at most :data:`AUTO_MERGE_MAX_MEAN_MATRIX_BYTES` (small layers, where one
+    matmul instead of three pays) and their merged copy, ``sum(matrix_bytes)``, is at most
+    :data:`AUTO_MERGE_MEMORY_FRACTION` of ``memory_bytes`` (the copy is a second set of nearly
+    all the weights while sampling: at large shapes, the run's peak).
+
+    Raises:
+        ValueError: ``setting`` is not True, False or "auto", or a size is negative.
+    """
+    if setting not in (True, False, "auto") or not isinstance(setting, (bool, str)):
+        raise ValueError(
+            f'merge_adapters_for_sampling must be true, false or "auto", got {setting!r}'
+        )
+    smallest = min(matrix_bytes, default=0)
+    if memory_bytes < 0 or smallest < 0:
+        raise ValueError(f"sizes must be >= 0, got {smallest} and {memory_bytes} bytes")
+    merged = sum(matrix_bytes)
+    if merged == 0 or setting is False:
+        return False
+    if setting is True:
+        return True
+    small_layers = merged <= AUTO_MERGE_MAX_MEAN_MATRIX_BYTES * len(matrix_bytes)
+    return small_layers and merged <= memory_bytes * AUTO_MERGE_MEMORY_FRACTION

@@ -113,6 +113,17 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             same logits, the same function of the same weights, saving one forward pass of the
             policy per iteration; "forward" recomputes them with a forward pass over the whole
             sequences. They agree to float rounding (about 1e-6; tests check 1e-4).
+        merge_adapters_for_sampling: Whether a LoRA policy on a float32 base samples with each
+            adapter merged into its layer's weight (W + scale * B^T A^T: one matmul per layer
+            and decoding step instead of three) at the cost of a merged copy of every adapted
+            weight while sampling (as much memory as those base weights). "auto" = merge where
+            it pays and the copy is small: the adapted matrices average at most 4 MiB (small
+            layers, where the adapter's two extra products are a large share of a layer's
+            cost; SmolLM2-135M's average 1.9 MiB, Qwen3-0.6B's 8.6 MiB) and the copy is at
+            most an eighth of MLX's memory limit; true = always; false = never (the plain LoRA
+            forward). Both sample the same function to float32 rounding. No effect under
+            plain_mlx or on a GPU (never merged there), nor without LoRA. The measurements
+            behind the rule are in docs/performance.md.
         async_rollout: Overlap generation with the update, one step off-policy (asynchronous
             RLHF, Noukhovitch et al. 2024): a second process generates batch k+1 with the
             policy of before update k while the trainer scores and updates batch k; PPO's ratio
@@ -241,6 +252,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     system_prompt: str | None = None
     stop_strings: list[str] | None = None
     rollout_logprobs: RolloutLogprobs = "sampling"
+    merge_adapters_for_sampling: bool | Literal["auto"] = "auto"
     async_rollout: bool = False
     kl_coef: float = 0.05
     kl_estimator: KLEstimator = "k1"

@@ -359,7 +359,9 @@ def generate(
             last = t == max_new_tokens - 1
             if not last:
                 logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
-                mx.async_eval(logits, done, tokens, token_logprobs)
+                # The step's entropy too: left lazy, each step's would hold its (B, V)
+                # probabilities until the end (two (B, T, V) arrays' worth at the last step).
+                mx.async_eval(logits, done, tokens, token_logprobs, *step_entropy[-1:])
             if stop_strings:  # read while the next forward runs
                 assert decode is not None
                 hits = _stop_string_hits(

@@ -13,7 +13,7 @@ Every array it returns is a constant for the losses that follow.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence, cast
 
@@ -22,7 +22,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from base_setup.backend import generation_buffer_cache, release_cached_buffers, side_by_side
-from base_setup.lora_setup import adapters_merged
+from base_setup.lora_setup import (
+    MergeSetting,
+    adapters_merged,
+    merge_adapters_for_sampling,
+    mergeable_weight_bytes,
+)
 from base_setup.plain import speed_tricks
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
@@ -56,6 +61,8 @@ class SamplingSettings:
         logprobs_from: "sampling" keeps the sampler's log-probs (the same function of the same
             logits), "forward" recomputes them with a forward pass over the whole sequences.
         stop_strings: texts that also end a response (kept in its completion).
+        merge_adapters: whether a LoRA policy samples with its adapters merged into the base
+            weights (:func:`sampling_adapters`): True, False or "auto".
     """
 
     max_new_tokens: int
@@ -66,6 +73,7 @@ class SamplingSettings:
     pad_token_id: int
     logprobs_from: Literal["sampling", "forward"] = "sampling"
     stop_strings: tuple[str, ...] = ()
+    merge_adapters: MergeSetting = "auto"
 
     @classmethod
     def from_config(
@@ -81,6 +89,7 @@ class SamplingSettings:
             pad_token_id=pad_token_id,
             logprobs_from=config.rollout_logprobs,
             stop_strings=tuple(config.stop_strings or ()),
+            merge_adapters=config.merge_adapters_for_sampling,
         )
 
     @property
@@ -132,6 +141,22 @@ class Rollout:
         )
 
 
+def sampling_adapters(policy: PolicyModel, setting: MergeSetting) -> AbstractContextManager[object]:
+    """The block a LoRA policy samples in: :func:`base_setup.lora_setup.adapters_merged` (each
+    float32 adapted layer one merged weight ``W + scale B^T A^T``, one matmul per layer and
+    decoding step instead of three; the sampling log-probs then differ from the loss's
+    recomputation by float32 rounding, as a decoding step's already do) when ``setting`` asks
+    for it (:func:`base_setup.lora_setup.merge_adapters_for_sampling`: "auto" for small layers
+    and a copy of at most an eighth of MLX's memory limit), else the plain LoRA forward. Never under
+    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`)."""
+    if not speed_tricks():
+        return nullcontext()
+    sizes = mergeable_weight_bytes(policy.model)
+    if merge_adapters_for_sampling(setting, sizes, int(mx.get_memory_limit())):
+        return adapters_merged(policy.model)
+    return nullcontext()
+
+
 def sample_responses(
     policy: PolicyModel,
     prompt_ids: list[list[int]],
@@ -143,13 +168,10 @@ def sample_responses(
     sampling, not greedy). ``keys``: one PRNG key per sequence, or None for the global state.
     The trainer's rollouts and the asynchronous rollout worker both sample with it.
 
-    A LoRA policy on a float32 base samples with its adapters merged into the base weights
-    (:func:`base_setup.lora_setup.adapters_merged`): one matmul per adapted layer and decoding
-    step instead of three. The sampling log-probs then differ from the loss's recomputation by
-    float32 rounding, as a decoding step's (one query against a KV cache) already do. Not under
-    plain MLX, nor off the CPU (:func:`base_setup.plain.speed_tricks`). Stop strings are looked
-    for in the text of the policy's tokenizer."""
-    merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
+    A LoRA policy on a float32 base may sample with its adapters merged into the base weights
+    (:func:`sampling_adapters`). Stop strings are looked for in the text of the policy's
+    tokenizer."""
+    merged = sampling_adapters(policy, sampling.merge_adapters)
     with generation_buffer_cache(), merged:
         return generate(
             policy,
@@ -178,7 +200,7 @@ def sample_episodes(
     :func:`ppo_trainer.multi_turn.generate_turns` (``max_new_tokens`` bounds each episode's
     tokens after its prompt, tool results included; a stop string ends a turn as a stop
     token does)."""
-    merged = adapters_merged(policy.model) if speed_tricks() else nullcontext()
+    merged = sampling_adapters(policy, sampling.merge_adapters)
     with generation_buffer_cache(), merged:
         return generate_turns(
             policy,

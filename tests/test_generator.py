@@ -553,3 +553,29 @@ def test_stop_strings_settings_are_checked() -> None:
         PPOConfig(model_name="m", stop_strings=[""])
     with pytest.raises(ValueError, match="stop_strings must be null when async_rollout is on"):
         PPOConfig(model_name="m", stop_strings=["x"], async_rollout=True)
+
+
+def test_sampling_memory_does_not_grow_with_the_response_length(policy: PolicyModel) -> None:
+    """Each step's entropy is evaluated with its step: left lazy, it held that step's (B, V)
+    probabilities until the end, two (B, T, V) arrays' worth of memory at the last step."""
+    rows, vocab = 8, int(policy.model.args.vocab_size)
+    ids = [[5, 17, 42, 99, 7]] * rows
+
+    def peak_bytes(new_tokens: int) -> int:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        start = mx.get_active_memory()
+        generate(
+            policy,
+            ids,
+            max_new_tokens=new_tokens,
+            temperature=1.0,
+            stop_token_ids=[],
+            pad_token_id=0,
+            return_logprobs=True,
+        )
+        return int(mx.get_peak_memory() - start)
+
+    short, long = peak_bytes(4), peak_bytes(32)
+    one_step = rows * vocab * 4  # one (B, V) float32 array
+    assert long - short < 28 * one_step // 4, (short, long, one_step)
