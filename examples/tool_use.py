@@ -42,8 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from config.ppo_config import PPOConfig
-from config.sft_config import SFTConfig
-from examples.reasoning import clearly_rose
+from examples.task_common import clearly_rose, sft_stage
 from examples.tool_use_task import (
     answer_reward,
     calculator,
@@ -51,7 +50,6 @@ from examples.tool_use_task import (
     final_answer,
     problems,
 )
-from finetune.sft_trainer import run_sft
 from fixtures.tiny_model import build_tiny_checkpoint
 from ppo_trainer.ppo_trainer import PPOTrainer
 
@@ -169,30 +167,27 @@ def tool_checkpoint(output_dir: Path, size: Literal["test", "demo"] = "demo") ->
 
 
 def warm_up(
-    output_dir: Path, base: Path, train: Sequence[dict[str, Any]], seed: int, scale: dict[str, Any]
+    output_dir: Path,
+    base: Path,
+    train: Sequence[dict[str, Any]],
+    seed: int,
+    scale: dict[str, Any],
+    fresh: bool = False,
 ) -> Path:
-    """The SFT warm-up on :data:`DEMONSTRATIONS` demonstrations; returns the model's folder."""
-    data = output_dir / "sft.jsonl"
-    with data.open("w", encoding="utf-8") as f:
-        for record in demonstrations(train, DEMONSTRATIONS, CALL_SHARE):
-            f.write(json.dumps(record) + "\n")
+    """The SFT warm-up on :data:`DEMONSTRATIONS` demonstrations, :data:`CALL_SHARE` of them
+    calling the calculator, cached in ``output_dir/sft`` unless ``fresh``; returns the model's
+    folder."""
     sft = {**SFT_SETTINGS, **scale.get("sft", {})}
-    sft["num_epochs"] = math.ceil(
-        sft["total_steps"] / math.ceil(DEMONSTRATIONS / sft["batch_size"])
-    )
     print(
         f"[SFT] {sft['total_steps']} steps on {DEMONSTRATIONS} demonstrations "
         f"({CALL_SHARE:.0%} of them call the calculator)"
     )
-    return run_sft(
-        SFTConfig(
-            **sft,
-            model_name=str(base),
-            dataset=str(data),
-            seed=seed,
-            output_dir=str(output_dir / "sft"),
-            overwrite_output_dir=True,
-        )
+    return sft_stage(
+        PPOConfig(model_name=str(base), output_dir=str(output_dir), seed=seed),
+        demonstrations(train, DEMONSTRATIONS, CALL_SHARE),
+        dict,  # the records are the demonstrations already
+        sft,
+        fresh=fresh,
     )
 
 
@@ -227,6 +222,7 @@ def run(
     algorithms: Sequence[str] = ("ppo", "grpo"),
     steps: int | None = None,
     sft_model: Path | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """The four stages under ``output_dir``; returns the evaluations before and after each
     algorithm."""
@@ -237,9 +233,9 @@ def run(
     held_out = held_out[: scale.get("held_out", len(held_out))]
     base = tool_checkpoint(output_dir, scale.get("size", "demo"))
 
-    # 2. SFT warm-up on demonstrations (training problems only), unless given.
+    # 2. SFT warm-up on demonstrations (training problems only), cached, unless given.
     if sft_model is None:
-        sft_model = warm_up(output_dir, base, train, seed, scale)
+        sft_model = warm_up(output_dir, base, train, seed, scale, fresh)
 
     # 3-4. PPO and GRPO from the warmed-up model, each evaluated before and after.
     results: dict[str, Any] = {}
@@ -303,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="runs/tool_use", help="where the stages go")
     parser.add_argument("--smoke", action="store_true", help="toy scale (tests)")
     parser.add_argument("--sft-model", type=Path, help="a warmed-up model to start from (no SFT)")
+    parser.add_argument("--fresh", action="store_true", help="redo the cached SFT warm-up")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -316,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         algorithms=algorithms,
         steps=args.steps,
         sft_model=args.sft_model,
+        fresh=args.fresh,
     )
     return 0
 
