@@ -28,7 +28,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +91,10 @@ def problems(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     return records[:-HELD_OUT], records[-HELD_OUT:]
 
 
-def worked_solution(record: dict[str, str]) -> str:
+def worked_solution(record: Mapping[str, Any]) -> str:
     """The completion the warm-up teaches: the sum worked out inside the think block, then the
     answer."""
-    question = record["prompt"].removeprefix("What is ").removesuffix("?\n")
+    question = str(record["prompt"]).removeprefix("What is ").removesuffix("?\n")
     return f"<think>{question.replace(' ', '')}={record['answer']}</think>{record['answer']}"
 
 

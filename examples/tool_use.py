@@ -1,20 +1,22 @@
 """Tool use, offline: the embedded tiny model learns to call a calculator for arithmetic it cannot
 do in its head, then PPO and GRPO train it on whole episodes (call, result, answer).
 
-1. The task (:mod:`examples.tool_use_task`): seeded ``a * b`` questions with 2-digit operands
-   and ``a + b`` with 3-digit ones (results of 3-4 digits), a ``calculator`` tool, the reward
-   ``answer_reward`` (1 when the final turn gives the right integer), held-out problems kept
-   apart.
-2. SFT warm-up on demonstrations (the call, the tool's result, the answer) of training problems:
-   it teaches the call's format; copying the digits (into the call, then from the result into
-   the answer) is what the model is still bad at (docs/examples.md).
+1. The task (:mod:`examples.tool_use_task`): every ``a * b`` with a 2-digit ``a`` and a 1-digit
+   ``b`` (2-9), shuffled by the seed, 40 held out; a ``calculator`` tool that echoes its
+   expression (``"37 * 8 = 296"``); the reward ``answer_reward`` (1 when the final turn gives the
+   right integer).
+2. SFT warm-up on a demonstration of every training problem: 75% call the calculator and copy
+   its line into the answer, 25% state the answer without it. Greedy, the warmed-up model calls
+   in few held-out episodes (it cannot compute the products itself), which leaves RL the calls
+   to teach as well as the copying.
 3. PPO (value model and GAE across the turns; only the model's tokens are actions) and GRPO,
    each from the warmed-up model, with ``tools=[calculator]`` (multi-turn episodes, KV cache kept
    across turns), on :func:`shaped_reward` (the task reward plus credit for a calculator result
-   and for the answer's digits: the exact answer alone never happens at first).
-4. Before and after each: task reward, tool-call success rate and turns per episode (greedy, on
-   the held-out problems), and whether the reward clearly rose (by more than twice its standard
-   error, paired per problem).
+   and for the answer's digits).
+4. Before and after each (greedy, on the held-out problems): task reward, the share of episodes
+   with a successful call, the tool-call success rate (successful / all calls), calls and turns
+   per episode, and whether the task reward and the successful calls clearly rose (by more than
+   twice their standard error, paired per problem).
 
 The model is the embedded tiny "demo" checkpoint (3.4M parameters, random weights) with a short
 Qwen-style tool template (:data:`TOOL_TEMPLATE`: the tools' names instead of their JSON schemas,

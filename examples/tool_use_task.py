@@ -1,19 +1,20 @@
 """The task side of the tool-use example (``python -m examples.tool_use``): arithmetic the tiny
-model cannot do in its head, a ``calculator`` tool that can, the reward, and a few
-demonstrations of tool calls for the SFT warm-up.
+model cannot do in its head, a ``calculator`` tool that can, the reward, and demonstrations for
+the SFT warm-up.
 
-* :func:`problems`: seeded ``a * b`` questions with 2-digit operands and ``a + b`` with 3-digit
-  ones, results of 3-4 digits: short enough for the tiny model to copy, beyond what it can
-  compute (the held-out problems are new products and sums); records
-  ``{"prompt": [user message], "answer": "<integer>"}``, a held-out part kept apart.
+* :func:`problems`: every question ``a * b`` with a 2-digit ``a`` and a 1-digit ``b`` (2-9),
+  results of 2-3 digits (few to copy), shuffled by the seed; records
+  ``{"prompt": [user message], "answer": "<integer>"}``, a held-out part kept apart (products
+  the model never saw: beyond what it can compute).
 * :func:`calculator`: the tool (type hints and a Google docstring: TRL's contract), an
-  arithmetic evaluator over integers that runs nothing but arithmetic.
+  arithmetic evaluator over integers that runs nothing but arithmetic; its result echoes the
+  expression, ``"37 * 8 = 296"``, the line the model's answer copies.
 * :func:`answer_reward`: 1.0 when the final assistant turn (after the last tool result) gives
   the right integer, else 0.0; a TRL-style reward ``(completions, answer, **kwargs)``.
-* :func:`demonstrations`: SFT conversations in the chat format: the user's question, the
-  assistant's ``<tool_call>`` (Hermes/Qwen format), the tool's result, the final answer; with
-  the tools' schemas under ``"tools"`` (TRL's SFT column), so the warm-up sees the prompt the
-  rollouts see.
+* :func:`demonstrations`: SFT conversations in the chat format: :func:`demonstration` (the
+  user's question, the assistant's ``<tool_call>`` (Hermes/Qwen format), the tool's result, the
+  answer) or :func:`direct_answer` (the answer without the tool); with the tools' schemas under
+  ``"tools"`` (TRL's SFT column), so the warm-up sees the prompt the rollouts see.
 """
 
 from __future__ import annotations
