@@ -830,11 +830,11 @@ def test_the_calculator_does_arithmetic_and_nothing_else() -> None:
 
 
 def test_the_task_is_seeded_and_its_reward_reads_the_final_turn() -> None:
-    from examples.tool_use_task import HELD_OUT, answer_reward, problems
+    from examples.tool_use_task import HELD_OUT, NUM_PROBLEMS, answer_reward, problems
 
     train, held_out = problems(3)
     assert problems(3) == (train, held_out) and problems(4)[0] != train
-    assert len(held_out) == HELD_OUT
+    assert len(held_out) == HELD_OUT and len(train) + HELD_OUT == NUM_PROBLEMS
     questions = [r["prompt"][0]["content"] for r in train + held_out]
     assert len(set(questions)) == len(questions)
     transcript = (
