@@ -28,16 +28,15 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from config.ppo_config import PPOConfig
-from config.sft_config import SFTConfig
-from finetune.sft_trainer import run_sft
 from fixtures.tiny_model import build_tiny_checkpoint
+from examples.task_common import clearly_rose, sft_stage
 from ppo_trainer.ppo_trainer import PPOTrainer
 from rewards import resolve_reward
 
@@ -92,10 +91,10 @@ def problems(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     return records[:-HELD_OUT], records[-HELD_OUT:]
 
 
-def worked_solution(record: dict[str, str]) -> str:
+def worked_solution(record: Mapping[str, Any]) -> str:
     """The completion the warm-up teaches: the sum worked out inside the think block, then the
     answer."""
-    question = record["prompt"].removeprefix("What is ").removesuffix("?\n")
+    question = str(record["prompt"]).removeprefix("What is ").removesuffix("?\n")
     return f"<think>{question.replace(' ', '')}={record['answer']}</think>{record['answer']}"
 
 
@@ -122,17 +121,6 @@ def evaluate(trainer: PPOTrainer, records: Sequence[dict[str, str]]) -> dict[str
     return score(records, [s["completion"] for s in result["samples"]])
 
 
-def clearly_rose(before: Sequence[float], after: Sequence[float]) -> tuple[bool, float, float]:
-    """Whether the mean of ``after - before`` (paired per problem) exceeds twice its standard
-    error: ``(rose, mean change, standard error)``."""
-    changes = [a - b for a, b in zip(after, before)]
-    n = len(changes)
-    mean = sum(changes) / n
-    var = sum((c - mean) ** 2 for c in changes) / (n - 1) if n > 1 else 0.0
-    error = math.sqrt(var / n)
-    return mean > 0 and mean > 2 * error, mean, error
-
-
 def run(
     output_dir: Path,
     seed: int,
@@ -140,34 +128,24 @@ def run(
     smoke: bool = False,
     steps: int | None = None,
     overrides: dict[str, Any] | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
-    """The four stages under ``output_dir``; returns the evaluations before and after GRPO."""
+    """The four stages under ``output_dir`` (the warm-up cached there unless ``fresh``);
+    returns the evaluations before and after GRPO."""
     start = time.perf_counter()
     scale: dict[str, Any] = SMOKE if smoke else {}
     output_dir.mkdir(parents=True, exist_ok=True)
     train, held_out = problems(seed)
     base = build_tiny_checkpoint(output_dir / "base", size=scale.get("size", "demo"), seed=0)
 
-    # 2. SFT warm-up on a few worked solutions (training problems only).
-    data = output_dir / "sft.jsonl"
-    with data.open("w", encoding="utf-8") as f:
-        for record in train[:WORKED_SOLUTIONS]:
-            line = {"prompt": record["prompt"], "completion": " " + worked_solution(record)}
-            f.write(json.dumps(line) + "\n")
-    sft = {**SFT_SETTINGS, **scale.get("sft", {})}
-    sft["num_epochs"] = math.ceil(
-        sft["total_steps"] / math.ceil(WORKED_SOLUTIONS / sft["batch_size"])
-    )
-    print(f"[SFT] {sft['total_steps']} steps on {WORKED_SOLUTIONS} worked solutions")
-    sft_model = run_sft(
-        SFTConfig(
-            **sft,
-            model_name=str(base),
-            dataset=str(data),
-            seed=seed,
-            output_dir=str(output_dir / "sft"),
-            overwrite_output_dir=True,
-        )
+    # 2. SFT warm-up on a few worked solutions (training problems only), cached.
+    print(f"[SFT] {SFT_SETTINGS['total_steps']} steps on {WORKED_SOLUTIONS} worked solutions")
+    sft_model = sft_stage(
+        PPOConfig(model_name=str(base), output_dir=str(output_dir), seed=seed),
+        train[:WORKED_SOLUTIONS],
+        lambda r: {"prompt": r["prompt"], "completion": " " + worked_solution(r)},
+        {**SFT_SETTINGS, **scale.get("sft", {})},
+        fresh=fresh,
     )
 
     # 3. GRPO with the built-in verifiable rewards.
@@ -217,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--output-dir", default="runs/reasoning", help="where the stages go")
     parser.add_argument("--smoke", action="store_true", help="toy scale on the test-size model")
+    parser.add_argument("--fresh", action="store_true", help="redo the cached SFT warm-up")
     parser.add_argument(
         "--set",
         action="append",
@@ -238,7 +217,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ValueError:
                 pass
         overrides[key.strip()] = parsed
-    run(Path(args.output_dir), args.seed, smoke=args.smoke, steps=args.steps, overrides=overrides)
+    run(
+        Path(args.output_dir),
+        args.seed,
+        smoke=args.smoke,
+        steps=args.steps,
+        overrides=overrides,
+        fresh=args.fresh,
+    )
     return 0
 
 

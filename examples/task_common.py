@@ -13,6 +13,7 @@ plus the fields its reward reads (reference summaries, unit tests, ...), which
 * :func:`sft_stage`: without ``--model``, the embedded tiny model (random weights) first learns
   the task from the data's demonstrations (reference summaries, replies, solutions), a stage
   cached in ``<output_dir>/sft`` like the demo's.
+* :func:`clearly_rose`: whether a per-problem score rose by more than twice its standard error.
 * The command line every example shares (:func:`task_argument_parser`, :func:`run_task_cli`):
   samples and mean rewards before and after PPO; ``--resume`` continues a run with the config
   it recorded, as ``main.py train --resume`` does.
@@ -216,6 +217,17 @@ def print_evaluation(title: str, result: Mapping[str, Any], shown: int = SHOWN_S
         completion = sample["completion"]
         completion = completion if len(completion) <= 160 else completion[:157] + "..."
         print(f"  [{sample['reward']:+.3f}] {sample['label']}\n          -> {completion!r}")
+
+
+def clearly_rose(before: Sequence[float], after: Sequence[float]) -> tuple[bool, float, float]:
+    """Whether the mean of ``after - before`` (paired per problem) exceeds twice its standard
+    error: ``(rose, mean change, standard error)``."""
+    changes = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(changes)
+    mean = sum(changes) / n
+    var = sum((c - mean) ** 2 for c in changes) / (n - 1) if n > 1 else 0.0
+    error = math.sqrt(var / n)
+    return mean > 0 and mean > 2 * error, mean, error
 
 
 def reward_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[float, float]:

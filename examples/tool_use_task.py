@@ -1,19 +1,20 @@
 """The task side of the tool-use example (``python -m examples.tool_use``): arithmetic the tiny
-model cannot do in its head, a ``calculator`` tool that can, the reward, and a few
-demonstrations of tool calls for the SFT warm-up.
+model cannot do in its head, a ``calculator`` tool that can, the reward, and demonstrations for
+the SFT warm-up.
 
-* :func:`problems`: seeded ``a * b`` questions with 2-digit operands and ``a + b`` with 3-digit
-  ones, results of 3-4 digits: short enough for the tiny model to copy, beyond what it can
-  compute (the held-out problems are new products and sums); records
-  ``{"prompt": [user message], "answer": "<integer>"}``, a held-out part kept apart.
+* :func:`problems`: every question ``a * b`` with a 2-digit ``a`` and a 1-digit ``b`` (2-9),
+  results of 2-3 digits (few to copy), shuffled by the seed; records
+  ``{"prompt": [user message], "answer": "<integer>"}``, a held-out part kept apart (products
+  the model never saw: beyond what it can compute).
 * :func:`calculator`: the tool (type hints and a Google docstring: TRL's contract), an
-  arithmetic evaluator over integers that runs nothing but arithmetic.
+  arithmetic evaluator over integers that runs nothing but arithmetic; its result echoes the
+  expression, ``"37 * 8 = 296"``, the line the model's answer copies.
 * :func:`answer_reward`: 1.0 when the final assistant turn (after the last tool result) gives
   the right integer, else 0.0; a TRL-style reward ``(completions, answer, **kwargs)``.
-* :func:`demonstrations`: SFT conversations in the chat format: the user's question, the
-  assistant's ``<tool_call>`` (Hermes/Qwen format), the tool's result, the final answer; with
-  the tools' schemas under ``"tools"`` (TRL's SFT column), so the warm-up sees the prompt the
-  rollouts see.
+* :func:`demonstrations`: SFT conversations in the chat format: :func:`demonstration` (the
+  user's question, the assistant's ``<tool_call>`` (Hermes/Qwen format), the tool's result, the
+  answer) or :func:`direct_answer` (the answer without the tool); with the tools' schemas under
+  ``"tools"`` (TRL's SFT column), so the warm-up sees the prompt the rollouts see.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 #: Problems kept apart from training (evaluated only).
 HELD_OUT = 40
-#: Problems in all (training + held out).
-NUM_PROBLEMS = 240
+#: Problems in all (training + held out): every 2-digit times 1-digit product.
+NUM_PROBLEMS = 90 * 8
 _MAX_DIGITS = 60  # longest integer the calculator returns (no 10**10**10)
 
 _OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
@@ -79,31 +80,24 @@ def evaluate_arithmetic(expression: str) -> int:
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an integer arithmetic expression exactly.
+    """Evaluate an integer arithmetic expression exactly; the answer echoes the expression.
 
     Args:
         expression: The expression, with integers, parentheses and + - * // %, e.g. "4821 * 397".
     """
-    return str(evaluate_arithmetic(expression))
+    return f"{' '.join(expression.split())} = {evaluate_arithmetic(expression)}"
 
 
 def problems(seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(training, held_out)`` prompt records ``{"prompt": [{"role": "user", ...}], "answer"}``:
-    :data:`NUM_PROBLEMS` seeded questions ``a * b`` (2 digits each) and ``a + b`` (3 digits
-    each), every pair distinct; the last :data:`HELD_OUT` are held out."""
-    rng = random.Random(seed)
-    seen: set[tuple[str, int, int]] = set()
-    records: list[dict[str, Any]] = []
-    while len(records) < NUM_PROBLEMS:
-        op = rng.choice(["*", "+"])
-        a = rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
-        b = rng.randint(10, 99) if op == "*" else rng.randint(100, 999)
-        if (op, a, b) in seen:
-            continue
-        seen.add((op, a, b))
-        answer = a * b if op == "*" else a + b
-        question = f"What is {a} {op} {b}?"
-        records.append({"prompt": [{"role": "user", "content": question}], "answer": str(answer)})
+    every question ``a * b`` with a 2-digit ``a`` and a 1-digit ``b`` from 2 to 9
+    (:data:`NUM_PROBLEMS`), shuffled by ``seed``; the last :data:`HELD_OUT` are held out."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(2, 10)]
+    random.Random(seed).shuffle(pairs)
+    records = [
+        {"prompt": [{"role": "user", "content": f"What is {a} * {b}?"}], "answer": str(a * b)}
+        for a, b in pairs
+    ]
     return records[:-HELD_OUT], records[-HELD_OUT:]
 
 
@@ -164,11 +158,29 @@ def demonstration(record: Mapping[str, Any]) -> dict[str, Any]:
         *[dict(m) for m in record["prompt"]],
         {"role": "assistant", "content": tool_call_text(expression)},
         {"role": "tool", "name": "calculator", "content": result},
-        {"role": "assistant", "content": f"The answer is {result}."},
+        {"role": "assistant", "content": f"{result}."},
     ]
     return {"messages": messages, "tools": [t.schema for t in make_tools([calculator])]}
 
 
-def demonstrations(records: Sequence[Mapping[str, Any]], n: int) -> list[dict[str, Any]]:
-    """:func:`demonstration` of the first ``n`` records."""
-    return [demonstration(r) for r in records[:n]]
+def direct_answer(record: Mapping[str, Any]) -> dict[str, Any]:
+    """One SFT conversation answering ``record`` without the calculator (the right answer,
+    stated), plus the tools' schemas: what a model that does not rely on the tool writes."""
+    from agents.tools import make_tools
+
+    messages = [
+        *[dict(m) for m in record["prompt"]],
+        {"role": "assistant", "content": f"{expression_of(record)} = {record['answer']}."},
+    ]
+    return {"messages": messages, "tools": [t.schema for t in make_tools([calculator])]}
+
+
+def demonstrations(
+    records: Sequence[Mapping[str, Any]], n: int, call_share: float = 1.0
+) -> list[dict[str, Any]]:
+    """SFT conversations for the first ``n`` records: a share ``call_share`` of them, spread
+    evenly, :func:`demonstration` (the calculator), the others :func:`direct_answer`."""
+    return [
+        demonstration(r) if int((i + 1) * call_share) > int(i * call_share) else direct_answer(r)
+        for i, r in enumerate(records[:n])
+    ]

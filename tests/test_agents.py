@@ -814,8 +814,8 @@ def test_python_code_runs_in_the_sandbox_and_is_stopped_at_its_deadline() -> Non
 def test_the_calculator_does_arithmetic_and_nothing_else() -> None:
     from examples.tool_use_task import calculator
 
-    assert calculator("4821 * 397") == str(4821 * 397)
-    assert calculator(" (12 + -3) * 4 // 5 % 7 ") == str((12 + -3) * 4 // 5 % 7)
+    assert calculator("4821 * 397") == f"4821 * 397 = {4821 * 397}"
+    assert calculator(" (12 + -3) * 4  // 5 % 7 ") == f"(12 + -3) * 4 // 5 % 7 = {9 * 4 // 5 % 7}"
     for bad in [
         "__import__('os')",
         "2 ** 10",
@@ -830,11 +830,11 @@ def test_the_calculator_does_arithmetic_and_nothing_else() -> None:
 
 
 def test_the_task_is_seeded_and_its_reward_reads_the_final_turn() -> None:
-    from examples.tool_use_task import HELD_OUT, answer_reward, problems
+    from examples.tool_use_task import HELD_OUT, NUM_PROBLEMS, answer_reward, problems
 
     train, held_out = problems(3)
     assert problems(3) == (train, held_out) and problems(4)[0] != train
-    assert len(held_out) == HELD_OUT
+    assert len(held_out) == HELD_OUT and len(train) + HELD_OUT == NUM_PROBLEMS
     questions = [r["prompt"][0]["content"] for r in train + held_out]
     assert len(set(questions)) == len(questions)
     transcript = (
@@ -858,11 +858,46 @@ def test_a_demonstration_is_a_call_the_episode_runs_to_the_answer() -> None:
     assert user == record["prompt"][0]
     episode = Episode(make_tools([calculator]), AgentSettings())
     assert plain(episode.step(call["content"])) == [result]
-    assert result["content"] == record["answer"]
+    assert result["content"] == f"{record['prompt'][0]['content'][8:-1]} = {record['answer']}"
     assert episode.step(final["content"]) is None
     assert answer_reward([demo["messages"]], answer=[record["answer"]]) == [1.0]
     assert demo["tools"] == episode.schemas
     json.dumps(demo)  # an SFT record: plain JSON
+
+
+def test_a_share_of_the_demonstrations_answer_without_the_calculator() -> None:
+    from examples.tool_use_task import answer_reward, demonstrations, problems
+
+    train = problems(0)[0]
+    demos = demonstrations(train, 8, call_share=0.75)
+    calls = [len(d["messages"]) == 4 for d in demos]
+    assert calls == [False, True, True, True, False, True, True, True]
+    direct = demos[0]["messages"]
+    assert [m["role"] for m in direct] == ["user", "assistant"]
+    assert "<tool_call>" not in direct[1]["content"]
+    assert answer_reward([direct], answer=[train[0]["answer"]]) == [1.0]
+    assert all(len(d["messages"]) == 4 for d in demonstrations(train, 5))  # all call by default
+
+
+def test_the_examples_shaped_reward_counts_a_calculator_result_and_the_answers_digits() -> None:
+    from examples.tool_use import shaped_reward
+
+    def episode(result: str, answer: str) -> str:
+        return (
+            "<tool_call>...</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n"
+            f"{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n{answer}<|im_end|>"
+        )
+
+    right = episode("37 * 8 = 296", "37 * 8 = 296.")
+    one_digit_off = episode("37 * 8 = 296", "37 * 8 = 206.")
+    error = episode("Error: not an arithmetic expression: '37 *'", "37 * 8 = 296.")
+    direct = "37 * 8 = 296."
+    assert shaped_reward([right, one_digit_off, error, direct], answer=["296"] * 4) == [
+        pytest.approx(2.0),
+        pytest.approx(0.5 + 0.5 * 2 / 3),
+        pytest.approx(1.5),
+        pytest.approx(1.5),
+    ]
 
 
 def test_demonstrations_train_both_assistant_turns_with_the_tools_in_the_prompt(
