@@ -32,6 +32,7 @@ from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.rollout import Rollout
 from ppo_trainer.rollout_records import read_rollout_records
 from tests.test_advantage import _ThreadRanks, threaded_all_sum  # noqa: F401 (a fixture)
+from tests.resume_checks import without_timings
 
 PROMPTS = [
     {"prompt": "What is stored under apple?", "target": 2},
@@ -445,11 +446,7 @@ def test_a_run_with_seeded_environments_resumes_exactly_and_names_a_changed_fact
     resumed_history = second.train(PROMPTS, num_epochs=2, resume_from="latest")
     assert Dice.seeds[-4:] == played[-4:]  # step 2's environments, rebuilt from their seeds
 
-    def comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-        skip = ("time/", "tokens_per_second")
-        return [{k: v for k, v in h.items() if not k.startswith(skip)} for h in history]
-
-    assert comparable(resumed_history) == comparable(straight_history)
+    assert without_timings(resumed_history) == without_timings(straight_history)
     assert straight_history[0]["objective/scores_std"] > 0  # the dice made the scores differ
     final, resumed = trainable(straight.policy), trainable(second.policy)
     for key in final:

@@ -17,6 +17,7 @@ from experience_buffer.buffer import RolloutBatch
 from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
+from tests.resume_checks import without_timings
 
 PROMPTS = review_prompts(16, seed=0)
 
@@ -382,13 +383,6 @@ def test_callbacks_are_called_with_the_right_arguments(
     assert all(math.isfinite(r) for _, r in epoch_calls)
 
 
-def _comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [
-        {k: v for k, v in h.items() if not k.startswith("time/") and k != "tokens_per_second"}
-        for h in history
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
@@ -415,7 +409,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
     resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
     assert second.reward_moments == straight.reward_moments  # normalize_reward's statistics
 
-    assert _comparable(resumed_history) == _comparable(straight_history)
+    assert without_timings(resumed_history) == without_timings(straight_history)
     for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
         wa, wb = trainable(a), trainable(b)
         assert wa.keys() == wb.keys()

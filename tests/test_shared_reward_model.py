@@ -27,6 +27,7 @@ from models.value_model import ValueModel
 from ppo_trainer.components import check_reward_adapters
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.fingerprints import model_fingerprint
+from tests.resume_checks import assert_same_trainables, without_timings
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0)
 PROBE = mx.array([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])  # (2, 5)
@@ -310,20 +311,12 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
     second = PPOTrainer(resumed_cfg)
     resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
 
-    def comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-        return [
-            {k: v for k, v in h.items() if not k.startswith("time/") and k != "tokens_per_second"}
-            for h in history
-        ]
-
     assert len(straight_history) == 2
-    assert comparable(resumed_history) == comparable(straight_history)
+    assert without_timings(resumed_history) == without_timings(straight_history)
     assert straight.value_model is not None and second.value_model is not None
-    for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
-        wa, wb = numpy(a.trainable_parameters()), numpy(b.trainable_parameters())
-        assert wa.keys() == wb.keys()
-        for k in wa:
-            np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+    assert_same_trainables(
+        [(straight.policy, second.policy), (straight.value_model, second.value_model)]
+    )
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
 from ppo_trainer.ppo_trainer import PPOTrainer
+from tests.resume_checks import assert_same_trainables, without_timings
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0)
 PROBE = mx.array([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])  # (2, 5)
@@ -202,20 +203,12 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
     second = PPOTrainer(resumed_cfg, reward_model=e_rate)
     resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
 
-    def comparable(history: list[dict[str, float]]) -> list[dict[str, float]]:
-        return [
-            {k: v for k, v in h.items() if not k.startswith("time/") and k != "tokens_per_second"}
-            for h in history
-        ]
-
     assert len(straight_history) == 2
-    assert comparable(resumed_history) == comparable(straight_history)
+    assert without_timings(resumed_history) == without_timings(straight_history)
     assert straight.value_model is not None and second.value_model is not None
-    for a, b in ((straight.policy, second.policy), (straight.value_model, second.value_model)):
-        wa, wb = numpy(a.trainable_parameters()), numpy(b.trainable_parameters())
-        assert wa.keys() == wb.keys()
-        for k in wa:
-            np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+    assert_same_trainables(
+        [(straight.policy, second.policy), (straight.value_model, second.value_model)]
+    )
 
 
 def test_save_model_and_load_model_round_trip(tiny_model_dir: Path, tmp_path: Path) -> None:
