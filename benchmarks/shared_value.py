@@ -11,6 +11,9 @@ Usage::
     # Qwen3-0.6B's shape, both value models and TRL 1.12, alternated twice
     python -m benchmarks.shared_value --part value --model qwen3-0.6b --rounds 2 \
         --trl-python /path/to/trl-venv/bin/python --gradient-checkpointing
+    # TRL 1.12's run alone at that shape (no value model of ours: --value-init with no value)
+    python -m benchmarks.shared_value --part value --model qwen3-0.6b --value-init \
+        --trl-python /path/to/trl-venv/bin/python --gradient-checkpointing
     # SmolLM2-135M's shape, shared value model, the reward model on its own base or on the
     # policy's (one base for the four models)
     python -m benchmarks.shared_value --part value --value-init shared --reward-base own shared
@@ -102,6 +105,8 @@ def build_reward_adapters(policy_dir: Path, out_dir: Path, seed: int = 0) -> Pat
 def value_part(args: argparse.Namespace, work: Path) -> None:
     shape = SHAPES[args.model]
     assert isinstance(shape, RealShape), f"{args.model} is not a real shape"
+    if not args.value_init and args.trl_python is None:
+        raise SystemExit("nothing to run: give --value-init values, or --trl-python for TRL's")
     if args.reward_function is not None and "reward" in args.value_init:
         raise SystemExit("--reward-function loads no reward model: use --value-init shared")
     start = time.perf_counter()
@@ -218,7 +223,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["value", "prefill", "both"], default="both")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(SHAPES))
-    parser.add_argument("--value-init", nargs="+", default=["reward", "shared"])
+    parser.add_argument(
+        "--value-init",
+        nargs="*",
+        default=["reward", "shared"],
+        help="our value models to run (none given: only TRL's, with --trl-python)",
+    )
     parser.add_argument(
         "--reward-base",
         nargs="+",
