@@ -51,7 +51,9 @@ from sandbox import SandboxLimits
 from token_attribution.sequences import build_query_responses
 
 REPO = Path(__file__).resolve().parents[1]
-LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=3, memory_mb=256)
+# Wall time for a candidate's whole run: a loaded CI machine can take over a second just to start
+# the sandboxed interpreter; the looping candidate is stopped by its CPU time first.
+LIMITS = SandboxLimits(timeout_s=6.0, cpu_time_s=3, memory_mb=256)
 
 ARTICLE = (
     "The town council of Millbrook voted on Tuesday to turn the empty lot behind the train "
