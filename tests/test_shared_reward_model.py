@@ -28,6 +28,7 @@ from ppo_trainer.components import check_reward_adapters
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.fingerprints import model_fingerprint
 from tests.resume_checks import assert_same_trainables, without_timings
+from tests.test_shared_value_model import config as shared_value_config
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0)
 PROBE = mx.array([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])  # (2, 5)
@@ -68,23 +69,9 @@ def policy(tiny_model_dir: Path) -> PolicyModel:
 
 
 def ppo_config(model_dir: Path, reward_dir: Path | str, out: Path, **overrides: Any) -> PPOConfig:
-    values: dict[str, Any] = dict(
-        model_name=str(model_dir),
-        reward_model_name=str(reward_dir),
-        share_reward_base=True,
-        value_init="shared",
-        max_new_tokens=8,
-        batch_size=4,
-        learning_rate=1e-3,
-        num_ppo_epochs=2,
-        num_mini_batches=2,
-        output_dir=str(out),
-        progress_bar=False,
-        log_rollouts_every=0,
-        seed=0,
-    )
-    values.update(overrides)
-    return PPOConfig(**values)
+    """The shared-value-model test run's config with the reward adapters on the policy's base."""
+    shared = dict(reward_model_name=str(reward_dir), share_reward_base=True)
+    return shared_value_config(model_dir, out, **{**shared, **overrides})
 
 
 def test_the_adapter_checkpoint_records_its_base_and_loads_on_its_own(
