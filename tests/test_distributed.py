@@ -197,6 +197,17 @@ def two_ranks(run_files: Path) -> dict[str, Any]:
     return {"output": output, "dir": out, "dump": dump}
 
 
+def assert_ranks_equal_one_process(dump: Path, final: dict[str, np.ndarray]) -> None:
+    """The two ranks' final trainable weights (``dump/rank<r>.safetensors``) hold ``final``'s
+    keys, are identical to each other, and equal one process's ``final`` within 1e-4."""
+    ranks = [mx.load(str(dump / f"rank{r}.safetensors")) for r in (0, 1)]
+    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
+    assert ranks[0].keys() == ranks[1].keys() == final.keys()
+    for key in final:
+        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
+        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+
+
 @pytest.mark.slow
 def test_two_ranks_keep_identical_weights(two_ranks: dict[str, Any]) -> None:
     ranks = [mx.load(str(two_ranks["dump"] / f"rank{r}.safetensors")) for r in (0, 1)]
@@ -369,14 +380,10 @@ def test_two_ranks_train_a_shared_base_value_model_like_one_process(run_files: P
     command = ["-m", "tests.distributed_helpers", "train", str(out / "dump"), "2", "--"]
     output = launch(2, command + train_args(run_files, out / "ranks", "value_init=shared"))
     assert rank_exit_codes(output) == {}, output
-    ranks = [mx.load(str(out / "dump" / f"rank{r}.safetensors")) for r in (0, 1)]
-    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
-    assert ranks[0].keys() == ranks[1].keys() == final.keys()
     for key in final:
         # lora_a moves little here: its gradient waits for lora_b, which starts at zero.
         assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
-        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
-        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+    assert_ranks_equal_one_process(out / "dump", final)
 
 
 @pytest.mark.slow
@@ -405,13 +412,9 @@ def test_two_ranks_play_seeded_environments_like_one_process(
     command = ["-m", "tests.distributed_helpers", "agents", str(tmp_path / "agents.yaml")]
     output = launch(2, command + [str(tmp_path / "dump")])
     assert rank_exit_codes(output) == {}, output
-    ranks = [mx.load(str(tmp_path / "dump" / f"rank{r}.safetensors")) for r in (0, 1)]
-    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
-    assert ranks[0].keys() == ranks[1].keys() == final.keys()
     for key in final:
         assert not np.array_equal(final[key], initial[key]), f"{key} did not train"
-        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
-        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+    assert_ranks_equal_one_process(tmp_path / "dump", final)
     logged = [json.loads(line) for line in (tmp_path / "ranks" / "metrics.jsonl").open()]
     assert [r["step"] for r in logged] == [1] and len(history) == 1
     for got, want in zip(logged, history):
@@ -491,14 +494,10 @@ def test_two_ranks_train_a_supervised_stage_like_one_process(
     on the same global batches, write one set of files, and log the global batch's metrics."""
     root: Path = stage_runs["root"]
     single = stage_runs["single"][stage]
-    ranks = [mx.load(str(root / "dump" / stage / f"rank{r}.safetensors")) for r in (0, 1)]
-    assert isinstance(ranks[0], dict) and isinstance(ranks[1], dict)
     initial, final = single["initial"], single["final"]
-    assert ranks[0].keys() == ranks[1].keys() == final.keys()
     for key in final:
         assert np.abs(final[key] - initial[key]).max() > 1e-4, f"{key} did not train"
-        np.testing.assert_array_equal(np.array(ranks[0][key]), np.array(ranks[1][key]), key)
-        np.testing.assert_allclose(np.array(ranks[0][key]), final[key], 1e-4, 1e-5, err_msg=key)
+    assert_ranks_equal_one_process(root / "dump" / stage, final)
     run_dir = root / stage / "ranks"
     files = {"checkpoints", "config.yaml", "metrics.jsonl", "model", "training_curves.png"}
     if stage == "dpo":
