@@ -765,11 +765,18 @@ def test_tool_use_example_runs_every_stage(tmp_path: Path) -> None:
     cmd += ["--output-dir", str(tmp_path)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    for metric in ("reward", "tool_call_success", "tool_calls", "turns"):
+    for label in (
+        "task reward",
+        "tool-call success rate (episodes with a successful call)",
+        "well-formed calls (successful calls / calls)",
+        "calls per episode",
+        "turns per episode",
+    ):
         assert re.search(
-            rf"^grpo {metric} on held-out problems: \d+\.\d{{3}} -> \d+\.\d{{3}}",
+            rf"^grpo {re.escape(label)} on held-out problems: \d+\.\d{{3}} -> \d+\.\d{{3}}",
             result.stdout,
             re.M,
-        ), metric
-    assert re.search(r"grpo task reward (clearly rose|did NOT clearly rise)", result.stdout)
+        ), label
+    for label in ("task reward", "tool-call success rate"):
+        assert re.search(rf"grpo {label} (clearly rose|did NOT clearly rise)", result.stdout)
     assert (tmp_path / "grpo" / "metrics.jsonl").is_file()
