@@ -301,16 +301,56 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
         lm.train(was_training)
 
 
+def is_quantized_layer(module: nn.Module) -> bool:
+    """Whether ``module`` holds quantized weights: MLX's ``QuantizedLinear`` /
+    ``QuantizedEmbedding``, or another layer with ``scales`` and ``bits`` (mlx-lm's quantized
+    switch layers)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return True
+    return "scales" in module and hasattr(module, "bits")
+
+
+class _Holder(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+
+def _dequantized(layer: nn.Module) -> nn.Module:
+    """A float layer computing what the quantized ``layer`` does (mlx-lm's
+    ``dequantize_model``, applied to a holder of that one layer: ``layer`` is left as it is)."""
+    from mlx_lm.utils import dequantize_model
+
+    holder = _Holder(layer)
+    dequantize_model(holder)
+    if is_quantized_layer(holder.layer):
+        raise ValueError(f"cannot dequantize a {type(layer).__name__} layer")
+    return holder.layer
+
+
 @contextmanager
-def adapters_fused(model: nn.Module) -> Iterator[nn.Module]:
+def adapters_fused(model: nn.Module, *, dequantize: bool = False) -> Iterator[nn.Module]:
     """Within the block, each LoRA layer is replaced by one linear layer with the adapter merged
     in (``W + scale * B^T A^T``, mlx-lm's ``LoRALinear.fuse``), as ``mlx_lm.fuse`` does.
 
+    With ``dequantize`` every quantized layer is float within the block: a merged layer on a
+    quantized base as well as the layers without adapters (the float model a full checkpoint
+    holds); without it a merged layer on a quantized base is quantized again.
+
     The fused weights are new arrays (one per adapted matrix); the LoRA layers, and so the
-    trainable adapters, are put back on exit. Used to save a merged checkpoint mid-training.
+    trainable adapters, and the quantized layers are put back on exit. Used to save a merged
+    checkpoint mid-training.
     """
     lm = _lm(model)
-    swaps = [(name, m, m.fuse(dequantize=False)) for name, m in lora_modules(lm)]
+    adapted = lora_modules(lm)
+    swaps = [(name, m, m.fuse(dequantize=dequantize)) for name, m in adapted]
+    if dequantize:
+        inside_adapters = tuple(f"{name}." for name, _ in adapted)
+        swaps += [
+            (name, m, _dequantized(m))
+            for name, m in lm.named_modules()
+            if is_quantized_layer(m) and not name.startswith(inside_adapters)
+        ]
     with _layers_swapped(lm, swaps):
         yield lm
 

@@ -123,6 +123,8 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
                 seed=config.seed,
                 dtype=config.dtype,
                 fast_math=config.fast_math and not config.plain_mlx,
+                # Under LoRA the backbone stays frozen: a quantized base stays quantized (QLoRA).
+                keep_quantized=config.use_lora,
             )
             if config.use_lora:
                 model.lora = LoraSettings.from_model_config(config)

@@ -41,6 +41,7 @@ from base_setup.lora_setup import (
     LoraSettings,
     adapter_base_model,
     adapters_disabled,
+    is_quantized_layer,
     load_adapters,
     lora_modules,
 )
@@ -48,6 +49,7 @@ from models.backbone_loading import (
     ARCH_SUFFIX,
     BACKBONE_PREFIX,
     HF_HEAD_WEIGHT,
+    QUANTIZATION_KEYS,
     DtypeLike,
     backbone_from_causal_lm,
     dtype_name,
@@ -236,7 +238,8 @@ class ScalarHeadModel(nn.Module):
         """
         if is_adapter_checkpoint(path_or_repo):
             base, _ = adapter_checkpoint_base(path_or_repo)
-            model = cls.from_causal_lm(base, dtype=dtype, fast_math=fast_math)
+            # The adapters' base stays as stored (a quantized one quantized): it never trains.
+            model = cls.from_causal_lm(base, dtype=dtype, fast_math=fast_math, keep_quantized=True)
             model.attach_adapter_checkpoint(path_or_repo, dtype=dtype)
             return model
         loaded = load_backbone(path_or_repo)
@@ -336,6 +339,7 @@ class ScalarHeadModel(nn.Module):
         seed: int = 0,
         dtype: DtypeLike = None,
         fast_math: bool = True,
+        keep_quantized: bool = False,
     ) -> M:
         """A causal LM's backbone (its ``lm_head`` dropped) with a fresh scalar head.
 
@@ -349,6 +353,9 @@ class ScalarHeadModel(nn.Module):
             seed: seed of the "normal" head.
             dtype: parameter dtype; None = float32.
             fast_math: run the layers through :mod:`base_setup.fast_math` (False: mlx-lm's).
+            keep_quantized: a quantized checkpoint's layers stay quantized, for a backbone that
+                stays frozen (LoRA adapters and the head train: QLoRA); False dequantizes them,
+                so that the backbone can train.
         """
         if head_init not in ("zeros", "normal"):
             raise ValueError(f"head_init must be 'zeros' or 'normal', got {head_init!r}")
@@ -356,7 +363,7 @@ class ScalarHeadModel(nn.Module):
         if isinstance(path_or_model, nn.Module):
             backbone, hidden_size, config = backbone_from_causal_lm(path_or_model)
         else:
-            loaded = load_backbone(path_or_model)
+            loaded = load_backbone(path_or_model, keep_quantized=keep_quantized)
             backbone, hidden_size, config = loaded.backbone, loaded.hidden_size, loaded.config
             local = Path(path_or_model).exists()
             base_model = str(Path(path_or_model).resolve()) if local else str(path_or_model)
@@ -376,6 +383,8 @@ class ScalarHeadModel(nn.Module):
         """The config.json :meth:`save_pretrained` writes: this model's config as a one-label
         ``<Arch>ForSequenceClassification`` in its current parameter dtype."""
         config = copy.deepcopy(dict(self.config))
+        for key in QUANTIZATION_KEYS:  # the checkpoint's weights are float (save_pretrained)
+            config.pop(key, None)
         config["architectures"] = [self.architecture]
         config.pop("num_labels", None)  # transformers writes the labels, not their count
         config["id2label"] = {"0": "LABEL_0"}
@@ -417,6 +426,14 @@ class ScalarHeadModel(nn.Module):
         """
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        quantized = [name for name, m in self.named_modules() if is_quantized_layer(m)]
+        if quantized:
+            raise ValueError(
+                f"{len(quantized)} layers of this model are quantized (e.g. {quantized[0]}), "
+                "which a *ForSequenceClassification checkpoint cannot hold: save a LoRA model's "
+                "adapters, or save it merged (RewardModel.save_pretrained(merged=True) "
+                "dequantizes the base)"
+            )
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
         weights = flat_parameters(self)  # Hugging Face names: model.*, score.weight

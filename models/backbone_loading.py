@@ -4,8 +4,9 @@ models (:mod:`models.backbone`).
 Any checkpoint mlx-lm can build: a causal LM (its LM head dropped) or a one-label
 ``*ForSequenceClassification`` (its ``score.weight`` returned apart), sharded or not, written by
 transformers or by this project (GPT-2's sequence-classification layout, ``transformer.*`` with
-Conv1D weights, is converted both ways), quantized (the backbone is dequantized: it trains), with
-the config fixes of :mod:`models.checkpoint_config`.
+Conv1D weights, is converted both ways), quantized (the backbone is dequantized when it trains,
+and kept quantized for a model that trains LoRA adapters on it), with the config fixes of
+:mod:`models.checkpoint_config`.
 """
 
 from __future__ import annotations
@@ -174,8 +175,12 @@ def num_labels_of(config: Mapping[str, Any]) -> int | None:
     return None
 
 
+#: The config keys that say a checkpoint's weights are quantized (mlx-lm's, and transformers').
+QUANTIZATION_KEYS = ("quantization", "quantization_config")
+
+
 def _is_quantized(config: Mapping[str, Any]) -> bool:
-    return "quantization" in config or "quantization_config" in config
+    return any(key in config for key in QUANTIZATION_KEYS)
 
 
 # Architectures whose Hugging Face *ForSequenceClassification layout differs from mlx-lm's
@@ -278,13 +283,17 @@ class LoadedBackbone:
     path: Path
 
 
-def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
+def load_backbone(path_or_repo: str | Path, *, keep_quantized: bool = False) -> LoadedBackbone:
     """Load the transformer backbone of any checkpoint mlx-lm can read, without its LM head.
 
     The architecture comes from ``model_type`` (mlx-lm's ``_get_classes``), the weights are
     passed through the architecture's ``sanitize`` (the conversions mlx-lm applies to Hugging
     Face weights), ``lm_head.*`` is dropped and ``score.weight`` is returned apart. Weights keep
     their stored dtype.
+
+    A quantized checkpoint (an mlx-lm 4-/8-bit causal LM) is dequantized, since quantized
+    weights cannot train; with ``keep_quantized`` its layers stay quantized, for a model whose
+    backbone stays frozen (LoRA adapters and a head train on it: a QLoRA reward model).
 
     Raises:
         FileNotFoundError: no such directory / repo, no config.json or no safetensors weights.
@@ -300,7 +309,7 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
     updates = config_updates(config)
     config.update(updates)
     if _is_quantized(config):
-        return _dequantized_backbone(path, config, updates)
+        return _quantized_backbone(path, config, updates, dequantize=not keep_quantized)
     weights = read_checkpoint_weights(path)
     weights = from_hf_layout(config, weights)
     head_weight = weights.pop(HF_HEAD_WEIGHT, None)
@@ -351,14 +360,15 @@ def load_backbone(path_or_repo: str | Path) -> LoadedBackbone:
     return LoadedBackbone(backbone, hidden_size, head_weight, config, path)
 
 
-def _dequantized_backbone(
-    path: Path, config: dict[str, Any], updates: dict[str, Any]
+def _quantized_backbone(
+    path: Path, config: dict[str, Any], updates: dict[str, Any], *, dequantize: bool
 ) -> LoadedBackbone:
-    """The backbone of a quantized causal LM (an mlx-lm 4-/8-bit checkpoint), dequantized.
+    """The backbone of a quantized causal LM (an mlx-lm 4-/8-bit checkpoint): dequantized (a
+    backbone that trains), or kept quantized (``dequantize`` False: a frozen backbone under
+    LoRA adapters, the config keeping its ``quantization``).
 
-    A reward or value model trains its whole backbone, which quantized weights cannot do, so
-    the backbone is rebuilt in float weights (as ``mlx_lm.convert --dequantize`` would); it then
-    takes the memory of the unquantized model, hence the warning.
+    Dequantized, the backbone is rebuilt in float weights (as ``mlx_lm.convert --dequantize``
+    would) and takes the memory of the unquantized model, hence the warning.
     """
     from mlx_lm.utils import dequantize_model, load_model
 
@@ -369,18 +379,22 @@ def _dequantized_backbone(
         )
     full_model, config = load_model(path, model_config=updates or None)
     check_config_is_read(config, getattr(full_model, "args", None), f"the checkpoint at {path}")
-    dequantize_model(full_model)
+    if dequantize:
+        dequantize_model(full_model)
     backbone = _inner_backbone(full_model, f"the checkpoint at {path}")
     hidden_size = _hidden_size(full_model.args, f"the checkpoint at {path}")
+    if not dequantize:
+        return LoadedBackbone(backbone, hidden_size, None, config, path)
     size_mb = sum(v.nbytes for v in flat_parameters(backbone).values()) / 2**20
     logger.warning(
         "%s is quantized: its backbone was dequantized (%.0f MB) to build a reward/value model "
         "that trains it; set value_model_name (or reward_model_name) to a smaller float "
-        "checkpoint to save that memory",
+        "checkpoint to save that memory, or train a reward model with use_lora (its base stays "
+        "quantized)",
         path,
         size_mb,
     )
-    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config = {k: v for k, v in config.items() if k not in QUANTIZATION_KEYS}
     return LoadedBackbone(backbone, hidden_size, None, config, path)
 
 

@@ -28,6 +28,7 @@ from base_setup.lora_setup import (
     LoraSettings,
     adapters_fused,
     apply_lora,
+    is_quantized_layer,
     load_adapters,
     save_adapters,
 )
@@ -257,10 +258,7 @@ class PolicyModel(nn.Module):
     def is_quantized(self) -> bool:
         """Whether the base weights are quantized (an mlx-lm 4-bit / 8-bit checkpoint): they can
         only be trained through LoRA adapters."""
-        return any(
-            isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-            for _, m in self.model.named_modules()
-        )
+        return any(is_quantized_layer(m) for _, m in self.model.named_modules())
 
     def check_trainable(self) -> None:
         """Raise ``ValueError`` if training would not reach the weights it should: a quantized

@@ -95,7 +95,8 @@ class RewardModel(ScalarHeadModel):
     ) -> Path:
         """Write the model: without adapters, or with ``merged``, the one-label
         ``*ForSequenceClassification`` layout (:meth:`ScalarHeadModel.save_pretrained`; a LoRA
-        model's adapters merged into the weights, ``W + scale * B^T A^T``); with adapters, an
+        model's adapters merged into the weights, ``W + scale * B^T A^T``, a quantized base
+        dequantized: the checkpoint is float); with adapters, an
         adapter checkpoint, only what trained:
 
         * ``adapters.safetensors`` and ``adapter_config.json`` in mlx-lm's format, which records
@@ -114,8 +115,8 @@ class RewardModel(ScalarHeadModel):
         """
         if self.lora is None:
             return super().save_pretrained(save_dir, tokenizer, **kwargs)
-        if merged:
-            with adapters_fused(self):
+        if merged:  # a float checkpoint, also of adapters on a quantized base
+            with adapters_fused(self, dequantize=True):
                 return super().save_pretrained(save_dir, tokenizer, **kwargs)
         if self.base_model is None:
             raise ValueError(

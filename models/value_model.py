@@ -15,6 +15,7 @@ policy's adapters (and their merging for sampling) never see the value adapters.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,12 +29,15 @@ from base_setup.lora_setup import (
     LoraSettings,
     adapter_parameters,
     apply_lora,
+    is_quantized_layer,
     lora_modules,
     read_adapter_settings,
     save_adapters,
 )
 from models.backbone import DtypeLike, HeadInit, ScalarHeadModel
-from models.backbone_loading import HF_HEAD_WEIGHT, resolve_dtype
+from models.backbone_loading import HF_HEAD_WEIGHT, flat_parameters, resolve_dtype
+
+logger = logging.getLogger("ppo_mlx")
 
 #: The head's weight in a shared-base value model's directory (beside its adapters).
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -60,11 +64,23 @@ class ValueModel(ScalarHeadModel):
         """Load a reward- or value-model checkpoint (see :meth:`ScalarHeadModel.from_pretrained`)
         as a value model that trains every weight; a LoRA reward model's adapter checkpoint has
         its adapters merged into the weights (``W + scale * B^T A^T``), so the value model
-        starts from the reward model's function."""
+        starts from the reward model's function (on a quantized base, the base dequantized: the
+        value model trains it)."""
         model = super().from_pretrained(path_or_repo, dtype=dtype, fast_math=fast_math)
         if model.lora is not None:
-            fused = [(name, m.fuse(dequantize=False)) for name, m in lora_modules(model)]
+            fused = [(name, m.fuse(dequantize=True)) for name, m in lora_modules(model)]
             model.update_modules(tree_unflatten(fused))
+            quantized = [name for name, m in model.named_modules() if is_quantized_layer(m)]
+            if quantized:
+                from mlx_lm.utils import dequantize_model
+
+                dequantize_model(model)
+                logger.warning(
+                    "the base of the reward adapters at %s is quantized: the value model started "
+                    "from them was dequantized (%.0f MB), since it trains every weight",
+                    path_or_repo,
+                    sum(v.nbytes for v in flat_parameters(model).values()) / 2**20,
+                )
             model.unfreeze()
             model.lora = None
             model.train()

@@ -42,6 +42,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from base_setup.lora_setup import lora_modules, save_adapters
 from base_setup.tokenizer_setup import eos_token_ids
+from models.backbone_loading import QUANTIZATION_KEYS
 from models.policy_model import PolicyModel
 from ppo_trainer.trained_model import (
     EXPORTED_ADAPTERS_DIR,
@@ -57,7 +58,6 @@ _ALGORITHMS = {
     "grpo": "GRPO (group-relative advantages, frozen reference, no value model)",
     "sft": "supervised fine-tuning (next-token cross-entropy on the completions)",
 }
-_QUANTIZATION_KEYS = ("quantization", "quantization_config")
 #: ``model_type`` values whose mlx-lm weights carry transformers' names and shapes, so that a
 #: float export loads in ``AutoModelForCausalLM`` (each checked in tests/test_export.py).
 TRANSFORMERS_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
@@ -126,7 +126,7 @@ def export_model(
     policy = load_trained_model(found)
     if fuse and not lora_modules(policy.model):
         logger.info("--fuse: the model has no LoRA adapters, nothing to fuse")
-    if dequantize and not any(k in policy.config for k in _QUANTIZATION_KEYS):
+    if dequantize and not any(k in policy.config for k in QUANTIZATION_KEYS):
         logger.info("--dequantize: the weights are not quantized, nothing to dequantize")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def _write_export(
     lm = policy.model  # loaded for this export only: changed in place below
     config = policy.config
     adapted = lora_modules(lm)
-    was_quantized = any(k in config for k in _QUANTIZATION_KEYS)
+    was_quantized = any(k in config for k in QUANTIZATION_KEYS)
     adapters_exported = False
     if adapted and fuse:
         lm.update_modules(tree_unflatten([(n, m.fuse(dequantize=dequantize)) for n, m in adapted]))
@@ -201,9 +201,9 @@ def _write_export(
         adapters_exported = True
     if dequantize and was_quantized:
         dequantize_model(lm)
-        for key in _QUANTIZATION_KEYS:
+        for key in QUANTIZATION_KEYS:
             config.pop(key, None)
-    quantized = any(k in config for k in _QUANTIZATION_KEYS)
+    quantized = any(k in config for k in QUANTIZATION_KEYS)
     params = cast(list[tuple[str, mx.array]], tree_flatten(lm.parameters()))
     # The float dtypes of the weights (quantized layers also hold packed integer arrays).
     dtypes = sorted(

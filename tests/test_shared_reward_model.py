@@ -15,12 +15,18 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from base_setup.lora_setup import LoraSettings, adapters_disabled, adapters_merged, apply_lora
+from base_setup.lora_setup import (
+    LoraSettings,
+    adapters_disabled,
+    adapters_merged,
+    apply_lora,
+    is_quantized_layer,
+)
 from config.ppo_config import PPOConfig
 from config.reward_config import RewardConfig
 from fixtures.demo_data import preference_records
 from fixtures.tiny_corpus import review_prompts
-from models.backbone import is_adapter_checkpoint
+from models.backbone import ScalarHeadModel, is_adapter_checkpoint
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
 from models.value_model import ValueModel
@@ -342,3 +348,67 @@ def test_the_reward_stage_with_lora_trains_adapters_and_head_only(
     check_reward_adapters(ppo_config(tiny_model_dir, out, tmp_path / "ppo"))
     shared = RewardModel.sharing_base(policy.model, out, dtype="float32")
     np.testing.assert_allclose(np.array(shared(PROBE)), np.array(loaded(PROBE)), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_lora_reward_model_keeps_a_4bit_base_quantized(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """QLoRA reward training: the base of a LoRA reward model on a 4-bit checkpoint stays
+    quantized in the reward stage, in its adapter checkpoint loaded alone and on a 4-bit PPO
+    policy's base (no float copy of the base anywhere); a value model started from it (which
+    trains every weight) and a merged save are float models of the same function."""
+    from finetune.reward_trainer import RewardTrainer
+    from fixtures.checkpoint_families import quantize_checkpoint
+
+    def quantized(model: Any) -> list[str]:
+        return [name for name, m in model.named_modules() if is_quantized_layer(m)]
+
+    q4 = quantize_checkpoint(tiny_model_dir, tmp_path / "q4")
+    config = RewardConfig(
+        model_name=str(q4),
+        output_dir=str(tmp_path / "run"),
+        learning_rate=1e-2,
+        batch_size=8,
+        total_steps=2,
+        lr_scheduler="constant",
+        progress_bar=False,
+        use_lora=True,
+        lora_r=4,
+    )
+    trainer = RewardTrainer(config)
+    assert quantized(trainer.model)
+    before = numpy(trainer.model.parameters())
+    trainer.train(preference_records(16, seed=1))
+    after = numpy(trainer.model.parameters())
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed == set(arrays(trainer.model.trainable_parameters()))
+    assert changed == {k for k in before if "lora_" in k} | {"score.weight"}
+    out = trainer.save_pretrained(tmp_path / "saved")
+    trainer.model.eval()
+    expected = np.array(trainer.model(PROBE))
+
+    loaded = RewardModel.from_pretrained(out)
+    assert quantized(loaded) == quantized(trainer.model)
+    np.testing.assert_array_equal(np.array(loaded(PROBE)), expected)
+    policy = PolicyModel.from_pretrained(q4, dtype="float32", lora=LORA)
+    check_reward_adapters(ppo_config(q4, out, tmp_path / "ppo"))
+    shared = RewardModel.sharing_base(policy.model, out, dtype="float32")
+    assert quantized(shared)
+    np.testing.assert_allclose(np.array(shared(PROBE)), expected, atol=1e-5)
+
+    # A value model started from it trains every weight: its base is dequantized.
+    value = ValueModel.from_pretrained(out)
+    assert quantized(value) == []
+    assert arrays(value.trainable_parameters()).keys() == arrays(value.parameters()).keys()
+    np.testing.assert_allclose(np.array(value(PROBE)), expected, atol=1e-5)
+
+    merged = loaded.save_pretrained(tmp_path / "merged", merged=True)
+    assert quantized(loaded) == quantized(trainer.model)  # the layers are put back
+    config_json = json.loads((merged / "config.json").read_text(encoding="utf-8"))
+    assert not {"quantization", "quantization_config"} & set(config_json)
+    full = RewardModel.from_pretrained(merged)
+    assert quantized(full) == []
+    np.testing.assert_allclose(np.array(full(PROBE)), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="quantized"):
+        ScalarHeadModel.save_pretrained(loaded, tmp_path / "refused")
