@@ -23,6 +23,7 @@ converts; the adapter config records mlx-lm's ``scale``.
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from base_setup.backend import evaluate_in_groups
+
+logger = logging.getLogger("ppo_mlx")
 
 ADAPTER_WEIGHTS_FILE = "adapters.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -308,6 +311,31 @@ def is_quantized_layer(module: nn.Module) -> bool:
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return True
     return "scales" in module and hasattr(module, "bits")
+
+
+_warned_quantized_on_cpu = False
+
+
+def warn_quantized_on_cpu(model: nn.Module, what: str) -> None:
+    """Warn, once per process, when ``model`` holds quantized layers and MLX computes on the
+    CPU: there MLX's quantized matrix products (training, scoring, prefill) run one to two
+    orders of magnitude slower than float32 ones through OpenBLAS (docs/performance.md), so 4-bit
+    weights save memory at a large cost in time. ``what`` names the model in the message."""
+    global _warned_quantized_on_cpu
+    if _warned_quantized_on_cpu or mx.default_device().type != mx.DeviceType.cpu:
+        return
+    if not any(is_quantized_layer(m) for _, m in model.named_modules()):
+        return
+    _warned_quantized_on_cpu = True
+    logger.warning(
+        "%s has quantized (4-/8-bit) layers and MLX runs on the CPU, where its quantized matrix "
+        "products are one to two orders of magnitude slower than float32 ones (a LoRA reward "
+        "stage's step 12-29x slower at SmolLM2-135M's and Qwen3-0.6B's shapes: "
+        "docs/performance.md). If memory allows, "
+        "dequantize the checkpoint first (python main.py export MODEL --out DIR --dequantize, or "
+        "mlx_lm.convert --dequantize)",
+        what,
+    )
 
 
 class _Holder(nn.Module):

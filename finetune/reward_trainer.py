@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from base_setup import seed_everything
-from base_setup.lora_setup import LoraSettings, apply_lora
+from base_setup.lora_setup import LoraSettings, apply_lora, warn_quantized_on_cpu
 from base_setup.tokenizer_setup import load_tokenizer
 from config.reward_config import RewardConfig
 from models.backbone import last_token_values, resolve_model_path
@@ -137,6 +137,7 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
                 f"{config.use_lora}: set use_lora to match, or pass model=None to load "
                 "config.model_name"
             )
+        warn_quantized_on_cpu(model, f"the reward model on {config.model_name}")
         #: The fingerprint of the base a LoRA reward model's adapters are trained on, which its
         #: adapter checkpoint records (PPO's share_reward_base compares the policy's with it).
         self.base_fingerprint = model_fingerprint(config.model_name) if config.use_lora else None

@@ -31,6 +31,7 @@ from base_setup.lora_setup import (
     is_quantized_layer,
     load_adapters,
     save_adapters,
+    warn_quantized_on_cpu,
 )
 from base_setup.tokenizer_setup import load_tokenizer
 from models.backbone_loading import check_model_files
@@ -262,7 +263,9 @@ class PolicyModel(nn.Module):
 
     def check_trainable(self) -> None:
         """Raise ``ValueError`` if training would not reach the weights it should: a quantized
-        model without LoRA adapters (its quantized weights are frozen; QLoRA trains adapters)."""
+        model without LoRA adapters (its quantized weights are frozen; QLoRA trains adapters).
+        A quantized model that trains on the CPU gets a warning of the cost in time
+        (:func:`base_setup.lora_setup.warn_quantized_on_cpu`)."""
         if self.lora is None and self.is_quantized:
             raise ValueError(
                 f"the model at {self.model_path} is quantized, and quantized weights cannot be "
@@ -270,6 +273,7 @@ class PolicyModel(nn.Module):
                 "dequantize it first (python main.py export ... --dequantize, or "
                 "mlx_lm.convert --dequantize)"
             )
+        warn_quantized_on_cpu(self.model, f"the model at {self.model_path}")
 
     def __call__(self, input_ids: mx.array, cache: list[Any] | None = None) -> mx.array:
         """Logits ``(B, L, V)`` for ``input_ids`` ``(B, L)``; ``cache`` is mlx-lm's KV cache."""

@@ -200,6 +200,26 @@ def test_multi_turn_benchmark_prefills_each_token_once_with_the_cache_kept(
     assert again[5] > kept[5]
 
 
+@pytest.mark.slow
+def test_qlora_reward_worker_keeps_the_4bit_base_quantized_or_dequantizes_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from benchmarks.qlora_reward import worker
+    from fixtures.checkpoint_families import quantize_checkpoint
+
+    q4 = quantize_checkpoint(tiny_model_dir, tmp_path / "q4")
+    results = {}
+    for keep in (True, False):
+        spec = dict(checkpoint=str(q4), keep_quantized=keep, batch_size=2, steps=2)
+        results[keep] = worker({**spec, "output_dir": str(tmp_path / f"run_{keep}")})
+    kept, dequantized = results[True], results[False]
+    assert kept["quantized_layers"] > 0 and dequantized["quantized_layers"] == 0
+    assert kept["weights_mb"] < dequantized["weights_mb"]
+    for result in (kept, dequantized):
+        assert len(result["step_seconds"]) == 2 and min(result["step_seconds"]) > 0
+        assert result["load_peak_mb"] > 0 and result["mlx_peak_mb"] > 0
+
+
 def test_full_plan_leads_with_the_real_shapes_with_lora_and_fewer_iterations(
     tmp_path: Path,
 ) -> None:

@@ -376,6 +376,28 @@ def test_adapters_merged_keep_low_precision_and_quantized_bases(tiny_model_dir: 
             assert len(lora_modules(inner)) == 14
 
 
+def test_training_a_quantized_base_on_the_cpu_warns_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLX's quantized matrix products are far slower than float32 ones on the CPU: a model
+    that trains on quantized layers there says so, once per process; a float one says nothing."""
+    import base_setup.lora_setup as lora_setup
+
+    monkeypatch.setattr(lora_setup, "_warned_quantized_on_cpu", False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    model, _ = _load(str(tiny_model_dir))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        lora_setup.warn_quantized_on_cpu(model, "the float model")
+        assert caplog.records == []
+        nn.quantize(model, group_size=64, bits=4)
+        lora_setup.warn_quantized_on_cpu(model, "the 4-bit model")
+        lora_setup.warn_quantized_on_cpu(model, "the 4-bit model again")
+    assert [r.getMessage()[:46] for r in caplog.records] == [
+        "the 4-bit model has quantized (4-/8-bit) layer"
+    ]
+    assert "--dequantize" in caplog.records[0].getMessage()
+
+
 def test_reference_from_pretrained_is_frozen(tiny_model_dir: Path) -> None:
     reference = ReferenceModel.from_pretrained(tiny_model_dir, dtype="float32")
     assert not reference.shares_policy_weights
