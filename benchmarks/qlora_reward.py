@@ -33,20 +33,23 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from benchmarks.ppo_throughput import REAL_LORA_ALPHA, REAL_LORA_MODULES, REAL_LORA_RANK
-from benchmarks.sampling_memory import _leaves, _load, _reset_peak_rss
 from benchmarks.shared_value import SHAPES
 from benchmarks.throughput_models import RealShape, build_real_checkpoint
-from benchmarks.throughput_spec import peak_rss_mb
+from benchmarks.throughput_spec import (
+    load_average,
+    parameters_mb,
+    peak_rss_mb,
+    reset_peak_rss,
+    run_module_worker,
+    write_worker_result,
+)
 
 #: The three ways, in the order they run: (label, which checkpoint, keep it quantized).
 WAYS: tuple[tuple[str, str, bool], ...] = (
@@ -101,7 +104,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         )
         trainer = RewardTrainer(config, model=model)
         load_peak = peak_rss_mb()
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         mx.reset_peak_memory()
         times = StepTimes()
         trainer.train(preference_records(spec["batch_size"] * spec["steps"]), callbacks=[times])
@@ -109,23 +112,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "load_peak_mb": load_peak,
             "train_peak_mb": peak_rss_mb() if reset else None,
             "mlx_peak_mb": mx.get_peak_memory() / 2**20,
-            "weights_mb": sum(v.nbytes for v in _leaves(model.parameters())) / 2**20,
+            "weights_mb": parameters_mb(model.parameters()),
             "quantized_layers": quantized,
             "step_seconds": times.seconds,
         }
-
-
-def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    """:func:`worker` in a fresh process (its peaks its own)."""
-    spec_path = work / "spec.json"
-    result_path = work / "result.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.qlora_reward", "--worker", str(spec_path)],
-        check=True,
-        env={**os.environ, "PPO_MLX_QLORA_RESULT": str(result_path)},
-    )
-    return cast(dict[str, Any], json.loads(result_path.read_text(encoding="utf-8")))
 
 
 def main() -> None:
@@ -136,8 +126,7 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        result = worker(json.loads(args.worker.read_text(encoding="utf-8")))
-        Path(os.environ["PPO_MLX_QLORA_RESULT"]).write_text(json.dumps(result), "utf-8")
+        write_worker_result(worker(json.loads(args.worker.read_text(encoding="utf-8"))))
         return
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is not timed)")
@@ -166,14 +155,14 @@ def main() -> None:
                 "batch_size": args.batch_size,
                 "steps": args.steps,
             }
-            r = run_worker(spec, work)
+            r = run_module_worker("benchmarks.qlora_reward", spec, work)
             train_peak = r["train_peak_mb"]
             peaks[label] = max(train_peak or 0.0, r["load_peak_mb"])
             print(
                 f"{label} | {'-' if train_peak is None else f'{train_peak:.0f}'} | "
                 f"{r['load_peak_mb']:.0f} | {r['mlx_peak_mb']:.0f} | {r['weights_mb']:.0f} | "
                 f"{r['quantized_layers']} | {statistics.median(r['step_seconds'][1:]):.2f} | "
-                f"{_load()}",
+                f"{load_average()}",
                 flush=True,
             )
     ratio = peaks["4-bit, kept"] / peaks["4-bit, dequantized"]

@@ -33,32 +33,25 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from benchmarks.ppo_throughput import REAL_LORA_ALPHA, REAL_LORA_MODULES, REAL_LORA_RANK
 from benchmarks.shared_value import SHAPES
 from benchmarks.throughput_models import RealShape, benchmark_prompts, build_real_checkpoint
-from benchmarks.throughput_spec import peak_rss_mb
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's ``VmHWM`` to its current resident memory (Linux: writing 5 to
-    /proc/self/clear_refs); False where that is not possible (the peak then includes loading)."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+from benchmarks.throughput_spec import (
+    load_average,
+    parameters_mb,
+    peak_rss_mb,
+    reset_peak_rss,
+    run_module_worker,
+    write_worker_result,
+)
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +75,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             module.lora_b = 0.01 * mx.random.normal(module.lora_b.shape, key=sub)
             mx.eval(module.lora_b)
         load_peak = peak_rss_mb()
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         mx.reset_peak_memory()
         prompts = spec["prompts"]
         prompt_ids = [list(policy.tokenizer.encode(p)) for p in prompts]
@@ -113,31 +106,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "sampling_peak_mb": peak_rss_mb() if reset else None,
             "mlx_peak_mb": mx.get_peak_memory() / 2**20,
             "merged_mb": sum(mergeable_weight_bytes(policy.model)) / 2**20,
-            "weights_mb": sum(v.nbytes for v in _leaves(policy.model.parameters())) / 2**20,
+            "weights_mb": parameters_mb(policy.model.parameters()),
         }
-
-
-def _leaves(tree: Any) -> list[Any]:
-    from mlx.utils import tree_flatten
-
-    return [v for _, v in cast(list[tuple[str, Any]], tree_flatten(tree))]
-
-
-def run_worker(spec: dict[str, Any], work: Path) -> dict[str, Any]:
-    """:func:`worker` in a fresh process (its peaks its own)."""
-    spec_path = work / "spec.json"
-    result_path = work / "result.json"
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.sampling_memory", "--worker", str(spec_path)],
-        check=True,
-        env={**os.environ, "PPO_MLX_SAMPLING_RESULT": str(result_path)},
-    )
-    return cast(dict[str, Any], json.loads(result_path.read_text(encoding="utf-8")))
-
-
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -159,8 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker is not None:
         spec = json.loads(args.worker.read_text(encoding="utf-8"))
-        result = worker(spec)
-        Path(os.environ["PPO_MLX_SAMPLING_RESULT"]).write_text(json.dumps(result), "utf-8")
+        write_worker_result(worker(spec))
         return
     print(
         f"sample_responses, LoRA r={REAL_LORA_RANK} on every linear layer, float32, "
@@ -189,7 +158,7 @@ def main() -> None:
                         "repeats": args.repeats,
                         "merge": merge,
                     }
-                    r = run_worker(spec, work)
+                    r = run_module_worker("benchmarks.sampling_memory", spec, work)
                     sampling_peak = r["sampling_peak_mb"]
                     name = model if args.layers is None else f"{model} ({args.layers} blocks)"
                     print(
@@ -198,7 +167,7 @@ def main() -> None:
                         f"{statistics.median(r['cpu_seconds']):.2f} | "
                         f"{'-' if sampling_peak is None else f'{sampling_peak:.0f}'} | "
                         f"{r['load_peak_mb']:.0f} | {r['mlx_peak_mb']:.0f} | "
-                        f"{r['merged_mb']:.0f} | {r['weights_mb']:.0f} | {r['blas_threads']} | {_load()}",
+                        f"{r['merged_mb']:.0f} | {r['weights_mb']:.0f} | {r['blas_threads']} | {load_average()}",
                         flush=True,
                     )
 

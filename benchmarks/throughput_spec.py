@@ -12,7 +12,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 System = Literal["mlx", "trl", "mlx-lm-lora", "textpolicy"]
 
@@ -287,6 +287,62 @@ def peak_rss_mb() -> float:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's ``VmHWM`` to its current resident memory (Linux: writing 5 to
+    /proc/self/clear_refs); False where that is not possible (the peak then includes what came
+    before, such as loading)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+#: The environment variable naming the file a worker of :func:`run_module_worker` writes.
+WORKER_RESULT_ENV = "PPO_MLX_WORKER_RESULT"
+
+
+def run_module_worker(module: str, spec: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run ``python -m <module> --worker <spec file>`` in a fresh process (its peaks its own):
+    ``spec`` goes to the worker as a JSON file in ``work``, and the worker writes its result as
+    JSON to the file named by ``$PPO_MLX_WORKER_RESULT`` (:func:`write_worker_result`)."""
+    import os
+    import subprocess
+    import sys
+
+    spec_path = work / "spec.json"
+    result_path = work / "result.json"
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    subprocess.run(
+        [sys.executable, "-m", module, "--worker", str(spec_path)],
+        check=True,
+        env={**os.environ, WORKER_RESULT_ENV: str(result_path)},
+    )
+    return cast(dict[str, Any], json.loads(result_path.read_text(encoding="utf-8")))
+
+
+def write_worker_result(result: dict[str, Any]) -> None:
+    """The worker's side of :func:`run_module_worker`: write ``result`` where it is awaited."""
+    import os
+
+    Path(os.environ[WORKER_RESULT_ENV]).write_text(json.dumps(result), encoding="utf-8")
+
+
+def parameters_mb(tree: Any) -> float:
+    """MiB of the arrays in an MLX parameter tree (``model.parameters()``)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in cast(list[tuple[str, Any]], tree_flatten(tree))) / 2**20
+
+
+def load_average() -> str:
+    """The machine's 1/5/15-minute load averages, ``"1.2/1.6/2.0"``."""
+    import os
+
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _busy_seconds() -> float | None:

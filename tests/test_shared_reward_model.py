@@ -80,6 +80,22 @@ def ppo_config(model_dir: Path, reward_dir: Path | str, out: Path, **overrides: 
     return shared_value_config(model_dir, out, **{**shared, **overrides})
 
 
+def lora_reward_stage(model_dir: Path, out: Path, **overrides: Any) -> RewardConfig:
+    """Two steps of the reward stage with LoRA (rank 4) on ``model_dir``."""
+    values: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        output_dir=str(out),
+        learning_rate=1e-2,
+        batch_size=8,
+        total_steps=2,
+        lr_scheduler="constant",
+        progress_bar=False,
+        use_lora=True,
+        lora_r=4,
+    )
+    return RewardConfig(**{**values, **overrides})
+
+
 def test_the_adapter_checkpoint_records_its_base_and_loads_on_its_own(
     reward_dir: Path, tiny_model_dir: Path
 ) -> None:
@@ -318,19 +334,7 @@ def test_the_reward_stage_with_lora_trains_adapters_and_head_only(
 ) -> None:
     from finetune.reward_trainer import RewardTrainer
 
-    config = RewardConfig(
-        model_name=str(tiny_model_dir),
-        output_dir=str(tmp_path / "run"),
-        learning_rate=1e-2,
-        batch_size=8,
-        total_steps=2,
-        lr_scheduler="constant",
-        progress_bar=False,
-        use_lora=True,
-        lora_r=4,
-        lora_dropout=0.1,
-    )
-    trainer = RewardTrainer(config)
+    trainer = RewardTrainer(lora_reward_stage(tiny_model_dir, tmp_path / "run", lora_dropout=0.1))
     before = numpy(trainer.model.parameters())
     trainable = set(arrays(trainer.model.trainable_parameters()))
     assert trainable == {k for k in before if "lora_" in k} | {"score.weight"}
@@ -365,18 +369,7 @@ def test_a_lora_reward_model_keeps_a_4bit_base_quantized(
         return [name for name, m in model.named_modules() if is_quantized_layer(m)]
 
     q4 = quantize_checkpoint(tiny_model_dir, tmp_path / "q4")
-    config = RewardConfig(
-        model_name=str(q4),
-        output_dir=str(tmp_path / "run"),
-        learning_rate=1e-2,
-        batch_size=8,
-        total_steps=2,
-        lr_scheduler="constant",
-        progress_bar=False,
-        use_lora=True,
-        lora_r=4,
-    )
-    trainer = RewardTrainer(config)
+    trainer = RewardTrainer(lora_reward_stage(q4, tmp_path / "run"))
     assert quantized(trainer.model)
     before = numpy(trainer.model.parameters())
     trainer.train(preference_records(16, seed=1))
