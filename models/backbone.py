@@ -27,7 +27,7 @@ import logging
 import math
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, Mapping, Sequence, TypeVar, cast
+from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -167,6 +167,10 @@ class ScalarHeadModel(nn.Module):
 
     lora: LoraSettings | None = None
     base_model: str | None = None
+    #: Whether :meth:`from_pretrained` keeps an adapter checkpoint's quantized base quantized
+    #: (the base stays frozen under the adapters); a subclass whose loaded model trains every
+    #: weight sets it False, and the base is dequantized.
+    keeps_adapter_base_quantized: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -238,8 +242,8 @@ class ScalarHeadModel(nn.Module):
         """
         if is_adapter_checkpoint(path_or_repo):
             base, _ = adapter_checkpoint_base(path_or_repo)
-            # The adapters' base stays as stored (a quantized one quantized): it never trains.
-            model = cls.from_causal_lm(base, dtype=dtype, fast_math=fast_math, keep_quantized=True)
+            keep = cls.keeps_adapter_base_quantized
+            model = cls.from_causal_lm(base, dtype=dtype, fast_math=fast_math, keep_quantized=keep)
             model.attach_adapter_checkpoint(path_or_repo, dtype=dtype)
             return model
         loaded = load_backbone(path_or_repo)

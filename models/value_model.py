@@ -15,7 +15,6 @@ policy's adapters (and their merging for sampling) never see the value adapters.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,15 +28,12 @@ from base_setup.lora_setup import (
     LoraSettings,
     adapter_parameters,
     apply_lora,
-    is_quantized_layer,
     lora_modules,
     read_adapter_settings,
     save_adapters,
 )
 from models.backbone import DtypeLike, HeadInit, ScalarHeadModel
-from models.backbone_loading import HF_HEAD_WEIGHT, flat_parameters, resolve_dtype
-
-logger = logging.getLogger("ppo_mlx")
+from models.backbone_loading import HF_HEAD_WEIGHT, resolve_dtype
 
 #: The head's weight in a shared-base value model's directory (beside its adapters).
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -57,6 +53,10 @@ class ValueModel(ScalarHeadModel):
             shares (:meth:`sharing_base`); None when every weight trains.
     """
 
+    #: A loaded value model trains every weight: an adapter checkpoint's quantized base is
+    #: dequantized (:meth:`from_pretrained`).
+    keeps_adapter_base_quantized = False
+
     @classmethod
     def from_pretrained(
         cls, path_or_repo: str | Path, *, dtype: DtypeLike = None, fast_math: bool = True
@@ -68,19 +68,8 @@ class ValueModel(ScalarHeadModel):
         value model trains it)."""
         model = super().from_pretrained(path_or_repo, dtype=dtype, fast_math=fast_math)
         if model.lora is not None:
-            fused = [(name, m.fuse(dequantize=True)) for name, m in lora_modules(model)]
+            fused = [(name, m.fuse(dequantize=False)) for name, m in lora_modules(model)]
             model.update_modules(tree_unflatten(fused))
-            quantized = [name for name, m in model.named_modules() if is_quantized_layer(m)]
-            if quantized:
-                from mlx_lm.utils import dequantize_model
-
-                dequantize_model(model)
-                logger.warning(
-                    "the base of the reward adapters at %s is quantized: the value model started "
-                    "from them was dequantized (%.0f MB), since it trains every weight",
-                    path_or_repo,
-                    sum(v.nbytes for v in flat_parameters(model).values()) / 2**20,
-                )
             model.unfreeze()
             model.lora = None
             model.train()
