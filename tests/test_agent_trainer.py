@@ -32,7 +32,7 @@ from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.rollout import Rollout
 from ppo_trainer.rollout_records import read_rollout_records
 from tests.test_advantage import _ThreadRanks, threaded_all_sum  # noqa: F401 (a fixture)
-from tests.resume_checks import without_timings
+from tests.resume_checks import StopAt, without_timings
 
 PROMPTS = [
     {"prompt": "What is stored under apple?", "target": 2},
@@ -399,15 +399,6 @@ class Dice:
 
 def length(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     return [float(len(c)) for c in completions]
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict[str, float]) -> None:
-        if step == self.step:
-            trainer.request_stop()
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from models.value_model import ValueModel
 from ppo_trainer.components import check_reward_adapters
 from ppo_trainer.ppo_trainer import PPOTrainer
 from training.fingerprints import model_fingerprint
-from tests.resume_checks import assert_same_trainables, without_timings
+from tests.resume_checks import assert_resume_equals_straight
 from tests.test_shared_value_model import config as shared_value_config
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0)
@@ -301,30 +301,13 @@ def test_stop_and_resume_equals_an_uninterrupted_run(
     """The reward adapters are constants loaded from reward_model_name again on resume (its
     fingerprint, recorded in the checkpoint, must not have changed); a checkpoint holds the
     policy's and value model's trained parameters only."""
-    from ppo_trainer.callbacks import TrainerCallback
-
-    class StopAt(TrainerCallback):
-        def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict[str, float]) -> None:
-            if step == 1:
-                trainer.request_stop()
-
     monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
     # The curves' plot (most of this test's time, three runs) is no part of what it checks.
     monkeypatch.setattr("training.metrics_logger.plot_metrics", lambda records, path: None)
-    prompts = review_prompts(4, seed=0)  # one step per epoch: stopped after the first epoch
     small = dict(save_every=100, max_new_tokens=4, num_ppo_epochs=1)
-    straight = PPOTrainer(ppo_config(tiny_model_dir, reward_dir, tmp_path / "a", **small))
-    straight_history = straight.train(prompts, num_epochs=2)
-    resumed_cfg = ppo_config(tiny_model_dir, reward_dir, tmp_path / "b", **small)
-    PPOTrainer(resumed_cfg).train(prompts, num_epochs=2, callbacks=[StopAt()])
-    second = PPOTrainer(resumed_cfg)
-    resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
-
-    assert len(straight_history) == 2
-    assert without_timings(resumed_history) == without_timings(straight_history)
-    assert straight.value_model is not None and second.value_model is not None
-    assert_same_trainables(
-        [(straight.policy, second.policy), (straight.value_model, second.value_model)]
+    assert_resume_equals_straight(
+        lambda name: PPOTrainer(ppo_config(tiny_model_dir, reward_dir, tmp_path / name, **small)),
+        review_prompts(4, seed=0),
     )
 
 

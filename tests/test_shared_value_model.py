@@ -18,7 +18,7 @@ from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
 from ppo_trainer.ppo_trainer import PPOTrainer
-from tests.resume_checks import assert_same_trainables, without_timings
+from tests.resume_checks import assert_resume_equals_straight
 
 LORA = LoraSettings(r=4, alpha=8.0, dropout=0.0)
 PROBE = mx.array([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])  # (2, 5)
@@ -185,29 +185,12 @@ def test_a_ppo_step_moves_every_trainable_parameter_and_keeps_one_base(
 def test_stop_and_resume_equals_an_uninterrupted_run(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ppo_trainer.callbacks import TrainerCallback
-
-    class StopAt(TrainerCallback):
-        def on_step_end(self, trainer: PPOTrainer, step: int, metrics: dict[str, float]) -> None:
-            if step == 1:
-                trainer.request_stop()
-
     monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
-    prompts = review_prompts(4, seed=0)  # one step per epoch: stopped after the first epoch
-    straight = PPOTrainer(
-        config(tiny_model_dir, tmp_path / "a", save_every=100), reward_model=e_rate
-    )
-    straight_history = straight.train(prompts, num_epochs=2)
-    resumed_cfg = config(tiny_model_dir, tmp_path / "b", save_every=100)
-    PPOTrainer(resumed_cfg, reward_model=e_rate).train(prompts, num_epochs=2, callbacks=[StopAt()])
-    second = PPOTrainer(resumed_cfg, reward_model=e_rate)
-    resumed_history = second.train(prompts, num_epochs=2, resume_from="latest")
-
-    assert len(straight_history) == 2
-    assert without_timings(resumed_history) == without_timings(straight_history)
-    assert straight.value_model is not None and second.value_model is not None
-    assert_same_trainables(
-        [(straight.policy, second.policy), (straight.value_model, second.value_model)]
+    assert_resume_equals_straight(
+        lambda name: PPOTrainer(
+            config(tiny_model_dir, tmp_path / name, save_every=100), reward_model=e_rate
+        ),
+        review_prompts(4, seed=0),
     )
 
 
