@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import numpy as np
@@ -173,27 +173,32 @@ def test_a_merged_save_is_a_full_checkpoint_of_the_same_function(
     )
 
 
+def refusal(build: Callable[[], Any]) -> str:
+    """The message of the ValueError that ``build()`` raises (it must raise one)."""
+    with pytest.raises(ValueError) as err:
+        build()
+    return str(err.value)
+
+
 def test_sharing_is_refused_with_an_actionable_message(
     reward_dir: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(ValueError) as err:
-        PPOConfig(model_name="m", reward_model_name="r", share_reward_base=True, use_lora=False)
-    assert str(err.value) == (
+    assert refusal(
+        lambda: PPOConfig(
+            model_name="m", reward_model_name="r", share_reward_base=True, use_lora=False
+        )
+    ) == (
         "share_reward_base must be false when use_lora is false, got True: set use_lora: true "
         "(the shared base must stay frozen) or share_reward_base: false"
     )
-    with pytest.raises(ValueError) as err:
-        PPOConfig(model_name="m", share_reward_base=True)
-    assert str(err.value) == (
+    assert refusal(lambda: PPOConfig(model_name="m", share_reward_base=True)) == (
         "share_reward_base must be false without reward_model_name, got True: set "
         "reward_model_name to a reward adapter checkpoint (main.py reward with use_lora: true), "
         "or share_reward_base: false"
     )
     full = tmp_path / "full"
     RewardModel.from_causal_lm(str(tiny_model_dir)).save_pretrained(full)
-    with pytest.raises(ValueError) as err:
-        check_reward_adapters(ppo_config(tiny_model_dir, full, tmp_path))
-    assert str(err.value) == (
+    assert refusal(lambda: check_reward_adapters(ppo_config(tiny_model_dir, full, tmp_path))) == (
         f"share_reward_base: {full} is not a reward adapter checkpoint (adapter_config.json, "
         "adapters.safetensors, score.safetensors): train the reward model with use_lora: true "
         "on model_name's base, or set share_reward_base: false to load it on its own"
@@ -205,9 +210,7 @@ def test_sharing_is_refused_with_an_actionable_message(
     saved = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**saved, "base_model_fingerprint": "sha256 0"}))
     now = model_fingerprint(tiny_model_dir)
-    with pytest.raises(ValueError) as err:
-        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))
-    assert str(err.value) == (
+    assert refusal(lambda: check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))) == (
         f"share_reward_base: the reward adapters in {other} were trained on "
         f"{tiny_model_dir.resolve()}, not on the policy's base model_name {tiny_model_dir} "
         f"(fingerprint sha256 0 vs {now}): train the reward model on model_name, or set "
@@ -215,9 +218,7 @@ def test_sharing_is_refused_with_an_actionable_message(
     )
     del saved["base_model_fingerprint"]
     config_file.write_text(json.dumps({**saved, "model": "org/another-base"}))
-    with pytest.raises(ValueError) as err:
-        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))
-    assert str(err.value) == (
+    assert refusal(lambda: check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path))) == (
         f"share_reward_base: the reward adapters in {other} were trained on org/another-base, "
         f"not on the policy's base model_name {tiny_model_dir} (org/another-base vs "
         f"{tiny_model_dir.resolve()}): train the reward model on model_name, or set "
@@ -226,9 +227,11 @@ def test_sharing_is_refused_with_an_actionable_message(
     check_reward_adapters(ppo_config(tiny_model_dir, reward_dir, tmp_path))  # the right base
     # Loaded on its own, an adapter checkpoint whose base changed since it was trained.
     config_file.write_text(json.dumps({**saved, "base_model_fingerprint": "sha256 0"}))
-    with pytest.raises(ValueError) as err:
-        check_reward_adapters(ppo_config(tiny_model_dir, other, tmp_path, share_reward_base=False))
-    assert str(err.value) == (
+    assert refusal(
+        lambda: check_reward_adapters(
+            ppo_config(tiny_model_dir, other, tmp_path, share_reward_base=False)
+        )
+    ) == (
         f"the reward adapters in {other} were trained on another model than the one now at "
         f"{tiny_model_dir.resolve()} (fingerprint sha256 0 then, {now} now): retrain the reward "
         "model on it, or restore the base it was trained on"
