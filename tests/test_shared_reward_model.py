@@ -54,6 +54,18 @@ def nudged(model: Any, amount: float) -> None:
     model.update(tree_map(lambda a: a + amount, model.trainable_parameters()))
 
 
+def assert_scores_like_standalone(reward: RewardModel, path: Path) -> None:
+    """``reward`` scores :data:`PROBE` as the adapter checkpoint at ``path`` loaded on its own
+    (float32) does."""
+    standalone = RewardModel.from_pretrained(path, dtype="float32")
+    np.testing.assert_allclose(
+        np.array(reward.score(PROBE, LENGTHS)),
+        np.array(standalone.score(PROBE, LENGTHS)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
 @pytest.fixture(scope="module")
 def reward_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reward adapter checkpoint on the tiny model (non-zero adapters, a normal head), as the
@@ -134,13 +146,7 @@ def test_shared_scores_equal_the_standalone_model_and_no_model_sees_other_adapte
         merged = np.array(policy(PROBE))
 
     reward = RewardModel.sharing_base(policy.model, reward_dir, dtype="float32")
-    standalone = RewardModel.from_pretrained(reward_dir, dtype="float32")
-    np.testing.assert_allclose(
-        np.array(reward.score(PROBE, LENGTHS)),
-        np.array(standalone.score(PROBE, LENGTHS)),
-        rtol=1e-6,
-        atol=1e-6,
-    )
+    assert_scores_like_standalone(reward, reward_dir)
     # One base: every base array of the reward model is the policy's own object, and nothing
     # of the reward model trains.
     policy_params = arrays(policy.model.parameters())
@@ -278,13 +284,7 @@ def test_a_ppo_step_trains_policy_and_value_and_scores_as_the_standalone_reward(
         for name, array in arrays(scalar_model.parameters()).items():
             if "lora_" not in name and "score" not in name:
                 assert array is policy_params[name], name
-    standalone = RewardModel.from_pretrained(reward_dir, dtype="float32")
-    np.testing.assert_allclose(
-        np.array(reward.score(PROBE, LENGTHS)),
-        np.array(standalone.score(PROBE, LENGTHS)),
-        rtol=1e-6,
-        atol=1e-6,
-    )
+    assert_scores_like_standalone(reward, reward_dir)
     # The saved (exported) policy and value model hold nothing of the reward model.
     out = trainer.save_model(tmp_path / "saved")
     adapters = mx.load(str(out / "adapters.safetensors"))
