@@ -155,9 +155,14 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
         normalize_reward: Normalise the scores by their running mean and standard deviation
             over every batch so far, (score - mean) / std, before they make rewards and
             advantages (OpenRLHF's normalize_reward, TRL's use_score_norm): learning then does
-            not depend on the reward's scale or offset (a reward around -20 leaves a value model
-            that starts near 0 far behind). The statistics are checkpointed; metrics report the
-            raw scores. Every algorithm.
+            not depend on the reward's scale or offset. The statistics are checkpointed;
+            metrics report the raw scores. Every algorithm. "auto" (the default) = on for
+            "ppo" when its value model starts with a fresh head (value_init "policy" or
+            "shared", or "reward" with no reward model to start from, as with reward
+            functions), off otherwise (a value model started from the reward model predicts
+            the reward's own scale, as in TRL; group advantages are already relative). Why:
+            docs/algorithms.md, "PPO and the reward's offset". :attr:`normalizes_reward` is
+            the resolved setting.
         value_warmup_steps: Steps at the start of a PPO run in which only the value model
             trains (the policy keeps its weights), so that its values catch up with the returns
             before they shape the policy's advantages; 0 = none. "ppo" only.
@@ -268,7 +273,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     num_ppo_epochs: int = 4
     whiten_rewards: bool = False
     whiten_advantages: bool = True
-    normalize_reward: bool = False
+    normalize_reward: bool | Literal["auto"] = "auto"
     value_warmup_steps: int = 0
     missing_eos_penalty: float | None = None
     reward_funcs: list[RewardSpec] | None = None
@@ -666,6 +671,14 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     def cliprange(self) -> float:
         """PPO's policy clip range (TRL / OpenAI name for ``clip_epsilon``)."""
         return self.clip_epsilon
+
+    @property
+    def normalizes_reward(self) -> bool:
+        """``normalize_reward`` resolved: "auto" is on for PPO with a value model that starts
+        with a fresh head (it predicts 0 whatever the reward's offset)."""
+        if self.normalize_reward != "auto":
+            return bool(self.normalize_reward)
+        return self.algorithm == "ppo" and self.value_source[0] in ("policy", "shared")
 
     @property
     def uses_reference_model(self) -> bool:

@@ -486,7 +486,7 @@ class PPOTrainer:
         # 4. Per-token KL and rewards, advantages and returns (from normalised scores with
         # normalize_reward: the running statistics take this batch in first).
         moments = None
-        if cfg.normalize_reward:
+        if cfg.normalizes_reward:
             scores = penalized_scores(rollout, self.experience)
             self.reward_moments = moments = update_moments(self.reward_moments, scores, self.group)
         batch, stats = make_experience(

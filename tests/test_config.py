@@ -126,6 +126,27 @@ def test_defaults_follow_n_plus_implementation_details() -> None:
     assert c.clips_gradients
 
 
+def test_normalize_reward_auto_is_on_where_the_value_head_starts_fresh(tmp_path: Path) -> None:
+    """PPO with a value model that starts at 0 normalises the scores (a reward far from 0 would
+    push it the wrong way: docs/algorithms.md); one started from the reward model keeps the raw
+    scale (TRL's arrangement); other algorithms and an explicit setting are left alone."""
+    reward_dir = tmp_path / "rm"
+    reward_dir.mkdir()
+    assert PPOConfig(model_name="m").normalize_reward == "auto"
+    assert PPOConfig(model_name="m").normalizes_reward  # a reward function: a fresh head
+    assert PPOConfig(model_name="m", value_init="policy", reward_model_name=str(reward_dir))
+    assert PPOConfig(
+        model_name="m", value_init="policy", reward_model_name=str(reward_dir)
+    ).normalizes_reward
+    assert not PPOConfig(model_name="m", reward_model_name=str(reward_dir)).normalizes_reward
+    assert not PPOConfig(model_name="m", value_model_name=str(reward_dir)).normalizes_reward
+    assert not PPOConfig(model_name="m", algorithm="grpo", group_size=2).normalizes_reward
+    assert not PPOConfig(model_name="m", normalize_reward=False).normalizes_reward
+    assert PPOConfig(
+        model_name="m", algorithm="rloo", group_size=2, normalize_reward=True
+    ).normalizes_reward
+
+
 def test_cliprange_is_a_read_only_alias() -> None:
     c = PPOConfig(model_name="m", clip_epsilon=0.3)
     assert c.cliprange == 0.3
