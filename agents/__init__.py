@@ -12,11 +12,14 @@ The pieces the trainer drives, in the order of an episode (docs/agents.md):
   a message the model reads.
 * :mod:`agents.code_tool`: a ``python_code`` tool that runs code in the sandbox (:mod:`sandbox`).
 * :mod:`agents.rendering`: the tool turns as tokens, written by the model's chat template.
+* :mod:`agents.chat_templates`: a template that renders tools for ChatML checkpoints whose own
+  does not (``tool_chat_template: chatml_tools``).
 * :mod:`agents.episode`: one rollout's state (:class:`Episode`).
 
 Nothing here imports MLX: the trainer (``ppo_trainer``) owns generation and the losses.
 """
 
+from agents.chat_templates import CHATML_TOOLS, TOOL_CHAT_TEMPLATES, tool_chat_template
 from agents.environment import (
     build_environment,
     check_environment_factory,
@@ -45,8 +48,10 @@ from agents.tool_calls import (
 from agents.tools import Tool, make_tools, tool_schema
 
 __all__ = [
+    "CHATML_TOOLS",
     "INVALID_CALL_NAME",
     "PARSERS",
+    "TOOL_CHAT_TEMPLATES",
     "AgentSettings",
     "Episode",
     "ParsedTurn",
@@ -70,6 +75,7 @@ __all__ = [
     "render_text",
     "resolve_parser",
     "takes_seed",
+    "tool_chat_template",
     "tool_schema",
     "truncate",
 ]

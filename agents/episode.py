@@ -44,12 +44,16 @@ class AgentSettings:
         tool_timeout_s: Wall-clock limit of one tool call.
         max_tool_output_chars: Longest tool output the model reads.
         tool_call_parser: A parser name (:data:`agents.tool_calls.PARSERS`) or a function.
+        tool_chat_template: A template that renders tools, used instead of the checkpoint's
+            (a name of :data:`agents.chat_templates.TOOL_CHAT_TEMPLATES` or a Jinja file);
+            None = the checkpoint's.
     """
 
     max_tool_calling_iterations: int = 5
     tool_timeout_s: float = 10.0
     max_tool_output_chars: int = 2000
     tool_call_parser: str | ToolCallParser = "hermes"
+    tool_chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tool_calling_iterations < 0:
@@ -88,6 +92,7 @@ class AgentSettings:
             tool_timeout_s=config.tool_timeout_s,
             max_tool_output_chars=config.max_tool_output_chars,
             tool_call_parser=parser,
+            tool_chat_template=config.tool_chat_template,
         )
 
 

@@ -190,9 +190,11 @@ def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None
     if with_tools == without:
         raise ValueError(
             "the chat template ignores tools= (it renders the same text with and without "
-            "them), so the model would never see the tools' descriptions: use a checkpoint "
-            "whose template renders tools (Qwen2.5, Qwen3, Llama 3.1+, Mistral) or set a "
-            "tool-capable chat_template in its tokenizer_config.json"
+            "them), so the model would never see the tools' descriptions: for a ChatML "
+            "checkpoint (<|im_start|>/<|im_end|>, e.g. SmolLM2-Instruct) set "
+            "tool_chat_template: chatml_tools; else use a checkpoint whose template renders "
+            "tools (Qwen2.5, Qwen3, Llama 3.1+, Mistral) or set tool_chat_template to a "
+            "tool-capable Jinja file"
         )
     name = tools[0].name if tools else "probe"
     call = {"id": "call00000", "type": "function", "function": {"name": name, "arguments": {}}}
@@ -205,7 +207,8 @@ def check_template_supports_tools(tokenizer: Any, tools: Sequence[Tool]) -> None
     if _PROBE_RESULT not in rendered:
         raise ValueError(
             "the chat template drops messages of role 'tool', so the model would never read "
-            "its tools' results: use a checkpoint whose template renders them (Qwen2.5, "
-            "Qwen3, Llama 3.1+, Mistral) or set a tool-capable chat_template"
+            "its tools' results: for a ChatML checkpoint set tool_chat_template: "
+            "chatml_tools; else use a checkpoint whose template renders them (Qwen2.5, "
+            "Qwen3, Llama 3.1+, Mistral) or set tool_chat_template to a tool-capable Jinja file"
         )
     _end_of_turn_text(tokenizer)

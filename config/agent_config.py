@@ -4,11 +4,14 @@ given ``tools=`` or ``environment_factory=``; a run without tools ignores them."
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from config._fields import check_field_types, is_positive, require
 
 #: The tool-call formats the agents room reads (agents.tool_calls).
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes", "llama3_json", "mistral")
+#: The built-in tool-rendering chat templates (agents.chat_templates.TOOL_CHAT_TEMPLATES).
+TOOL_CHAT_TEMPLATES: tuple[str, ...] = ("chatml_tools",)
 _FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
 
 
@@ -33,12 +36,19 @@ class AgentConfig:
             "llama3_json" (Llama 3.x: the turn is {"name": ..., "parameters": {...}}),
             "mistral" ([TOOL_CALLS][{...}]), or "module:function" / "path/file.py:function",
             a function text -> agents.ParsedTurn.
+        tool_chat_template: A chat template that renders tools, used instead of the
+            checkpoint's in a run with tools: "chatml_tools" (ChatML with Hermes tool calls,
+            for ChatML checkpoints whose template renders no tools, such as
+            SmolLM2-Instruct; pair with tool_call_parser "hermes") or the path of a Jinja
+            file; None = the checkpoint's own. A fully saved model keeps it; LoRA adapters
+            load their base's.
     """
 
     max_tool_calling_iterations: int = 5
     tool_timeout_s: float = 10.0
     max_tool_output_chars: int = 2000
     tool_call_parser: str = "hermes"
+    tool_chat_template: str | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, AgentConfig)
@@ -71,6 +81,16 @@ class AgentConfig:
             f"one of {list(TOOL_CALL_PARSERS)} or 'module:function'",
             "pick the format the model's chat template uses (Qwen: hermes)",
         )
+        if self.tool_chat_template is not None:
+            require(
+                self.tool_chat_template in TOOL_CHAT_TEMPLATES
+                or Path(self.tool_chat_template).expanduser().is_file(),
+                "tool_chat_template",
+                self.tool_chat_template,
+                f"one of {list(TOOL_CHAT_TEMPLATES)} or a Jinja file",
+                "use chatml_tools for a ChatML checkpoint (<|im_start|>/<|im_end|>), or the "
+                "path of a template that renders tools",
+            )
 
     @property
     def max_turns(self) -> int:

@@ -35,6 +35,7 @@ from agents import (
     make_tools,
     render_text,
     takes_seed,
+    tool_chat_template,
 )
 from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
 from models.policy_model import PolicyModel
@@ -102,10 +103,17 @@ class AgentRun:
             "tools": ", ".join(factory_name(t.function) for t in self.tools) or "none",
         }
 
-    def check_tokenizer(self, tokenizer: Any) -> None:
-        """Stop the run before any rollout when the chat template cannot render the tools or
-        their results, or has no end-of-turn token (:func:`agents.check_template_supports_tools`).
-        """
+    def prepare_tokenizer(self, tokenizer: Any) -> None:
+        """Give ``tokenizer`` the run's ``tool_chat_template`` (its end-of-turn token joins the
+        end ids), then stop the run before any rollout when the chat template cannot render the
+        tools or their results, or has no end-of-turn token
+        (:func:`agents.check_template_supports_tools`)."""
+        if self.settings.tool_chat_template is not None:
+            tokenizer.chat_template = tool_chat_template(self.settings.tool_chat_template)
+            tokenizer.has_chat_template = True
+            end_of_turn = end_of_turn_token_id(tokenizer)
+            if end_of_turn is not None:
+                tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | {end_of_turn}
         check_template_supports_tools(tokenizer, self.sample_tools())
 
 

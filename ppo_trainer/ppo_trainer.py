@@ -288,9 +288,9 @@ class PPOTrainer:
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
+        if self.agent is not None:  # tool_chat_template; one that cannot show tools stops here
+            self.agent.prepare_tokenizer(self.tokenizer)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
-        if self.agent is not None:  # a template that cannot show the tools stops the run here
-            self.agent.check_tokenizer(self.tokenizer)
         #: Whether plain-text prompts go through the chat template (config.use_chat_template).
         self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
         if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:

@@ -126,7 +126,12 @@ def tools_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def frequent_tokens(tools_model: Path) -> list[int]:
     """The random model's most frequent sampled tokens: as stop tokens they end turns early."""
-    policy = PolicyModel.from_pretrained(tools_model)
+    return most_frequent_tokens(tools_model)
+
+
+def most_frequent_tokens(model: Path) -> list[int]:
+    """The ten tokens ``model`` samples most often from three short prompts."""
+    policy = PolicyModel.from_pretrained(model)
     prompts = [policy.tokenizer.encode(t) for t in ("Hello there", "What is it", "A b c")]
     mx.random.seed(0)
     out = generate(
@@ -331,6 +336,45 @@ class NoReset:
             x: A number.
         """
         return x
+
+
+def test_a_chatml_checkpoint_without_tool_support_trains_with_tool_chat_template(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The embedded tiny model's ChatML template renders no tools (SmolLM2-Instruct's case): the
+    run is refused naming the setting, and with ``tool_chat_template: chatml_tools`` the tools
+    are described in the prompt, their results rendered, and a GRPO step trains."""
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [float(len(c) % 5) for c in completions]
+
+    stops = most_frequent_tokens(tiny_model_dir)
+    plain = make_config(tiny_model_dir, tmp_path, stops, algorithm="grpo", group_size=2)
+    with pytest.raises(ValueError, match="tool_chat_template: chatml_tools"):
+        PPOTrainer(plain, tools=[lookup], reward_model=reward)
+    config = make_config(
+        tiny_model_dir,
+        tmp_path,
+        stops,
+        algorithm="grpo",
+        group_size=2,
+        max_prompt_length=1024,  # the tools' JSON schemas, about a token per character here
+        tool_chat_template="chatml_tools",
+    )
+    trainer = PPOTrainer(config, tools=[lookup], reward_model=reward)
+    metrics, capture = run_step(trainer, PROMPTS)
+    assert metrics["agent/tool_calls"] > 0
+    text = capture.rollout.texts[0]
+    assert '<tools>\n{"type": "function", "function": {"name": "lookup"' in text
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    gen = capture.rollout.generation
+    assert gen.action_mask is not None
+    rows = [
+        [t for t, a in zip(r, m) if a == 0]
+        for r, m in zip(np.array(gen.responses).tolist(), np.array(gen.action_mask).tolist())
+    ]
+    context = [trainer.tokenizer.decode(row) for row in rows if row]
+    assert any("<tool_response>" in c for c in context), context  # the built-in template's
 
 
 def test_configuration_errors_stop_the_run_before_any_rollout(

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from agents import (
+    tool_chat_template,
     build_environment,
     factory_name,
     takes_seed,
@@ -701,6 +702,42 @@ def test_a_template_without_tool_support_is_refused_with_what_to_do(
             continuation_tokens(tok, HISTORY, RESULTS, tools=tools, template_kwargs={})
     finally:
         tok.chat_template = CHATML_TEMPLATE
+
+
+def test_the_builtin_chatml_tools_template_renders_tools_for_a_chatml_tokenizer(
+    tokenizers: dict[str, Any],
+) -> None:
+    """``tool_chat_template: chatml_tools`` on a ChatML tokenizer whose template renders no
+    tools: it passes the run's check, writes the tool turns in Qwen2.5's (Hermes) format, and
+    without tools renders what plain ChatML renders."""
+    tok = tokenizers["chatml"]
+    tools = make_tools([add])
+    plain = render_text(tok, HISTORY, tools=[], add_generation_prompt=True)
+    tok.chat_template = tool_chat_template("chatml_tools")
+    try:
+        check_template_supports_tools(tok, tools)
+        assert render_text(tok, HISTORY, tools=[], add_generation_prompt=True) == plain
+        prompt = render_text(tok, HISTORY[:1], tools=tools, add_generation_prompt=True)
+        assert prompt.startswith("<|im_start|>system\n# Tools")
+        assert '<tools>\n{"type": "function", "function": {"name": "add"' in prompt
+        assert prompt.endswith(
+            "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        ids = continuation_tokens(tok, HISTORY, RESULTS, tools=tools, template_kwargs={})
+        assert tok.decode(ids) == (
+            "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4"
+            "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
+        system = [{"role": "system", "content": "Be brief."}, *HISTORY[:1]]
+        text = render_text(tok, system, tools=tools, add_generation_prompt=True)
+        assert (
+            text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+            and text.count("system") == 1
+        )
+    finally:
+        tok.chat_template = CHATML_TEMPLATE
+    with pytest.raises(ValueError, match="neither a built-in template"):
+        tool_chat_template("chatml_tool")
 
 
 # Mistral's v3 tool format, in the parts that matter here: user/assistant turns must alternate

@@ -147,6 +147,15 @@ def test_normalize_reward_auto_is_on_where_the_value_head_starts_fresh(tmp_path:
     ).normalizes_reward
 
 
+def test_tool_chat_template_is_a_builtin_name_or_a_file(tmp_path: Path) -> None:
+    template = tmp_path / "tools.jinja"
+    template.write_text("{{ messages }}")
+    assert PPOConfig(model_name="m", tool_chat_template="chatml_tools").tool_chat_template
+    assert PPOConfig(model_name="m", tool_chat_template=str(template)).tool_chat_template
+    with pytest.raises(ValueError, match="tool_chat_template.*use chatml_tools"):
+        PPOConfig(model_name="m", tool_chat_template="chatml")
+
+
 def test_cliprange_is_a_read_only_alias() -> None:
     c = PPOConfig(model_name="m", clip_epsilon=0.3)
     assert c.cliprange == 0.3
