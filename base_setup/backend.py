@@ -204,6 +204,7 @@ def setup_blas() -> BlasInfo:
     global _BLAS_INFO
     if _BLAS_INFO is not None:
         return _BLAS_INFO
+    quiet_transformers_torch_advice()
     level = logging.DEBUG
     if sys.platform == "darwin":
         info = BlasInfo("accelerate", "macOS: MLX uses Accelerate / Metal; nothing to load")
@@ -221,6 +222,22 @@ def setup_blas() -> BlasInfo:
     _BLAS_INFO = info
     logger.log(level, info.describe())
     return info
+
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" line: MLX needs no PyTorch, and its
+    tokenizers, configs and chat templates (all this package uses) work without it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+def quiet_transformers_torch_advice() -> None:
+    """Keep transformers from telling every run that PyTorch is missing (its other messages
+    stay); idempotent, and effective only before transformers is first imported."""
+    root = logging.getLogger("transformers")
+    if not any(isinstance(f, _NoTorchAdvice) for f in root.filters):
+        root.addFilter(_NoTorchAdvice())
 
 
 def blas_info() -> BlasInfo:

@@ -535,13 +535,13 @@ class PPOTrainer:
         if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
             sums = agent_count_sums(rollout.agent_counts)
             metrics.update(agent_metrics_over_ranks(sums, self.group))
-        if cfg.algorithm in KL_IN_REWARD:
+        if cfg.algorithm in KL_IN_REWARD:  # GRPO's KL weight is beta, in its loss
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
+            metrics["objective/kl_coef"] = float(self.kl_ctl.value)
         t_end = time.perf_counter()
         assert self.policy_optimizer is not None
         metrics.update(
             {
-                "objective/kl_coef": float(self.kl_ctl.value),
                 "lr": float(np.asarray(self.policy_optimizer.learning_rate)),
                 "avg_reward": metrics["objective/scores"],
                 "time/rollout": t_rollout - t0,

@@ -96,6 +96,19 @@ def test_import_order_is_enforced_in_a_fresh_process() -> None:
         assert "setup_blas()` at the top of your script" in out.stderr
 
 
+def test_setup_blas_keeps_transformers_from_asking_for_pytorch() -> None:
+    """A user's snippet starts with setup_blas(); transformers' "PyTorch was not found" line
+    (MLX needs no PyTorch) is not printed, and its other warnings still are."""
+    code = (
+        "from base_setup import setup_blas; setup_blas()\n"
+        "import transformers\n"
+        "transformers.utils.logging.get_logger('transformers').warning('still heard')"
+    )
+    out = _run_python(code)
+    assert "PyTorch was not found" not in out.stderr
+    assert "still heard" in out.stderr
+
+
 @pytest.mark.slow
 def test_importing_the_packages_has_no_side_effect_and_setup_blas_first_is_fast() -> None:
     """Importing the project's packages loads no BLAS; a script that calls setup_blas() first,

@@ -89,6 +89,7 @@ def test_ppo_step_updates_every_trainable_parameter(
         "val/clipfrac",
         "val/explained_variance",
         "val/num_eos_tokens",
+        "objective/kl_coef",
         "lr",
         "avg_reward",
         "tokens_per_second",
@@ -174,6 +175,7 @@ def test_grpo_step_updates_policy_without_value_model(tiny_model_dir: Path, tmp_
     metrics = trainer.step(PROMPTS[:2])
     assert_all_changed(before, trainable(trainer.policy))
     assert "loss/value" not in metrics
+    assert "objective/kl_coef" not in metrics  # GRPO's KL weight is beta; kl_coef is unused
     assert all(math.isfinite(v) for v in metrics.values())
 
 

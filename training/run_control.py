@@ -533,6 +533,7 @@ class RunLog:
             total=total,
             initial=initial,
             desc=desc,
+            unit="step",  # tqdm then shows s/step and the time left: "[02:10<06:30, 43.3s/step]"
             disable=not (writes and config.progress_bar),
             dynamic_ncols=True,
         )
