@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from config.ppo_config import PPOConfig
-from fixtures.real_checkpoint import RealCheckpointUnavailable, smollm2_checkpoint
+from fixtures.real_checkpoint import RealCheckpointUnavailable, reverse_permute, smollm2_checkpoint
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
 
@@ -39,6 +39,18 @@ def smollm2_dir() -> Path:
         return smollm2_checkpoint()
     except RealCheckpointUnavailable as error:
         pytest.skip(f"SmolLM2-135M-Instruct cannot be built here: {error}")
+
+
+def test_reverse_permute_undoes_llama_cpps_rotary_permutation() -> None:
+    """llama.cpp's converter writes q/k rows per head as (2, half) -> (half, 2): the first half
+    of each head's rows interleaved with the second; reverse_permute restores the order."""
+    heads, half, width = 3, 4, 5
+    weights = np.arange(heads * 2 * half * width, dtype=np.float32).reshape(-1, width)
+    llama_cpp = weights.reshape(heads, 2, half, width).swapaxes(1, 2).reshape(weights.shape)
+    assert not np.array_equal(llama_cpp, weights)
+    np.testing.assert_array_equal(reverse_permute(llama_cpp, heads), weights)
+    # Row 1 of head 0 in the GGUF is row `half` of the original (the second half's first).
+    np.testing.assert_array_equal(llama_cpp[1], weights[half])
 
 
 def brevity(completions: list[str], **kwargs: Any) -> list[float]:
@@ -107,3 +119,58 @@ def test_ppo_defaults_credit_stopping_early_under_a_brevity_reward(
     stops[capture.ended, lengths[capture.ended] - 1] = True
     going_on = capture.mask & ~stops
     assert capture.advantages[stops].mean() > capture.advantages[going_on].mean()
+
+
+def test_generate_stops_at_the_end_of_turn_and_greedy_matches_the_training_sampler(
+    smollm2_dir: Path,
+) -> None:
+    """``generate`` on the checkpoint as shipped: a chat reply ends at ``<|im_end|>`` (its EOS,
+    also its pad) well before the token budget, without the token in the text; the trainer's
+    sampler, greedy on the same prompt, writes the same reply."""
+    from base_setup.tokenizer_setup import apply_chat_template
+    from models.policy_model import PolicyModel
+    from ppo_trainer.chat import SamplingSettings, generate_text
+    from ppo_trainer.generator import generate
+
+    policy = PolicyModel.from_pretrained(smollm2_dir)
+    tokenizer = policy.tokenizer
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2  # pad == EOS, as shipped
+    prompt = "Describe a cat in one sentence."
+    settings = SamplingSettings(max_tokens=120, temperature=0.0)
+    reply = generate_text(policy.model, tokenizer, prompt, settings)
+    assert reply.strip() and "<|im_end|>" not in reply and "<|im_start|>" not in reply
+    ids = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+    out = generate(
+        policy, [ids], max_new_tokens=120, temperature=0.0, stop_token_ids=[2], pad_token_id=2
+    )
+    length = int(out.lengths[0])
+    assert length < 120 and bool(out.ended_with_stop[0])  # stopped on <|im_end|>
+    text = tokenizer.decode(out.responses[0, : length - 1].tolist())
+    assert text == reply
+
+
+def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """One GRPO step at its defaults on the checkpoint as shipped (LoRA, chat template by
+    default, a reward users write): every adapter weight moves and the metrics are finite."""
+    from mlx.utils import tree_flatten
+
+    config = PPOConfig(
+        model_name=str(smollm2_dir),
+        algorithm="grpo",
+        group_size=2,
+        batch_size=2,
+        max_new_tokens=24,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        log_rollouts_every=0,
+    )
+    trainer = PPOTrainer(config, reward_model=brevity)
+    assert trainer.chat_prompts
+    before = {k: np.array(v) for k, v in tree_flatten(trainer.policy.trainable_parameters())}
+    metrics = trainer.step(PROMPTS[:2])
+    after = dict(tree_flatten(trainer.policy.trainable_parameters()))
+    unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
+    assert before and not unchanged, unchanged
+    assert all(np.isfinite(v) for v in metrics.values())
