@@ -212,6 +212,46 @@ def test_mistral_reads_both_tool_call_forms() -> None:
     assert parse_mistral("[TOOL_CALLS][{broken").errors
 
 
+@pytest.mark.parametrize("depth", [900, 1_000, 100_000])
+@pytest.mark.parametrize("opening", ["[", '{"a": '])
+@pytest.mark.parametrize(
+    "parser, prefix, suffix",
+    [
+        ("hermes", '<tool_call>{"name": "add", "arguments": ', "}</tool_call>"),
+        ("llama3_json", '{"name": "add", "parameters": ', "}"),
+        ("mistral", "[TOOL_CALLS]add[ARGS]", ""),
+        ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": ', "}]"),
+    ],
+)
+def test_a_call_nested_too_deep_is_an_error_for_the_model_not_a_crash(
+    parser: str, prefix: str, suffix: str, opening: str, depth: int
+) -> None:
+    """issue #47: ~1000 nested ``[`` or ``{"a": `` raised RecursionError out of the parser
+    (and train()); any depth is now one message, closed or cut off at the token limit."""
+    closing = "]" if opening == "[" else "}"
+    for body in (opening * depth + "1" + closing * depth, opening * depth):
+        parsed = resolve_parser(parser)(prefix + body + suffix)
+        assert parsed.calls == [] and len(parsed.errors) == 1, parsed.errors
+        assert "nested more than 100 levels deep" in parsed.errors[0], parsed.errors
+
+
+_DEEP_STRING_CALL = json.dumps({"name": "add", "arguments": "[" * 1_000 + "]" * 1_000})
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", f"<tool_call>{_DEEP_STRING_CALL}</tool_call>"),
+        ("llama3_json", _DEEP_STRING_CALL),
+        ("mistral", f"[TOOL_CALLS][{_DEEP_STRING_CALL}]"),
+    ],
+)
+def test_arguments_written_as_a_deep_json_string_are_an_error_too(parser: str, text: str) -> None:
+    parsed = resolve_parser(parser)(text)
+    assert parsed.calls == [] and len(parsed.errors) == 1, parsed.errors
+    assert "nested more than 100 levels deep" in parsed.errors[0]
+
+
 def test_resolve_parser_takes_a_name_or_a_function() -> None:
     assert resolve_parser("hermes") is parse_hermes
     custom = lambda text: ParsedTurn()  # noqa: E731
