@@ -391,6 +391,8 @@ class SupervisedTrainer(Generic[E, B]):
             "give every rank the same data: each rank takes its share of the same batches",
             self.group,
         )
+        if resume_from is not None:  # before prepare(): DPO's reference pass costs minutes
+            self._check_resume_inputs(resume_from)
         examples = self.prepare(records)
         eval_examples = self.prepare(held_out) if held_out is not None else []
         self._num_train_examples = len(examples)
@@ -643,6 +645,17 @@ class SupervisedTrainer(Generic[E, B]):
         warn_changed_settings(
             path, state["config"], config_to_dict(self.config), [schedule_note, world_note]
         )
+
+    def _check_resume_inputs(self, resume_from: str | Path) -> None:
+        """Refuse (on every rank) a checkpoint whose recorded inputs (models, data) differ from
+        this run's, before any work that depends on them (:func:`check_same_inputs`)."""
+        path = resolve_on_all_ranks(self.checkpoints, resume_from, self.group)
+        error = None
+        try:
+            check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), self.inputs)
+        except ValueError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"resuming from {path}", self.group)
 
     def _resume(self, resume_from: str | Path) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""

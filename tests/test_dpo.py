@@ -471,6 +471,44 @@ def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
         other.train(records, held_out, resume_from="latest")
 
 
+def _retrain_in_place(model_dir: Path) -> None:
+    """New weights at the same path (the tokenizer unchanged): every weight moved a little."""
+    path = model_dir / "model.safetensors"
+    weights = mx.load(str(path))
+    mx.save_safetensors(str(path), {k: v + 0.01 for k, v in weights.items()})
+
+
+def test_a_retrained_reference_or_edited_data_is_refused_on_resume_before_any_reference_pass(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue #47: the reference log-prob cache was keyed by ref_model_name's path and the
+    reference was not fingerprinted, so new weights at the same path were trained against on
+    resume without a word; an edited data file was refused only after a full reference pass."""
+    ref = tmp_path / "ref"
+    shutil.copytree(tiny_model_dir, ref)
+    records = preference_records(16, seed=3)
+    cfg = dpo_config(tiny_model_dir, tmp_path / "run", ref_model_name=str(ref), total_steps=1)
+    trainer = DPOTrainer(cfg)
+    trainer.train(records)
+    key_before = trainer._cache_path([])  # the key of no pairs: what the reference is
+
+    def no_reference(self: DPOTrainer) -> ReferenceModel:
+        raise AssertionError("the reference was loaded before the inputs were checked")
+
+    longer = dpo_config(tiny_model_dir, tmp_path / "run", ref_model_name=str(ref), total_steps=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOTrainer, "reference", no_reference)
+        edited = [dict(r) for r in records]
+        edited[0]["chosen"] = edited[0]["chosen"] + " (edited)"
+        with pytest.raises(ValueError, match="the training data"):
+            DPOTrainer(longer).train(edited, resume_from="latest")
+        _retrain_in_place(ref)
+        with pytest.raises(ValueError, match=r"the reference model \(ref_model_name\)"):
+            DPOTrainer(longer).train(records, resume_from="latest")
+    # The cache is keyed by the reference's fingerprint, not its path.
+    assert DPOTrainer(longer)._cache_path([]) != key_before
+
+
 def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

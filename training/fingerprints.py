@@ -74,6 +74,7 @@ def data_fingerprint(records: Sequence[Any]) -> str:
 _LABELS = {
     "model": "the base model (model_name)",
     "ref_model": "the reference model (sft_model_name)",
+    "ref_model_name": "the reference model (ref_model_name)",
     "value_model": "the value model (value_model_name)",
     "reward": "the reward",
     "environment": "the environment factory (environment_factory=)",
