@@ -74,6 +74,7 @@ from training.run_control import (
     RunLog,
     StopSignals,
     TrainingStopped,
+    check_extension_trains,
     check_resume_source,
     continue_timeline,
     in_run_scope,
@@ -397,10 +398,7 @@ class SupervisedTrainer(Generic[E, B]):
         eval_examples = self.prepare(held_out) if held_out is not None else []
         self._num_train_examples = len(examples)
         lengths = [len(e) for e in examples]
-        steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-        total = cfg.num_epochs * steps_per_epoch
-        if cfg.total_steps is not None:
-            total = min(total, cfg.total_steps)
+        total, steps_per_epoch = self._run_length(len(examples))
 
         # 2. Optimiser over the run's length; resume.
         self._schedule_plan = SchedulePlan(
@@ -601,6 +599,16 @@ class SupervisedTrainer(Generic[E, B]):
             cb.on_save(self, self.global_step, path)
         return path
 
+    def _run_length(self, num_examples: int) -> tuple[int, int]:
+        """``(total steps, steps per epoch)`` of a run over ``num_examples`` examples:
+        ``num_epochs`` passes, capped by ``total_steps``."""
+        cfg = self.config
+        steps_per_epoch = math.ceil(num_examples / cfg.batch_size)
+        total = cfg.num_epochs * steps_per_epoch
+        if cfg.total_steps is not None:
+            total = min(total, cfg.total_steps)
+        return total, steps_per_epoch
+
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore weights, optimiser state and position from a checkpoint of the same run.
 
@@ -619,6 +627,15 @@ class SupervisedTrainer(Generic[E, B]):
                 f"checkpoint {path} was trained on {state['num_train_examples']} examples but "
                 f"this run has {self._num_train_examples}: resume with the same data"
             )
+        total, steps_per_epoch = self._run_length(self._num_train_examples)
+        check_extension_trains(
+            int(state["global_step"]),
+            total,
+            epochs=self.config.num_epochs,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=self.config.total_steps,
+            saved_config=state["config"],
+        )
         load_training_state(path, {"model": self.model}, {"optimizer": self.optimizer})
         self.blas_threads = run_blas_threads(state.get("blas_threads"))  # the same sums
         self.global_step = int(state["global_step"])

@@ -420,6 +420,47 @@ def load_resumed_config(
     return load_config(config_file, overrides, cls=cls, base=base)
 
 
+def check_extension_trains(
+    step: int,
+    total: int,
+    *,
+    epochs: int,
+    steps_per_epoch: int,
+    total_steps: int | None,
+    saved_config: dict[str, Any],
+) -> None:
+    """Refuse a resume at ``step`` that asks for a longer run (``total_steps`` or ``num_epochs``
+    above the checkpoint's ``saved_config``) but would train nothing, because the other setting
+    ends the run at ``total <= step``; name that setting and the value that extends it. A
+    finished run resumed as it was (nothing asked) passes: it only saves what is unsaved.
+
+    Raises:
+        ValueError: the extension trains no step.
+    """
+    if step < total:
+        return
+    by_epochs = epochs * steps_per_epoch
+    asked_steps = (
+        total_steps is not None
+        and total_steps > step
+        and total_steps != saved_config.get("total_steps")
+    )
+    asked_epochs = epochs > int(saved_config.get("num_epochs") or epochs) and by_epochs > step
+    if asked_steps and by_epochs <= step:
+        assert total_steps is not None
+        ender = f"num_epochs={epochs} ({epochs} x {steps_per_epoch} steps per epoch)"
+        fix = f"raise num_epochs with it (--set num_epochs={-(-total_steps // steps_per_epoch)})"
+    elif asked_epochs and total_steps is not None:
+        ender = f"total_steps={total_steps}"
+        fix = f"raise total_steps with it (--set total_steps={by_epochs}) or remove it"
+    else:
+        return
+    raise ValueError(
+        f"this resume asks for a longer run, but {ender} ends the run at step {total}, which "
+        f"the checkpoint has reached (step {step}): it would train nothing; {fix}"
+    )
+
+
 def continue_timeline(checkpoints: Any, step: int) -> None:
     """Before a run resumed at ``step`` goes on: remove its checkpoints after ``step`` (a resume
     from an earlier checkpoint abandons them; left there, ``--resume latest`` would go back to
