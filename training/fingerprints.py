@@ -13,11 +13,13 @@ Face repository, content-addressed by its revision) has no fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import struct
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 #: Blocks of :data:`BLOCK` bytes read from each weights file.
 SAMPLES = 64
@@ -70,6 +72,25 @@ def data_fingerprint(records: Sequence[Any]) -> str:
     return f"{len(records)} records, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
+def source_fingerprint(functions: Sequence[Callable[..., Any]]) -> str | None:
+    """``"<file> sha256 <hash>"`` of each source file that defines one of ``functions`` (a
+    ``functools.partial`` is unwrapped), in order, joined by ``", "``; None when none has one
+    (a built-in, a function typed at a prompt). An edit anywhere in the file changes it."""
+    found: dict[str, str] = {}
+    for fn in functions:
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        try:
+            path = inspect.getsourcefile(fn)
+        except TypeError:  # a builtin, or a callable object without a module file
+            path = None
+        if path is None or path in found or not Path(path).is_file():
+            continue
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        found[path] = f"{Path(path).name} sha256 {digest}"
+    return ", ".join(found.values()) or None
+
+
 #: What each recorded input is, for messages.
 _LABELS = {
     "model": "the base model (model_name)",
@@ -77,6 +98,7 @@ _LABELS = {
     "ref_model_name": "the reference model (ref_model_name)",
     "value_model": "the value model (value_model_name)",
     "reward": "the reward",
+    "reward_source": "the reward's source",
     "environment": "the environment factory (environment_factory=)",
     "tools": "the tools (tools=)",
     "prompts": "the prompts",
