@@ -71,11 +71,30 @@ def _lock_holder(lock: Path) -> str:
     return f"process {pid}" if pid.isdigit() else "another process"
 
 
+def _open_lock(run_dir: Path, lock: Path) -> int:
+    """The lock file's descriptor (created if needed), or ``ValueError`` saying what is in the
+    way: a directory at its path, a folder that cannot be written."""
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise ValueError(
+            f"{lock} is a directory, not the run's lock file: remove it (rmdir {lock}) or "
+            "choose another output_dir"
+        ) from None
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ValueError(
+            f"output_dir {run_dir} is not writable ({err.strerror or err}): choose a folder "
+            "you can write to"
+        ) from None
+
+
 def _acquire(run_dir: Path) -> int:
     """Lock ``run_dir`` for this process (non-blocking); returns the lock file's descriptor."""
     lock = run_dir / LOCK_FILE
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(run_dir, lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
