@@ -580,3 +580,19 @@ def test_value_warmup_trains_the_value_model_alone_first(
     assert trainer.reward_moments.count == 8
     with pytest.raises(ValueError, match="value_warmup_steps=2 needs a value model"):
         make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=2, value_warmup_steps=2)
+
+
+def test_explained_variance_is_undefined_when_the_returns_do_not_vary() -> None:
+    """issue #47: val/explained_variance read 1.0 on a batch whose returns were all 0 (with
+    constant values), where Var[R] = 0 leaves it undefined."""
+    from ppo_trainer.metrics import explained_variance
+
+    mask = mx.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    returns = mx.array([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    values = mx.array([[1.0, 2.0, 0.0], [3.0, 5.0, 5.0]])
+    # Valid returns 1 2 3 4 5 (variance 2); residuals 0 0 0 -1 0 (variance 0.16).
+    assert float(explained_variance(returns, values, mask)) == pytest.approx(1 - 0.16 / 2)
+    assert float(explained_variance(returns, returns, mask)) == 1.0
+    zeros = mx.zeros((2, 3))
+    assert math.isnan(float(explained_variance(zeros, zeros, mask)))
+    assert math.isnan(float(explained_variance(zeros, mx.full((2, 3), 0.5), mask)))
