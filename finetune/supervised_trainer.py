@@ -104,6 +104,10 @@ _RESUME_KEYS = (
 )
 
 
+#: Fewer held-out records than this is warned (eval metrics on them are noise).
+MIN_HELD_OUT = 10
+
+
 def load_run_data(
     config: FineTuneConfig, load: Callable[..., Iterable[Mapping[str, Any]]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -124,6 +128,16 @@ def load_run_data(
         held_out = load(config.eval_dataset, split=config.eval_dataset_split)
         return [dict(r) for r in records], [dict(r) for r in held_out]
     train, held_out_part = train_eval_split(records, config.eval_fraction, config.seed)
+    if 0 < len(held_out_part) < MIN_HELD_OUT:
+        logger.warning(
+            "eval_fraction=%g holds out %d of %d records: eval/ metrics on so few move in steps "
+            "of 1/%d (an accuracy of 1.000 on 1 pair says little); give eval_dataset, raise "
+            "eval_fraction, or set it to 0",
+            config.eval_fraction,
+            len(held_out_part),
+            len(held_out_part) + len(train),
+            len(held_out_part),
+        )
     return train, held_out_part or None
 
 

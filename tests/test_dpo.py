@@ -612,6 +612,28 @@ def test_a_reference_with_another_tokenizer_is_refused(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_held_out_split_of_a_few_pairs_is_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue #47: the default 5% of a 16-pair file is 1 pair, whose eval accuracy (0 or 1)
+    read 1.000 without a word."""
+    from finetune.records import load_preference_data
+    from finetune.supervised_trainer import load_run_data
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_records(16, seed=0))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        train, held_out = load_run_data(
+            DPOConfig(model_name="m", dataset=str(data)), load_preference_data
+        )
+    assert held_out is not None and (len(train), len(held_out)) == (15, 1)
+    assert "eval_fraction=0.05 holds out 1 of 16 records" in caplog.text
+    caplog.clear()
+    big = write_jsonl(tmp_path / "more.jsonl", preference_records(200, seed=0))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        load_run_data(DPOConfig(model_name="m", dataset=str(big)), load_preference_data)
+    assert "holds out" not in caplog.text  # 10 pairs: enough to say nothing
+
+
 def test_dpo_config_validation() -> None:
     base: dict[str, Any] = dict(model_name="m")
     assert DPOConfig(**base).needs_reference
