@@ -641,7 +641,7 @@ class SupervisedTrainer(Generic[E, B]):
                 f"checkpoint {path} was trained on {state['num_train_examples']} examples but "
                 f"this run has {self._num_train_examples}: resume with the same data"
             )
-        total, steps_per_epoch = self._run_length(self._num_train_examples)
+        total, steps_per_epoch = self._run_length(int(state["num_train_examples"]))
         check_extension_trains(
             int(state["global_step"]),
             total,

@@ -474,7 +474,7 @@ def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
 def _retrain_in_place(model_dir: Path) -> None:
     """New weights at the same path (the tokenizer unchanged): every weight moved a little."""
     path = model_dir / "model.safetensors"
-    weights = mx.load(str(path))
+    weights = cast(dict[str, mx.array], mx.load(str(path)))
     mx.save_safetensors(str(path), {k: v + 0.01 for k, v in weights.items()})
 
 

@@ -352,7 +352,7 @@ def test_reward_matrix_reads_none_as_not_applicable_and_refuses_nan():
 @pytest.mark.parametrize(
     "score", [10**400, -(10**400), 1e39, np.float64(-1e39)], ids=["int", "-int", "1e39", "-1e39"]
 )
-def test_reward_matrix_refuses_scores_beyond_float32_as_non_finite(score: object) -> None:
+def test_reward_matrix_refuses_scores_beyond_float32_as_non_finite(score: float) -> None:
     """issue #47: a Python int beyond float's range raised OverflowError (a traceback), and a
     float beyond float32's became inf in the matrix without a word."""
     with pytest.raises(ValueError, match=r"'acc' returned .* for completion 1.*finite number"):
