@@ -78,10 +78,14 @@ def final_answer(
 
 # Strict reading of the final answer (math_accuracy's default): one stated answer or none.
 
-#: "the answer is", "final answer:", "Answer =" (markdown bold around it allowed).
+#: "the answer is", "final answer:", "Answer =", "the answer to the question is" (markdown
+#: bold around it allowed).
 _ANSWER_PHRASE = re.compile(
-    r"\b(?:final\s+answer|answer)\b\s*\**\s*(?:is\b|:|=)\s*\**\s*:?", re.IGNORECASE
+    r"\b(?:final\s+answer|answer)\b(?:\s+to\s+[^.\n:=]{1,60}?)?\s*\**\s*(?:is\b|:|=)\s*\**\s*:?",
+    re.IGNORECASE,
 )
+#: A price: one ``$`` (or ``\$``) before a number, ``$18`` or ``\$1,250.50``.
+_PRICE = re.compile(r"\\?\$\s*(-?\d[\d,]*(?:\.\d+)?)")
 #: The one sentence allowed after a stated answer (math-verify's few-shot prompts end so).
 _SIGN_OFF = re.compile(r"I hope it is correct\.?", re.IGNORECASE)
 #: Math delimiters that may enclose the whole stated answer.
@@ -92,7 +96,7 @@ _MATH_WORDS = frozenset(
     "infty oo".split()
 )
 _WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
-_COMMAND = re.compile(r"\\[A-Za-z]+")
+_COMMAND = re.compile(r"\\(?:begin|end)\{[A-Za-z*]+\}|\\[A-Za-z]+")
 _THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?!\d)")
 #: Two numbers side by side with only spaces between them: a list, not one expression.
 _NUMBERS_APART = re.compile(r"\d\s+[-+]?\.?\d")
@@ -100,10 +104,11 @@ _NUMBERS_APART = re.compile(r"\d\s+[-+]?\.?\d")
 
 def single_expression(text: str) -> str | None:
     """``text`` as one math expression (its enclosing ``$...$``, ``\\(...\\)``, ``\\[...\\]``,
-    markdown bold and final period removed), or None when it is not one: prose (a word of two
-    or more letters outside LaTeX commands, other than a function name such as ``sqrt``),
-    several math environments, or several candidates (a comma or semicolon outside brackets
-    that is not a thousands separator, numbers side by side).
+    markdown bold and final period removed; a price ``$18`` read as 18), or None when it is not
+    one: prose (a word of two or more letters outside LaTeX commands, other than a function name
+    such as ``sqrt``; a unit in ``\\text{}`` counts, so box an answer with units), several math
+    environments, or several candidates (a comma or semicolon outside brackets that is not a
+    thousands separator, numbers side by side).
 
     ``single_expression("$\\frac{3}{4}$.") == "\\frac{3}{4}"``;
     ``single_expression("14, 18, 19") is None``; ``single_expression("so 14") is None``.
@@ -119,6 +124,9 @@ def single_expression(text: str) -> str | None:
             break
     if inner.endswith("."):
         inner = inner[:-1].rstrip()
+    price = _PRICE.fullmatch(inner)
+    if price is not None:
+        inner = price.group(1)
     if not inner or "$" in inner or "\\(" in inner or "\\[" in inner or "\n" in inner:
         return None
     bare = _COMMAND.sub("#", inner)  # "2 \\cdot 3": a command is not a gap between numbers

@@ -200,6 +200,11 @@ def test_stated_answer_is_one_box_phrase_or_expression() -> None:
     assert stated_answer("1,024") == ("1,024", False)  # a thousands separator
     assert stated_answer(r"$\{1, 2\}$") == (r"\{1, 2\}", False)  # a comma inside braces
     assert stated_answer(r"\sqrt{2} + pi") == (r"\sqrt{2} + pi", False)
+    assert stated_answer("The answer is $18.") == ("18", False)  # a price (GSM8K's answers)
+    assert stated_answer(r"Answer: \$1,250.50") == ("1,250.50", False)
+    assert stated_answer("The answer to 5 + 9 is 14.") == ("14", False)
+    matrix = r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"
+    assert stated_answer(f"${matrix}$") == (matrix, False)
     for none in (
         "So we get 14.",  # prose
         "14, 18, 19",  # a list
@@ -209,6 +214,8 @@ def test_stated_answer_is_one_box_phrase_or_expression() -> None:
         "The answer is 14 or 18.",
         "The answer is 14. Wait, that is wrong.",  # words after the answer
         "The answer is correct.",
+        r"5 \text{ cm}",  # a unit outside a box reads as prose
+        "$18 or $19",
         r"\boxed{ }",
         "",
     ):
