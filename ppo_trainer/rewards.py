@@ -59,7 +59,7 @@ class Rewards:
         return "the reward model"
 
     def source_fingerprint(self) -> str | None:
-        """The fingerprint of the source files of the reward functions a user gave (the
+        """The fingerprint of the source code of the reward functions a user gave (the
         registered built-ins are named, not fingerprinted), as a resume compares it
         (:func:`training.fingerprints.source_fingerprint`); None for none."""
         functions = [self.fn] if self.fn is not None else []

@@ -94,7 +94,8 @@ def test_resume_refuses_a_reward_file_whose_body_was_edited(
     longer = make_config(tiny_model_dir, run, total_steps=2)
     trainer = PPOTrainer(longer, reward_model=load_function(f"{source}:score"))
     with pytest.raises(
-        ValueError, match=r"the reward's source: my_reward.py sha256 \w+ -> my_reward.py sha256"
+        ValueError,
+        match=r"the reward's source: my_reward.py:score sha256 \w+ -> my_reward.py:score",
     ):
         trainer.train(PROMPTS, resume_from="latest")
     assert trainer.global_step == 0

@@ -73,21 +73,21 @@ def data_fingerprint(records: Sequence[Any]) -> str:
 
 
 def source_fingerprint(functions: Sequence[Callable[..., Any]]) -> str | None:
-    """``"<file> sha256 <hash>"`` of each source file that defines one of ``functions`` (a
-    ``functools.partial`` is unwrapped), in order, joined by ``", "``; None when none has one
-    (a built-in, a function typed at a prompt). An edit anywhere in the file changes it."""
+    """``"<file>:<name> sha256 <hash>"`` of the source code of each of ``functions`` (a
+    ``functools.partial`` unwrapped), joined by ``", "``; None when none has source code (a
+    builtin, a function typed at a prompt). An edit of a function's body changes it; one
+    elsewhere in its file (another function, a constant it reads) does not, so that editing
+    the script around a reward does not refuse a resume."""
     found: dict[str, str] = {}
     for fn in functions:
         while isinstance(fn, functools.partial):
             fn = fn.func
         try:
-            path = inspect.getsourcefile(fn)
-        except TypeError:  # a builtin, or a callable object without a module file
-            path = None
-        if path is None or path in found or not Path(path).is_file():
+            path, code = inspect.getsourcefile(fn), inspect.getsource(fn)
+        except (TypeError, OSError):  # a builtin, or no source file to read
             continue
-        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-        found[path] = f"{Path(path).name} sha256 {digest}"
+        name = f"{Path(path or '?').name}:{getattr(fn, '__qualname__', '?')}"
+        found[name] = f"{name} sha256 {hashlib.sha256(code.encode()).hexdigest()[:16]}"
     return ", ".join(found.values()) or None
 
 
