@@ -333,11 +333,15 @@ def _chat_flag(flag: bool | None, run_config: dict[str, Any] | None) -> bool | N
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from ppo_trainer.chat import generate_text
+    from ppo_trainer.chat import check_utf8, generate_text
     from ppo_trainer.components import context_length
 
     settings = _sampling_settings(args)  # checked before the model is loaded
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt == "-":  # bytes that are not UTF-8 are named below, not a traceback
+        prompt = sys.stdin.buffer.read().decode("utf-8", "surrogateescape")
+    else:
+        prompt = args.prompt
+    check_utf8(prompt)
     policy, run_config = _load_policy(args.model)
     generate_text(
         policy.model,

@@ -12,6 +12,7 @@ instead (:mod:`agents.code_tool`), whose process is killed at its deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -101,15 +102,68 @@ def _usage(tool: Tool) -> str:
     return f"{tool.name}({args})"
 
 
-def format_output(value: Any) -> str:
-    """The text the model reads for a tool's return value: a string as is, anything else as
-    JSON (``str`` for what JSON cannot encode)."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
+def _has_own_text(value: Any) -> bool:
+    """Whether ``value``'s type writes its own text (not ``object``'s, which holds the
+    object's memory address and so differs from run to run)."""
+    cls = type(value)
+    return cls.__str__ is not object.__str__ or cls.__repr__ is not object.__repr__
+
+
+def json_form(value: Any) -> Any:
+    """A JSON value standing for ``value``, which JSON cannot encode (``json.dumps``'s
+    ``default``), the same in every run: a dataclass as its fields, a set sorted, an array
+    (numpy, MLX) as its ``tolist()``, anything with a text form of its own as that text.
+
+    Raises:
+        TypeError: ``value`` has none of these (its text would be its memory address).
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (set, frozenset)):
+        try:
+            return sorted(value)
+        except TypeError:  # mixed types: by their text
+            return sorted(value, key=repr)
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    if _has_own_text(value):
         return str(value)
+    raise TypeError(f"a {type(value).__name__}, which is not JSON and has no text form of its own")
+
+
+def format_output(value: Any) -> tuple[str, bool]:
+    """The text the model reads for a tool's return value, and whether it had to be converted:
+    a string as is, JSON as JSON; else :func:`json_form` (a text form unquoted at the top).
+
+    Raises:
+        TypeError, ValueError: something in ``value`` has no deterministic form, or it refers
+            to itself.
+    """
+    if isinstance(value, str):
+        return value, False
+    try:
+        return json.dumps(value), False
+    except (TypeError, ValueError):
+        pass
+    converted = value if isinstance(value, (list, tuple, dict)) else json_form(value)
+    if isinstance(converted, str):
+        return converted, True
+    return json.dumps(converted, default=json_form), True
+
+
+#: (tool, type) pairs already warned about: one warning each, not one per call.
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(tool: str, value: Any, what: str) -> None:
+    key = (tool, type(value).__qualname__)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning("tool %r returned a %s, which JSON cannot encode: %s", tool, key[1], what)
 
 
 def execute_call(
@@ -167,4 +221,15 @@ def execute_call(
     if "value" not in outcome:  # the thread ended by BaseException (SystemExit)
         text = f"Error: {call.name} exited without returning a value"
         return ToolResult(call.name, truncate(text, max_output_chars), False)
-    return ToolResult(call.name, truncate(format_output(outcome["value"]), max_output_chars), True)
+    value = outcome["value"]
+    try:
+        text, converted = format_output(value)
+    except (TypeError, ValueError) as err:
+        _warn_once(call.name, value, "refused (the model reads an error): return a str or JSON")
+        detail = str(err) if isinstance(err, TypeError) else "a value that refers to itself"
+        return ToolResult(
+            call.name, truncate(f"Error: {call.name} returned {detail}", max_output_chars), False
+        )
+    if converted:
+        _warn_once(call.name, value, f"sent as {text[:60]!r} (the same in every run)")
+    return ToolResult(call.name, truncate(text, max_output_chars), True)

@@ -64,10 +64,50 @@ _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_MARKER = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 
+#: The deepest nesting of ``[`` and ``{`` a call may have: Python's JSON decoder recurses per
+#: level (about 1000 levels raise RecursionError), and no tool's arguments need more.
+MAX_JSON_DEPTH = 100
+
 
 def _short(text: str, limit: int = 200) -> str:
     text = text.strip()
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _nesting_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
+    """The deepest nesting of ``[`` / ``{`` in ``text`` outside JSON strings, counted up to
+    ``limit + 1`` (enough to tell that it is too deep); unbalanced text counts what opens."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _too_deep(text: str) -> str | None:
+    """The model-facing error for JSON nested deeper than :data:`MAX_JSON_DEPTH`, else None
+    (checked before decoding, which would recurse once per level)."""
+    if _nesting_depth(text) <= MAX_JSON_DEPTH:
+        return None
+    return (
+        f"Error: the tool call {_short(text, 60)} is nested more than {MAX_JSON_DEPTH} levels "
+        "deep; write its arguments as a flat JSON object"
+    )
 
 
 def _call_from_object(obj: Any, argument_keys: tuple[str, ...], source: str) -> ToolCall | str:
@@ -82,6 +122,9 @@ def _call_from_object(obj: Any, argument_keys: tuple[str, ...], source: str) -> 
     if isinstance(arguments, str):  # arguments written as a JSON string
         if not arguments.strip():
             return ToolCall(name=name, arguments={})
+        deep = _too_deep(arguments)
+        if deep is not None:
+            return deep
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as err:
@@ -109,6 +152,10 @@ def parse_hermes(text: str) -> ParsedTurn:
     parsed = ParsedTurn()
     for match in _HERMES.finditer(text):
         body = match.group(1).strip()
+        deep = _too_deep(body)
+        if deep is not None:
+            parsed.errors.append(deep)
+            continue
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as err:
@@ -123,7 +170,8 @@ def parse_hermes(text: str) -> ParsedTurn:
 
 def _json_objects(text: str, separators: str) -> tuple[list[tuple[Any, str]], str | None]:
     """Consecutive JSON values at the start of ``text``, separated by ``separators``; returns
-    ``[(value, source)]`` and the decoding error of the first one that failed, if any."""
+    ``[(value, source)]`` and the decoding error of the first one that failed (or that is nested
+    deeper than :data:`MAX_JSON_DEPTH`), if any."""
     decoder = json.JSONDecoder()
     values: list[tuple[Any, str]] = []
     at = 0
@@ -132,6 +180,11 @@ def _json_objects(text: str, separators: str) -> tuple[list[tuple[Any, str]], st
             at += 1
         if at >= len(text) or text[at] not in "{[":
             return values, None
+        if _nesting_depth(text[at:]) > MAX_JSON_DEPTH:
+            return (
+                values,
+                f"nested more than {MAX_JSON_DEPTH} levels deep in {_short(text[at:], 60)}",
+            )
         try:
             value, end = decoder.raw_decode(text, at)
         except json.JSONDecodeError as err:

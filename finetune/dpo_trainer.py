@@ -42,6 +42,7 @@ from finetune.sft_trainer import load_policy
 from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
+from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope
 from training.checkpoint import atomic_directory, check_save_target
 from training.preference_loss import answer_logps, preference_loss
@@ -152,6 +153,8 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         self._resuming = False
         super().__init__(config, self.policy)
         self.config: DPOConfig = config
+        # Recorded and compared on resume like the base model's (None: a Hub name, or none).
+        self.inputs["ref_model_name"] = model_fingerprint(config.ref_model_name)
 
     # ------------------------------------------------------------------ the reference
     def reference(self) -> ReferenceModel:
@@ -197,11 +200,14 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
 
     def _cache_path(self, examples: Sequence[DPOExample]) -> Path:
         """Where the reference log-probs of ``examples`` are cached: named by a digest of the
-        token ids and of what the reference is."""
+        token ids and of what the reference is (its name and its weights' fingerprint, so new
+        weights at the same path are not read as the old ones' log-probs)."""
         cfg = self.config
         digest = hashlib.sha256()
+        fingerprint = self.inputs["ref_model_name" if cfg.ref_model_name else "model"]
         what = {
             "reference": cfg.ref_model_name or cfg.model_name,
+            "fingerprint": fingerprint,
             "dtype": cfg.dtype,
             "adapters_off": cfg.ref_model_name is None and cfg.use_lora,
         }

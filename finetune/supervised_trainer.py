@@ -74,6 +74,7 @@ from training.run_control import (
     RunLog,
     StopSignals,
     TrainingStopped,
+    check_extension_trains,
     check_resume_source,
     continue_timeline,
     in_run_scope,
@@ -103,6 +104,10 @@ _RESUME_KEYS = (
 )
 
 
+#: Fewer held-out records than this is warned (eval metrics on them are noise).
+MIN_HELD_OUT = 10
+
+
 def load_run_data(
     config: FineTuneConfig, load: Callable[..., Iterable[Mapping[str, Any]]]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -123,6 +128,16 @@ def load_run_data(
         held_out = load(config.eval_dataset, split=config.eval_dataset_split)
         return [dict(r) for r in records], [dict(r) for r in held_out]
     train, held_out_part = train_eval_split(records, config.eval_fraction, config.seed)
+    if 0 < len(held_out_part) < MIN_HELD_OUT:
+        logger.warning(
+            "eval_fraction=%g holds out %d of %d records: eval/ metrics on so few move in steps "
+            "of 1/%d (an accuracy of 1.000 on 1 pair says little); give eval_dataset, raise "
+            "eval_fraction, or set it to 0",
+            config.eval_fraction,
+            len(held_out_part),
+            len(held_out_part) + len(train),
+            len(held_out_part),
+        )
     return train, held_out_part or None
 
 
@@ -391,14 +406,13 @@ class SupervisedTrainer(Generic[E, B]):
             "give every rank the same data: each rank takes its share of the same batches",
             self.group,
         )
+        if resume_from is not None:  # before prepare(): DPO's reference pass costs minutes
+            self._check_resume_inputs(resume_from)
         examples = self.prepare(records)
         eval_examples = self.prepare(held_out) if held_out is not None else []
         self._num_train_examples = len(examples)
         lengths = [len(e) for e in examples]
-        steps_per_epoch = math.ceil(len(examples) / cfg.batch_size)
-        total = cfg.num_epochs * steps_per_epoch
-        if cfg.total_steps is not None:
-            total = min(total, cfg.total_steps)
+        total, steps_per_epoch = self._run_length(len(examples))
 
         # 2. Optimiser over the run's length; resume.
         self._schedule_plan = SchedulePlan(
@@ -599,6 +613,16 @@ class SupervisedTrainer(Generic[E, B]):
             cb.on_save(self, self.global_step, path)
         return path
 
+    def _run_length(self, num_examples: int) -> tuple[int, int]:
+        """``(total steps, steps per epoch)`` of a run over ``num_examples`` examples:
+        ``num_epochs`` passes, capped by ``total_steps``."""
+        cfg = self.config
+        steps_per_epoch = math.ceil(num_examples / cfg.batch_size)
+        total = cfg.num_epochs * steps_per_epoch
+        if cfg.total_steps is not None:
+            total = min(total, cfg.total_steps)
+        return total, steps_per_epoch
+
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore weights, optimiser state and position from a checkpoint of the same run.
 
@@ -617,6 +641,15 @@ class SupervisedTrainer(Generic[E, B]):
                 f"checkpoint {path} was trained on {state['num_train_examples']} examples but "
                 f"this run has {self._num_train_examples}: resume with the same data"
             )
+        total, steps_per_epoch = self._run_length(int(state["num_train_examples"]))
+        check_extension_trains(
+            int(state["global_step"]),
+            total,
+            epochs=self.config.num_epochs,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=self.config.total_steps,
+            saved_config=state["config"],
+        )
         load_training_state(path, {"model": self.model}, {"optimizer": self.optimizer})
         self.blas_threads = run_blas_threads(state.get("blas_threads"))  # the same sums
         self.global_step = int(state["global_step"])
@@ -643,6 +676,17 @@ class SupervisedTrainer(Generic[E, B]):
         warn_changed_settings(
             path, state["config"], config_to_dict(self.config), [schedule_note, world_note]
         )
+
+    def _check_resume_inputs(self, resume_from: str | Path) -> None:
+        """Refuse (on every rank) a checkpoint whose recorded inputs (models, data) differ from
+        this run's, before any work that depends on them (:func:`check_same_inputs`)."""
+        path = resolve_on_all_ranks(self.checkpoints, resume_from, self.group)
+        error = None
+        try:
+            check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), self.inputs)
+        except ValueError as err:
+            error = err
+        dist.raise_if_any_rank_failed(error, f"resuming from {path}", self.group)
 
     def _resume(self, resume_from: str | Path) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""

@@ -13,6 +13,7 @@ requires a template.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, TextIO
 
@@ -46,6 +47,32 @@ class SamplingSettings:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = no cut), got {self.top_p}")
+
+
+#: Lone surrogates: how Python's ``surrogateescape`` (argv, C.UTF-8 stdin) holds bytes that are
+#: not UTF-8 (U+DC80..U+DCFF for bytes 0x80..0xFF). A tokenizer refuses them (TypeError).
+_UNDECODABLE = re.compile("[\ud800-\udfff]")
+
+
+def check_utf8(text: str, what: str = "the prompt") -> None:
+    """Raise ``ValueError`` naming the first byte of ``text`` that was not UTF-8 (read with
+    ``surrogateescape``), if any."""
+    match = _UNDECODABLE.search(text)
+    if match is None:
+        return
+    offset = len(text[: match.start()].encode("utf-8"))
+    code = ord(match.group())
+    byte = f" (0x{code - 0xDC00:02x})" if 0xDC80 <= code <= 0xDCFF else ""
+    raise ValueError(
+        f"{what} is not UTF-8 text: byte {offset}{byte} is not; convert it first, e.g. "
+        "iconv -f latin1 -t utf-8"
+    )
+
+
+def replace_undecodable(text: str) -> tuple[str, int]:
+    """``text`` with each byte that was not UTF-8 (a lone surrogate) replaced by U+FFFD, and
+    how many were."""
+    return _UNDECODABLE.subn("\ufffd", text)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -111,7 +138,9 @@ def generate_text(
 ) -> str:
     """The completion of ``prompt`` (the chat rule of the module docstring); with ``out``, each
     piece is also written there as it comes. A prompt beyond :func:`prompt_budget` of the
-    model's ``context`` raises ``ValueError``."""
+    model's ``context`` raises ``ValueError``, as does one that is not UTF-8 text
+    (:func:`check_utf8`)."""
+    check_utf8(prompt)
     ids = encode_prompt(tokenizer, prompt, chat=use_chat_template(tokenizer, chat))
     budget = prompt_budget(context, settings.max_tokens)
     if budget is not None and len(ids) > budget:
@@ -165,12 +194,17 @@ def chat_session(
 
     ``context``: the model's context length in tokens. The prompt is kept within
     :func:`prompt_budget` by dropping the oldest turns (said each time); a message that does not
-    fit even alone is refused, with its length, and the session goes on.
+    fit even alone is refused, with its length, and the session goes on. Bytes of a line that
+    are not UTF-8 are replaced by U+FFFD (said each time): a strict text stream is switched to
+    ``errors="surrogateescape"`` so that reading it never raises.
 
     Raises:
         ValueError: the tokenizer has no chat template.
     """
     use_chat_template(tokenizer, True)
+    reconfigure = getattr(stdin, "reconfigure", None)
+    if callable(reconfigure) and getattr(stdin, "errors", None) == "strict":
+        reconfigure(errors="surrogateescape")  # read such a line, then replace its bytes
     start: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     if settings.seed is not None:
@@ -183,7 +217,9 @@ def chat_session(
         if not line:  # end of input (Ctrl-D)
             stdout.write("\n")
             break
-        text = line.strip()
+        text, replaced = replace_undecodable(line.strip())
+        if replaced:
+            stdout.write(f"(this message is not UTF-8: {replaced} byte(s) replaced by U+FFFD)\n")
         if text == "/exit":
             break
         if text == "/reset":

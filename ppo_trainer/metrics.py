@@ -55,6 +55,27 @@ def frac_reward_zero_std(scores: mx.array, group_size: int) -> mx.array:
     return same.astype(mx.float32).mean()
 
 
+def explained_variance(
+    returns: mx.array, values: mx.array, mask: mx.array, group: Any = None
+) -> mx.array:
+    """``1 - Var[R - V] / Var[R]`` over the valid tokens (cleanrl's ``explained_var``): 1 when
+    the values predict the returns, 0 when they do no better than their mean; NaN when
+    ``Var[R] = 0`` (all returns equal, e.g. all 0), where it is undefined: the old
+    ``+ 1e-8`` made a constant value on such a batch read as a perfect 1.0.
+
+    Args:
+        returns, values: (B, T) float.
+        mask: (B, T), nonzero on valid tokens.
+        group: the ranks the batch is split over (:func:`masked_var`); None: local.
+
+    Returns:
+        float32 scalar.
+    """
+    residual = masked_var(returns - values, mask, unbiased=False, group=group)
+    target = masked_var(returns, mask, unbiased=False, group=group)
+    return mx.where(target > 0, 1.0 - residual / mx.maximum(target, 1e-30), mx.array(mx.nan))
+
+
 def iteration_metrics(
     rollout: Rollout,
     batch: RolloutBatch,
@@ -94,8 +115,8 @@ def iteration_metrics(
         )
     }
     if batch.values is not None and batch.returns is not None:
-        residual = masked_var(batch.returns - batch.values, mask, unbiased=False, group=group)
-        target = masked_var(batch.returns, mask, unbiased=False, group=group)
-        spreads["val/explained_variance"] = 1.0 - residual / (target + 1e-8)
+        spreads["val/explained_variance"] = explained_variance(
+            batch.returns, batch.values, mask, group
+        )
     result.update({k: float(np.asarray(v)) for k, v in spreads.items()})
     return result

@@ -342,6 +342,7 @@ class PPOTrainer:
         # What the run reads besides its settings, recorded in its checkpoints and compared on
         # resume (train() adds the prompts).
         self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
+        self.inputs["reward_source"] = self.rewards.source_fingerprint()  # edits to its file
         # Agents: the environment factory's and tools' import paths ("none": a run without).
         no_agent = {"environment": "none", "tools": "none"}
         self.inputs.update(self.agent.description() if self.agent is not None else no_agent)

@@ -4,6 +4,7 @@ together (``reward_funcs`` + ``reward_weights``, TRL's GRPO)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,14 @@ from ppo_trainer.prompt_records import (
 from ppo_trainer.rollout import check_scores
 from reward_kl.combined_reward import combine_rewards, reward_matrix, reward_metrics
 from rewards import check_reward_columns
+from training.fingerprints import source_fingerprint
+
+
+def _is_built_in(fn: Any) -> bool:
+    """Whether ``fn`` is a reward of this package's registry (``rewards.builtin``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__module__", None) == "rewards.builtin"
 
 
 @dataclass
@@ -48,6 +57,15 @@ class Rewards:
         if self.funcs:
             return "the combined reward_funcs"
         return "the reward model"
+
+    def source_fingerprint(self) -> str | None:
+        """The fingerprint of the source code of the reward functions a user gave (the
+        registered built-ins are named, not fingerprinted), as a resume compares it
+        (:func:`training.fingerprints.source_fingerprint`); None for none."""
+        functions = [self.fn] if self.fn is not None else []
+        functions += [fn for _, fn in self.funcs if not isinstance(fn, RewardModel)]
+        user = [fn for fn in functions if not _is_built_in(fn)]
+        return source_fingerprint(user)
 
     def score(
         self,

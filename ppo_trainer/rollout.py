@@ -35,6 +35,7 @@ from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.generator import GenerationOutput, cut_after_stop_string, generate
 from ppo_trainer.multi_turn import ContinueFn, generate_turns
+from reward_kl.combined_reward import score_value
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
@@ -455,7 +456,8 @@ def check_scores(scores: Any, expected: int, source: str) -> mx.array:
                 f"({len(bad)} of {len(items)} are not numbers); it must return one float per "
                 "completion"
             )
-        values = np.asarray(items, dtype=np.float64).reshape(-1)
+        # An int beyond float's range (10**400) is inf here, refused below with the rest.
+        values = np.asarray([score_value(v) for v in items], dtype=np.float64).reshape(-1)
     if values.size != expected:
         raise ValueError(
             f"{source} returned {values.size} scores for {expected} completions: it must "

@@ -31,6 +31,7 @@ from training.checkpoint import CheckpointManager, named_write, resolve_on_all_r
 from training.fingerprints import check_same_inputs, data_fingerprint
 from training.run_control import (
     RunLog,
+    check_extension_trains,
     check_resume_source,
     continue_timeline,
     prepare_run_dir,
@@ -84,7 +85,9 @@ class TrainingRun:
         t.run = state = RunState(last_step=total, callbacks=self.callbacks)
         self._check_run_dir(resuming=resume_from is not None)
         ensure_optimizers(t, total_steps=total)
-        resume_step = self._resume(resume_from) if resume_from is not None else None
+        resume_step = None
+        if resume_from is not None:
+            resume_step = self._resume(resume_from, total, steps_per_epoch)
         if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
             t.blas_threads = run_blas_threads()
         check_same_weights(t, "at the start of training")
@@ -200,12 +203,22 @@ class TrainingRun:
                 error = err
         dist.raise_if_any_rank_failed(error, f"checking output_dir {t.run_dir}", t.group)
 
-    def _resume(self, resume_from: str | Path) -> int:
-        """Load the checkpoint to resume from (every rank the same one); returns its step."""
+    def _resume(self, resume_from: str | Path, total: int, steps_per_epoch: int) -> int:
+        """Load the checkpoint to resume from (every rank the same one); returns its step.
+        An extension that would train nothing of the run's ``total`` steps is refused first."""
         t = self.trainer
         path = resolve_on_all_ranks(t.checkpoints, resume_from, t.group)
         check_resume_source(t.run_dir, path)
-        check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), t.inputs)
+        state = CheckpointManager.read_state(path)
+        check_same_inputs(path, state.get("inputs"), t.inputs)
+        check_extension_trains(
+            int(state["global_step"]),
+            total,
+            epochs=t.config.num_epochs if self.num_epochs is None else self.num_epochs,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=t.config.total_steps,
+            saved_config=state.get("config") or {},
+        )
         agent = t.agent
         if (
             t.is_main_process

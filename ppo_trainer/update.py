@@ -11,6 +11,7 @@ loss is ``sft_coef * NLL``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, cast
 
@@ -41,6 +42,8 @@ from training.policy_loss import (
 )
 from training.value_loss import clipped_value_loss
 
+logger = logging.getLogger("ppo_mlx")
+
 LossFn = Callable[[nn.Module, RolloutBatch], tuple[mx.array, dict[str, mx.array]]]
 PolicyLossFn = Callable[[nn.Module, RolloutBatch | SFTBatch], tuple[mx.array, dict[str, mx.array]]]
 ThinkTags = tuple[list[int], list[int]]
@@ -56,6 +59,12 @@ def think_tags_for(config: Any, tokenizer: Any) -> ThinkTags | None:
     """
     if config.think_loss_weight == 1.0 and config.answer_loss_weight == 1.0:
         return None
+    if config.think_loss_weight == 0.0 and config.answer_loss_weight == 0.0:
+        logger.warning(
+            "think_loss_weight and answer_loss_weight are both 0: they weigh every response "
+            "token 0 in the policy loss, so the rewards train nothing (only sft_coef and "
+            "entropy_coef terms move the policy): set one of them above 0"
+        )
     if not has_think_tags(tokenizer, config.system_prompt):
         raise ValueError(
             f"think_loss_weight={config.think_loss_weight} and answer_loss_weight="

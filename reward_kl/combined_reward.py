@@ -18,6 +18,24 @@ import numpy as np
 
 from token_attribution.extractor import check_ndim
 
+#: The largest float32: a score beyond it is stored as inf.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def score_value(score: float | int) -> float:
+    """``score`` as a float, with a Python int beyond float's range (``10**400``, which
+    ``float()`` refuses with ``OverflowError``) as ``inf`` of its sign; a score is kept as
+    float32, so callers count ``|x| > FLOAT32_MAX`` as non-finite too (:func:`finite_score`)."""
+    try:
+        return float(score)
+    except OverflowError:
+        return math.inf if score > 0 else -math.inf
+
+
+def finite_score(value: float) -> bool:
+    """Whether a score's float stays finite in float32 (NaN, inf and ``|x| > 3.4e38`` do not)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
 
 def reward_matrix(
     values: Sequence[Sequence[float | None]], names: Sequence[str], num_completions: int
@@ -25,7 +43,8 @@ def reward_matrix(
     """The ``(K, B)`` score array from each reward function's list of scores.
 
     ``None`` (not applicable) becomes NaN; a NaN or infinite score returned by a function is
-    refused, since NaN is reserved for "not applicable".
+    refused, since NaN is reserved for "not applicable", as is one beyond float32's range
+    (an int beyond float's included, :func:`score_value`).
 
     Args:
         values: K lists of B scores (float or None), in the order of ``names``.
@@ -51,12 +70,14 @@ def reward_matrix(
         for b, score in enumerate(scores):
             if score is None:
                 continue
-            if not math.isfinite(float(score)):
+            value = score_value(score)
+            if not finite_score(value):
                 raise ValueError(
-                    f"reward function {name!r} returned {score} for completion {b}; return a "
-                    f"finite number, or None where the function does not apply"
+                    f"reward function {name!r} returned {score!r:.40} for completion {b} (NaN, inf, "
+                    "or beyond float32's 3.4e38); return a finite number, or None where the "
+                    "function does not apply"
                 )
-            out[k, b] = float(score)
+            out[k, b] = value
     return mx.array(out)
 
 

@@ -21,6 +21,7 @@ from rewards.text import (
     final_answer,
     full_completion,
     last_boxed,
+    stated_answer,
 )
 from sandbox import extract_code, score_completions
 
@@ -104,19 +105,27 @@ def _correct(
     think_start: str,
     think_end: str,
     timeout_seconds: int,
+    lenient: bool,
 ) -> list[bool | None]:
-    """math-verify's verdict per completion (None: the reference does not parse)."""
+    """math-verify's verdict per completion (None: the reference does not parse), on the one
+    answer :func:`rewards.text.stated_answer` reads, or (``lenient``) on the text after
+    ``</think>`` as math-verify's plain-text extraction reads it."""
     verdicts: list[bool | None] = []
     for prompt, completion, reference in zip(prompts, completions, gold, strict=True):
         answer = answer_text(prompt, completion, think_start, think_end)
-        extracted = final_answer(prompt, completion, think_start, think_end)
-        if extracted is None:
-            # No answer given: wrong, unless the reference itself cannot be checked.
+        if lenient:
+            extracted = final_answer(prompt, completion, think_start, think_end)
+            boxed = answer is not None and last_boxed(answer) is not None
+            stated = None if extracted is None else (extracted, boxed)
+        else:
+            stated = None if answer is None else stated_answer(answer)
+        if stated is None:
+            # No (single) answer given: wrong, unless the reference itself cannot be checked.
             ok = verify_answer(reference, "", timeout_seconds)
             verdicts.append(None if ok is None else False)
             continue
-        boxed = answer is not None and last_boxed(answer) is not None
-        verdicts.append(verify_answer(reference, answer_source(extracted, boxed), timeout_seconds))
+        source = answer_source(stated[0], stated[1], strict=not lenient)
+        verdicts.append(verify_answer(reference, source, timeout_seconds, strict=not lenient))
     return verdicts
 
 
@@ -130,18 +139,26 @@ def math_accuracy(
     think_start: str = THINK_START,
     think_end: str = THINK_END,
     timeout_seconds: int = 5,
+    lenient: bool = False,
     **_: Any,
 ) -> list[float | None]:
     """1 when the final answer equals the reference by math-verify, else 0; None when the
     reference (``answer``, else TRL's ``solution``) does not parse.
 
-    The final answer is the last ``\\boxed{}`` after ``</think>``, else the text after
-    ``</think>`` (the whole completion without a think block; none when the block never closes).
+    The answer region is the text after ``</think>`` (the whole completion without a think
+    block; none when the block never closes). Its final answer (:func:`rewards.text.
+    stated_answer`) is the last ``\\boxed{}``, else the expression after the last "the answer
+    is" / "final answer:", else the whole region when it is a single expression (LaTeX read as
+    LaTeX); a region that offers several candidates, or prose, states none and scores 0.
+    ``lenient=True`` keeps the old rule: the text after ``</think>`` goes to math-verify's
+    plain-text extraction, which takes a number from anywhere (``2^{10}`` reads as 2).
     Score = ``verify(parse(reference), parse(answer))``, each step bounded by
     ``timeout_seconds``; a timeout scores 0.
     """
     gold = _gold("math_accuracy", len(completions), answer, solution)
-    verdicts = _correct(prompts, completions, gold, think_start, think_end, timeout_seconds)
+    verdicts = _correct(
+        prompts, completions, gold, think_start, think_end, timeout_seconds, lenient
+    )
     return [None if v is None else float(v) for v in verdicts]
 
 
@@ -269,14 +286,17 @@ def cosine_length(
     think_start: str = THINK_START,
     think_end: str = THINK_END,
     timeout_seconds: int = 5,
+    lenient: bool = False,
     **_: Any,
 ) -> list[float | None]:
     """Length-scaled correctness (open-r1's ``cosine_scaled``; :func:`cosine_scaled`) with
-    correctness by :func:`math_accuracy`'s rule and ``L`` the completion's length in characters
-    (as open-r1); None where the reference does not parse.
+    correctness by :func:`math_accuracy`'s rule (``lenient`` as there) and ``L`` the
+    completion's length in characters (as open-r1); None where the reference does not parse.
     """
     gold = _gold("cosine_length", len(completions), answer, solution)
-    verdicts = _correct(prompts, completions, gold, think_start, think_end, timeout_seconds)
+    verdicts = _correct(
+        prompts, completions, gold, think_start, think_end, timeout_seconds, lenient
+    )
     return [
         (
             None

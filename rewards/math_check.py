@@ -30,15 +30,25 @@ def _math_verify() -> Any:
     return math_verify
 
 
-def answer_source(answer: str, boxed: bool) -> str:
+def answer_source(answer: str, boxed: bool, strict: bool = False) -> str:
     """The string math-verify parses for an extracted answer: ``\\boxed{answer}`` when it came
-    from a box (so that LaTeX inside is read as LaTeX), else the answer text itself."""
-    return f"\\boxed{{{answer}}}" if boxed else answer
+    from a box (so that LaTeX inside is read as LaTeX); else, strict, ``$answer$`` (one
+    expression, read as LaTeX), lenient, the answer text itself."""
+    if boxed:
+        return f"\\boxed{{{answer}}}"
+    return f"${answer}$" if strict else answer
 
 
-def verify_in_process(gold: str, answer: str, timeout_seconds: int) -> bool | None:
+def verify_in_process(
+    gold: str, answer: str, timeout_seconds: int, strict: bool = False
+) -> bool | None:
     """math-verify's verdict ``verify(parse(gold), parse(answer))`` in this (main) thread, each
     step bounded by ``timeout_seconds``; None when the reference itself does not parse.
+
+    Strict, ``answer`` (from :func:`answer_source`) is read by the LaTeX extraction alone
+    (``LatexExtractionConfig``: its box or its ``$...$``) without math-verify's fallback to the
+    matched string; lenient, by ``parse``'s defaults (LaTeX, then numbers and expressions
+    anywhere in plain text).
 
     The reference parses when math-verify finds an expression in it (not only its fallback
     string); a bare LaTeX reference (``\\frac{1}{2}``, as datasets' ``answer`` columns hold) that
@@ -49,7 +59,15 @@ def verify_in_process(gold: str, answer: str, timeout_seconds: int) -> bool | No
         gold_parsed = mv.parse(f"${gold}$", parsing_timeout=timeout_seconds)
     if not _has_expression(gold_parsed):
         return None
-    answer_parsed = mv.parse(answer, parsing_timeout=timeout_seconds)
+    if strict:
+        answer_parsed = mv.parse(
+            answer,
+            extraction_config=[mv.LatexExtractionConfig()],
+            fallback_mode="no_fallback",
+            parsing_timeout=timeout_seconds,
+        )
+    else:
+        answer_parsed = mv.parse(answer, parsing_timeout=timeout_seconds)
     return bool(mv.verify(gold_parsed, answer_parsed, timeout_seconds=timeout_seconds))
 
 
@@ -58,13 +76,13 @@ def _has_expression(parsed: list[Any]) -> bool:
 
 
 def _serve(conn: Connection) -> None:
-    """The helper process: verify each ``(gold, answer, timeout)`` it receives."""
+    """The helper process: verify each ``(gold, answer, timeout, strict)`` it receives."""
     while True:
         try:
-            gold, answer, timeout_seconds = conn.recv()
+            gold, answer, timeout_seconds, strict = conn.recv()
         except EOFError:
             return
-        conn.send(verify_in_process(gold, answer, timeout_seconds))
+        conn.send(verify_in_process(gold, answer, timeout_seconds, strict))
 
 
 def _helper() -> tuple[Any, Connection]:
@@ -93,16 +111,18 @@ def _kill_helper() -> None:
 _STARTUP_SECONDS = 60.0
 
 
-def verify_answer(gold: str, answer: str, timeout_seconds: int) -> bool | None:
-    """Whether ``answer`` equals ``gold`` by math-verify; None when ``gold`` does not parse.
-    A check that exceeds ``timeout_seconds`` (per step in the main thread, in all in another)
-    is False."""
+def verify_answer(
+    gold: str, answer: str, timeout_seconds: int, strict: bool = False
+) -> bool | None:
+    """Whether ``answer`` equals ``gold`` by math-verify (``strict``: see
+    :func:`verify_in_process`); None when ``gold`` does not parse. A check that exceeds
+    ``timeout_seconds`` (per step in the main thread, in all in another) is False."""
     if threading.current_thread() is threading.main_thread():
-        return verify_in_process(gold, answer, timeout_seconds)
+        return verify_in_process(gold, answer, timeout_seconds, strict)
     with _lock:
         fresh = _worker is None or not _worker[0].is_alive()
         process, conn = _helper()
-        conn.send((gold, answer, timeout_seconds))
+        conn.send((gold, answer, timeout_seconds, strict))
         # Three timed steps (two parses, one comparison); the first call also imports sympy.
         deadline = 3 * timeout_seconds + 1 + (_STARTUP_SECONDS if fresh else 0.0)
         if conn.poll(deadline):

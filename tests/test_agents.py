@@ -4,7 +4,10 @@ Qwen2.5's and Qwen3's); plus the tool-use example's task. Pure Python, no model.
 
 from __future__ import annotations
 
+import dataclasses
+import fractions
 import json
+import logging
 import math
 import threading
 import time
@@ -213,6 +216,46 @@ def test_mistral_reads_both_tool_call_forms() -> None:
     assert parse_mistral("[TOOL_CALLS][{broken").errors
 
 
+@pytest.mark.parametrize("depth", [900, 1_000, 100_000])
+@pytest.mark.parametrize("opening", ["[", '{"a": '])
+@pytest.mark.parametrize(
+    "parser, prefix, suffix",
+    [
+        ("hermes", '<tool_call>{"name": "add", "arguments": ', "}</tool_call>"),
+        ("llama3_json", '{"name": "add", "parameters": ', "}"),
+        ("mistral", "[TOOL_CALLS]add[ARGS]", ""),
+        ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": ', "}]"),
+    ],
+)
+def test_a_call_nested_too_deep_is_an_error_for_the_model_not_a_crash(
+    parser: str, prefix: str, suffix: str, opening: str, depth: int
+) -> None:
+    """issue #47: ~1000 nested ``[`` or ``{"a": `` raised RecursionError out of the parser
+    (and train()); any depth is now one message, closed or cut off at the token limit."""
+    closing = "]" if opening == "[" else "}"
+    for body in (opening * depth + "1" + closing * depth, opening * depth):
+        parsed = resolve_parser(parser)(prefix + body + suffix)
+        assert parsed.calls == [] and len(parsed.errors) == 1, parsed.errors
+        assert "nested more than 100 levels deep" in parsed.errors[0], parsed.errors
+
+
+_DEEP_STRING_CALL = json.dumps({"name": "add", "arguments": "[" * 1_000 + "]" * 1_000})
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", f"<tool_call>{_DEEP_STRING_CALL}</tool_call>"),
+        ("llama3_json", _DEEP_STRING_CALL),
+        ("mistral", f"[TOOL_CALLS][{_DEEP_STRING_CALL}]"),
+    ],
+)
+def test_arguments_written_as_a_deep_json_string_are_an_error_too(parser: str, text: str) -> None:
+    parsed = resolve_parser(parser)(text)
+    assert parsed.calls == [] and len(parsed.errors) == 1, parsed.errors
+    assert "nested more than 100 levels deep" in parsed.errors[0]
+
+
 def test_resolve_parser_takes_a_name_or_a_function() -> None:
     assert resolve_parser("hermes") is parse_hermes
     custom = lambda text: ParsedTurn()  # noqa: E731
@@ -257,6 +300,64 @@ def test_every_failure_is_a_message_for_the_model() -> None:
     assert (own_words.ok, own_words.content) == (False, "Error: no such key")
 
 
+@dataclasses.dataclass
+class _Point:
+    x: int
+    y: int
+
+
+class _Opaque:
+    """No text form of its own: its repr holds its memory address."""
+
+
+def test_a_result_json_cannot_encode_is_converted_the_same_way_every_run_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """issue #47: a tool result JSON cannot encode was sent as its repr, memory address
+    included, so the same seed gave different runs; nothing warned."""
+    returns: dict[str, Any] = {
+        "a_set": {3, 1, 2},
+        "a_point": _Point(1, 2),
+        "an_array": np.array([1.5, 2.0]),
+        "a_fraction": fractions.Fraction(1, 3),
+        "opaque": _Opaque(),
+    }
+
+    def give(kind: str) -> Any:
+        """Return a value JSON cannot encode.
+
+        Args:
+            kind: Which.
+        """
+        return returns[kind]
+
+    tools = {"give": make_tools([give])[0]}
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        results = {
+            kind: [
+                execute_call(
+                    ToolCall("give", {"kind": kind}), tools, timeout_s=5, max_output_chars=200
+                )
+                for _ in range(2)
+            ]
+            for kind in returns
+        }
+    assert {k: (r[0].ok, r[0].content) for k, r in results.items()} == {
+        "a_set": (True, "[1, 2, 3]"),
+        "a_point": (True, '{"x": 1, "y": 2}'),
+        "an_array": (True, "[1.5, 2.0]"),
+        "a_fraction": (True, "1/3"),
+        "opaque": (
+            False,
+            "Error: give returned a _Opaque, which is not JSON and has no text form of its own",
+        ),
+    }
+    assert all(r[0] == r[1] for r in results.values())
+    warnings = [r.getMessage() for r in caplog.records if "'give' returned" in r.getMessage()]
+    assert len(warnings) == len(returns)  # one per tool and type, not one per call
+    assert "0x" not in "".join(r[0].content for r in results.values())
+
+
 def test_arguments_are_checked_by_the_schema_as_written() -> None:
     """A hand-written schema: an untyped argument, a type list, a type the check does not know;
     a value JSON cannot write is sent as text."""
@@ -283,7 +384,8 @@ def test_arguments_are_checked_by_the_schema_as_written() -> None:
     def call(**arguments: Any) -> Any:
         return execute_call(ToolCall("raw", arguments), tools, timeout_s=5, max_output_chars=200)
 
-    assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "{3}", True)
+    # A set is sent sorted, as JSON (its str order changes with PYTHONHASHSEED for strings).
+    assert call(x="anything", y=None, z=[1]) == ToolResult("raw", "[3]", True)
     assert call(x=1, y=2, w=2).ok and call(x=1, w=2.5).ok
     assert not call(x=1, w=True).ok  # JSON true is not a number
     assert call(x=1, v=True).ok  # ... but it is a boolean

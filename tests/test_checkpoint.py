@@ -81,6 +81,22 @@ def test_a_half_deleted_checkpoint_is_not_listed_nor_resumed(tmp_path: Path) -> 
     assert manager.latest() is None
 
 
+def test_a_truncated_latest_checkpoint_is_passed_over_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue #47: resume_from='latest' skipped a truncated newest checkpoint for the previous
+    one without a word."""
+    manager = CheckpointManager(tmp_path, keep_last=0)
+    previous = save(manager, 1)
+    newest = save(manager, 2)
+    weights = newest / "policy.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        assert manager.resolve("latest") == previous
+    assert f"checkpoint {newest} is incomplete (policy.safetensors has" in caplog.text
+    assert "resuming from step_000001 instead" in caplog.text
+
+
 def test_a_damaged_file_is_named_on_load(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     path = save(manager, 3)

@@ -471,6 +471,44 @@ def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
         other.train(records, held_out, resume_from="latest")
 
 
+def _retrain_in_place(model_dir: Path) -> None:
+    """New weights at the same path (the tokenizer unchanged): every weight moved a little."""
+    path = model_dir / "model.safetensors"
+    weights = cast(dict[str, mx.array], mx.load(str(path)))
+    mx.save_safetensors(str(path), {k: v + 0.01 for k, v in weights.items()})
+
+
+def test_a_retrained_reference_or_edited_data_is_refused_on_resume_before_any_reference_pass(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue #47: the reference log-prob cache was keyed by ref_model_name's path and the
+    reference was not fingerprinted, so new weights at the same path were trained against on
+    resume without a word; an edited data file was refused only after a full reference pass."""
+    ref = tmp_path / "ref"
+    shutil.copytree(tiny_model_dir, ref)
+    records = preference_records(16, seed=3)
+    cfg = dpo_config(tiny_model_dir, tmp_path / "run", ref_model_name=str(ref), total_steps=1)
+    trainer = DPOTrainer(cfg)
+    trainer.train(records)
+    key_before = trainer._cache_path([])  # the key of no pairs: what the reference is
+
+    def no_reference(self: DPOTrainer) -> ReferenceModel:
+        raise AssertionError("the reference was loaded before the inputs were checked")
+
+    longer = dpo_config(tiny_model_dir, tmp_path / "run", ref_model_name=str(ref), total_steps=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(DPOTrainer, "reference", no_reference)
+        edited = [dict(r) for r in records]
+        edited[0]["chosen"] = edited[0]["chosen"] + " (edited)"
+        with pytest.raises(ValueError, match="the training data"):
+            DPOTrainer(longer).train(edited, resume_from="latest")
+        _retrain_in_place(ref)
+        with pytest.raises(ValueError, match=r"the reference model \(ref_model_name\)"):
+            DPOTrainer(longer).train(records, resume_from="latest")
+    # The cache is keyed by the reference's fingerprint, not its path.
+    assert DPOTrainer(longer)._cache_path([]) != key_before
+
+
 def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -572,6 +610,28 @@ def test_a_reference_with_another_tokenizer_is_refused(
     with pytest.raises(ValueError, match="uses another tokenizer than the policy"):
         DPOTrainer(cfg).train(preference_records(8, seed=0))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_held_out_split_of_a_few_pairs_is_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue #47: the default 5% of a 16-pair file is 1 pair, whose eval accuracy (0 or 1)
+    read 1.000 without a word."""
+    from finetune.records import load_preference_data
+    from finetune.supervised_trainer import load_run_data
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", preference_records(16, seed=0))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        train, held_out = load_run_data(
+            DPOConfig(model_name="m", dataset=str(data)), load_preference_data
+        )
+    assert held_out is not None and (len(train), len(held_out)) == (15, 1)
+    assert "eval_fraction=0.05 holds out 1 of 16 records" in caplog.text
+    caplog.clear()
+    big = write_jsonl(tmp_path / "more.jsonl", preference_records(200, seed=0))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        load_run_data(DPOConfig(model_name="m", dataset=str(big)), load_preference_data)
+    assert "holds out" not in caplog.text  # 10 pairs: enough to say nothing
 
 
 def test_dpo_config_validation() -> None:

@@ -524,6 +524,27 @@ def test_a_binding_total_steps_is_named(
     assert "total_steps=1 caps the run at 1 steps (num_epochs=5 x 1 steps per epoch" in caplog.text
 
 
+def test_an_extension_that_cannot_train_is_refused_naming_the_setting_that_ends_the_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """issue #47: a resume with a larger total_steps trained nothing and returned in silence
+    when num_epochs already ended the run (the docs give it as the way to extend a run)."""
+    settings: dict[str, Any] = dict(num_ppo_epochs=1, num_mini_batches=1, max_new_tokens=2)
+    first = make_config(tiny_model_dir, tmp_path, num_epochs=1, **settings)
+    PPOTrainer(first, reward_model=e_rate).train(PROMPTS[:4])  # 1 step: the run is done
+    more_steps = make_config(tiny_model_dir, tmp_path, num_epochs=1, total_steps=3, **settings)
+    trainer = PPOTrainer(more_steps, reward_model=e_rate)
+    with pytest.raises(
+        ValueError,
+        match=r"num_epochs=1 \(1 x 1 steps per epoch\) ends the run at "
+        r"step 1.*--set num_epochs=3",
+    ):
+        trainer.train(PROMPTS[:4], resume_from="latest")
+    assert trainer.global_step <= 1 and (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+    # Resuming the finished run as it was still works (it saves what a kill left unsaved).
+    PPOTrainer(first, reward_model=e_rate).train(PROMPTS[:4], resume_from="latest")
+
+
 @pytest.mark.slow
 def test_extending_a_finished_run_starts_a_new_schedule_segment(
     tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -561,3 +582,19 @@ def test_value_warmup_trains_the_value_model_alone_first(
     assert trainer.reward_moments.count == 8
     with pytest.raises(ValueError, match="value_warmup_steps=2 needs a value model"):
         make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=2, value_warmup_steps=2)
+
+
+def test_explained_variance_is_undefined_when_the_returns_do_not_vary() -> None:
+    """issue #47: val/explained_variance read 1.0 on a batch whose returns were all 0 (with
+    constant values), where Var[R] = 0 leaves it undefined."""
+    from ppo_trainer.metrics import explained_variance
+
+    mask = mx.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    returns = mx.array([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    values = mx.array([[1.0, 2.0, 0.0], [3.0, 5.0, 5.0]])
+    # Valid returns 1 2 3 4 5 (variance 2); residuals 0 0 0 -1 0 (variance 0.16).
+    assert float(explained_variance(returns, values, mask)) == pytest.approx(1 - 0.16 / 2)
+    assert float(explained_variance(returns, returns, mask)) == 1.0
+    zeros = mx.zeros((2, 3))
+    assert math.isnan(float(explained_variance(zeros, zeros, mask)))
+    assert math.isnan(float(explained_variance(zeros, mx.full((2, 3), 0.5), mask)))

@@ -351,6 +351,22 @@ def test_think_tags_are_found_or_the_weights_refused() -> None:
         think_tags_for(cfg, no_template)
 
 
+def test_both_region_weights_zero_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """issue #47: think_loss_weight = answer_loss_weight = 0 weighs every response token 0, so
+    the rewards train nothing, and nothing said so."""
+    qwen3 = fake_tokenizer({"<think>": 7, "</think>": 8, "a": 0})
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        half = config("grpo", think_loss_weight=0.5, answer_loss_weight=0.0, system_prompt=None)
+        think_tags_for(half, qwen3)
+        assert "weigh every response token 0" not in caplog.text
+        zero = config("grpo", think_loss_weight=0.0, answer_loss_weight=0.0, system_prompt=None)
+        assert think_tags_for(zero, qwen3) == ([7], [8])
+    assert (
+        "think_loss_weight and answer_loss_weight are both 0: they weigh every response token 0"
+        in caplog.text
+    )
+
+
 # ---------------------------------------------------------------- SFT loss in the update
 
 

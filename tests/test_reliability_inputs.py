@@ -74,6 +74,33 @@ def test_resume_refuses_other_prompts_and_another_reward(
     assert trainer.global_step == 3
 
 
+def test_resume_refuses_a_reward_file_whose_body_was_edited(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """issue #47: only the reward's import path was recorded, so an edited function body at
+    the same path was trained on after a resume without a word."""
+    from ppo_trainer.components import load_function
+
+    source = tmp_path / "my_reward.py"
+    source.write_text(
+        "def score(prompts, completions):\n    return [float(len(c)) for c in completions]\n"
+    )
+    run = tmp_path / "run"
+    first = make_config(tiny_model_dir, run, total_steps=1)
+    PPOTrainer(first, reward_model=load_function(f"{source}:score")).train(PROMPTS)
+    source.write_text(
+        "def score(prompts, completions):\n    return [-float(len(c)) for c in completions]\n"
+    )
+    longer = make_config(tiny_model_dir, run, total_steps=2)
+    trainer = PPOTrainer(longer, reward_model=load_function(f"{source}:score"))
+    with pytest.raises(
+        ValueError,
+        match=r"the reward's source: my_reward.py:score sha256 \w+ -> my_reward.py:score",
+    ):
+        trainer.train(PROMPTS, resume_from="latest")
+    assert trainer.global_step == 0
+
+
 def test_sft_resume_refuses_other_data_of_the_same_size_and_a_replaced_base(
     tmp_path: Path,
 ) -> None:

@@ -125,13 +125,16 @@ def test_a_missing_tracker_is_named_before_overwrite_removes_the_earlier_run(
     assert (run / "checkpoints" / "step_000002").is_dir()
 
 
-def test_a_nan_reward_names_the_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [math.nan, 10**400], ids=["nan", "int_beyond_float"])
+def test_a_nan_reward_names_the_step(tiny_model_dir: Path, tmp_path: Path, bad: float) -> None:
+    """A Python int beyond float's range (10**400) raised OverflowError with a traceback
+    (issue #47); it is a non-finite score like NaN."""
     calls = {"n": 0}
 
     def nan_at_second(prompts: list[str], completions: list[str]) -> list[float]:
         calls["n"] += 1
         # Call 1 is train()'s trial call (empty completions), call 3 step 2's scoring.
-        return [math.nan if calls["n"] == 3 else 1.0 for _ in completions]
+        return [bad if calls["n"] == 3 else 1.0 for _ in completions]
 
     trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path / "run"), reward_model=nan_at_second)
     with pytest.raises(ValueError, match="^step 2: .*non-finite scores"):

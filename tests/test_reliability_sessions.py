@@ -64,6 +64,41 @@ def test_generate_names_a_prompt_longer_than_the_context(tiny_model_dir: Path) -
         generate_text(policy.model, policy.tokenizer, "word " * 100, settings, context=50)
 
 
+def test_chat_replaces_bytes_that_are_not_utf8_and_keeps_the_session(
+    tiny_model_dir: Path,
+) -> None:
+    """issue #47: a line that is not UTF-8 crashed chat (a traceback; the history lost): a
+    strict stream raised UnicodeDecodeError, a surrogateescape one (C.UTF-8) gave the
+    tokenizer lone surrogates."""
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    settings = SamplingSettings(max_tokens=2, temperature=0.0)
+    data = b"hello\nReview \xff\xfe of\nbye\n"
+    for errors in ("strict", "surrogateescape"):
+        stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors=errors)
+        stdout = io.StringIO()
+        messages = chat_session(
+            policy.model, policy.tokenizer, settings, stdin=stdin, stdout=stdout
+        )
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        assert users == ["hello", "Review \ufffd\ufffd of", "bye"], errors
+        assert "not UTF-8: 2 byte(s) replaced by U+FFFD" in stdout.getvalue()
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_naming_the_byte(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import main
+
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    settings = SamplingSettings(max_tokens=2, temperature=0.0)
+    prompt = b"Review \xff of".decode("utf-8", "surrogateescape")  # as argv holds it
+    with pytest.raises(ValueError, match=r"the prompt is not UTF-8 text: byte 7 \(0xff\)"):
+        generate_text(policy.model, policy.tokenizer, prompt, settings, chat=False)
+    # The command line: the same one line, exit 2, before the model is loaded.
+    assert main.main(["generate", "--model", str(tmp_path / "none"), "--prompt", prompt]) == 2
+    assert "the prompt is not UTF-8 text: byte 7 (0xff)" in capsys.readouterr().err
+
+
 class _HangUp(TrainerCallback):
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if step == 1:

@@ -253,3 +253,30 @@ def test_a_command_that_fails_leaves_no_folder_behind(tmp_path: Path) -> None:
     with run_lock(run):
         (run / "metrics.jsonl").write_text("")
     assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_directory_at_the_lock_path_and_a_read_only_folder_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue #47: both gave raw errno text ("[Errno 21] Is a directory: '.../.run.lock'")."""
+    import errno
+
+    run = tmp_path / "run"
+    (run / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"\.run\.lock is a directory, not the run's lock file"):
+        with run_lock(run):
+            pass
+    # A read-only file system (root ignores chmod, so the error is raised as the kernel would).
+    real_open = os.open
+
+    def read_only(path: Any, flags: int, *args: Any) -> int:
+        if str(path).endswith(LOCK_FILE):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ValueError, match=r"is not writable \(Read-only file system\): choose"):
+        with run_lock(other):
+            pass

@@ -349,6 +349,17 @@ def test_reward_matrix_reads_none_as_not_applicable_and_refuses_nan():
         reward_matrix([[1.0], [1.0, 1.0]], ["fmt", "acc"], 2)
 
 
+@pytest.mark.parametrize(
+    "score", [10**400, -(10**400), 1e39, np.float64(-1e39)], ids=["int", "-int", "1e39", "-1e39"]
+)
+def test_reward_matrix_refuses_scores_beyond_float32_as_non_finite(score: float) -> None:
+    """issue #47: a Python int beyond float's range raised OverflowError (a traceback), and a
+    float beyond float32's became inf in the matrix without a word."""
+    with pytest.raises(ValueError, match=r"'acc' returned .* for completion 1.*finite number"):
+        reward_matrix([[1.0, score]], ["acc"], 2)
+    assert reward_matrix([[1.0, 10**30]], ["acc"], 2)[0, 1].item() == pytest.approx(1e30)
+
+
 def test_reward_metrics_are_trls_nan_aware_mean_and_std():
     scores = np.array([[1.0, 2.0, 4.0], [np.nan, 3.0, np.nan], [np.nan] * 3])
     metrics = reward_metrics(mx.array(scores.astype(np.float32)), ["a", "b", "c"])

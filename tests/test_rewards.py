@@ -20,7 +20,14 @@ from rewards.builtin import (
     repetition_score,
     soft_overlong_penalty,
 )
-from rewards.text import answer_text, final_answer, last_boxed, think_opened
+from rewards.text import (
+    answer_text,
+    final_answer,
+    last_boxed,
+    single_expression,
+    stated_answer,
+    think_opened,
+)
 from ppo_trainer.callbacks import TrainerCallback
 
 BUILT_INS = [
@@ -180,6 +187,105 @@ def test_math_accuracy_matches_math_verify() -> None:
         resolve_reward("math_accuracy")(["q"], ["2"])
     with pytest.raises(ValueError, match="1 completions but 2 values"):
         resolve_reward("math_accuracy")(["q"], ["2"], answer=["2", "3"])
+
+
+def test_stated_answer_is_one_box_phrase_or_expression() -> None:
+    assert stated_answer(r"so \boxed{1} then \boxed{\frac{1}{2}}.") == (r"\frac{1}{2}", True)
+    assert stated_answer("The answer is $\\frac{3}{4}$.") == (r"\frac{3}{4}", False)
+    assert stated_answer("**Final Answer:** 14") == ("14", False)
+    assert stated_answer("Answer:\n14") == ("14", False)
+    assert stated_answer("The final answer is 7. I hope it is correct.") == ("7", False)
+    assert stated_answer(" 2^{10} ") == ("2^{10}", False)
+    assert stated_answer("x = 2 \\cdot 7") == ("x = 2 \\cdot 7", False)
+    assert stated_answer("1,024") == ("1,024", False)  # a thousands separator
+    assert stated_answer(r"$\{1, 2\}$") == (r"\{1, 2\}", False)  # a comma inside braces
+    assert stated_answer(r"\sqrt{2} + pi") == (r"\sqrt{2} + pi", False)
+    assert stated_answer("The answer is $18.") == ("18", False)  # a price (GSM8K's answers)
+    assert stated_answer(r"Answer: \$1,250.50") == ("1,250.50", False)
+    assert stated_answer("The answer to 5 + 9 is 14.") == ("14", False)
+    matrix = r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"
+    assert stated_answer(f"${matrix}$") == (matrix, False)
+    for none in (
+        "So we get 14.",  # prose
+        "14, 18, 19",  # a list
+        "14; 18",
+        "1 2 3",  # numbers side by side
+        "$14$ or $18$",  # two math environments
+        "The answer is 14 or 18.",
+        "The answer is 14. Wait, that is wrong.",  # words after the answer
+        "The answer is correct.",
+        r"5 \text{ cm}",  # a unit outside a box reads as prose
+        "$18 or $19",
+        r"\boxed{ }",
+        "",
+    ):
+        assert stated_answer(none) is None, none
+    assert single_expression("$14$.") == "14"
+    assert single_expression("**14**") == "14"
+
+
+def test_math_accuracy_reads_the_final_answer_only() -> None:
+    """issue #47: without a box the answer region went to math-verify's plain-text extraction,
+    which takes a number from anywhere; strict (the default) reads one stated answer, LaTeX as
+    LaTeX; lenient=True keeps the old rule."""
+    fn = resolve_reward("math_accuracy")
+    lenient = resolve_reward({"name": "math_accuracy", "lenient": True})
+    garbled = "Answer: 5 + 9 = 14, 18, 19, 20, 22, 24"
+    cases = [
+        # (completion, answer, strict, lenient)
+        ("2^{10}", "2", 0.0, 1.0),
+        ("2^{10}", "1024", 1.0, 0.0),
+        ("<think>x</think> 2^{10}", "1024", 1.0, 0.0),
+        (garbled, "14", 0.0, 1.0),
+        ("2 \\cdot 7", "14", 1.0, 0.0),
+        ("The answer is $\\frac{3}{4}$.", "0.75", 1.0, 1.0),
+        ("x = 14", "14", 1.0, 1.0),
+        ("So we get 14.", "14", 0.0, 1.0),
+    ]
+    completions = [c[0] for c in cases]
+    answers = [c[1] for c in cases]
+    prompts = ["q"] * len(cases)
+    assert fn(prompts, completions, answer=answers) == [c[2] for c in cases]
+    assert lenient(prompts, completions, answer=answers) == [c[3] for c in cases]
+    # A tower of powers read as LaTeX is 10^(10^(10^10)), not 10: the comparison runs out of time
+    # (1 s here) and scores 0.
+    tower = "10^{10^{10^{10}}}"
+    assert fn(["q"], [tower], answer=["10"], timeout_seconds=1) == [0.0]
+    assert lenient(["q"], [tower], answer=["10"], timeout_seconds=1) == [1.0]
+    # cosine_length judges correctness by the same rule.
+    cosine = resolve_reward({"name": "cosine_length", "max_length": 40})
+    wrong = cosine_scaled(False, len(garbled), 40, -1, -0.5, 0.5, 1)
+    assert cosine(["q"], [garbled], answer=["14"]) == [pytest.approx(wrong)]
+    lenient_cosine = resolve_reward({"name": "cosine_length", "max_length": 40, "lenient": True})
+    right = cosine_scaled(True, len(garbled), 40, -1, -0.5, 0.5, 1)
+    assert lenient_cosine(["q"], [garbled], answer=["14"]) == [pytest.approx(right)]
+
+
+@pytest.mark.parametrize(
+    "prompt, completion, answer",
+    [
+        # Many numbers: one of them is right.
+        ("q", " ".join(str(i) for i in range(1, 15)), "14"),
+        ("q", "14, 18, 19, 20, 22, 24", "14"),
+        ("q", "Answer: 5 + 9 = 14, 18, 19, 20, 22, 24", "14"),
+        ("q", "The answer is 13 or 14.", "14"),
+        ("q", "$13$, $14$", "14"),
+        # The answer only inside the think block.
+        ("q", "<think>the answer is 14</think> I am not sure.", "14"),
+        ("q", r"<think>\boxed{14}</think>", "14"),
+        ("q", r"<think>so \boxed{14}", "14"),  # never closed
+        # An answer, then a retraction.
+        ("q", "The answer is 14. Wait, that is wrong.", "14"),
+        ("q", "The answer is 14. No, the answer is 13.", "14"),
+        ("q", r"\boxed{14}, no: \boxed{13}", "14"),
+        # The prompt's numbers echoed.
+        ("Which is larger, 5 or 9?", "5 or 9", "9"),
+        ("Which is larger, 5 or 9?", "The numbers are 5 and 9.", "9"),
+        ("What is 7 times 2?", "7 2 14", "14"),
+    ],
+)
+def test_reward_hacking_shapes_score_zero(prompt: str, completion: str, answer: str) -> None:
+    assert resolve_reward("math_accuracy")([prompt], [completion], answer=[answer]) == [0.0]
 
 
 def test_math_accuracy_off_the_main_thread_uses_a_helper_process() -> None:
@@ -390,6 +496,7 @@ def test_main_rewards_lists_every_built_in(capsys: pytest.CaptureFixture[str]) -
     assert set(BUILT_INS) <= set(by_name)
     assert "[reads answer or solution]" in by_name["math_accuracy"]
     assert "[parameters: max_length, cache]" in by_name["soft_overlong"]
+    assert "lenient" in by_name["math_accuracy"]
     assert "completion_ids" in by_name["soft_overlong"]
 
 
@@ -413,7 +520,8 @@ def test_built_ins_equal_trls_rewards_where_they_mean_the_same() -> None:
 
     - think_format is stricter than think_format_reward: an answer must follow ``</think>``
       and there is one ``</think>`` only; it allows whitespace before ``<think>``, TRL none.
-    - math_accuracy takes a plain final answer ("The answer is 4."), TRL only LaTeX.
+    - math_accuracy takes a plain final answer ("The answer is 4."), TRL only LaTeX; its
+      lenient rule gives the same verdicts here.
     - repetition_penalty counts n-grams of lower-cased words (open-r1), TRL of token ids: TRL
       is given the words as ids here, so the formula is what is compared.
     - cosine_length measures characters (open-r1), TRL tokens: the completions are padded to
@@ -456,6 +564,8 @@ def test_built_ins_equal_trls_rewards_where_they_mean_the_same() -> None:
         texts, solutions = (list(c) for c in zip(*table))
         differ = {8: (1.0, 0.0)} if key == "accuracy" else {}  # "The answer is 4."
         compare(math_accuracy(blank(len(texts)), texts, solution=solutions), trl[key], differ)
+        lenient = math_accuracy(blank(len(texts)), texts, solution=solutions, lenient=True)
+        compare(lenient, trl[key], differ)
     ids = [[1] * n for n in ref.SOFT_OVERLONG_LENGTHS]
     max_length, cache = ref.SOFT_OVERLONG
     overlong = soft_overlong(

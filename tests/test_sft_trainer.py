@@ -279,6 +279,25 @@ def test_resume_continues_to_the_same_weights(
         )
 
 
+def test_an_extension_that_cannot_train_is_refused_naming_the_setting(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """issue #47: a resume with a larger total_steps trained nothing and exited 0 in silence
+    when num_epochs already ended the run; and the converse with total_steps."""
+    records = sft_records(8, seed=2)
+    SFTTrainer(config(tiny_model_dir, tmp_path / "run", total_steps=1)).train(records)
+    # The run ended at step 1 by total_steps: more epochs alone cannot extend it.
+    more_epochs = config(tiny_model_dir, tmp_path / "run", total_steps=1, num_epochs=3)
+    with pytest.raises(ValueError, match=r"total_steps=1 ends the run at step 1.*total_steps=3"):
+        SFTTrainer(more_epochs).train(records, resume_from="latest")
+    # total_steps=3 without more epochs: num_epochs=1 ends it.
+    more_steps = config(tiny_model_dir, tmp_path / "run", total_steps=3)
+    with pytest.raises(ValueError, match=r"num_epochs=1 \(1 x 1 steps per epoch\) ends the run"):
+        SFTTrainer(more_steps).train(records, resume_from="latest")
+    both = config(tiny_model_dir, tmp_path / "run", total_steps=3, num_epochs=3)
+    assert SFTTrainer(both).train(records, resume_from="latest")[-1]["step"] == 3
+
+
 # --------------------------------------------------------------------------- config and errors
 
 

@@ -246,8 +246,8 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints (manifest present, every file of the right size), oldest first."""
+    def _step_dirs(self) -> list[Path]:
+        """Every ``step_NNNNNN`` directory, complete or not, oldest first."""
         if not self.root.is_dir():
             return []
         found = [
@@ -255,7 +255,11 @@ class CheckpointManager:
             for p in self.root.iterdir()
             if (m := _STEP_DIR.match(p.name)) and p.is_dir()
         ]
-        return [p for _, p in sorted(found) if verify_checkpoint(p, checksums=False) is None]
+        return [p for _, p in sorted(found)]
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints (manifest present, every file of the right size), oldest first."""
+        return [p for p in self._step_dirs() if verify_checkpoint(p, checksums=False) is None]
 
     def latest(self) -> Path | None:
         """The most recent complete checkpoint, or None."""
@@ -271,6 +275,14 @@ class CheckpointManager:
         """
         if str(path_or_latest) == "latest":
             latest = self.latest()
+            for newer in self._step_dirs():  # passed over for an older one: said, not silent
+                if latest is None or newer.name > latest.name:
+                    logger.warning(
+                        "checkpoint %s is incomplete (%s): resuming from %s instead",
+                        newer,
+                        verify_checkpoint(newer, checksums=False),
+                        latest.name if latest is not None else "none",
+                    )
             if latest is None:
                 raise FileNotFoundError(
                     f"resume_from='latest' but there is no complete checkpoint under "

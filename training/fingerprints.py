@@ -13,11 +13,13 @@ Face repository, content-addressed by its revision) has no fingerprint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
 import struct
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 #: Blocks of :data:`BLOCK` bytes read from each weights file.
 SAMPLES = 64
@@ -70,12 +72,33 @@ def data_fingerprint(records: Sequence[Any]) -> str:
     return f"{len(records)} records, sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
+def source_fingerprint(functions: Sequence[Callable[..., Any]]) -> str | None:
+    """``"<file>:<name> sha256 <hash>"`` of the source code of each of ``functions`` (a
+    ``functools.partial`` unwrapped), joined by ``", "``; None when none has source code (a
+    builtin, a function typed at a prompt). An edit of a function's body changes it; one
+    elsewhere in its file (another function, a constant it reads) does not, so that editing
+    the script around a reward does not refuse a resume."""
+    found: dict[str, str] = {}
+    for fn in functions:
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        try:
+            path, code = inspect.getsourcefile(fn), inspect.getsource(fn)
+        except (TypeError, OSError):  # a builtin, or no source file to read
+            continue
+        name = f"{Path(path or '?').name}:{getattr(fn, '__qualname__', '?')}"
+        found[name] = f"{name} sha256 {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+    return ", ".join(found.values()) or None
+
+
 #: What each recorded input is, for messages.
 _LABELS = {
     "model": "the base model (model_name)",
     "ref_model": "the reference model (sft_model_name)",
+    "ref_model_name": "the reference model (ref_model_name)",
     "value_model": "the value model (value_model_name)",
     "reward": "the reward",
+    "reward_source": "the reward's source",
     "environment": "the environment factory (environment_factory=)",
     "tools": "the tools (tools=)",
     "prompts": "the prompts",

@@ -71,11 +71,30 @@ def _lock_holder(lock: Path) -> str:
     return f"process {pid}" if pid.isdigit() else "another process"
 
 
+def _open_lock(run_dir: Path, lock: Path) -> int:
+    """The lock file's descriptor (created if needed), or ``ValueError`` saying what is in the
+    way: a directory at its path, a folder that cannot be written."""
+    try:
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise ValueError(
+            f"{lock} is a directory, not the run's lock file: remove it (rmdir {lock}) or "
+            "choose another output_dir"
+        ) from None
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise ValueError(
+            f"output_dir {run_dir} is not writable ({err.strerror or err}): choose a folder "
+            "you can write to"
+        ) from None
+
+
 def _acquire(run_dir: Path) -> int:
     """Lock ``run_dir`` for this process (non-blocking); returns the lock file's descriptor."""
     lock = run_dir / LOCK_FILE
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(run_dir, lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -418,6 +437,47 @@ def load_resumed_config(
     if str(resume_from) == "latest":
         base["output_dir"] = str(run_dir)
     return load_config(config_file, overrides, cls=cls, base=base)
+
+
+def check_extension_trains(
+    step: int,
+    total: int,
+    *,
+    epochs: int,
+    steps_per_epoch: int,
+    total_steps: int | None,
+    saved_config: dict[str, Any],
+) -> None:
+    """Refuse a resume at ``step`` that asks for a longer run (``total_steps`` or ``num_epochs``
+    above the checkpoint's ``saved_config``) but would train nothing, because the other setting
+    ends the run at ``total <= step``; name that setting and the value that extends it. A
+    finished run resumed as it was (nothing asked) passes: it only saves what is unsaved.
+
+    Raises:
+        ValueError: the extension trains no step.
+    """
+    if step < total:
+        return
+    by_epochs = epochs * steps_per_epoch
+    asked_steps = (
+        total_steps is not None
+        and total_steps > step
+        and total_steps != saved_config.get("total_steps")
+    )
+    asked_epochs = epochs > int(saved_config.get("num_epochs") or epochs) and by_epochs > step
+    if asked_steps and by_epochs <= step:
+        assert total_steps is not None
+        ender = f"num_epochs={epochs} ({epochs} x {steps_per_epoch} steps per epoch)"
+        fix = f"raise num_epochs with it (--set num_epochs={-(-total_steps // steps_per_epoch)})"
+    elif asked_epochs and total_steps is not None:
+        ender = f"total_steps={total_steps}"
+        fix = f"raise total_steps with it (--set total_steps={by_epochs}) or remove it"
+    else:
+        return
+    raise ValueError(
+        f"this resume asks for a longer run, but {ender} ends the run at step {total}, which "
+        f"the checkpoint has reached (step {step}): it would train nothing; {fix}"
+    )
 
 
 def continue_timeline(checkpoints: Any, step: int) -> None:
