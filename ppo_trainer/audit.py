@@ -142,6 +142,12 @@ def _num(x: Any) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
+def _score(record: Row) -> float:
+    """A record's score; -inf where it is not a finite number (sorts it last among the best)."""
+    score = _num(record.get("score"))
+    return -math.inf if score is None else score
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -203,7 +209,7 @@ def _top_score_links(
     found = _recorded_near(steps, at)
     if found is None:
         return ()
-    best = sorted(found.records, key=lambda r: -(_num(r.get("score")) or -math.inf))
+    best = sorted(found.records, key=lambda r: -_score(r))
     return _last_token_links(found, best, "advantage", config.max_links)
 
 
@@ -300,7 +306,7 @@ def check_heldout_reward(
     links: tuple[str, ...] = ()
     evals = [s for s in steps if s.source == "eval" and s.step == held[-1][0] and s.records]
     if evals:
-        worst = sorted(evals[0].records, key=lambda r: _num(r.get("score")) or 0.0)
+        worst = sorted(evals[0].records, key=_score)
         links = _last_token_links(evals[0], worst, "advantage", config.max_links)
     return [
         Alert(
@@ -525,8 +531,8 @@ def check_advantage_on_format(steps: Sequence[StepRecords], config: AuditConfig)
 
     Per recorded training step, the *format tokens* are those inside a tag (``<answer>``,
     ``</think>``, ``\\boxed``) or inside the step's closing phrase (the longest ending of at
-    least ``closing_phrase_tokens`` tokens shared by ``closing_phrase_share`` of the
-    responses); each response's last token (the stop token, where PPO's score lands) is left
+    least ``closing_phrase_tokens`` tokens, and at most half a response, shared by
+    ``closing_phrase_share`` of the responses); each response's last token (the stop token, where PPO's score lands) is left
     out of both sums. With ``mass = sum_format |A_t| / sum_t |A_t|`` and
     ``tokens = #format / #tokens``, fires at the steps where ``mass >= advantage_share`` and
     ``mass >= advantage_ratio * tokens``: the update pushes the markup the reward checks, not

@@ -330,3 +330,41 @@ def test_callback_warns_once_when_a_check_fires(
     assert first_alert is not None and first_alert > 11  # fires once the late window has it
     warnings = [r for r in caplog.records if "audit: entropy_collapse" in r.getMessage()]
     assert len(warnings) == 1 and len(stops) == 1
+
+
+@pytest.mark.slow
+def test_the_callback_on_a_real_run_agrees_with_the_command(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The one real run: the trainer's hooks reach the callback, which sees every step and
+    ends with the alerts the command finds in the run folder afterwards."""
+    from config.ppo_config import PPOConfig
+    from fixtures.tiny_corpus import review_prompts
+    from ppo_trainer.ppo_trainer import PPOTrainer
+
+    config = PPOConfig(
+        model_name=str(tiny_model_dir),
+        algorithm="grpo",
+        group_size=2,
+        max_new_tokens=6,
+        batch_size=2,
+        learning_rate=1e-3,
+        num_ppo_epochs=1,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        total_steps=4,
+        log_rollouts_every=2,
+        eval_every=2,
+    )
+    callback = AuditCallback()
+    trainer = PPOTrainer(config, reward_model=lambda p, c: [float(len(x)) for x in c])
+    trainer.train(
+        review_prompts(8, seed=0), eval_prompts=review_prompts(2, seed=1), callbacks=[callback]
+    )
+    assert sorted(callback._rows) == [1, 2, 3, 4]
+    assert "eval/mean_reward" in callback._rows[4]
+    assert sorted(callback._records) == [(1, "train"), (2, "eval"), (2, "train")] + [
+        (4, "eval"),
+        (4, "train"),
+    ]
+    assert callback.alerts == audit_run(tmp_path / "run")
