@@ -453,7 +453,7 @@ def check_kl_concentration(steps: Sequence[StepRecords], config: AuditConfig) ->
     """
     fired: list[tuple[StepRecords, float, list[tuple[float, Row, int]]]] = []
     for s in _train(steps):
-        tokens = [
+        tokens: list[tuple[float, Row, int]] = [
             (abs(v), r, t)
             for r in s.records
             for t, x in enumerate(r.get("kl") or [])
@@ -677,7 +677,7 @@ def check_many_answers(steps: Sequence[StepRecords], config: AuditConfig) -> lis
     """
     fired: list[tuple[StepRecords, float, list[Row]]] = []
     for s in _train(steps):
-        hedging = [
+        hedging: list[Row] = [
             r
             for r in s.records
             if len(candidate_answers(r.get("response", ""))) >= config.candidate_answers
