@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from ppo_trainer.audit import (
     token_link,
 )
 from ppo_trainer.rollout_records import StepRecords, read_rollout_records, write_rollout_records
+from tests.test_inspector import chromium, needs_chromium
 from training.metrics_logger import METRICS_FILE
 
 STEPS = 20  # metric rows: steps 1..20 (early window 1-5, late window 16-20)
@@ -368,3 +370,23 @@ def test_the_callback_on_a_real_run_agrees_with_the_command(
         (4, "train"),
     ]
     assert callback.alerts == audit_run(tmp_path / "run")
+
+
+@needs_chromium
+@pytest.mark.slow
+def test_an_alerts_link_pins_the_planted_token_in_the_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps, metrics = honest_run()
+    plant_kl(steps, metrics)  # record 3's token 4 at step 20
+    steps[-1].records.reverse()  # written out of batch order: the link still finds its card
+    run = write_run(tmp_path / "run", steps, metrics)
+    assert main.main(["audit", str(run)]) == 1
+    link = next(line.strip() for line in capsys.readouterr().out.splitlines() if "#" in line)
+    page, fragment = link.split("#", 1)
+    dom = chromium(tmp_path, Path(page), fragment, "--dump-dom").split("<script", 1)[0]
+    tooltip = re.search(r'<div id="tooltip"[^>]*>(.*?)</table>', dom, re.S)
+    assert tooltip, "the linked token is not pinned"
+    rows = dict(re.findall(r"<tr[^>]*><td>([^<]+)</td><td>([^<]+)</td></tr>", tooltip[1]))
+    assert float(rows["KL term"]) == 20.0
+    assert "position 4 of" in tooltip[1]
