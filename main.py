@@ -328,7 +328,10 @@ def _reward_weights(run: Path) -> dict[str, float] | None:
     path = run / "config.yaml"
     if not path.is_file():
         return None
-    config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML ({err}): the run's config is damaged") from None
     funcs = config.get("reward_funcs") if isinstance(config, dict) else None
     if not funcs:
         return None

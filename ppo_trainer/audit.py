@@ -303,7 +303,8 @@ def check_heldout_reward(
     if rise < config.min_reward_rise * sd or heldout >= config.heldout_fraction * rise:
         return []
     late_steps = [train[i][0] for i in late]
-    links: tuple[str, ...] = ()
+    # The worst greedy answers of the last evaluation, else the best-paid training samples.
+    links = _top_score_links(steps, late_steps, config)
     evals = [s for s in steps if s.source == "eval" and s.step == held[-1][0] and s.records]
     if evals:
         worst = sorted(evals[0].records, key=_score)
@@ -478,7 +479,7 @@ def check_kl_concentration(steps: Sequence[StepRecords], config: AuditConfig) ->
         Alert(
             "kl_concentration",
             tuple(f[0].step for f in fired),
-            f"KL concentrated on few tokens at {len(fired)} recorded steps "
+            f"KL concentrated on few tokens at {len(fired)} recorded step(s) "
             f"({', '.join(str(f[0].step) for f in fired)}): at step {s.step} the top "
             f"{len(top)} tokens carry {share:.0%} of the |KL| ({pieces})",
             tuple(token_link(s, r, t, "kl") for _, r, t in top[: config.max_links]),
@@ -576,7 +577,7 @@ def check_advantage_on_format(steps: Sequence[StepRecords], config: AuditConfig)
             "advantage_on_format",
             tuple(f[0].step for f in fired),
             f"advantage concentrated on format tags or a closing phrase at "
-            f"{len(fired)} recorded steps ({', '.join(str(f[0].step) for f in fired)}): at step "
+            f"{len(fired)} recorded step(s) ({', '.join(str(f[0].step) for f in fired)}): at step "
             f"{s.step} they hold {share:.0%} of the |advantage| on {token_share:.0%} of the "
             f"tokens ({', '.join(pieces[:8])})",
             tuple(token_link(s, r, t, "advantage") for _, r, t in fmt[: config.max_links]),
@@ -700,7 +701,7 @@ def check_many_answers(steps: Sequence[StepRecords], config: AuditConfig) -> lis
             "many_answers",
             tuple(f[0].step for f in fired),
             f"responses offer {config.candidate_answers}+ candidate answers at {len(fired)} "
-            f"recorded steps ({', '.join(str(f[0].step) for f in fired)}): {share:.0%} of step "
+            f"recorded step(s) ({', '.join(str(f[0].step) for f in fired)}): {share:.0%} of step "
             f"{s.step}'s responses (e.g. {', '.join(example[:6])})",
             tuple(links[: config.max_links]),
         )
@@ -785,7 +786,8 @@ def audit_report(alerts: Sequence[Alert], run_dir: str | Path) -> str:
 class AuditCallback(TrainerCallback):
     """The audit during training: after each step (and evaluation) it runs :func:`audit` over the
     run so far (the metrics the trainer passes, the rollout records it wrote), logs each newly
-    fired check as a warning and keeps the alerts in ``alerts``.
+    fired check as a warning and keeps the alerts in ``alerts`` (on the main process, which
+    writes the records).
 
     Args:
         config: the thresholds.
@@ -825,6 +827,8 @@ class AuditCallback(TrainerCallback):
         self._update(trainer, step)
 
     def _update(self, trainer: PPOTrainer, step: int) -> None:
+        if not trainer.is_main_process:  # rank 0 writes the records; one warning per run
+            return
         for source in ("train", "eval"):
             path = Path(trainer.run_dir) / ROLLOUTS_DIR / rollout_file_name(step, source)
             if path.is_file():

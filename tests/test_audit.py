@@ -244,6 +244,23 @@ def test_the_kl_alert_links_the_planted_token() -> None:
     assert "20" in alert.message and "of the |KL|" in alert.message
 
 
+def test_the_heldout_alert_links_the_worst_greedy_answers() -> None:
+    steps, metrics = honest_run()
+    plant_heldout(steps, metrics)
+    (alert,) = audit(steps, metrics)
+    best = max(steps[-1].records, key=lambda r: r["score"])  # no eval records: training's best
+    assert alert.links[0].endswith(f"step=20&sort=index&pin={best['index']}.{best['length'] - 1}")
+    evals = [record(20, i, honest_pieces(20, i), source="eval", score=float(i)) for i in (1, 0)]
+    steps.append(StepRecords(20, "eval", evals))
+    (alert,) = audit(steps, metrics)
+    worst = evals[1]["length"] - 1  # index 0, scored 0: the first card, its last token
+    assert alert.links[:2] == (
+        f"rollouts/inspect.html#view=responses&q=advantage&step=20-eval&sort=index&pin=0.{worst}",
+        f"rollouts/inspect.html#view=responses&q=advantage&step=20-eval&sort=index"
+        f"&pin=1.{evals[0]['length'] - 1}",
+    )
+
+
 def test_a_link_pins_the_card_in_batch_order() -> None:
     records = [record(3, i, honest_pieces(3, i)) for i in (9, 2, 5)]  # written out of order
     step = StepRecords(3, "eval", records)
@@ -295,6 +312,19 @@ def test_audit_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "not a run folder" in capsys.readouterr().err
 
 
+def test_the_command_weighs_components_with_the_runs_reward_weights(tmp_path: Path) -> None:
+    steps, metrics = honest_run()
+    plant_component(steps, metrics)
+    run = write_run(tmp_path / "run", steps, metrics)
+    config = "reward_funcs: [format, accuracy]\nreward_weights: [{}, 1.0]\n"
+    (run / "config.yaml").write_text(config.format(1.0))
+    assert main.main(["audit", str(run)]) == 1
+    (run / "config.yaml").write_text(config.format(0.01))  # the format bonus weighs little
+    assert main.main(["audit", str(run)]) == 0
+    (run / "config.yaml").write_text("reward_funcs: [format\n")
+    assert main.main(["audit", str(run)]) == 2
+
+
 def test_audit_run_reads_what_was_written(tmp_path: Path) -> None:
     steps, metrics = honest_run()
     plant_repetition(steps, metrics)
@@ -312,6 +342,7 @@ def test_callback_warns_once_when_a_check_fires(
     run.mkdir()
     stops: list[str] = []
     trainer = SimpleNamespace(
+        is_main_process=True,
         run_dir=run,
         config=SimpleNamespace(reward_funcs=["format", "accuracy"], reward_weights=None),
         request_stop=stops.append,
