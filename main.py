@@ -304,6 +304,41 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(write_inspector(Path(args.run), step=args.step, out=args.out))
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Print the reward-hacking audit of a run; 1 when an alert fires (a CI job gates on it)."""
+    from ppo_trainer.audit import audit_report, audit_run
+    from ppo_trainer.inspector import write_inspector
+
+    run = Path(args.run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder {run} does not exist: pass a run's output_dir")
+    alerts = audit_run(run, reward_weights=_reward_weights(run))
+    if alerts and any((run / "rollouts").glob("step_*.jsonl")):
+        write_inspector(run)  # the page the alerts' links open
+    print(audit_report(alerts, run), end="")
+    return 1 if alerts else 0
+
+
+def _reward_weights(run: Path) -> dict[str, float] | None:
+    """``{reward name: weight}`` from the run's ``config.yaml`` (None without reward_funcs)."""
+    import yaml
+
+    from config.ppo_config import reward_func_name
+
+    path = run / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML ({err}): the run's config is damaged") from None
+    funcs = config.get("reward_funcs") if isinstance(config, dict) else None
+    if not funcs:
+        return None
+    weights = config.get("reward_weights") or [1.0] * len(funcs)
+    return {reward_func_name(f): float(w) for f, w in zip(funcs, weights)}
+
+
 def _sampling_settings(args: argparse.Namespace) -> Any:
     from ppo_trainer.chat import SamplingSettings
 
@@ -418,6 +453,7 @@ RLHF fine-tuning of language models on MLX: supervised fine-tuning, a reward mod
 The pipeline:   sft  ->  reward  ->  train    then    generate | chat | export
 Try it first:   demo (every stage on a tiny model, offline, a few minutes)
 See a run:      inspect (what PPO rewarded, token by token, as an HTML page)
+                audit (reward hacking: exits 1 when a check fires, docs/audit.md)
 Every setting:  config (the keys of each run kind, their defaults and meaning)
 """
 
@@ -553,6 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="where to write the page (default: RUN/rollouts/inspect.html)"
     )
     inspect.set_defaults(func=cmd_inspect)
+    audit = sub.add_parser(
+        "audit",
+        help="check a run for reward hacking (exits 1 when an alert fires, 2 for a bad RUN)",
+    )
+    audit.add_argument("run", help="the run folder (output_dir) holding metrics.jsonl, rollouts/")
+    audit.set_defaults(func=cmd_audit)
 
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
     config.add_argument(

@@ -434,22 +434,33 @@ def read_rollout_records(run_dir: str | Path) -> list[StepRecords]:
         )
     steps = []
     for step, source, path in sorted(found, key=lambda f: (f[0], f[1] == "eval")):
-        records = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
-            if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-                raise ValueError(
-                    f"{path}:{lineno}: not a rollout record of format {RECORD_FORMAT}; "
-                    "write it again with this version of the trainer"
-                )
-            records.append(record)
+        records = read_records_file(path)
         steps.append(StepRecords(step, "eval" if source == "eval" else "train", records))
     return steps
+
+
+def read_records_file(path: str | Path) -> list[dict[str, Any]]:
+    """The records of one ``step_NNNNNN[_eval].jsonl`` file.
+
+    Raises:
+        ValueError: a malformed line (file and line named).
+    """
+    path = Path(path)
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from err
+        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+            raise ValueError(
+                f"{path}:{lineno}: not a rollout record of format {RECORD_FORMAT}; "
+                "write it again with this version of the trainer"
+            )
+        records.append(record)
+    return records
 
 
 def rollout_arrays(
