@@ -143,6 +143,9 @@ def main(cfg: dict[str, Any]) -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             init = os.fork()
             if init:
+                # Outside the namespace the launcher only waits: it gives up the result pipe
+                # first, so nothing it does later (a late SIGTERM) can write a record.
+                os.close(RESULT_FD)
                 wait_for_init(init)
             libc.die_with_parent()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -216,12 +219,28 @@ def wait_for_init(init: int) -> None:
     SIGTERM (the trainer's cleanup) kill pid 1 first, which makes the kernel kill every process
     of the namespace before pid 1's exit is reported: when the launcher exits, none is left."""
 
-    def kill_init(_signum: int, _frame: object) -> None:
-        os.kill(init, signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, kill_init)
+    try:
+        target = os.pidfd_open(init)  # a pidfd never names a recycled pid
+    except (OSError, AttributeError):  # kernels before 5.3
+        target = -1
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: kill_quietly(init, target))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    os._exit(exit_code(os.waitpid(init, 0)[1]))
+    status = os.waitpid(init, 0)[1]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pid 1 is reaped: nothing to kill
+    os._exit(exit_code(status))
+
+
+def kill_quietly(pid: int, pidfd: int = -1) -> None:
+    """SIGKILL ``pid`` (through ``pidfd`` when there is one), a child of ours; one already reaped
+    (the SIGTERM came between ``waitpid`` and ``_exit``) is fine. That race once raised here and
+    wrote a stray LAUNCH_ERROR line after the runner's records."""
+    try:
+        if pidfd >= 0:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def set_rlimits(rlimits: dict[str, list[int]]) -> None:
