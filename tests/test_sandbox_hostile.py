@@ -682,21 +682,84 @@ print(json.dumps(out))
 """
 
 
+NON_ROOT_WEAK_SCRIPT = r"""
+import glob, json, os, subprocess, sys, tempfile, time
+sys.path.insert(0, sys.argv[1])
+from sandbox import SandboxLimits, WORKDIR_PREFIX, run_tests
+from sandbox import run as sandbox_run
+PRELUDE, HOME_DIR, HOME_FILE, ROOT_FILE = sys.argv[2:6]
+weak = [i for i in sandbox_run.candidate_isolations() if not i.strong][-1]
+out = {"isolation": weak.describe(), "uid": os.getuid()}
+# Another process of the trainer's user, in the trainer's process group.
+victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+SIGNALS = '''
+import fcntl, socket, struct, time
+VICTIM = %d
+def arm(owner, how):
+    def go():
+        if how == "SIOCSPGRP":
+            a, b = socket.socketpair()
+            KEEP.append((a, b))
+            r, write = a.fileno(), lambda: b.send(b"x")
+        else:
+            r, w = os.pipe()
+            write = lambda: os.write(w, b"x")
+        fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC | os.O_NONBLOCK)
+        if how == "F_SETOWN":
+            fcntl.fcntl(r, fcntl.F_SETOWN, owner)
+        elif how == "F_SETOWN_EX":
+            fcntl.fcntl(r, 15, struct.pack("ii", 2 if owner < 0 else 1, abs(owner)))
+        else:
+            fcntl.ioctl(r, 0x8901 if how == "FIOSETOWN" else 0x8902, struct.pack("i", owner))
+        fcntl.fcntl(r, 10, 9)  # F_SETSIG: SIGKILL
+        write()
+        return "armed"
+    return attempt(go)
+KEEP = []
+def armed():
+    trainer = os.getppid()
+    owners = {"trainer": trainer, "its group": -os.getpgid(trainer), "victim": VICTIM}
+    done = [how + " " + who for who, owner in owners.items()
+            for how in ("F_SETOWN", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP")
+            if arm(owner, how) == "armed"]
+    time.sleep(0.2)
+    return done
+''' % victim.pid
+limits = SandboxLimits(timeout_s=4.0, isolation="weak")
+result = run_tests(PRELUDE + SIGNALS, ["assert armed() == []"], limits, weak)
+out["signals"] = [result.passed, result.detail]
+time.sleep(0.2)
+out["victim alive"] = victim.poll() is None
+victim.kill()
+def trap(*targets):
+    links = "".join(f"    os.symlink({t!r}, 'trap/{i}')\n" for i, t in enumerate(targets))
+    return "def planted():\n    os.mkdir('trap')\n" + links + "    os.chmod('trap', 0o500)\n    return 1\n"
+for name, targets in (("user files", (HOME_FILE, HOME_DIR)), ("root file", (ROOT_FILE,))):
+    try:
+        result = run_tests(PRELUDE + trap(*targets), ["assert planted() == 1"], limits, weak)
+        out[name] = [result.passed, result.detail]
+    except OSError as exc:
+        out[name] = [0, "raised " + repr(exc)]
+out["modes"] = [oct(os.stat(p).st_mode & 0o7777) for p in (HOME_FILE, HOME_DIR, ROOT_FILE)]
+out["left"] = glob.glob(os.path.join(tempfile.gettempdir(), WORKDIR_PREFIX + "*"))
+print(json.dumps(out))
+"""
+
+
 def _world_readable(path: Path) -> bool:
     """Other users may read ``path`` and enter every directory above it."""
     return bool(path.stat().st_mode & 0o004) and all(p.stat().st_mode & 0o001 for p in path.parents)
 
 
-@pytest.mark.skipif(
-    not (LINUX and os.name == "posix" and os.geteuid() == 0), reason="creates a user: needs root"
-)
-def test_as_a_non_root_user_every_case_is_contained(tmp_path: Path) -> None:
-    """A user created for the test runs the sandbox as a user without root does (a user
-    namespace of its own), with a world-readable interpreter (the system's python3)."""
-    import json
+@pytest.fixture
+def new_user() -> Iterator[tuple[int, str]]:
+    """A user created for the test (its uid, and the system python3 it runs), deleted after with
+    every process of it; skips where the machine cannot run the sandbox as another user."""
     import shutil
     import subprocess
 
+    if not (LINUX and os.geteuid() == 0):
+        pytest.skip("creates a user: needs root")
     python = shutil.which("python3", path="/usr/bin:/bin")
     if not (shutil.which("useradd") and shutil.which("setpriv") and python):
         pytest.skip("needs useradd, setpriv and a system python3")
@@ -716,48 +779,86 @@ def test_as_a_non_root_user_every_case_is_contained(tmp_path: Path) -> None:
         uid = int(
             subprocess.run(["id", "-u", user], capture_output=True, text=True, check=True).stdout
         )
-        home = tmp_path / "home"
-        home.mkdir()
-        home_file = home / ".bashrc"
-        home_file.write_text("# keep me\n")
-        for path in (tmp_path, home, home_file):
-            os.chown(path, uid, uid)
-        tag = "sbx_daemon_" + secrets.token_hex(6)
-        run = subprocess.run(
-            [
-                "setpriv",
-                f"--reuid={uid}",
-                f"--regid={uid}",
-                "--clear-groups",
-                "--reset-env",
-                python,
-                "-I",
-                "-c",
-                NON_ROOT_SCRIPT,
-                str(REPO),
-                PRELUDE,
-                LIBC,
-                str(TASKS),
-                str(home_file),
-                tag,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        out = json.loads(run.stdout.splitlines()[-1])
-        assert out["uid"] == uid and out["strong"], out
-        for name in ("answers", "home", "trainer", "kernel", "sockets", "daemon"):
-            assert out[name][0] == 1, (name, out[name][1])
-        assert out["accepted"] is False
-        assert home_file.read_text() == "# keep me\n"
-        assert _processes_with(tag) == []
+        yield uid, python
     finally:
         if uid is not None:
-            sandbox_host.kill_processes_of_uid(uid)  # after a failure above: leave none behind
+            sandbox_host.kill_processes_of_uid(uid)  # after a failure: leave none behind
         subprocess.run(["userdel", user], check=False)
+
+
+def _run_as(uid: int, python: str, script: str, args: list[str], cwd: Path) -> dict:
+    """``python -I -c script *args`` as ``uid``, in a session of its own (a candidate that
+    signals the trainer's process group stops there); its last line of output, as JSON. Fails
+    the test with its stderr, or its death by a signal, otherwise."""
+    import json
+    import subprocess
+
+    run = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--reset-env"]
+        + [python, "-I", "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_as_a_non_root_user_every_case_is_contained(
+    new_user: tuple[int, str], tmp_path: Path
+) -> None:
+    """A user created for the test runs the sandbox as a user without root does (a user
+    namespace of its own), with a world-readable interpreter (the system's python3)."""
+    uid, python = new_user
+    home = tmp_path / "home"
+    home.mkdir()
+    home_file = home / ".bashrc"
+    home_file.write_text("# keep me\n")
+    for path in (tmp_path, home, home_file):
+        os.chown(path, uid, uid)
+    tag = "sbx_daemon_" + secrets.token_hex(6)
+    args = [str(REPO), PRELUDE, LIBC, str(TASKS), str(home_file), tag]
+    out = _run_as(uid, python, NON_ROOT_SCRIPT, args, tmp_path)
+    assert out["uid"] == uid and out["strong"], out
+    for name in ("answers", "home", "trainer", "kernel", "sockets", "daemon"):
+        assert out[name][0] == 1, (name, out[name][1])
+    assert out["accepted"] is False
+    assert home_file.read_text() == "# keep me\n"
+    assert _processes_with(tag) == []
+
+
+def test_weak_mode_as_a_non_root_user_holds(new_user: tuple[int, str]) -> None:
+    """The weak mode with a trainer that is not root (a Mac user's only mode; Linux without user
+    namespaces), where the candidate runs as the trainer's user: F_SETOWN, F_SETOWN_EX,
+    FIOSETOWN and SIOCSPGRP with F_SETSIG = SIGKILL reach neither the trainer, nor its process
+    group, nor another process of the user (they killed the trainer); symbolic links left in a
+    read-only directory neither change the user's files nor raise out of run_tests (the cleanup
+    chmodded through them)."""
+    uid, python = new_user
+    home = Path(tempfile.mkdtemp(prefix="sbx_weak_home_"))
+    try:
+        home.chmod(0o755)
+        home_file = home / "notes.txt"
+        home_file.write_text("mine\n")
+        home_file.chmod(0o644)
+        os.chown(home, uid, uid)
+        os.chown(home_file, uid, uid)
+        root_file = home / "root_owned"
+        root_file.write_text("root's\n")
+        root_file.chmod(0o644)
+        args = [str(REPO), PRELUDE, str(home), str(home_file), str(root_file)]
+        out = _run_as(uid, python, NON_ROOT_WEAK_SCRIPT, args, home)
+    finally:
+        for path in home.iterdir():
+            path.unlink()
+        home.rmdir()
+    assert out["uid"] == uid and "seccomp" in out["isolation"], out
+    assert out["signals"][0] == 1 and out["victim alive"], out
+    assert out["user files"][0] == 1 and out["root file"][0] == 1, out
+    assert out["modes"] == ["0o644", "0o755", "0o644"], out
+    assert out["left"] == [], out
 
 
 @pytest.mark.parametrize("arch", sorted(launcher.SYSCALLS))
@@ -770,9 +871,12 @@ def test_the_seccomp_program_is_well_formed_on_every_architecture(
 
     monkeypatch.setattr(launcher, "machine", lambda: arch)
     table = launcher.SYSCALLS[arch]
-    assert set(launcher.DENIED) | {"kill", "tgkill", "clone", "clone3"} <= set(table)
-    for allow_fork in (True, False):
-        program = launcher.seccomp_program(own_pid=2, allow_fork=allow_fork)
+    named = set(launcher.ALLOWED) | set(launcher.CONDITIONAL) | set(launcher.DENIED)
+    x86_only = {name for name in named if name not in launcher.SYSCALLS["aarch64"]}
+    assert named - x86_only <= set(table) and set(launcher.DENIED) <= set(table)
+    assert not set(launcher.ALLOWED) & (set(launcher.DENIED) | set(launcher.CONDITIONAL))
+    for pid_namespace in (True, False):
+        program = launcher.seccomp_program(own_pid=2, pid_namespace=pid_namespace)
         instructions = [
             struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)
         ]
