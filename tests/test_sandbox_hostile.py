@@ -918,3 +918,214 @@ def test_hundreds_of_honest_runs_carry_no_spurious_note(mode: str) -> None:
         sandbox_run._detected = None
     spurious = [r.detail for r in results if r.detail != "1/1 tests passed" or r.status != "ok"]
     assert spurious == [], spurious[:3]
+
+
+# --------------------------------------------------------------------------- round three
+
+
+@pytest.mark.skipif(not LINUX, reason="the seccomp filter is Linux's")
+@ALL_MODES
+def test_shared_kernel_resources_and_new_calls_are_denied(mode: str) -> None:
+    """AIO (the host's whole fs.aio-max-nr pool), io_uring, memfd_secret (memory past RLIMIT_AS),
+    flock and POSIX locks on a file shared read-only with the host (they block host processes),
+    and calls a newer kernel added (listmount, open_tree_attr) or a future one will add."""
+    interpreter = os.path.realpath(sys.executable)
+    io_setup = {"x86_64": 206, "aarch64": 0}.get(launcher.machine(), 206)
+    code = f"""
+import ctypes, fcntl
+libc = ctypes.CDLL(None, use_errno=True)
+def raw(number, *args):
+    rc = libc.syscall(number, *args)
+    return rc if rc >= 0 else "failed: errno %d" % ctypes.get_errno()
+
+def listmount():
+    request = (ctypes.c_uint64 * 3)(24, (1 << 64) - 1, 0)  # struct mnt_id_req: LSMT_ROOT
+    return raw(458, request, (ctypes.c_uint64 * 64)(), 64, 0)
+
+def escaped():
+    shared = os.open({interpreter!r}, os.O_RDONLY)
+    outcomes = {{
+        "io_setup": raw({io_setup}, 1024, ctypes.byref(ctypes.c_ulong(0))),
+        "io_uring": raw(425, 8, ctypes.create_string_buffer(120)),
+        "memfd_secret": raw(447, 0),
+        "flock": attempt(lambda: fcntl.flock(shared, fcntl.LOCK_EX | fcntl.LOCK_NB) or "locked"),
+        "lockf": attempt(lambda: fcntl.lockf(shared, fcntl.LOCK_SH | fcntl.LOCK_NB) or "locked"),
+        "listmount": listmount(),
+        "open_tree_attr": raw(467, -100, b"/", 0, None, 0),
+        "a future call": raw(511),
+    }}
+    return sorted(name for name, value in outcomes.items() if not str(value).startswith("failed"))
+"""
+    result = hostile(mode, code, ["assert escaped() == []"])
+    assert result.passed == 1, result.detail
+
+
+@pytest.fixture
+def victim() -> Iterator[int]:
+    """A process of the trainer's user in a session and process group of its own."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+SIGIO = """
+import fcntl, socket, struct, time
+def arm(owner, how):
+    def go():
+        if how == "SIOCSPGRP":
+            a, b = socket.socketpair()
+            KEEP.append((a, b))
+            r, write = a.fileno(), lambda: b.send(b"x")
+        else:
+            r, w = os.pipe()
+            write = lambda: os.write(w, b"x")
+        fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC | os.O_NONBLOCK)
+        if how == "F_SETOWN":
+            fcntl.fcntl(r, fcntl.F_SETOWN, owner)
+        elif how == "F_SETOWN_EX":
+            fcntl.fcntl(r, 15, struct.pack("ii", 2 if owner < 0 else 1, abs(owner)))
+        else:
+            fcntl.ioctl(r, 0x8901 if how == "FIOSETOWN" else 0x8902, struct.pack("i", owner))
+        fcntl.fcntl(r, 10, 9)  # F_SETSIG: SIGKILL
+        write()
+        return "armed"
+    return attempt(go)
+KEEP = []
+def armed():
+    done = [how + " " + str(owner) for owner in OWNERS
+            for how in ("F_SETOWN", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP")
+            if arm(owner, how) == "armed"]
+    time.sleep(0.2)
+    return done
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="F_SETSIG is Linux's")
+@ALL_MODES
+def test_no_signal_reaches_another_process_through_f_setown(mode: str, victim: int) -> None:
+    """The kernel signals a file's owner when it is ready: F_SETOWN (and F_SETOWN_EX, FIOSETOWN,
+    SIOCSPGRP) naming another process or group, with F_SETSIG = SIGKILL, killed it."""
+    code = f"OWNERS = ({victim}, {-victim})\n" + SIGIO
+    result = hostile(mode, code, ["assert armed() == []"])
+    assert result.passed == 1, result.detail
+    time.sleep(0.1)
+    assert Path(f"/proc/{victim}").exists(), "the victim was killed"
+
+
+PID_NAMESPACE_MODES = pytest.mark.parametrize(
+    "mode", sorted(m for m in MODES if MODES[m].pid_namespace)
+)
+
+
+@PID_NAMESPACE_MODES
+def test_pid_1_is_as_confined_as_the_candidate(mode: str) -> None:
+    """Pid 1 of the namespace ran with the user namespace's full capabilities and neither
+    seccomp nor Landlock; the candidate shared the launcher's process group (outside)."""
+    code = """
+def pid_1():
+    with open("/proc/1/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    found = {k: fields[k].strip() for k in ("CapEff", "CapPrm", "NoNewPrivs", "Seccomp")}
+    found["group"] = os.getpgid(0)
+    return found
+"""
+    caps = "0000000000000000"
+    expected = {"CapEff": caps, "CapPrm": caps, "NoNewPrivs": "1", "Seccomp": "2", "group": 1}
+    result = hostile(mode, code, [f"assert pid_1() == {expected!r}"])
+    assert result.passed == 1, result.detail
+
+
+def _stopped_children() -> list[int]:
+    """Children of this process that are stopped (state T)."""
+    stopped = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == str(os.getpid()) and fields[0] == "T":
+            stopped.append(int(pid))
+    return stopped
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+@PID_NAMESPACE_MODES
+def test_the_launcher_is_out_of_the_candidates_process_group(mode: str) -> None:
+    """kill(0, SIGSTOP) from the candidate stopped the launcher outside the namespace (the
+    trainer's cleanup then waited 2 s for it on every run)."""
+    import threading
+
+    code = """
+import signal, time
+def stop_group():
+    if os.fork() == 0:
+        time.sleep(0.3)
+        os.kill(0, signal.SIGSTOP)
+        os._exit(0)
+    time.sleep(5)
+    return 1
+"""
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            seen.extend(_stopped_children())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        limits = dataclasses.replace(LIMITS, timeout_s=1.5)
+        result = run_tests(PRELUDE + code, ["assert stop_group() == 1"], limits, MODES[mode])
+    finally:
+        done.set()
+        watcher.join()
+    assert result.status == "timeout", result.detail
+    assert seen == [], "the launcher was stopped"
+
+
+@ALL_MODES
+def test_a_flood_of_output_costs_the_trainer_little_cpu(mode: str) -> None:
+    """Every process (or thread) of the candidate writing to stdout as fast as it can made the
+    trainer read gigabytes: about 1 CPU second per program against 0.02 s for an honest one.
+    Past max_output_bytes the trainer stops paying (measured: this process's CPU time)."""
+    import resource
+
+    def trainer_cpu(code: str, tests: list[str]) -> tuple[float, TestResult]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        before = usage.ru_utime + usage.ru_stime
+        result = run_tests(code, tests, limits, MODES[mode])
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime - before, result
+
+    limits = dataclasses.replace(LIMITS, timeout_s=2.0)
+    flood = """
+import threading
+def flood():
+    block = b"x" * 65536
+    def write():
+        while True:
+            os.write(1, block)
+            os.write(2, block)
+    for _ in range(3):
+        threading.Thread(target=write, daemon=True).start()
+    if hasattr(os, "fork"):
+        for _ in range(3):
+            try:
+                if os.fork() == 0:
+                    write()
+            except OSError:
+                break
+    write()
+"""
+    honest_cpu, honest = trainer_cpu("def f():\n    return 1\n", ["assert f() == 1"])
+    flood_cpu, flooded = trainer_cpu(PRELUDE + flood, ["assert flood() == 1"])
+    assert honest.passed == 1 and flooded.passed == 0
+    assert len(flooded.output) <= limits.max_output_bytes
+    assert flood_cpu < 5 * honest_cpu + 0.15, (flood_cpu, honest_cpu, flooded.detail)
