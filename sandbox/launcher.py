@@ -198,10 +198,10 @@ def main(cfg: dict[str, Any]) -> None:
             libc.load_seccomp(program)
         if cfg["pid_namespace"]:
             step = "init"
+            assert libc is not None
             runner = os.fork()
             if runner:
                 run_init(runner, libc)
-            assert libc is not None
             libc.die_with_parent()
         step = "exec"
         interp = cfg["interpreter"]

@@ -44,11 +44,11 @@ _WORKDIR_IN_PRIVATE_TMP = "/tmp/sandbox"
 _LAUNCH_RETRIES = 2
 #: A pipe that went past its cap (``max_output_bytes``, or the result channel's) by more than
 #: :data:`FREE_DISCARD_BYTES` is read once per this interval, 64 KiB at a time: a candidate that
-#: floods it is throttled to about 1.3 MB/s and waits on the full pipe, at a cost to the trainer
-#: of 20 reads a second (reading a flood at full speed cost it about 1 CPU second per program).
+#: floods it waits on the full pipe, and the trainer pays a few reads a second instead of reading
+#: the flood as fast as it comes (docs/reliability.md has the figures).
 THROTTLED_READ_INTERVAL_S = 0.05
-#: Bytes past the cap read and dropped at full speed before the throttle starts (a chatty honest
-#: program is not slowed; about 10 ms of the trainer's CPU).
+#: Bytes past the cap read and dropped at full speed before the throttle starts, so that a chatty
+#: honest program is not slowed.
 FREE_DISCARD_BYTES = 32 << 20
 #: What the candidate's root holds besides its scratch space (the strong modes), or the only
 #: places it may read (the weak mode, through Landlock): the interpreter's installation and the

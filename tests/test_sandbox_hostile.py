@@ -1129,3 +1129,72 @@ def flood():
     assert honest.passed == 1 and flooded.passed == 0
     assert len(flooded.output) <= limits.max_output_bytes
     assert flood_cpu < 5 * honest_cpu + 0.15, (flood_cpu, honest_cpu, flooded.detail)
+
+
+def _filter_answer(program: bytes, arch: str, nr: int, *args: int) -> str:
+    """What the seccomp ``program`` answers to call ``nr`` with ``args`` (a small interpreter of
+    the five BPF instructions the filter uses): "allow", "kill" or the errno's name."""
+    import errno
+    import struct
+
+    words = {0: nr, 4: launcher.AUDIT_ARCH[arch]}  # struct seccomp_data: nr, arch, ip, args
+    for i, arg in enumerate(args):
+        words[16 + 8 * i] = arg & 0xFFFFFFFF
+        words[20 + 8 * i] = (arg >> 32) & 0xFFFFFFFF
+    code = [struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
+    pc, acc = 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x20:  # ld [k]
+            acc = words.get(k, 0)
+        elif op in (0x15, 0x35, 0x45):  # jeq, jge, jset
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[op]
+            pc += jt if taken else jf
+        else:
+            assert op == 0x06, f"unexpected instruction {op:#x}"
+            if k == 0x7FFF0000:
+                return "allow"
+            if k == 0x80000000:
+                return "kill"
+            assert k & 0xFFFF0000 == 0x00050000
+            return errno.errorcode[k & 0xFFFF]
+        pc += 1
+
+
+@pytest.mark.parametrize("arch", sorted(launcher.SYSCALLS))
+def test_the_seccomp_filter_allows_only_its_allowlist(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run on every architecture's program (an interpreter of the filter): every allowed call is
+    allowed, every denied one EPERM, a number no kernel has yet ENOSYS, and each condition."""
+    monkeypatch.setattr(launcher, "machine", lambda: arch)
+    table = launcher.SYSCALLS[arch]
+    own = 4242
+    weak = launcher.seccomp_program(own_pid=own, pid_namespace=False)
+    ns = launcher.seccomp_program(own_pid=own, pid_namespace=True)
+    for program in (weak, ns):
+        answer = lambda name, *args: _filter_answer(program, arch, table[name], *args)  # noqa
+        assert all(answer(n) == "allow" for n in launcher.ALLOWED if n in table)
+        assert all(answer(n) == "EPERM" for n in launcher.DENIED)
+        assert _filter_answer(program, arch, 511) == "ENOSYS"  # a future kernel's call
+        assert _filter_answer(program, arch, 458) == "ENOSYS"  # listmount (6.8)
+        assert _filter_answer(program, "x86_64" if arch != "x86_64" else "aarch64", 0) == "kill"
+        assert answer("clone3") == "ENOSYS" and answer("clone", 0x10000000) == "EPERM"
+        assert answer("fcntl", 3, 8) == "EPERM" and answer("fcntl", 3, 10) == "EPERM"  # F_SETOWN
+        assert answer("fcntl", 3, 1) == "allow" and answer("fcntl", 3, 4) == "allow"  # F_GETFD
+        assert answer("fcntl", 3, 6) == "EPERM" and answer("fcntl", 3, 1024) == "EPERM"  # locks
+        assert answer("ioctl", 3, 0x5401) == "allow"  # TCGETS
+        assert answer("ioctl", 3, 0x8901) == "ENOTTY" and answer("ioctl", 3, 0x8902) == "ENOTTY"
+        assert answer("prlimit64", 0, 7) == "allow" and answer("prlimit64", 1, 7) == "EPERM"
+        assert answer("setpriority", 0, 0, 5) == "allow"
+        assert answer("setpriority", 1, 0, 5) == "EPERM"  # PRIO_PGRP
+        assert answer("setpriority", 0, 77, 5) == "EPERM"
+        assert answer("kill", own, 9) == "allow" and answer("kill", 0, 9) == "allow"
+        assert answer("kill", -1, 9) == "EPERM" and answer("kill", -own, 9) == "EPERM"
+    weak_answer = lambda name, *args: _filter_answer(weak, arch, table[name], *args)  # noqa
+    ns_answer = lambda name, *args: _filter_answer(ns, arch, table[name], *args)  # noqa
+    assert weak_answer("kill", own + 1, 9) == "EPERM" and ns_answer("kill", own + 1, 9) == "allow"
+    assert weak_answer("tgkill", own + 1, 1, 9) == "EPERM"
+    assert weak_answer("tgkill", own, own, 9) == "allow"
+    assert weak_answer("clone", 0x11) == "EPERM" and ns_answer("clone", 0x11) == "allow"
+    assert weak_answer("clone", 0x3D0F00) == "allow"  # a thread (CLONE_THREAD | CLONE_VM ...)
