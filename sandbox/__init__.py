@@ -33,7 +33,7 @@ docs/reliability.md for the table of what each guarantees):
   namespaces; an allowlisted root file system (the interpreter's installation and the shared
   libraries read-only, a private tmpfs at /tmp, /var/tmp and /dev/shm, a minimal /dev, a
   private /proc; no repository, task file, home directory, /etc, /run, /sys or host /tmp);
-  a seccomp allowlist (:data:`sandbox.launcher.ALLOWED`: no signals to other processes, ptrace,
+  a seccomp allowlist (:data:`sandbox.seccomp.ALLOWED`: no signals to other processes, ptrace,
   keyrings, namespaces, SysV IPC, sockets, mounts, AIO, io_uring, memfd, file locks, nor a call
   it does not name); Landlock on writes, and on signals where the kernel has scopes; SysV shared
   memory sysctls 0; a pid 1 with no capability, under the same seccomp and Landlock, in a

@@ -84,8 +84,7 @@ class Isolation:
             a boundary.
         user_namespace: the namespaces above are owned by a fresh user namespace, in which the
             candidate is an unprivileged uid (Linux without root or CAP_SYS_ADMIN).
-        seccomp: a seccomp allowlist (:func:`sandbox.launcher.seccomp_program`, the lists in
-            :mod:`sandbox.launcher`): what CPython and the runner need; no signals to other
+        seccomp: a seccomp allowlist (:mod:`sandbox.seccomp`): what CPython and the runner need; no signals to other
             processes (by kill or through a file's owner), ptrace, other processes' memory,
             keyrings, namespaces, SysV IPC, sockets, mounts, AIO, io_uring, memfd, file locks,
             nor any call it does not name (a future kernel's); without a PID namespace, no new

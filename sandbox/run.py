@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox import isolation as host
-from sandbox import launcher
+from sandbox import launcher, seccomp
 from sandbox.isolation import IS_LINUX, LaunchError
 from sandbox.limits import Isolation, SandboxLimits, TestResult, rlimits
 from sandbox.records import Channel, summarize
@@ -210,7 +210,7 @@ def detect_isolation(refresh: bool = False) -> Isolation:
 def candidate_isolations() -> list[Isolation]:
     """Every isolation this machine might offer, strongest first."""
     root = os.geteuid() == 0
-    kernel = IS_LINUX and launcher.machine() in launcher.SYSCALLS  # seccomp's tables
+    kernel = IS_LINUX and seccomp.machine() in seccomp.SYSCALLS  # seccomp's tables
     landlock = kernel and launcher.landlock_abi(launcher.Libc()) >= 1
     layers = {"seccomp": kernel, "landlock": landlock}
     candidates = []
@@ -324,6 +324,13 @@ def _read_paths(interpreter: str) -> list[str]:
     return paths
 
 
+@functools.cache
+def _seccomp_program(pid_namespace: bool) -> str:
+    """The seccomp filter (:mod:`sandbox.seccomp`) in hex, the launcher's pid left for it to fill
+    in (:func:`sandbox.launcher.with_own_pid`)."""
+    return seccomp.seccomp_program(launcher.OWN_PID_PLACEHOLDER, pid_namespace).hex()
+
+
 def _run_once(
     code: str, checks: list[tuple[Check, ...]], limits: SandboxLimits, isolation: Isolation
 ) -> TestResult:
@@ -366,6 +373,9 @@ def _run_once(
             "disk_mb": limits.max_disk_mb,
             "env": env,
             "runner": _script("runner"),
+            "seccomp_program": (
+                _seccomp_program(isolation.pid_namespace) if isolation.seccomp else ""
+            ),
         }
         # What the sandbox gets of each test: its setup statements and the expression to
         # evaluate. The expected values stay in `checks`, in this process.

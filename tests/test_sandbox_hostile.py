@@ -159,6 +159,7 @@ from sandbox import (  # noqa: E402
 )
 from sandbox import isolation as sandbox_host  # noqa: E402
 from sandbox import launcher  # noqa: E402
+from sandbox import seccomp as sandbox_seccomp  # noqa: E402
 from sandbox import run as sandbox_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,7 +220,7 @@ def syscall(name, *args):
 
 
 def _libc() -> str:
-    return LIBC.format(table=launcher.SYSCALLS.get(launcher.machine(), {}))
+    return LIBC.format(table=sandbox_seccomp.SYSCALLS.get(sandbox_seccomp.machine(), {}))
 
 
 def hostile(mode: str, code: str, tests: list[str]) -> TestResult:
@@ -627,7 +628,7 @@ NON_ROOT_SCRIPT = r"""
 import json, os, socket, sys
 sys.path.insert(0, sys.argv[1])
 from sandbox import SandboxLimits, detect_isolation, run_tests
-from sandbox.launcher import SYSCALLS, machine
+from sandbox.seccomp import SYSCALLS, machine
 PRELUDE, LIBC, TASKS, HOME_FILE, TAG = sys.argv[2:7]
 LIBC = LIBC.format(table=SYSCALLS.get(machine(), {}))
 isolation = detect_isolation()
@@ -861,7 +862,7 @@ def test_weak_mode_as_a_non_root_user_holds(new_user: tuple[int, str]) -> None:
     assert out["left"] == [], out
 
 
-@pytest.mark.parametrize("arch", sorted(launcher.SYSCALLS))
+@pytest.mark.parametrize("arch", sorted(sandbox_seccomp.SYSCALLS))
 def test_the_seccomp_program_is_well_formed_on_every_architecture(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -869,14 +870,20 @@ def test_the_seccomp_program_is_well_formed_on_every_architecture(
     a return (checked for the architectures this machine cannot run too)."""
     import struct
 
-    monkeypatch.setattr(launcher, "machine", lambda: arch)
-    table = launcher.SYSCALLS[arch]
-    named = set(launcher.ALLOWED) | set(launcher.CONDITIONAL) | set(launcher.DENIED)
-    x86_only = {name for name in named if name not in launcher.SYSCALLS["aarch64"]}
-    assert named - x86_only <= set(table) and set(launcher.DENIED) <= set(table)
-    assert not set(launcher.ALLOWED) & (set(launcher.DENIED) | set(launcher.CONDITIONAL))
+    monkeypatch.setattr(sandbox_seccomp, "machine", lambda: arch)
+    table = sandbox_seccomp.SYSCALLS[arch]
+    named = (
+        set(sandbox_seccomp.ALLOWED)
+        | set(sandbox_seccomp.CONDITIONAL)
+        | set(sandbox_seccomp.DENIED)
+    )
+    x86_only = {name for name in named if name not in sandbox_seccomp.SYSCALLS["aarch64"]}
+    assert named - x86_only <= set(table) and set(sandbox_seccomp.DENIED) <= set(table)
+    assert not set(sandbox_seccomp.ALLOWED) & (
+        set(sandbox_seccomp.DENIED) | set(sandbox_seccomp.CONDITIONAL)
+    )
     for pid_namespace in (True, False):
-        program = launcher.seccomp_program(own_pid=2, pid_namespace=pid_namespace)
+        program = sandbox_seccomp.seccomp_program(own_pid=2, pid_namespace=pid_namespace)
         instructions = [
             struct.unpack("HBBI", program[i : i + 8]) for i in range(0, len(program), 8)
         ]
@@ -885,7 +892,7 @@ def test_the_seccomp_program_is_well_formed_on_every_architecture(
             if code & 0x07 == 0x05:  # a jump: both targets inside the program
                 assert index + 1 + max(jt, jf) < len(instructions)
         denied = {k for code, _, _, k in instructions if code == 0x15}
-        assert {table[name] for name in launcher.DENIED} <= denied
+        assert {table[name] for name in sandbox_seccomp.DENIED} <= denied
 
 
 # --------------------------------------------------------------------------- the launcher's race
@@ -930,7 +937,7 @@ def test_shared_kernel_resources_and_new_calls_are_denied(mode: str) -> None:
     flock and POSIX locks on a file shared read-only with the host (they block host processes),
     and calls a newer kernel added (listmount, open_tree_attr) or a future one will add."""
     interpreter = os.path.realpath(sys.executable)
-    io_setup = {"x86_64": 206, "aarch64": 0}.get(launcher.machine(), 206)
+    io_setup = {"x86_64": 206, "aarch64": 0}.get(sandbox_seccomp.machine(), 206)
     code = f"""
 import ctypes, fcntl
 libc = ctypes.CDLL(None, use_errno=True)
@@ -1137,7 +1144,7 @@ def _filter_answer(program: bytes, arch: str, nr: int, *args: int) -> str:
     import errno
     import struct
 
-    words = {0: nr, 4: launcher.AUDIT_ARCH[arch]}  # struct seccomp_data: nr, arch, ip, args
+    words = {0: nr, 4: sandbox_seccomp.AUDIT_ARCH[arch]}  # struct seccomp_data: nr, arch, ip, args
     for i, arg in enumerate(args):
         words[16 + 8 * i] = arg & 0xFFFFFFFF
         words[20 + 8 * i] = (arg >> 32) & 0xFFFFFFFF
@@ -1161,21 +1168,21 @@ def _filter_answer(program: bytes, arch: str, nr: int, *args: int) -> str:
         pc += 1
 
 
-@pytest.mark.parametrize("arch", sorted(launcher.SYSCALLS))
+@pytest.mark.parametrize("arch", sorted(sandbox_seccomp.SYSCALLS))
 def test_the_seccomp_filter_allows_only_its_allowlist(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Run on every architecture's program (an interpreter of the filter): every allowed call is
     allowed, every denied one EPERM, a number no kernel has yet ENOSYS, and each condition."""
-    monkeypatch.setattr(launcher, "machine", lambda: arch)
-    table = launcher.SYSCALLS[arch]
+    monkeypatch.setattr(sandbox_seccomp, "machine", lambda: arch)
+    table = sandbox_seccomp.SYSCALLS[arch]
     own = 4242
-    weak = launcher.seccomp_program(own_pid=own, pid_namespace=False)
-    ns = launcher.seccomp_program(own_pid=own, pid_namespace=True)
+    weak = sandbox_seccomp.seccomp_program(own_pid=own, pid_namespace=False)
+    ns = sandbox_seccomp.seccomp_program(own_pid=own, pid_namespace=True)
     for program in (weak, ns):
         answer = lambda name, *args: _filter_answer(program, arch, table[name], *args)  # noqa
-        assert all(answer(n) == "allow" for n in launcher.ALLOWED if n in table)
-        assert all(answer(n) == "EPERM" for n in launcher.DENIED)
+        assert all(answer(n) == "allow" for n in sandbox_seccomp.ALLOWED if n in table)
+        assert all(answer(n) == "EPERM" for n in sandbox_seccomp.DENIED)
         assert _filter_answer(program, arch, 511) == "ENOSYS"  # a future kernel's call
         assert _filter_answer(program, arch, 458) == "ENOSYS"  # listmount (6.8)
         assert _filter_answer(program, "x86_64" if arch != "x86_64" else "aarch64", 0) == "kill"
