@@ -684,11 +684,11 @@ print(json.dumps(out))
 
 
 NON_ROOT_WEAK_SCRIPT = r"""
-import glob, json, os, subprocess, sys, tempfile, time
+import glob, json, os, resource, subprocess, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
 from sandbox import SandboxLimits, WORKDIR_PREFIX, run_tests
 from sandbox import run as sandbox_run
-PRELUDE, HOME_DIR, HOME_FILE, ROOT_FILE = sys.argv[2:6]
+PRELUDE, HOME_DIR, HOME_FILE, ROOT_FILE, KERNEL_RESOURCES, FLOOD = sys.argv[2:8]
 weak = [i for i in sandbox_run.candidate_isolations() if not i.strong][-1]
 out = {"isolation": weak.describe(), "uid": os.getuid()}
 # Another process of the trainer's user, in the trainer's process group.
@@ -742,6 +742,18 @@ for name, targets in (("user files", (HOME_FILE, HOME_DIR)), ("root file", (ROOT
     except OSError as exc:
         out[name] = [0, "raised " + repr(exc)]
 out["modes"] = [oct(os.stat(p).st_mode & 0o7777) for p in (HOME_FILE, HOME_DIR, ROOT_FILE)]
+result = run_tests(PRELUDE + KERNEL_RESOURCES, ["assert escaped() == []"], limits, weak)
+out["kernel"] = [result.passed, result.detail]
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+short = SandboxLimits(timeout_s=2.0, isolation="weak")
+start = cpu()
+honest = run_tests("def f():\n    return 1\n", ["assert f() == 1"], short, weak)
+honest_cpu = cpu() - start
+start = cpu()
+flooded = run_tests(PRELUDE + FLOOD, ["assert flood() == 1"], short, weak)
+out["flood"] = [honest.passed, flooded.passed, honest_cpu, cpu() - start, len(flooded.output)]
 out["left"] = glob.glob(os.path.join(tempfile.gettempdir(), WORKDIR_PREFIX + "*"))
 print(json.dumps(out))
 """
@@ -836,7 +848,8 @@ def test_weak_mode_as_a_non_root_user_holds(new_user: tuple[int, str]) -> None:
     FIOSETOWN and SIOCSPGRP with F_SETSIG = SIGKILL reach neither the trainer, nor its process
     group, nor another process of the user (they killed the trainer); symbolic links left in a
     read-only directory neither change the user's files nor raise out of run_tests (the cleanup
-    chmodded through them)."""
+    chmodded through them); the kernel resources and the output flood of the other modes' tests
+    are contained as well."""
     uid, python = new_user
     home = Path(tempfile.mkdtemp(prefix="sbx_weak_home_"))
     try:
@@ -850,6 +863,7 @@ def test_weak_mode_as_a_non_root_user_holds(new_user: tuple[int, str]) -> None:
         root_file.write_text("root's\n")
         root_file.chmod(0o644)
         args = [str(REPO), PRELUDE, str(home), str(home_file), str(root_file)]
+        args += [KERNEL_RESOURCES, FLOOD]
         out = _run_as(uid, python, NON_ROOT_WEAK_SCRIPT, args, home)
     finally:
         for path in home.iterdir():
@@ -860,6 +874,10 @@ def test_weak_mode_as_a_non_root_user_holds(new_user: tuple[int, str]) -> None:
     assert out["user files"][0] == 1 and out["root file"][0] == 1, out
     assert out["modes"] == ["0o644", "0o755", "0o644"], out
     assert out["left"] == [], out
+    assert out["kernel"][0] == 1, out["kernel"]
+    honest_passed, flood_passed, honest_cpu, flood_cpu, kept = out["flood"]
+    assert (honest_passed, flood_passed) == (1, 0) and kept <= SandboxLimits().max_output_bytes
+    assert flood_cpu < 5 * honest_cpu + 0.15, out["flood"]
 
 
 @pytest.mark.parametrize("arch", sorted(sandbox_seccomp.SYSCALLS))
@@ -929,16 +947,10 @@ def test_hundreds_of_honest_runs_carry_no_spurious_note(mode: str) -> None:
 
 # --------------------------------------------------------------------------- round three
 
-
-@pytest.mark.skipif(not LINUX, reason="the seccomp filter is Linux's")
-@ALL_MODES
-def test_shared_kernel_resources_and_new_calls_are_denied(mode: str) -> None:
-    """AIO (the host's whole fs.aio-max-nr pool), io_uring, memfd_secret (memory past RLIMIT_AS),
-    flock and POSIX locks on a file shared read-only with the host (they block host processes),
-    and calls a newer kernel added (listmount, open_tree_attr) or a future one will add."""
-    interpreter = os.path.realpath(sys.executable)
-    io_setup = {"x86_64": 206, "aarch64": 0}.get(sandbox_seccomp.machine(), 206)
-    code = f"""
+# AIO (the host's whole fs.aio-max-nr pool), io_uring, memfd_secret (memory past RLIMIT_AS),
+# flock and POSIX locks on a file shared read-only with the host (the interpreter), and calls a
+# newer kernel added (listmount, open_tree_attr) or a future one will add.
+KERNEL_RESOURCES = """
 import ctypes, fcntl
 libc = ctypes.CDLL(None, use_errno=True)
 def raw(number, *args):
@@ -950,9 +962,10 @@ def listmount():
     return raw(458, request, (ctypes.c_uint64 * 64)(), 64, 0)
 
 def escaped():
-    shared = os.open({interpreter!r}, os.O_RDONLY)
-    outcomes = {{
-        "io_setup": raw({io_setup}, 1024, ctypes.byref(ctypes.c_ulong(0))),
+    shared = os.open(os.path.realpath(sys.executable), os.O_RDONLY)
+    io_setup = 0 if os.uname().machine == "aarch64" else 206
+    outcomes = {
+        "io_setup": raw(io_setup, 1024, ctypes.byref(ctypes.c_ulong(0))),
         "io_uring": raw(425, 8, ctypes.create_string_buffer(120)),
         "memfd_secret": raw(447, 0),
         "flock": attempt(lambda: fcntl.flock(shared, fcntl.LOCK_EX | fcntl.LOCK_NB) or "locked"),
@@ -960,10 +973,37 @@ def escaped():
         "listmount": listmount(),
         "open_tree_attr": raw(467, -100, b"/", 0, None, 0),
         "a future call": raw(511),
-    }}
+    }
     return sorted(name for name, value in outcomes.items() if not str(value).startswith("failed"))
 """
-    result = hostile(mode, code, ["assert escaped() == []"])
+# Every thread (and, where it may fork, every process) writes to stdout and stderr at full speed.
+FLOOD = """
+import threading
+def flood():
+    block = b"x" * 65536
+    def write():
+        while True:
+            os.write(1, block)
+            os.write(2, block)
+    for _ in range(3):
+        threading.Thread(target=write, daemon=True).start()
+    for _ in range(3):
+        try:
+            if os.fork() == 0:
+                write()
+        except OSError:
+            break
+    write()
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="the seccomp filter is Linux's")
+@ALL_MODES
+def test_shared_kernel_resources_and_new_calls_are_denied(mode: str) -> None:
+    """AIO (the host's whole fs.aio-max-nr pool), io_uring, memfd_secret (memory past RLIMIT_AS),
+    flock and POSIX locks on a file shared read-only with the host (they block host processes),
+    and calls a newer kernel added (listmount, open_tree_attr) or a future one will add."""
+    result = hostile(mode, KERNEL_RESOURCES, ["assert escaped() == []"])
     assert result.passed == 1, result.detail
 
 
@@ -1112,27 +1152,8 @@ def test_a_flood_of_output_costs_the_trainer_little_cpu(mode: str) -> None:
         return usage.ru_utime + usage.ru_stime - before, result
 
     limits = dataclasses.replace(LIMITS, timeout_s=2.0)
-    flood = """
-import threading
-def flood():
-    block = b"x" * 65536
-    def write():
-        while True:
-            os.write(1, block)
-            os.write(2, block)
-    for _ in range(3):
-        threading.Thread(target=write, daemon=True).start()
-    if hasattr(os, "fork"):
-        for _ in range(3):
-            try:
-                if os.fork() == 0:
-                    write()
-            except OSError:
-                break
-    write()
-"""
     honest_cpu, honest = trainer_cpu("def f():\n    return 1\n", ["assert f() == 1"])
-    flood_cpu, flooded = trainer_cpu(PRELUDE + flood, ["assert flood() == 1"])
+    flood_cpu, flooded = trainer_cpu(PRELUDE + FLOOD, ["assert flood() == 1"])
     assert honest.passed == 1 and flooded.passed == 0
     assert len(flooded.output) <= limits.max_output_bytes
     assert flood_cpu < 5 * honest_cpu + 0.15, (flood_cpu, honest_cpu, flooded.detail)
