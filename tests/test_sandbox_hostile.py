@@ -1226,3 +1226,56 @@ def test_the_seccomp_filter_allows_only_its_allowlist(
     assert weak_answer("tgkill", own, own, 9) == "allow"
     assert weak_answer("clone", 0x11) == "EPERM" and ns_answer("clone", 0x11) == "allow"
     assert weak_answer("clone", 0x3D0F00) == "allow"  # a thread (CLONE_THREAD | CLONE_VM ...)
+
+
+HONEST_STDLIB = """
+import hashlib, os, random, resource, select, shutil, signal, sqlite3, sys, tempfile, threading
+import time
+def everyday():
+    out = []
+    thread = threading.Thread(target=lambda: out.append(sum(range(10))))
+    thread.start()
+    thread.join()
+    db = sqlite3.connect(":memory:")
+    db.execute("create table t (x)")
+    db.execute("insert into t values (4)")
+    out.append(db.execute("select x from t").fetchone()[0])
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "a"), "w") as f:
+            f.write("hi")
+        shutil.copy2(os.path.join(folder, "a"), os.path.join(folder, "b"))
+        out.append(sorted(os.listdir(folder)))
+    r, w = os.pipe()
+    os.write(w, b"x")
+    out.append(select.select([r], [], [], 1)[0] == [r])
+    time.sleep(0.01)
+    signal.alarm(5)
+    signal.alarm(0)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
+    os.nice(1)
+    out.append(len(os.urandom(4)) + len(hashlib.sha256(b"x").hexdigest()) + random.randint(0, 0))
+    return out
+
+def with_processes():
+    import asyncio, multiprocessing, subprocess
+    async def later():
+        await asyncio.sleep(0.01)
+        return 5
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        squares = pool.map(abs, [-1, -2])
+    child = subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True)
+    return [asyncio.run(later()), squares, child.stdout.strip()]
+"""
+
+
+@ALL_MODES
+def test_an_honest_program_using_the_standard_library_runs(mode: str) -> None:
+    """What the seccomp allowlist must keep: threads, sqlite3 in memory, tempfile and shutil,
+    select, sleep, alarm, setrlimit, nice, urandom; with a PID namespace also asyncio,
+    multiprocessing and subprocess (the weak modes allow no new process)."""
+    tests = ["assert everyday() == [45, 4, ['a', 'b'], True, 68]"]
+    if MODES[mode].pid_namespace:
+        tests.append("assert with_processes() == [5, [1, 2], '7']")
+    limits = dataclasses.replace(LIMITS, timeout_s=15.0)
+    result = run_tests(HONEST_STDLIB, tests, limits, MODES[mode])
+    assert (result.status, result.passed) == ("ok", len(tests)), result.detail + result.output
