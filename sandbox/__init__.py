@@ -17,8 +17,10 @@ fool a test. Each call to :func:`run_tests` therefore:
    ``tuple``, ``dict``, ``set`` (an always-equal object, or a subclass of ``int`` with a lying
    ``__eq__``, fails the test as "not plain data"), and this process decodes them strictly and
    compares them with the expected values (:func:`sandbox.plain_data.strict_equal`); stdout and
-   stderr are read into a buffer capped at ``max_output_bytes`` and never parsed;
-4. kills every process the run left behind and deletes its files, whatever the outcome.
+   stderr are read into a buffer capped at ``max_output_bytes`` and never parsed, and a pipe
+   flooded past its cap is throttled (the flood waits on it, at no CPU cost to the trainer);
+4. kills every process the run left behind and deletes its files, whatever the outcome, never
+   following a link the candidate left and never raising.
 
 Reading the result channel never raises because of the candidate: each record is matched by a
 strict grammar (:data:`sandbox.records.RECORD`), anything else is counted as forged, and a value
@@ -31,14 +33,19 @@ docs/reliability.md for the table of what each guarantees):
   namespaces; an allowlisted root file system (the interpreter's installation and the shared
   libraries read-only, a private tmpfs at /tmp, /var/tmp and /dev/shm, a minimal /dev, a
   private /proc; no repository, task file, home directory, /etc, /run, /sys or host /tmp);
-  a seccomp filter (no signals to other processes, ptrace, keyrings, namespaces, SysV IPC,
-  sockets, mounts); Landlock on writes where the kernel has it; SysV shared memory sysctls 0.
+  a seccomp allowlist (:data:`sandbox.seccomp.ALLOWED`: no signals to other processes, ptrace,
+  keyrings, namespaces, SysV IPC, sockets, mounts, AIO, io_uring, memfd, file locks, nor a call
+  it does not name); Landlock on writes, and on signals where the kernel has scopes; SysV shared
+  memory sysctls 0; a pid 1 with no capability, under the same seccomp and Landlock, in a
+  session of its own.
 * **user namespace**: the same layers, owned by a user namespace: a user without root gets it
   as itself, root without CAP_SYS_ADMIN (a container) as a fresh uid.
 * **weak**: no namespaces (user namespaces disabled, macOS): rlimits, the audit hook and, on
   Linux, the seccomp filter (threads only, no new processes) and Landlock (reads and writes
-  limited to the interpreter, the libraries and the run's directory). Refused unless
-  ``SandboxLimits(isolation="weak")``, which logs what it does not protect.
+  limited to the interpreter, the libraries and the run's directory; signals to the run only).
+  Refused unless ``SandboxLimits(isolation="weak")``, which logs what it does not protect. On
+  macOS it is no boundary (the candidate runs as the trainer's user): docs/reliability.md says
+  what it guarantees there and what to use for untrusted code.
 
 In every mode: RLIMIT_CPU / AS / FSIZE / NPROC / NOFILE, a wall-clock deadline, every process of
 the run killed and its files deleted whatever the outcome, and a trainer marked non-dumpable (no

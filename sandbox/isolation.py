@@ -4,20 +4,20 @@ the world-writable directories)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 IS_LINUX = sys.platform.startswith("linux")
 #: Preferred range of the per-run uids (and gids) when running as root: far from real accounts.
 SANDBOX_UID_RANGE = (1_900_000_000, 1_900_000_000 + (1 << 24))
+logger = logging.getLogger(__name__)
 
 
 class LaunchError(Exception):
@@ -142,22 +142,84 @@ def kill_uid_portable(uid: int, interpreter: str) -> None:
     subprocess.run([interpreter, "-I", "-S", "-c", script], check=False, timeout=30)
 
 
-def force_rmtree(path: str) -> None:
-    """Delete ``path`` even if the candidate made parts of it read-only or unreadable."""
+def force_rmtree(path: str) -> list[str]:
+    """Delete ``path`` (the run's directory, or what it left in a world-writable one) even where
+    the candidate made parts of it read-only or unreadable, never following a symbolic link and
+    never raising: returns what could not be deleted, each with its reason (also logged).
 
-    def make_writable_and_retry(
-        func: Callable[[str], object], failed_path: str, _exc: object
-    ) -> None:
-        parent = os.path.dirname(failed_path)
-        for p in (parent, failed_path):
-            try:
-                os.chmod(p, stat.S_IRWXU)
-            except FileNotFoundError:
-                pass
-        func(failed_path)
+    Every directory is reached through a descriptor opened with ``O_NOFOLLOW`` from its parent
+    and made writable (``0700``) only after it was seen to be a directory, so a link the
+    candidate planted (to a file of the trainer's user, or one of root's) is unlinked, never
+    changed; the error handler of ``shutil.rmtree`` used to chmod through it.
+    """
+    failures: list[str] = []
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        failures.append(f"{parent}: {exc}")
+    else:
+        try:
+            _remove_entry(parent_fd, name, path, failures)
+        finally:
+            os.close(parent_fd)
+    for failure in failures:
+        logger.warning("code sandbox: could not delete what a run left: %s", failure)
+    return failures
 
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=make_writable_and_retry)
+
+def _remove_entry(dir_fd: int, name: str, shown: str, failures: list[str]) -> None:
+    """Delete ``name`` in the directory open as ``dir_fd``, recursively (see
+    :func:`force_rmtree`); ``shown`` is its path, for messages."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(
+            info.st_mode
+        ):  # a file or a symbolic link: the link goes, not its target
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        if info.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+            _make_directory_writable(dir_fd, name)
+        fd = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        failures.append(f"{shown}: {exc}")
+        return
+    try:
+        with os.scandir(fd) as entries:
+            names = [entry.name for entry in entries]
+        for child in names:
+            _remove_entry(fd, child, f"{shown}/{child}", failures)
+    except OSError as exc:
+        failures.append(f"{shown}: {exc}")
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        failures.append(f"{shown}: {exc}")
+
+
+def _make_directory_writable(dir_fd: int, name: str) -> None:
+    """``chmod 0700`` the directory ``name`` (in ``dir_fd``), failing rather than following a
+    symbolic link (Linux: through an ``O_PATH | O_NOFOLLOW | O_DIRECTORY`` descriptor; elsewhere
+    ``fchmodat`` with ``AT_SYMLINK_NOFOLLOW``)."""
+    if IS_LINUX:
+        flags = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+        fd = os.open(name, flags, dir_fd=dir_fd)  # ENOTDIR (or ELOOP) for a symbolic link
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IRWXU)  # the directory itself
+        finally:
+            os.close(fd)
+    else:
+        os.chmod(name, stat.S_IRWXU, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def sweep_world_writable(uid: int) -> None:
@@ -169,11 +231,9 @@ def sweep_world_writable(uid: int) -> None:
             continue
         for entry in entries:
             try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    force_rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
+                if entry.stat(follow_symlinks=False).st_uid == uid:
+                    force_rmtree(entry.path)  # logs what it could not delete
             except FileNotFoundError:
                 pass
+            except OSError as exc:  # never raised into the trainer
+                logger.warning("code sandbox: could not check %s: %s", entry.path, exc)

@@ -98,6 +98,14 @@ class Libc:
     def prctl(self, option: int, arg: int, what: str) -> None:
         self.check(self.lib.prctl(option, arg, 0, 0, 0), what)
 
+    def drop_capabilities(self) -> None:
+        """Empty this process's effective, permitted and inheritable capability sets (capset,
+        version 3); with no_new_privs and a non-zero uid nothing gives them back."""
+        ct = self.ctypes
+        header = (ct.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+        data = (ct.c_uint32 * 6)()  # two struct __user_cap_data_struct, all zero
+        self.check(self.lib.capset(header, data), "capset")
+
     def die_with_parent(self) -> None:
         """SIGKILL when the parent dies; cleared by fork and by setuid, so set again after."""
         self.prctl(PR_SET_PDEATHSIG, 9, "PR_SET_PDEATHSIG")
@@ -143,9 +151,15 @@ def main(cfg: dict[str, Any]) -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             init = os.fork()
             if init:
+                # Outside the namespace the launcher only waits: it gives up the result pipe
+                # first, so nothing it does later (a late SIGTERM) can write a record.
+                os.close(RESULT_FD)
                 wait_for_init(init)
             libc.die_with_parent()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            # A session and process group of its own: the run's kill(0, ...) and killpg reach
+            # only the namespace's processes, never the launcher outside it.
+            os.setsid()
         workdir = cfg["workdir"]
         if cfg["private_mounts"]:
             step = "ipc limits"
@@ -168,22 +182,33 @@ def main(cfg: dict[str, Any]) -> None:
             step = "prctl"
             libc.prctl(PR_SET_NO_NEW_PRIVS, 1, "PR_SET_NO_NEW_PRIVS")
             libc.die_with_parent()
-        if cfg["pid_namespace"]:
-            step = "init"
-            runner = os.fork()
-            if runner:
-                run_init(runner)
+        if cfg["user_namespace"]:
+            step = "capabilities"
             assert libc is not None
-            libc.die_with_parent()
+            libc.drop_capabilities()  # pid 1 never execs: it would keep them in the namespace
+        # Landlock's rules and the seccomp program are prepared once; pid 1 and the runner each
+        # restrict themselves with them after the fork (pid 1 runs under them too). Restricting
+        # before the fork cost every run several ms of CPU more.
+        ruleset, program = -1, b""
         if cfg["landlock"]:
             step = "landlock"
             assert libc is not None
-            restrict_files(libc, cfg)
+            ruleset = landlock_ruleset(libc, cfg)
         if cfg["seccomp"]:
-            step = "seccomp"
+            program = with_own_pid(bytes.fromhex(cfg["seccomp_program"]), os.getpid())
+        if cfg["pid_namespace"]:
+            step = "init"
             assert libc is not None
-            program = seccomp_program(os.getpid(), allow_fork=cfg["pid_namespace"])
-            libc.load_seccomp(program)
+            # Non-dumpable from before the fork: the candidate (the same uid, once pid 1 dropped
+            # its capabilities) never reads or writes pid 1's memory; exec resets the runner's.
+            libc.prctl(4, 0, "PR_SET_DUMPABLE")
+            runner = os.fork()
+            if runner:
+                run_init(runner, libc, ruleset, program)
+            libc.die_with_parent()
+        if libc is not None:
+            step = "landlock and seccomp"
+            confine(libc, ruleset, program)
         step = "exec"
         interp = cfg["interpreter"]
         hook = str(int(cfg["audit_hook"]))
@@ -216,12 +241,28 @@ def wait_for_init(init: int) -> None:
     SIGTERM (the trainer's cleanup) kill pid 1 first, which makes the kernel kill every process
     of the namespace before pid 1's exit is reported: when the launcher exits, none is left."""
 
-    def kill_init(_signum: int, _frame: object) -> None:
-        os.kill(init, signal.SIGKILL)
-
-    signal.signal(signal.SIGTERM, kill_init)
+    try:
+        target = os.pidfd_open(init)  # a pidfd never names a recycled pid
+    except (OSError, AttributeError):  # kernels before 5.3
+        target = -1
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: kill_quietly(init, target))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    os._exit(exit_code(os.waitpid(init, 0)[1]))
+    status = os.waitpid(init, 0)[1]
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # pid 1 is reaped: nothing to kill
+    os._exit(exit_code(status))
+
+
+def kill_quietly(pid: int, pidfd: int = -1) -> None:
+    """SIGKILL ``pid`` (through ``pidfd`` when there is one), a child of ours; one already reaped
+    (the SIGTERM came between ``waitpid`` and ``_exit``) is fine. That race once raised here and
+    wrote a stray LAUNCH_ERROR line after the runner's records."""
+    try:
+        if pidfd >= 0:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def set_rlimits(rlimits: dict[str, list[int]]) -> None:
@@ -247,9 +288,26 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def run_init(runner: int) -> None:
+def confine(libc: Libc, ruleset: int, program: bytes) -> None:
+    """Restrict this process with the Landlock ``ruleset`` (a descriptor, closed here; -1 for
+    none) and the seccomp ``program`` (empty for none)."""
+    if ruleset >= 0:
+        libc.syscall("landlock_restrict_self", ruleset, 0)
+        os.close(ruleset)
+    if program:
+        libc.load_seccomp(program)
+
+
+def run_init(runner: int, libc: Libc, ruleset: int, program: bytes) -> None:
     """Pid 1 of the sandbox: reap every orphan; exit with the runner's status, which makes the
-    kernel kill and reap whatever is left in the namespace."""
+    kernel kill and reap whatever is left in the namespace. It restricts itself at once with the
+    runner's Landlock rules and seccomp filter (if that fails here, the runner is killed before
+    it could report; it held for the runner's probe on this kernel)."""
+    try:
+        confine(libc, ruleset, program)
+    except OSError:
+        os.kill(runner, signal.SIGKILL)
+        raise
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores default-action signals
     os.close(RESULT_FD)
     null = os.open(os.devnull, os.O_RDWR)
@@ -364,146 +422,24 @@ def no_shared_memory() -> None:
 
 # --------------------------------------------------------------------------- seccomp
 
-#: System call numbers of the calls the filter names, per architecture (linux/unistd.h).
+#: Numbers of the calls the launcher makes itself without a C library wrapper (linux/unistd.h).
 SYSCALLS: dict[str, dict[str, int]] = {
     "x86_64": {
-        "kill": 62,
-        "tkill": 200,
-        "tgkill": 234,
-        "rt_sigqueueinfo": 129,
-        "rt_tgsigqueueinfo": 297,
-        "pidfd_send_signal": 424,
-        "pidfd_getfd": 438,
-        "ptrace": 101,
-        "process_vm_readv": 310,
-        "process_vm_writev": 311,
-        "add_key": 248,
-        "request_key": 249,
-        "keyctl": 250,
-        "unshare": 272,
-        "setns": 308,
-        "clone": 56,
-        "clone3": 435,
-        "fork": 57,
-        "vfork": 58,
-        "shmget": 29,
-        "shmat": 30,
-        "shmctl": 31,
-        "shmdt": 67,
-        "msgget": 68,
-        "msgsnd": 69,
-        "msgrcv": 70,
-        "msgctl": 71,
-        "semget": 64,
-        "semop": 65,
-        "semctl": 66,
-        "semtimedop": 220,
-        "socket": 41,
-        "mount": 165,
-        "umount2": 166,
         "pivot_root": 155,
-        "chroot": 161,
-        "bpf": 321,
-        "perf_event_open": 298,
-        "userfaultfd": 323,
-        "io_uring_setup": 425,
-        "io_uring_enter": 426,
-        "io_uring_register": 427,
-        "memfd_create": 319,
-        "open_tree": 428,
-        "move_mount": 429,
-        "fsopen": 430,
-        "fsconfig": 431,
-        "fsmount": 432,
-        "fspick": 433,
-        "mount_setattr": 442,
-        "kcmp": 312,
-        "process_madvise": 440,
         "landlock_create_ruleset": 444,
         "landlock_add_rule": 445,
         "landlock_restrict_self": 446,
     },
     "aarch64": {
-        "kill": 129,
-        "tkill": 130,
-        "tgkill": 131,
-        "rt_sigqueueinfo": 138,
-        "rt_tgsigqueueinfo": 240,
-        "pidfd_send_signal": 424,
-        "pidfd_getfd": 438,
-        "ptrace": 117,
-        "process_vm_readv": 270,
-        "process_vm_writev": 271,
-        "add_key": 217,
-        "request_key": 218,
-        "keyctl": 219,
-        "unshare": 97,
-        "setns": 268,
-        "clone": 220,
-        "clone3": 435,
-        "shmget": 194,
-        "shmat": 196,
-        "shmctl": 195,
-        "shmdt": 197,
-        "msgget": 186,
-        "msgsnd": 189,
-        "msgrcv": 188,
-        "msgctl": 187,
-        "semget": 190,
-        "semop": 193,
-        "semctl": 191,
-        "semtimedop": 192,
-        "socket": 198,
-        "mount": 40,
-        "umount2": 39,
         "pivot_root": 41,
-        "chroot": 51,
-        "bpf": 280,
-        "perf_event_open": 241,
-        "userfaultfd": 282,
-        "io_uring_setup": 425,
-        "io_uring_enter": 426,
-        "io_uring_register": 427,
-        "memfd_create": 279,
-        "open_tree": 428,
-        "move_mount": 429,
-        "fsopen": 430,
-        "fsconfig": 431,
-        "fsmount": 432,
-        "fspick": 433,
-        "mount_setattr": 442,
-        "kcmp": 272,
-        "process_madvise": 440,
         "landlock_create_ruleset": 444,
         "landlock_add_rule": 445,
         "landlock_restrict_self": 446,
     },
 }
-#: AUDIT_ARCH_* of each architecture (linux/audit.h), checked first by the filter.
-AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-#: Calls denied outright (EPERM): signals by thread id or pidfd, tracing and other processes'
-#: memory, the kernel keyring, namespaces, SysV IPC, sockets, mounts, and the kernel
-#: interfaces a Python program has no use for (BPF, perf, userfaultfd, io_uring, memfd).
-DENIED = (
-    "tkill", "pidfd_send_signal", "pidfd_getfd", "ptrace", "process_vm_readv",
-    "process_vm_writev", "add_key", "request_key", "keyctl", "unshare", "setns", "shmget",
-    "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
-    "semctl", "semtimedop", "socket", "mount", "umount2", "pivot_root", "chroot", "bpf",
-    "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "memfd_create", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
-    "mount_setattr", "kcmp", "process_madvise",
-)  # fmt: skip
-NAMESPACE_FLAGS = (
-    CLONE_NEWNS
-    | CLONE_NEWIPC
-    | CLONE_NEWUSER
-    | CLONE_NEWPID
-    | CLONE_NEWNET
-    | CLONE_NEWCGROUP
-    | CLONE_NEWUTS
-    | CLONE_NEWTIME
-)
-EPERM, ENOSYS = 1, 38
+#: Stands for the launcher's pid in a seccomp program built by the trainer
+#: (:func:`sandbox.seccomp.seccomp_program`); no pid is this large.
+OWN_PID_PLACEHOLDER = 0x7FFFFFF0
 
 
 def machine() -> str:
@@ -517,54 +453,17 @@ def syscall_table() -> dict[str, int]:
     return table
 
 
-def seccomp_program(own_pid: int, allow_fork: bool) -> bytes:
-    """A seccomp BPF program (``struct sock_filter`` array) for this architecture.
-
-    Kills the process on another architecture's calls (x86's 32-bit ABI); returns EPERM for
-    :data:`DENIED`, for ``kill``/``rt_sigqueueinfo`` to any pid but ``own_pid`` and 0 (its
-    process group), for ``tgkill``/``rt_tgsigqueueinfo`` to another thread group, and for
-    ``clone`` with a namespace flag; ENOSYS for ``clone3`` (its flags are out of the filter's
-    reach; the C library falls back to ``clone``). With ``allow_fork=False`` (no PID namespace
-    to hold its processes) ``clone`` without ``CLONE_THREAD``, ``fork`` and ``vfork`` are denied
-    too: threads only. Everything else is allowed.
-    """
+def with_own_pid(program: bytes, pid: int) -> bytes:
+    """``program`` (``struct sock_filter`` array) with every comparison against
+    :data:`OWN_PID_PLACEHOLDER` made against ``pid``."""
     import struct
 
-    table, arch = syscall_table(), AUDIT_ARCH[machine()]
-    ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
-    allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
-    deny, nosys = 0x00050000 | EPERM, 0x00050000 | ENOSYS  # SECCOMP_RET_ERRNO
-    nr, arch_offset, arg0 = 0, 4, 16  # offsets in struct seccomp_data (low word of args[0])
-
-    def block(name: str, body: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
-        """``if nr == name: body`` (every body ends in a ret); the caller has nr loaded."""
-        return [(jeq, 0, len(body), table[name])] + body
-
-    program = [(ld, 0, 0, arch_offset), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, nr)]
-    if machine() == "x86_64":
-        program += [(jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # the x32 ABI
-    for name in DENIED:
-        program += block(name, [(ret, 0, 0, deny)])
-    program += block("clone3", [(ret, 0, 0, nosys)])
-    for name in ("kill", "rt_sigqueueinfo"):
-        program += block(
-            name,
-            [(ld, 0, 0, arg0), (jeq, 2, 0, own_pid), (jeq, 1, 0, 0), (ret, 0, 0, deny)]
-            + [(ret, 0, 0, allow)],
-        )
-    for name in ("tgkill", "rt_tgsigqueueinfo"):
-        program += block(
-            name, [(ld, 0, 0, arg0), (jeq, 1, 0, own_pid), (ret, 0, 0, deny), (ret, 0, 0, allow)]
-        )
-    clone = [(ld, 0, 0, arg0), (jset, 0, 1, NAMESPACE_FLAGS), (ret, 0, 0, deny)]
-    if not allow_fork:
-        clone += [(jset, 1, 0, CLONE_THREAD), (ret, 0, 0, deny)]
-        for name in ("fork", "vfork"):
-            if name in table and machine() == "x86_64":
-                program += block(name, [(ret, 0, 0, deny)])
-    program += block("clone", clone + [(ret, 0, 0, allow)])
-    program.append((ret, 0, 0, allow))
-    return b"".join(struct.pack("HBBI", *instruction) for instruction in program)
+    out = bytearray(program)
+    for offset in range(0, len(out), 8):
+        code, jt, jf, k = struct.unpack_from("HBBI", out, offset)
+        if code == 0x15 and k == OWN_PID_PLACEHOLDER:  # jeq
+            struct.pack_into("HBBI", out, offset, code, jt, jf, pid)
+    return bytes(out)
 
 
 # --------------------------------------------------------------------------- landlock
@@ -573,6 +472,9 @@ def seccomp_program(own_pid: int, allow_fork: bool) -> bytes:
 LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
 LL_WRITES = 16 | 32 | 64 | 128 | 256 | 512 | 1024 | 2048 | 4096  # remove, make *
 LL_REFER, LL_TRUNCATE, LL_IOCTL_DEV = 8192, 16384, 32768
+#: Landlock scopes (ABI 6, Linux 6.12): no signal to a process outside the sandbox's domain (the
+#: F_SETOWN path included), no connection to an abstract Unix socket made outside it.
+LL_SCOPE_ABSTRACT_UNIX_SOCKET, LL_SCOPE_SIGNAL = 1, 2
 
 
 def landlock_abi(libc: Libc) -> int:
@@ -583,10 +485,13 @@ def landlock_abi(libc: Libc) -> int:
         return 0
 
 
-def restrict_files(libc: Libc, cfg: dict[str, Any]) -> None:
-    """Landlock: writes anywhere but beneath ``cfg["write_paths"]`` (and to the harmless
-    devices) are denied; with ``cfg["landlock_reads"]`` reads are allowed beneath
-    ``cfg["read_paths"]`` only (the allowlisted root of the modes without a mount namespace)."""
+def landlock_ruleset(libc: Libc, cfg: dict[str, Any]) -> int:
+    """The Landlock ruleset (a descriptor, for ``landlock_restrict_self``): writes anywhere but
+    beneath ``cfg["write_paths"]`` (and to the harmless devices) are denied; with
+    ``cfg["landlock_reads"]`` reads are allowed beneath
+    ``cfg["read_paths"]`` only (the allowlisted root of the modes without a mount namespace);
+    where the kernel has scopes (ABI 6), signals to processes outside the sandbox (the trainer,
+    by kill or by F_SETOWN) and abstract Unix sockets made outside it are denied too."""
     import struct
 
     ct = libc.ctypes
@@ -598,6 +503,8 @@ def restrict_files(libc: Libc, cfg: dict[str, Any]) -> None:
     reads = LL_EXECUTE | LL_READ_FILE | LL_READ_DIR
     handled = writes | (reads if cfg["landlock_reads"] else 0)
     attr = struct.pack("Q", handled)
+    if abi >= 6:  # scoped (handled_access_net, 0, comes between)
+        attr = struct.pack("QQQ", handled, 0, LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL)
     fd = libc.syscall("landlock_create_ruleset", attr, len(attr), 0)
 
     def allow(path: str, rights: int) -> None:
@@ -619,8 +526,8 @@ def restrict_files(libc: Libc, cfg: dict[str, Any]) -> None:
         allow(path, handled)
     for name in DEVICES:
         allow("/dev/" + name, reads | writes)
-    libc.syscall("landlock_restrict_self", fd, 0)
-    os.close(fd)
+    os.set_inheritable(fd, False)
+    return fd
 
 
 def start() -> None:

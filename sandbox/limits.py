@@ -22,7 +22,9 @@ class SandboxLimits:
             uid; without one, the fallback blocks fork and exec altogether).
         max_file_size_mb: largest file the code may write (RLIMIT_FSIZE).
         max_disk_mb: size of the private tmpfs holding its directory and /tmp (Linux root mode).
-        max_output_bytes: stdout+stderr bytes kept; the rest is read and discarded.
+        max_output_bytes: stdout+stderr bytes kept; the next 32 MiB are read and dropped, and
+            past those the pipe is throttled (:data:`sandbox.run.THROTTLED_READ_INTERVAL_S`): a
+            flood waits on its full pipe instead of costing the trainer CPU.
         niceness: added scheduling niceness, so that scoring yields the CPU to training.
         isolation: ``"strong"`` (default) runs only where the kernel gives the candidate an
             allowlisted root in its own mount, PID, IPC and network namespaces (Linux, as root or
@@ -82,12 +84,15 @@ class Isolation:
             a boundary.
         user_namespace: the namespaces above are owned by a fresh user namespace, in which the
             candidate is an unprivileged uid (Linux without root or CAP_SYS_ADMIN).
-        seccomp: a seccomp filter (:func:`sandbox.launcher.seccomp_program`): no signals to
-            other processes, ptrace, other processes' memory, keyrings, namespaces, SysV IPC,
-            sockets or mounts; without a PID namespace, no new processes either (Linux).
+        seccomp: a seccomp allowlist (:mod:`sandbox.seccomp`): what CPython and the runner need; no signals to other
+            processes (by kill or through a file's owner), ptrace, other processes' memory,
+            keyrings, namespaces, SysV IPC, sockets, mounts, AIO, io_uring, memfd, file locks,
+            nor any call it does not name (a future kernel's); without a PID namespace, no new
+            processes either (Linux).
         landlock: Landlock denies writes outside the run's directory; without
             ``private_mounts`` it also denies reads outside the interpreter's prefix and shared
-            libraries (Linux 5.13+).
+            libraries (Linux 5.13+); where the kernel has scopes (6.12+), signals and abstract
+            Unix sockets outside the run too.
     """
 
     separate_uid: bool

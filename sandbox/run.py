@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox import isolation as host
-from sandbox import launcher
+from sandbox import launcher, seccomp
 from sandbox.isolation import IS_LINUX, LaunchError
 from sandbox.limits import Isolation, SandboxLimits, TestResult, rlimits
 from sandbox.records import Channel, summarize
@@ -42,6 +42,14 @@ from sandbox.tests_spec import Check, parse_tests
 WORKDIR_PREFIX = f"code_sandbox_{os.getpid()}_"
 _WORKDIR_IN_PRIVATE_TMP = "/tmp/sandbox"
 _LAUNCH_RETRIES = 2
+#: A pipe that went past its cap (``max_output_bytes``, or the result channel's) by more than
+#: :data:`FREE_DISCARD_BYTES` is read once per this interval, 64 KiB at a time: a candidate that
+#: floods it waits on the full pipe, and the trainer pays a few reads a second instead of reading
+#: the flood as fast as it comes (docs/reliability.md has the figures).
+THROTTLED_READ_INTERVAL_S = 0.05
+#: Bytes past the cap read and dropped at full speed before the throttle starts, so that a chatty
+#: honest program is not slowed.
+FREE_DISCARD_BYTES = 32 << 20
 #: What the candidate's root holds besides its scratch space (the strong modes), or the only
 #: places it may read (the weak mode, through Landlock): the interpreter's installation and the
 #: system's shared libraries, read-only. A symbolic link among them is recreated as a link.
@@ -202,7 +210,7 @@ def detect_isolation(refresh: bool = False) -> Isolation:
 def candidate_isolations() -> list[Isolation]:
     """Every isolation this machine might offer, strongest first."""
     root = os.geteuid() == 0
-    kernel = IS_LINUX and launcher.machine() in launcher.SYSCALLS  # seccomp's tables
+    kernel = IS_LINUX and seccomp.machine() in seccomp.SYSCALLS  # seccomp's tables
     landlock = kernel and launcher.landlock_abi(launcher.Libc()) >= 1
     layers = {"seccomp": kernel, "landlock": landlock}
     candidates = []
@@ -316,6 +324,13 @@ def _read_paths(interpreter: str) -> list[str]:
     return paths
 
 
+@functools.cache
+def _seccomp_program(pid_namespace: bool) -> str:
+    """The seccomp filter (:mod:`sandbox.seccomp`) in hex, the launcher's pid left for it to fill
+    in (:func:`sandbox.launcher.with_own_pid`)."""
+    return seccomp.seccomp_program(launcher.OWN_PID_PLACEHOLDER, pid_namespace).hex()
+
+
 def _run_once(
     code: str, checks: list[tuple[Check, ...]], limits: SandboxLimits, isolation: Isolation
 ) -> TestResult:
@@ -358,6 +373,9 @@ def _run_once(
             "disk_mb": limits.max_disk_mb,
             "env": env,
             "runner": _script("runner"),
+            "seccomp_program": (
+                _seccomp_program(isolation.pid_namespace) if isolation.seccomp else ""
+            ),
         }
         # What the sandbox gets of each test: its setup statements and the expression to
         # evaluate. The expected values stay in `checks`, in this process.
@@ -410,10 +428,16 @@ def _wait(
     proc: subprocess.Popen[bytes], output: Channel, results: Channel, nonce: str, timeout: float
 ) -> bool:
     """Read both pipes until the runner reports done, the process exits or the deadline passes;
-    returns True on timeout."""
+    returns True on timeout.
+
+    A pipe that went past its cap by :data:`FREE_DISCARD_BYTES` is throttled: read once (64 KiB)
+    every :data:`THROTTLED_READ_INTERVAL_S`, so that a candidate flooding it waits on a full
+    pipe instead of costing the trainer a CPU second per program.
+    """
     done_marker = f"{nonce} done ".encode()
     error_marker = f"{nonce} error ".encode()
     deadline = time.monotonic() + timeout
+    throttled: dict[Channel, float] = {}  # channel -> when it may be read next
     with selectors.DefaultSelector() as selector:
         selector.register(output.fd, selectors.EVENT_READ, output)
         selector.register(results.fd, selectors.EVENT_READ, results)
@@ -426,17 +450,36 @@ def _wait(
                 pidfd = -1
         try:
             while True:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     return True
-                for key, _ in selector.select(remaining if pidfd >= 0 else min(remaining, 0.02)):
-                    channel = key.data
-                    if channel is None:
-                        return False  # the process exited
-                    channel.read()
+                wait = remaining if pidfd >= 0 else min(remaining, 0.02)
+                if throttled:
+                    wait = max(0.0, min(wait, min(throttled.values()) - now))
+                ready = [key.data for key, _ in selector.select(wait)]
+                if None in ready:
+                    return False  # the process exited
+                now = time.monotonic()
+                ready += [c for c, due in throttled.items() if due <= now]
+                for channel in ready:
+                    try:
+                        channel.read()
+                    except BlockingIOError:  # a throttled pipe with nothing in it
+                        pass
+                    if channel in throttled:
+                        throttled[channel] = now + THROTTLED_READ_INTERVAL_S
                     if not channel.open:
+                        throttled.pop(channel, None)
+                        if channel.fd in selector.get_map():
+                            selector.unregister(channel.fd)
+                    elif channel.dropped > FREE_DISCARD_BYTES and channel not in throttled:
                         selector.unregister(channel.fd)
-                if done_marker in results.data or error_marker in results.data:
+                        os.set_blocking(channel.fd, False)
+                        throttled[channel] = now + THROTTLED_READ_INTERVAL_S
+                if results in ready and (
+                    done_marker in results.data or error_marker in results.data
+                ):
                     return False
                 if pidfd < 0 and proc.poll() is not None:
                     return False
