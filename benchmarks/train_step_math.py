@@ -1,6 +1,4 @@
-"""Whether building the fast functions' custom-function bodies on a second thread
-(``fast_math.untraced``) pays in a training step, against the same fast functions built in place
-(traced: ``mx.compile`` then runs them uncompiled) and against plain MLX.
+"""Whether the fast functions (``base_setup.fast_math``) pay in a training step, against plain MLX.
 
 Usage::
 
@@ -10,8 +8,10 @@ Usage::
 One process: the policy's training step (``nn.value_and_grad`` of the token-mean log-prob of the
 response tokens, as the policy loss takes it: ``response_logprobs``, so the blockwise head of a
 frozen head) on mlx-lm's model of the real shape (random float32 weights, LoRA rank 16 on every
-linear layer unless ``--full``). The three ways are timed round-robin, each repeat taking every
-way once after one warm-up each; the table gives medians and the ratio to plain MLX.
+linear layer unless ``--full``). Inside the gradient trace ``mx.compile`` runs the fast functions'
+compiled pieces as their plain graphs. The ways are timed round-robin, each repeat taking every
+way once after one warm-up each; the table gives wall and CPU medians and the ratio to plain MLX.
+(Until 2026-11-28 a third way built the bodies on a second thread: results/HISTORY.md.)
 """
 
 from __future__ import annotations
@@ -30,33 +30,21 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from base_setup import fast_math
 from base_setup.lora_setup import LoraSettings, apply_lora
 from base_setup.plain import plain_mlx_scope
 from benchmarks.decode_profile import build_model
 from models.policy_model import PolicyModel
 from token_attribution.sequences import response_logprobs
 
-#: The ways a step is timed (see :func:`way`).
-WAYS = ("untraced", "in place", "plain")
+#: The ways a step is timed: this project's fast functions, or plain MLX (every speed trick off).
+WAYS = ("fast", "plain")
 
 
 @contextlib.contextmanager
 def way(name: str) -> Iterator[None]:
-    """``untraced``: the default; ``in place``: the same fast functions with no hand-over to the
-    builder thread; ``plain``: plain MLX (every speed trick off)."""
-    if name == "plain":
-        with plain_mlx_scope():
-            yield
-        return
-    saved = getattr(fast_math, "_MIN_UNTRACED", None)
-    if name == "in place" and saved is not None:
-        fast_math._MIN_UNTRACED = 1 << 62
-    try:
+    """Plain MLX within the block for ``"plain"``; nothing changes for ``"fast"``."""
+    with plain_mlx_scope(enabled=name == "plain"):
         yield
-    finally:
-        if saved is not None:
-            fast_math._MIN_UNTRACED = saved
 
 
 def main(argv: list[str] | None = None) -> None:
