@@ -37,12 +37,10 @@ the run's models on mlx-lm's layers (docs/environment.md).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
-import threading
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import numpy as np
@@ -62,122 +60,10 @@ _ENV = "PPO_MLX_FAST_MATH"
 # benchmarks/results/HISTORY.md).
 _MIN_FAST_SWIGLU = 1 << 11
 _MIN_FAST_ATTENTION = 1 << 12
-# From these many input elements a custom function's body is built untraced (see `untraced`): a
-# thread hand-over is cheap against a training-size call's uncompiled body, dear against a
-# decoding step's (never differentiated), which stays where it is.
-_MIN_UNTRACED = 1 << 16
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _UntracedBuilder:
-    """One thread that builds MLX graphs outside any function transformation.
-
-    Why: ``mx.compile`` runs a compiled function as its plain, uncompiled graph whenever one of its
-    inputs is a *tracer*, and under ``nn.value_and_grad`` every activation is one (MLX's
-    ``compile``: "if the inputs are tracers, trace the original graph"), as are a custom function's
-    primals inside its vjp. So in a training step each fast function below would run as many
-    separate element-wise passes instead of a few fused ones. Whether an array is a tracer depends
-    on the *thread's* tracing state, so the same call made from a thread that is not tracing builds
-    the compiled graph. Only the graph is built there, lazily, on the caller's stream; the caller's
-    thread evaluates it.
-
-    MLX is not made for two threads at once, so the caller waits while the builder works, and the
-    builder drops every reference it took before it hands back: no MLX array is released, by
-    Python's garbage collector or otherwise, on this thread while the caller runs (MLX aborts the
-    process: "terminate called without an active exception"). The thread never asks MLX for a stream
-    of its own (it sets the caller's as its default), and a process forked from this one starts its
-    own builder.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # one caller at a time
-        self._job: tuple[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None = None
-        self._result: tuple[Any, BaseException | None] | None = None
-        # The builder thread and its two semaphores belong to one process: the first call in
-        # each process (this one, or a child forked from it) makes them anew.
-        self._start = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._pid = -1
-        self._thread: int | None = None  # the builder's thread id
-
-    def __call__(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if threading.get_ident() == self._thread:  # a body calling another: already untraced
-            return fn(*args, **kwargs)
-        stream = mx.default_stream(mx.default_device())
-        with self._lock:
-            if self._pid != os.getpid():
-                self._start, self._done = threading.Semaphore(0), threading.Semaphore(0)
-                builder = threading.Thread(target=self._serve, name="ppo-mlx-untraced", daemon=True)
-                builder.start()
-                self._thread = builder.ident
-                self._pid = os.getpid()
-            self._job = (stream, fn, args, kwargs)
-            self._start.release()
-            try:
-                self._done.acquire()
-            except BaseException:  # a signal's exception (Ctrl-C): let the builder finish
-                self._done.acquire()  # first, so nothing else uses MLX meanwhile
-                self._result = None
-                raise
-            assert self._result is not None
-            result, error = self._result
-            self._result = None
-        if error is not None:
-            raise error
-        return result
-
-    def _serve(self) -> None:
-        start, done = self._start, self._done
-        while True:
-            start.acquire()
-            assert self._job is not None
-            stream, fn, args, kwargs = self._job
-            self._job = None
-            try:
-                # Not `with mx.stream(...)`: entering it first asks for this thread's default
-                # stream, and MLX would create one for it.
-                mx.set_default_stream(stream)
-                self._result = (fn(*args, **kwargs), None)
-            except BaseException as err:  # handed to the caller, which raises it
-                self._result = (None, err)
-            del stream, fn, args, kwargs
-            done.release()
-
-
-_BUILD_UNTRACED = _UntracedBuilder()
-
-
-def untraced(fn: _F) -> _F:
-    """Decorator for the forward and vjp functions of an ``mx.custom_function``: build the body
-    outside MLX's transformation tracing (see :class:`_UntracedBuilder`), so the
-    ``mx.compile``'d functions it calls run compiled inside ``nn.value_and_grad`` too.
-
-    The arrays it returns are constants to the enclosing transformation, which is exactly what a
-    custom function's forward outputs and vjp results are to a first-order gradient; so it is
-    not for bodies that a second-order transformation (a gradient of the gradient, ``vmap``)
-    must see through. Calls with fewer than ``_MIN_UNTRACED`` input elements, and calls where
-    fast math is off, run in place.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _input_size(args) < _MIN_UNTRACED or not fast_math_enabled():
-            return fn(*args, **kwargs)
-        return _BUILD_UNTRACED(fn, args, kwargs)
-
-    return cast(_F, wrapper)
-
-
-def _input_size(args: Any) -> int:
-    """The elements of the arrays in ``args`` (nested tuples and lists included)."""
-    if isinstance(args, mx.array):
-        return args.size
-    if isinstance(args, (tuple, list)):
-        return sum(_input_size(a) for a in args)
-    return 0
+# From these many elements RoPE is a custom function whose gradient is written out (the rotation
+# by the opposite angle); below (a decoding step, never differentiated) MLX differentiates the
+# compiled rotation.
+_MIN_ROPE_CUSTOM_GRAD = 1 << 16
 
 
 @mx.compile
@@ -262,13 +148,11 @@ def sigmoid(x: mx.array) -> mx.array:
 
 
 @mx.custom_function
-@untraced
 def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
     return _swiglu_c(gate, x, *_exp2_parts(-gate.astype(mx.float32))).astype(x.dtype)
 
 
 @_swiglu_fast.vjp
-@untraced
 def _swiglu_fast_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     gate, x = primals
     return _swiglu_grad(
@@ -321,12 +205,10 @@ def _softmax_fn(axis: int) -> Callable[[mx.array], mx.array]:
     if axis not in _SOFTMAX_FNS:
 
         @mx.custom_function
-        @untraced
         def fn(x: mx.array) -> mx.array:
             return _softmax_impl(x, axis)
 
         @fn.vjp
-        @untraced
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
             x = _single(primals)
             c = cotangent.astype(mx.float32)
@@ -368,12 +250,10 @@ def _logsumexp_fn(axis: int) -> Callable[[mx.array], mx.array]:
     if axis not in _LOGSUMEXP_FNS:
 
         @mx.custom_function
-        @untraced
         def fn(x: mx.array) -> mx.array:
             return _logsumexp_parts(x.astype(mx.float32), axis)[0]
 
         @fn.vjp
-        @untraced
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
             x = _single(primals)
             probs = exp(x.astype(mx.float32) - output)  # softmax(x)
@@ -449,7 +329,6 @@ def _one_query_core(
 
 
 @mx.custom_function
-@untraced
 def _one_query(
     q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: mx.array
 ) -> mx.array:
@@ -457,7 +336,6 @@ def _one_query(
 
 
 @_one_query.vjp
-@untraced
 def _one_query_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     """The gradient of the same formula through the differentiable :func:`softmax` (the fused
     exp's bit view has none)."""
@@ -583,21 +461,18 @@ def rope(
     if start.ndim:  # (B,) -> (B, 1, ..., 1): one offset per sequence
         start = start.reshape((-1,) + (1,) * (x.ndim - 2))
     positions = (start + mx.arange(x.shape[-2])).astype(mx.float32) * scale  # (B|1, ..., L)
-    if x.size < _MIN_UNTRACED:  # a decoding step: one compiled call, MLX differentiates it
+    if x.size < _MIN_ROPE_CUSTOM_GRAD:  # a decoding step: one compiled call, MLX differentiates it
         return _rotate_half(x, positions, _ROPE_FREQS[key])
     return cast(mx.array, _rope_rotation(x, positions, _ROPE_FREQS[key]))
 
 
 @mx.custom_function
-@untraced
 def _rope_rotation(x: mx.array, positions: mx.array, inv_freqs: mx.array) -> mx.array:
-    """:func:`_rotate_half` with its gradient written out, so that a training step's RoPE is
-    built untraced (compiled) both ways."""
+    """:func:`_rotate_half` with its gradient written out: the rotation by the opposite angle."""
     return _rotate_half(x, positions, inv_freqs)
 
 
 @_rope_rotation.vjp
-@untraced
 def _rope_rotation_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     # A rotation's transpose is the rotation by the opposite angle: positions negated.
     x, positions, inv_freqs = primals

@@ -4,10 +4,10 @@ Plain MLX is straightforward MLX and mlx-lm code: mlx-lm's own layers (``nn.Line
 ``LoRALinear``, ``nn.RMSNorm``, ``mx.fast.*``), ``model(x)`` logits then ``log_softmax`` and a
 gather, ``mlx.optimizers.AdamW`` uncompiled, one stream, MLX's own buffer cache. The tricks it
 turns off, each described with its own switch in docs/environment.md ("Speed tricks and how to
-turn them off"): fast CPU math and the fast layers, the untraced builder thread, the custom
-gradient of the log-softmax gather, the split and blockwise LM head, the compiled AdamW, merged LoRA
-adapters for sampling, the scoring passes on two CPU streams, the run's buffer-cache policy and
-the adaptive BLAS thread count.
+turn them off"): fast CPU math and the fast layers, the custom gradient of the log-softmax
+gather, the split and blockwise LM head, the compiled AdamW, merged LoRA adapters for sampling,
+the scoring passes on two CPU streams, the run's buffer-cache policy and the adaptive BLAS thread
+count.
 
 Two ways to turn it on, either enough: ``PPO_MLX_PLAIN=1`` for the whole process (read at every
 check), or a trainer config's ``plain_mlx: true`` for one trainer's work (its models are built

@@ -32,7 +32,7 @@ from config._fields import coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig
-from config.trl_names import TRL_ALIASES, from_trl_value, with_algorithm_defaults
+from config.trl_names import TRL_ALIASES, from_trl_value
 
 C = TypeVar("C")
 
@@ -171,8 +171,6 @@ def load_config(
 
     if problems:
         raise ValueError(f"invalid config ({source}):\n  " + "\n  ".join(problems))
-    if base is None and issubclass(cls, PPOConfig):
-        values = with_algorithm_defaults(values)  # TRL's GRPO defaults for the keys not set
     try:
         return cls(**values)
     except ValueError as err:

@@ -30,6 +30,14 @@ _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 #: A ``reward_funcs`` entry: a name or path, or ``{name: ..., <parameter>: ...}``.
 RewardSpec = str | dict[str, Any]
 
+#: Each algorithm's defaults where they differ from the fields' own (which are PPO's). GRPO's are
+#: TRL's (1.x ``GRPOConfig``): no KL term, so no reference model; one update pass per batch; the
+#: "dapo" loss; temperature 1.0. A config takes them for the fields it is not given, however it
+#: is built (Python, a config file, ``--set``, TRL's names): a setting means the same every way.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"beta": 0.0, "num_ppo_epochs": 1, "loss_type": "dapo", "temperature": 1.0},
+}
+
 
 def is_reward_function_spec(spec: RewardSpec) -> bool:
     """Whether a ``reward_funcs`` entry names a Python function rather than a reward model (a
@@ -67,6 +75,8 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     Summarization" (Huang et al., 2024) where they apply: gamma 1, lam 0.95, 4 PPO epochs,
     kl_coef 0.05 (k1 estimator, fixed), sampling temperature 0.7, cliprange 0.2,
     cliprange_value 0.2, vf_coef 0.1, Adam eps 1e-5, whitened advantages and un-whitened rewards.
+    An algorithm whose defaults differ (:data:`ALGORITHM_DEFAULTS`: GRPO takes TRL's) has them
+    for every field the config is not given.
 
     KL estimators, with ``log_ratio = logp_policy - logp_ref`` per response token and
     ``r = exp(-log_ratio)`` (Schulman, "Approximating KL divergence"): k1 = log_ratio,
@@ -88,8 +98,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             generate and chat commands, so that training and generation agree; false = the text
             as it is (models trained on plain prompts, like the demo's); true = required. Chat
             messages always use it; a trainer that overrides format_prompt decides itself.
-        temperature: Sampling temperature of the rollouts (> 0). A GRPO run loaded from a file
-            (or built by config.trl_names.GRPOConfig) that does not set it takes TRL's 1.0.
+        temperature: Sampling temperature of the rollouts (> 0). GRPO's default: TRL's 1.0.
         top_p: Nucleus-sampling mass of the rollouts, in (0, 1]; 1 = off.
         top_k: Sample among the k most likely tokens; 0 = off.
         stop_token_ids: Token ids that end a response; None = the tokenizer's EOS ids (those of
@@ -148,8 +157,8 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             TRL's epsilon_high); None = clip_epsilon (symmetric). Every algorithm.
         cliprange_value: Clip range of the value-function update around the rollout values.
         vf_coef: Weight of the value loss in the PPO loss (> 0 for "ppo"; unused by "grpo").
-        num_ppo_epochs: Optimisation passes over each rollout batch (TRL's num_iterations; a
-            GRPO run from a file or GRPOConfig that does not set it takes TRL's 1).
+        num_ppo_epochs: Optimisation passes over each rollout batch (TRL's num_iterations).
+            GRPO's default: TRL's 1.
         whiten_rewards: Whiten the per-token rewards over the batch before computing advantages.
         whiten_advantages: Whiten the advantages over the batch (PPO).
         normalize_reward: Normalise the scores by their running mean and standard deviation
@@ -182,8 +191,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
         group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
             need >= 2.
         beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only; TRL's beta).
-            0 loads and runs no reference model; a GRPO run from a file or GRPOConfig that
-            does not set it takes TRL's 0.
+            0 loads and runs no reference model. GRPO's default: TRL's 0.
         grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
         loss_type: How GRPO's per-token losses make the loss (TRL's loss_type): "bnpo" = token
@@ -191,8 +199,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             one process), "dapo" = token mean of the whole batch of an update (TRL's default),
             "grpo" = mean over sequences of each one's token mean (the GRPO paper), "dr_grpo" =
             token sum / (sequences * max_new_tokens) (Dr. GRPO; pair with grpo_advantage_scale
-            "none"). "grpo" algorithm only; a GRPO run from a file or GRPOConfig that does not
-            set it takes TRL's "dapo".
+            "none"). "grpo" algorithm only. GRPO's default: TRL's "dapo".
         importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
             per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
             algorithm only.
@@ -298,7 +305,17 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     log_rollouts_every: int = 10
     rollout_records_per_step: int = 16
 
+    def __new__(cls, *args: Any, **values: Any) -> "PPOConfig":
+        config = super().__new__(cls)
+        # The fields the caller gave; __post_init__ gives the others their algorithm's defaults.
+        config.__dict__["_given_fields"] = frozenset(values)
+        return config
+
     def __post_init__(self) -> None:
+        given = self.__dict__.get("_given_fields", frozenset())
+        for name, value in ALGORITHM_DEFAULTS.get(self.algorithm, {}).items():
+            if name not in given:
+                setattr(self, name, value)
         ModelConfig.__post_init__(self)
         TrainingConfig.__post_init__(self)
         AgentConfig.__post_init__(self)

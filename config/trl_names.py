@@ -1,10 +1,10 @@
-"""TRL's names for the same run: its GRPO / RLOO keys as aliases of ours, and GRPO's defaults.
+"""TRL's names for the same run: its GRPO / RLOO keys as aliases of ours.
 
 A recipe copied from TRL's ``GRPOConfig`` loads as it is: ``num_generations: 8`` is our
 ``group_size: 8``, and so on (:data:`TRL_ALIASES`). A GRPO run's fields that a config does not
-set take TRL's GRPO defaults where ours differ (:data:`GRPO_DEFAULTS`: no KL term, so no
-reference model; one update pass per batch; the ``dapo`` loss; temperature 1.0); PPO keeps its
-own. ``beta`` is a field of ours with TRL's meaning (GRPO's KL weight).
+set take TRL's GRPO defaults however the config is built
+(:data:`config.ppo_config.ALGORITHM_DEFAULTS`). ``beta`` is a field of ours with TRL's meaning
+(GRPO's KL weight).
 """
 
 from collections.abc import Mapping
@@ -23,14 +23,6 @@ TRL_ALIASES: dict[str, str] = {
     "scale_rewards": "grpo_advantage_scale",
     # Not TRL's: the name verl and textpolicy give the turn limit.
     "max_turns": "max_tool_calling_iterations",
-}
-
-#: The defaults of a GRPO run where TRL's (1.x ``GRPOConfig``) differ from PPO's.
-GRPO_DEFAULTS: dict[str, Any] = {
-    "beta": 0.0,
-    "num_ppo_epochs": 1,
-    "loss_type": "dapo",
-    "temperature": 1.0,
 }
 
 
@@ -59,18 +51,10 @@ def from_trl_names(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def with_algorithm_defaults(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` plus :data:`GRPO_DEFAULTS` for the keys it leaves unset, when its algorithm is
-    "grpo"."""
-    if values.get("algorithm") != "grpo":
-        return dict(values)
-    return {**GRPO_DEFAULTS, **values}
-
-
 def GRPOConfig(**values: Any) -> PPOConfig:  # noqa: N802 (TRL's name)
     """A GRPO run's :class:`PPOConfig`, from our keys or TRL's (``num_generations``, ``beta``,
     ``epsilon``, ``max_completion_length``, ...), with TRL's GRPO defaults."""
-    return PPOConfig(**with_algorithm_defaults({"algorithm": "grpo", **from_trl_names(values)}))
+    return PPOConfig(**{"algorithm": "grpo", **from_trl_names(values)})
 
 
 def RLOOConfig(**values: Any) -> PPOConfig:  # noqa: N802 (TRL's name)

@@ -1,4 +1,8 @@
-"""Callbacks: a class with no-op hooks, and plain ``on_epoch_end(epoch, metrics)`` functions."""
+"""Callbacks: a class with no-op hooks, and plain ``on_epoch_end(epoch, metrics)`` functions.
+
+Each hook receives the :class:`~ppo_trainer.ppo_trainer.PPOTrainer` that runs it, typed ``Any``
+here so that this module does not import the trainer (which imports it); a callback may annotate
+it as ``PPOTrainer``."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 if TYPE_CHECKING:
     from experience_buffer.buffer import RolloutBatch
-    from ppo_trainer.ppo_trainer import PPOTrainer
     from ppo_trainer.rollout import Rollout
 
 Metrics = dict[str, float]
@@ -20,31 +23,31 @@ class TrainerCallback:
     ``step`` counts PPO iterations from 1; ``epoch`` counts passes over the prompts from 0.
     """
 
-    def on_train_begin(self, trainer: PPOTrainer) -> None:
+    def on_train_begin(self, trainer: Any) -> None:
         """Called once before the first step (after a resume has restored the state)."""
 
-    def on_rollout_scored(self, trainer: PPOTrainer, step: int, rollout: Rollout) -> None:
+    def on_rollout_scored(self, trainer: Any, step: int, rollout: Rollout) -> None:
         """Called after generation, log-probs, values and scores of ``step`` (phases 1-3) with
         the :class:`~ppo_trainer.rollout.Rollout`: the prompt texts, completions, token ids,
         log-probs, scores and the score function's ``reward_metrics`` (in a data-parallel run,
         this rank's share)."""
 
-    def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+    def on_rollout_end(self, trainer: Any, step: int, batch: RolloutBatch) -> None:
         """Called after generation, scoring and advantages, before the PPO epochs of ``step``."""
 
-    def on_step_end(self, trainer: PPOTrainer, step: int, metrics: Metrics) -> None:
+    def on_step_end(self, trainer: Any, step: int, metrics: Metrics) -> None:
         """Called after each PPO iteration with its metrics."""
 
-    def on_epoch_end(self, trainer: PPOTrainer, epoch: int, metrics: Metrics) -> None:
+    def on_epoch_end(self, trainer: Any, epoch: int, metrics: Metrics) -> None:
         """Called after each pass over the prompts with the epoch's mean metrics."""
 
-    def on_evaluate(self, trainer: PPOTrainer, step: int, metrics: Metrics) -> None:
+    def on_evaluate(self, trainer: Any, step: int, metrics: Metrics) -> None:
         """Called after each periodic evaluation."""
 
-    def on_save(self, trainer: PPOTrainer, step: int, path: Path) -> None:
+    def on_save(self, trainer: Any, step: int, path: Path) -> None:
         """Called after a checkpoint has been written (atomically) to ``path``."""
 
-    def on_train_end(self, trainer: PPOTrainer, history: list[Metrics]) -> None:
+    def on_train_end(self, trainer: Any, history: list[Metrics]) -> None:
         """Called once at the end of ``train`` (also after an interrupt that saved a checkpoint)."""
 
 
@@ -54,7 +57,7 @@ class _EpochEndFunction(TrainerCallback):
     def __init__(self, fn: EpochEndFunction) -> None:
         self.fn = fn
 
-    def on_epoch_end(self, trainer: PPOTrainer, epoch: int, metrics: Metrics) -> None:
+    def on_epoch_end(self, trainer: Any, epoch: int, metrics: Metrics) -> None:
         self.fn(epoch, metrics)
 
 

@@ -4,14 +4,15 @@ reduced to the mean reward, the KL to the reference and sample completions
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
+from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import agent_count_sums, agent_metrics
-from ppo_trainer.experience import kl_per_token
-from ppo_trainer.prompt_records import PromptInput
-from ppo_trainer.rollout import SamplingSettings
+from ppo_trainer.experience import ExperienceSettings, kl_per_token
+from ppo_trainer.rollout import Rollout
 from ppo_trainer.rollout_records import (
     rollout_arrays,
     rollout_records,
@@ -19,52 +20,56 @@ from ppo_trainer.rollout_records import (
     write_rollout_records,
 )
 
-if TYPE_CHECKING:
-    from ppo_trainer.ppo_trainer import PPOTrainer
+#: ``roll_out(start, stop)``: prompts ``start:stop`` rolled out with the evaluation's sampling
+#: settings and no values; returns their formatted texts and the rollout.
+RollOut = Callable[[int, int], tuple[list[str], Rollout]]
 
 
 def evaluate_rollouts(
-    trainer: PPOTrainer,
-    prompts: Sequence[PromptInput],
-    sampling: SamplingSettings,
+    roll_out: RollOut,
+    num_prompts: int,
     num_samples: int,
+    *,
+    config: PPOConfig,
+    experience: ExperienceSettings,
+    tokenizer: Any,
+    records_at: tuple[Path, int] | None = None,
 ) -> dict[str, Any]:
-    """Roll out ``prompts`` in chunks of ``rollout_batch_size`` with ``sampling`` (no values).
+    """Roll out ``num_prompts`` prompts in chunks of ``rollout_batch_size`` (``roll_out``).
 
     Returns ``{"eval/mean_reward", "eval/kl", "eval/response_length", "samples"}`` (with tools or
     environments also ``eval/agent/turns``, ``eval/agent/tool_calls``,
     ``eval/agent/tool_call_success`` and ``eval/agent/context_tokens``), the KL summed
-    over each response's tokens with the training's estimator, and the first ``num_samples``
-    ``{"prompt", "completion", "reward"}``. While ``trainer`` records its evaluations (periodic
-    evaluations during training), up to ``rollout_records_per_step`` rows are written to
-    ``rollouts/step_NNNNNN_eval.jsonl``.
+    over each response's tokens with the training's estimator (``experience``), and the first
+    ``num_samples`` ``{"prompt", "completion", "reward"}``. ``records_at``: ``(run_dir, step)``
+    of a run that records its evaluations (periodic evaluations during training): up to
+    ``rollout_records_per_step`` rows go to ``<run_dir>/rollouts/step_NNNNNN_eval.jsonl``;
+    None: no records.
     """
-    cfg = trainer.config
+    cfg = config
     rewards: list[float] = []
     kls: list[float] = []
     lengths: list[float] = []
     samples: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     agent: dict[str, float] = {}  # agents: the sums behind the agent metrics, over the batches
-    record = trainer.run.record_eval
-    for start in range(0, len(prompts), cfg.rollout_batch_size):
-        stop = min(start + cfg.rollout_batch_size, len(prompts))
-        texts, ids, columns = trainer._prepare_prompts(prompts, start, stop)
-        rollout = trainer._rollout(texts, ids, columns, sampling, with_values=False)
-        kl_tokens = kl_per_token(rollout, trainer.experience)  # (B, T)
+    for start in range(0, num_prompts, cfg.rollout_batch_size):
+        stop = min(start + cfg.rollout_batch_size, num_prompts)
+        texts, rollout = roll_out(start, stop)
+        kl_tokens = kl_per_token(rollout, experience)  # (B, T)
         kl = kl_tokens.sum(axis=1)  # (B,)
         room = cfg.rollout_records_per_step - len(records)
-        if record and room > 0:
+        if records_at is not None and room > 0:
             arrays = rollout_arrays(
                 rollout,
                 rollout.as_batch(),
                 {"kl": kl_tokens},
-                trainer.global_step,
+                records_at[1],
                 cfg.algorithm,
                 source="eval",
             )
             rows = select_rows(len(texts), 1, room)
-            records += rollout_records(arrays, trainer.tokenizer, rows)
+            records += rollout_records(arrays, tokenizer, rows)
         for key, value in agent_count_sums(rollout.agent_counts).items():
             agent[key] = agent.get(key, 0.0) + value
         rewards.extend(np.array(rollout.scores).tolist())
@@ -74,8 +79,8 @@ def evaluate_rollouts(
             {"prompt": t, "completion": c, "reward": r}
             for t, c, r in zip(texts, rollout.completions, rewards[start:stop])
         ][: max(num_samples - len(samples), 0)]
-    if record:
-        write_rollout_records(trainer.run_dir, trainer.global_step, records, "eval")
+    if records_at is not None:
+        write_rollout_records(records_at[0], records_at[1], records, "eval")
     return {
         "eval/mean_reward": float(np.mean(rewards)),
         "eval/kl": float(np.mean(kls)),

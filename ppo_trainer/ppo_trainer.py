@@ -894,7 +894,20 @@ class PPOTrainer:
             temperature=cfg.eval_temperature if temperature is None else temperature,
             logprobs_from="sampling",
         )
-        return evaluate_rollouts(self, prompts, sampling, num_samples)
+
+        def roll_out(start: int, stop: int) -> tuple[list[str], Rollout]:
+            texts, ids, columns = self._prepare_prompts(prompts, start, stop)
+            return texts, self._rollout(texts, ids, columns, sampling, with_values=False)
+
+        return evaluate_rollouts(
+            roll_out,
+            len(prompts),
+            num_samples,
+            config=cfg,
+            experience=self.experience,
+            tokenizer=self.tokenizer,
+            records_at=(self.run_dir, self.global_step) if self.run.record_eval else None,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

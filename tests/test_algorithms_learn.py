@@ -50,6 +50,10 @@ def config(model_dir: Path, out: Path, **overrides: Any) -> PPOConfig:
         kl_coef=0.01,
         beta=0.01,
         num_ppo_epochs=2,
+        # The settings these runs were tuned with, for every algorithm (GRPO's own defaults are
+        # TRL's: temperature 1.0, the dapo loss).
+        temperature=0.7,
+        loss_type="bnpo",
         output_dir=str(out),
         progress_bar=False,
         log_rollouts_every=0,

@@ -216,6 +216,7 @@ def test_seed_rejects_negative() -> None:
 # ------------------------------------------------------------------ fast CPU math
 from base_setup import fast_layers, fast_math  # noqa: E402
 from base_setup.grad_checkpoint import checkpoint_blocks, is_checkpointed  # noqa: E402
+from token_attribution.logprob_computer import selective_log_softmax  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
@@ -272,114 +273,42 @@ def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:
     np.testing.assert_allclose(np.array(grads[1]), w * g64 * sig, rtol=1e-4, atol=1e-6)
 
 
-def _body_thread_names() -> tuple[list[str], Any]:
-    """A custom function whose untraced forward and vjp record the thread that builds them."""
-    names: list[str] = []
-
-    @mx.custom_function
-    @fast_math.untraced
-    def scaled_sigmoid(x: mx.array) -> mx.array:
-        names.append(threading.current_thread().name)
-        return 2.0 * fast_math.sigmoid(x)
-
-    @scaled_sigmoid.vjp
-    @fast_math.untraced
-    def scaled_sigmoid_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
-        names.append(threading.current_thread().name)
-        s = output / 2.0
-        return 2.0 * cotangent * s * (1.0 - s)
-
-    return names, scaled_sigmoid
-
-
-def test_custom_function_bodies_are_built_outside_the_gradient_trace() -> None:
-    # Under a gradient every activation is a tracer, and mx.compile runs a compiled function on
-    # tracers as its plain graph: the bodies are built on a thread that is not tracing, so the
-    # fast functions in them run compiled; small calls stay on the caller's thread.
-    names, fn = _body_thread_names()
-    big = mx.array(np.linspace(-8, 8, fast_math._MIN_UNTRACED, dtype=np.float32))
-    grad = mx.grad(lambda x: fn(x).sum())(big)
-    assert names == ["ppo-mlx-untraced", "ppo-mlx-untraced"]
-    s = 1 / (1 + np.exp(-np.array(big, dtype=np.float64)))
-    np.testing.assert_allclose(np.array(grad), 2 * s * (1 - s), rtol=1e-5, atol=1e-6)
-    names.clear()
-    mx.eval(mx.grad(lambda x: fn(x).sum())(big[:100]))
-    assert names == ["MainThread", "MainThread"]
-
-
-def test_untraced_bodies_give_the_same_values_and_gradients(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_training_step_through_every_fast_function_uses_one_thread() -> None:
+    # No MLX array is built or released on a thread of this project's: a value_and_grad through
+    # every custom function at training size (above the written-out RoPE's size) starts none.
     rng = np.random.default_rng(7)
-    shape = (4, 128, 160)  # 81,920 elements: above the untraced size
+    shape = (4, 128, 160)  # 81,920 elements
     gate, up, cot = (mx.array(rng.normal(0, 3, shape).astype(np.float32)) for _ in range(3))
+    tokens = mx.array(rng.integers(0, 160, size=shape[:2]))
+    threads = threading.active_count()
 
-    def all_of_them() -> list[mx.array]:
-        def loss(g: mx.array, u: mx.array) -> mx.array:
-            parts = (
-                fast_math.swiglu(g, u),
-                fast_math.softmax(g, axis=-1),
-                fast_math.logsumexp(u, axis=-1, keepdims=True),
-            )
-            return sum(((p * cot[..., : p.shape[-1]]).sum() for p in parts), mx.array(0.0))
+    def loss(g: mx.array, u: mx.array) -> mx.array:
+        parts = (
+            fast_math.swiglu(g, u),
+            fast_math.softmax(g, axis=-1),
+            fast_math.logsumexp(u, axis=-1, keepdims=True),
+            fast_math.rope(u, 160, traditional=False, base=1e4, scale=1.0, offset=0),
+        )
+        total = sum(((p * cot[..., : p.shape[-1]]).sum() for p in parts), mx.array(0.0))
+        return total + selective_log_softmax(g, tokens).sum()
 
-        value, grads = mx.value_and_grad(loss, argnums=(0, 1))(gate, up)
-        return [value, *grads]
-
-    untraced = all_of_them()
-    monkeypatch.setattr(fast_math, "_MIN_UNTRACED", 1 << 62)
-    for got, want in zip(untraced, all_of_them()):
-        np.testing.assert_array_equal(np.array(got), np.array(want))  # bit for bit
+    mx.eval(mx.value_and_grad(loss, argnums=(0, 1))(gate, up))
+    assert threading.active_count() == threads
 
 
-_NESTED_UNTRACED = """
-from base_setup import setup_blas
-setup_blas()
-import mlx.core as mx, numpy as np
-from token_attribution.logprob_computer import _log_softmax_gather
-rng = np.random.default_rng(9)
-logits = mx.array(rng.normal(size=(4, 40, 512)).astype(np.float32))  # 81,920 elements
-tokens = mx.array(rng.integers(0, 512, size=(4, 40)))
-x, t = np.array(logits, dtype=np.float64), np.array(tokens)[..., None]
-lse = np.log(np.exp(x).sum(-1, keepdims=True))
-got = np.array(_log_softmax_gather(logits, tokens))
-grad = np.array(mx.grad(lambda a: _log_softmax_gather(a, tokens).sum())(logits))
-want = -np.exp(x - lse)
-np.put_along_axis(want, t, np.take_along_axis(want, t, -1) + 1, -1)
-print(np.abs(got - (np.take_along_axis(x, t, -1) - lse)[..., 0]).max(), np.abs(grad - want).max())
-"""
-
-
-def test_an_untraced_body_calling_another_does_not_wait_for_itself() -> None:
-    # The logits path's log-softmax gather calls the fast logsumexp, both custom functions with
-    # untraced bodies: the inner one must run on the builder thread it is already on (waiting
-    # for the builder from the builder is a deadlock; a fresh process, so that it fails, not hangs).
-    out = _run_python(_NESTED_UNTRACED, timeout=120)
-    value_err, grad_err = map(float, out.stdout.split())
-    assert value_err < 1e-5 and grad_err < 1e-5
-
-
-def test_untraced_builds_on_the_callers_stream_and_hands_back_errors() -> None:
-    big = mx.zeros((fast_math._MIN_UNTRACED,))
-
-    @fast_math.untraced
-    def failing(x: mx.array) -> mx.array:
-        raise ValueError("bad input")
-
-    with pytest.raises(ValueError, match="bad input"):
-        failing(big)
-    streams: list[Any] = []
-
-    @fast_math.untraced
-    def exp_plus_one(x: mx.array) -> mx.array:
-        streams.append(mx.default_stream(mx.default_device()))
-        return fast_math.exp(x) + 1.0
-
-    lane = mx.new_stream(mx.cpu)
-    with mx.stream(lane):  # a stream of this thread's (side_by_side's lanes): the graph goes on it
-        out = exp_plus_one(big)
-    assert streams == [lane]
-    np.testing.assert_array_equal(np.array(out), np.full(big.shape, 2.0, dtype=np.float32))
+def test_the_log_softmax_gather_at_training_size_matches_float64() -> None:
+    # The logits path's log-softmax gather calls the fast logsumexp: both custom functions.
+    rng = np.random.default_rng(9)
+    logits = mx.array(rng.normal(size=(4, 40, 512)).astype(np.float32))  # 81,920 elements
+    tokens = mx.array(rng.integers(0, 512, size=(4, 40)))
+    x, t = np.array(logits, dtype=np.float64), np.array(tokens)[..., None]
+    lse = np.log(np.exp(x).sum(-1, keepdims=True))
+    got = np.array(selective_log_softmax(logits, tokens))
+    grad = np.array(mx.grad(lambda a: selective_log_softmax(a, tokens).sum())(logits))
+    want = -np.exp(x - lse)
+    np.put_along_axis(want, t, np.take_along_axis(want, t, -1) + 1, -1)
+    assert np.abs(got - (np.take_along_axis(x, t, -1) - lse)[..., 0]).max() < 1e-5
+    assert np.abs(grad - want).max() < 1e-5
 
 
 def test_fast_softmax_and_logsumexp_match_mlx_with_masked_entries() -> None:
@@ -530,14 +459,14 @@ def test_rms_norm_sizes_pick_the_compiled_function_only_when_small() -> None:
 )
 @pytest.mark.parametrize("dims", [32, 24])  # the whole head, or a partial rotary part of it
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-# 400 positions: above fast_math._MIN_UNTRACED elements, the rotation with its written-out gradient
+# 400 positions: from fast_math._MIN_ROPE_CUSTOM_GRAD elements, the rotation's gradient written out
 @pytest.mark.parametrize("length", [5, 400])
 def test_rope_matches_mlx_values_and_gradients(
     offset: int | str, dims: int, scale: float, length: int
 ) -> None:
     rng = np.random.default_rng(8)
     batch, heads, head_dim = 3, 2, 32
-    assert (batch * heads * length * head_dim >= fast_math._MIN_UNTRACED) == (length == 400)
+    assert (batch * heads * length * head_dim >= fast_math._MIN_ROPE_CUSTOM_GRAD) == (length == 400)
     x = mx.array(rng.normal(size=(batch, heads, length, head_dim)).astype(np.float32))
     arrays = {
         "scalar_array": mx.array(7),

@@ -900,6 +900,16 @@ def test_head_logprobs_benchmark_prints_both_paths_and_the_floor(
 
 
 @pytest.mark.slow
+def test_train_step_math_benchmark_times_every_way(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import train_step_math
+
+    argv = ["--model", "toy-llama", "--batch", "1", "--prompt", "2", "--new", "4"]
+    train_step_math.main([*argv, "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert all(f"| {way} |" in out for way in train_step_math.WAYS)
+
+
+@pytest.mark.slow
 def test_cpu_streams_benchmark_times_every_configuration(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -576,6 +576,64 @@ def test_load_sectioned_yaml(tmp_path: Path) -> None:
     )
 
 
+def test_same_grpo_run_from_python_yaml_set_and_grpoconfig_saves_the_same_config_yaml(
+    tmp_path: Path,
+) -> None:
+    """An algorithm's defaults belong to it: however a GRPO run is built, the fields it is not
+    given take TRL's GRPO defaults, and the run directory's config.yaml is the same (output
+    folder aside); a field given explicitly keeps its value every way."""
+    from training.run_control import CONFIG_FILE
+
+    def saved(config: PPOConfig) -> str:
+        path = save_config(config, Path(config.output_dir) / CONFIG_FILE)
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return "\n".join(line for line in lines if not line.strip().startswith("output_dir:"))
+
+    def runs(extra: dict[str, Any]) -> dict[str, PPOConfig]:
+        keys = {"model_name": "m", "algorithm": "grpo", "group_size": 4, **extra}
+        as_text = [f"{k}={v}" for k, v in keys.items()]
+        yaml_file = write(tmp_path, "".join(f"{k}: {v}\n" for k, v in keys.items()), "grpo.yaml")
+        trl = {k: v for k, v in keys.items() if k not in ("algorithm", "group_size")}
+        out = {name: str(tmp_path / f"{name}_{len(extra)}") for name in ("py", "yaml", "set")}
+        return {
+            "python": PPOConfig(**keys, output_dir=out["py"]),
+            "yaml": load_config(yaml_file, [f"output_dir={out['yaml']}"]),
+            "set": load_config(None, [*as_text, f"output_dir={out['set']}"]),
+            "trl names": load_config(
+                None,
+                ["model_name=m", "algorithm=grpo", "num_generations=4"]
+                + [f"{k}={v}" for k, v in extra.items()]
+                + [f"output_dir={tmp_path / f'trl_{len(extra)}'}"],
+            ),
+            "GRPOConfig": GRPOConfig(
+                **trl, num_generations=4, output_dir=str(tmp_path / f"grpo_{len(extra)}")
+            ),
+        }
+
+    defaults = runs({})
+    texts = {name: saved(config) for name, config in defaults.items()}
+    assert len(set(texts.values())) == 1, texts
+    python = defaults["python"]
+    assert (python.temperature, python.beta, python.num_ppo_epochs, python.loss_type) == (
+        1.0,
+        0.0,
+        1,
+        "dapo",
+    )
+    assert not python.uses_reference_model
+
+    given = {"temperature": 0.7, "beta": 0.04, "num_ppo_epochs": 4, "loss_type": "bnpo"}
+    explicit = runs(given)
+    texts = {name: saved(config) for name, config in explicit.items()}
+    assert len(set(texts.values())) == 1, texts
+    for config in explicit.values():
+        assert {k: getattr(config, k) for k in given} == given
+    # PPO keeps the fields' own defaults, and replace() keeps what a config holds.
+    ppo = PPOConfig(model_name="m")
+    assert (ppo.temperature, ppo.beta, ppo.num_ppo_epochs, ppo.loss_type) == (0.7, 0.04, 4, "bnpo")
+    assert dataclasses.replace(python, seed=3).temperature == 1.0
+
+
 def test_duplicate_key_across_sections_is_an_error(tmp_path: Path) -> None:
     path = write(tmp_path, "model:\n  model_name: a\n  seed: 1\ntraining:\n  seed: 2\n")
     with pytest.raises(ValueError) as info:

@@ -271,6 +271,7 @@ def test_scoring_side_by_side_equals_one_stream(
             group_size=2 if algorithm == "grpo" else 1,
             use_lora=True,
             learning_rate=1e-12,
+            beta=0.04,  # GRPO's KL term: a reference model to score beside the reward model
         )
         reward = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=3)
         trainer = PPOTrainer(config, reward_model=reward)

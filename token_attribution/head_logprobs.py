@@ -268,7 +268,6 @@ def head_token_logprobs(
     else:
 
         @mx.custom_function
-        @fast_math.untraced
         def fused(h: mx.array, t: mx.array) -> tuple[mx.array, ...]:
             lp, ent, jac = _online_softmax(
                 head, h, t, inv_temperature, with_entropy, True, block_rows
@@ -277,7 +276,6 @@ def head_token_logprobs(
             return (lp, jac) if ent is None else (lp, jac, ent)
 
         @fused.vjp
-        @fast_math.untraced
         def fused_vjp(
             primals: tuple[mx.array, mx.array],
             cotangents: tuple[mx.array, ...],

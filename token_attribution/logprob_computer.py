@@ -30,7 +30,6 @@ def _check_logits_tokens(logits: mx.array, tokens: mx.array) -> None:
 
 
 @mx.custom_function
-@fast_math.untraced
 def _log_softmax_gather(logits: mx.array, tokens: mx.array) -> mx.array:
     """(..., V) logits, (...) tokens -> (...) float32 ``logits[tokens] - logsumexp(logits)``.
 
@@ -46,7 +45,6 @@ def _log_softmax_gather(logits: mx.array, tokens: mx.array) -> mx.array:
 
 
 @_log_softmax_gather.vjp
-@fast_math.untraced
 def _log_softmax_gather_vjp(
     primals: list[mx.array], cotangent: mx.array, output: mx.array
 ) -> tuple[mx.array, mx.array]:
