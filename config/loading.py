@@ -148,7 +148,7 @@ def load_config(
         else:
             named[(key, where)] = key
         if key not in types:
-            problems.append(_unknown_key(key, where, types))
+            problems.append(_unknown_key(key, where, types, cls))
             continue
         try:
             values[key] = coerce_value(key, value, types[key], from_text=True)
@@ -326,13 +326,24 @@ def _parse_override_value(raw: str, annotation: Any) -> Any:
     return value
 
 
-def _unknown_key(key: str, where: str, types: dict[str, Any]) -> str:
-    close = difflib.get_close_matches(key, list(types), n=3, cutoff=0.6)
+def _unknown_key(key: str, where: str, types: dict[str, Any], cls: type) -> str:
+    """One line: the closest keys (ours or TRL's names of them), else where every key is
+    listed (a list of 100 keys on one line helps nobody)."""
+    names = list(types) + [alias for alias, ours in TRL_ALIASES.items() if ours in types]
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
     if close:
         hint = "did you mean " + " or ".join(repr(c) for c in close) + "?"
     else:
-        hint = "valid keys are: " + ", ".join(types)
+        kind = _CONFIG_KINDS.get(cls.__name__, "ppo")
+        hint = (
+            f"no key of this kind of run is close; `python main.py config --kind {kind}` lists "
+            "every key with its meaning (docs/configuration.md)"
+        )
     return f"unknown config key {key!r} in {where}: {hint}"
+
+
+#: ``python main.py config --kind`` of each config class.
+_CONFIG_KINDS = {"SFTConfig": "sft", "RewardConfig": "reward", "DPOConfig": "dpo"}
 
 
 def _section_of(cls: type, name: str) -> str | None:

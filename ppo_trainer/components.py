@@ -3,8 +3,10 @@ of a data-parallel run."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import inspect
 import logging
 import re
 import sys
@@ -81,9 +83,28 @@ def load_function(spec: str) -> Callable[..., Any]:
         module = _load_file(path, spec)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{spec}: {attr} is not a function in {module.__file__}")
+        raise ValueError(
+            f"{spec}: {attr} is not a function in {module.__file__}; {_functions_hint(module, attr)}"
+        )
     logger.info("reward function %s from %s", attr, module.__file__)
     return cast(Callable[..., Any], fn)
+
+
+def _functions_hint(module: ModuleType, attr: str) -> str:
+    """What a misspelt function name could have been: the closest of the module's own public
+    functions, and the list of them (not those it imported)."""
+    own = sorted(
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value)
+        and not name.startswith("_")
+        and value.__module__ == module.__name__
+    )
+    if not own:
+        return "it defines no public function"
+    close = difflib.get_close_matches(attr, own, n=1)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    return f"{guess}its functions: {', '.join(own)}"
 
 
 def _user_file(target: str, spec: str) -> Path | None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from config.dpo_config import DPOConfig
 from config.trl_names import GRPOConfig
 from config import (
     AgentConfig,
@@ -703,8 +704,14 @@ def test_unknown_key_in_override_suggests() -> None:
     message = str(info.value)
     assert "unknown config key 'kl_cof' in override 'kl_cof=0.1'" in message
     assert "'kl_coef'" in message
-    with pytest.raises(ValueError, match="valid keys are: .*learning_rate"):
+    with pytest.raises(ValueError) as far:  # one line that says where every key is listed
         load_config(None, ["model_name=gpt2", "zzz=1"])
+    assert "`python main.py config --kind ppo` lists every key" in str(far.value)
+    assert "learning_rate" not in str(far.value)
+    with pytest.raises(ValueError, match="did you mean 'num_generations'"):  # TRL's names too
+        load_config(None, ["model_name=gpt2", "num_generationz=4"])
+    with pytest.raises(ValueError, match="--kind dpo"):
+        load_config(None, ["model_name=gpt2", "zzz=1"], DPOConfig)
 
 
 def test_all_problems_reported_at_once(tmp_path: Path) -> None:

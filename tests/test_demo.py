@@ -101,8 +101,16 @@ def test_load_function_names_what_is_wrong(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ValueError, match="must look like"):
         load_function("rewards")
     (tmp_path / "mine.py").write_text("x = 1\n")
-    with pytest.raises(ValueError, match="f is not a function in"):
+    with pytest.raises(ValueError, match="f is not a function in .*it defines no public function"):
         load_function("mine:f")
+    (tmp_path / "scores.py").write_text(
+        "from math import sqrt\n\ndef brevity(completions, **kw):\n    return [0.0]\n\n"
+        "def polite(completions, **kw):\n    return [0.0]\n\ndef _helper():\n    pass\n"
+    )
+    with pytest.raises(
+        ValueError, match="did you mean 'brevity'\\? its functions: brevity, polite$"
+    ):
+        load_function("scores.py:brevty")
     # a module the import system finds at the same file is imported as usual
     assert load_function("json:dumps") is __import__("json").dumps
 
