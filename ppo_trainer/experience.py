@@ -9,6 +9,8 @@ data-parallel run (``group``).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +137,7 @@ def make_experience(
     if r.action_rewards is not None and not per_token_actions:
         scores = raw_scores = scores + r.action_rewards.sum(axis=1)  # (B,) the episode's total
     if score_moments is not None:
+        _check_finite_moments(score_moments, raw_scores, step)
         scores = normalize_scores(scores, score_moments)  # (B,)
     kl = kl_per_token(r, settings)  # (B, T)
     coef = settings.beta if settings.algorithm == "grpo" else kl_coef
@@ -186,6 +189,19 @@ def make_experience(
     mx.eval(batch.advantages, batch.returns, batch.mask, stats)
     _check_finite(batch, step)
     return batch, stats
+
+
+def _check_finite_moments(moments: RunningMoments, scores: mx.array, step: int) -> None:
+    """Scores whose squares overflow float32 (|score| > ~1e19) give an infinite running
+    variance, which would normalise every score to 0 in silence: stop instead."""
+    if not (math.isfinite(moments.mean) and math.isfinite(moments.var)):
+        largest = float(np.abs(np.asarray(scores)).max())
+        raise ValueError(
+            f"the scores' running mean and variance (normalize_reward) of step {step} are not "
+            f"finite (the largest |score| is {largest:.3g}): the scores are too large for float32 "
+            "arithmetic. Scale or clip the reward (e.g. into [-10, 10]); no update was made "
+            "from this batch"
+        )
 
 
 def _check_finite(batch: RolloutBatch, step: int) -> None:

@@ -19,7 +19,7 @@ from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.experience import ExperienceSettings, kl_per_token, make_experience
 from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import Rollout
-from reward_kl.reward_normalization import RunningMoments
+from reward_kl.reward_normalization import RunningMoments, update_moments
 
 Rows = list[list[float]]
 
@@ -239,6 +239,22 @@ def test_normalize_reward_feeds_the_rewards_normalised_scores_and_keeps_the_raw_
     close(batch.advantages, listed(same.advantages))
     close(batch.returns, listed(same.returns))
     close(batch.scores, SCORES)
+
+
+def test_scores_whose_statistics_overflow_stop_instead_of_normalising_to_zero() -> None:
+    """Scores near 1e20 square past float32: an infinite running variance would turn every
+    normalised score into 0 without a word; the step is named and nothing is made of it."""
+    scores = mx.array([1e20, -1e20] + [0.0] * (len(SCORES) - 2))
+    moments = update_moments(RunningMoments(), scores)
+    assert not math.isfinite(moments.var)
+    with pytest.raises(ValueError, match="running mean and variance .* step 3 .*too large"):
+        make_experience(
+            rollout([float(s) for s in scores.tolist()]),
+            settings("ppo"),
+            0.1,
+            step=3,
+            score_moments=moments,
+        )
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])

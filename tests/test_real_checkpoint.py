@@ -152,8 +152,9 @@ def test_generate_stops_at_the_end_of_turn_and_greedy_matches_the_training_sampl
 def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
-    """One GRPO step at its defaults on the checkpoint as shipped (LoRA, chat template by
-    default, a reward users write): every adapter weight moves and the metrics are finite."""
+    """One GRPO step at its defaults (two updates) on the checkpoint as shipped (LoRA, chat
+    template by default, a reward users write): every adapter weight moves, the metrics are
+    finite."""
     from mlx.utils import tree_flatten
 
     config = PPOConfig(
@@ -162,6 +163,7 @@ def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
         group_size=2,
         batch_size=2,
         max_new_tokens=24,
+        num_ppo_epochs=2,  # LoRA's B starts at 0: A moves from the second update (TRL's default: 1)
         output_dir=str(tmp_path / "run"),
         progress_bar=False,
         log_rollouts_every=0,
