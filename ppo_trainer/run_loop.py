@@ -3,10 +3,10 @@
 :class:`TrainingRun` checks everything before the first step (the prompts, the run folder, the
 checkpoint to resume), then repeats :meth:`PPOTrainer.step` on the epoch's next batch; after each
 step: an evaluation when due, the history, ``metrics.jsonl``, callbacks, the progress bar, a
-checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). The counters
-and the history live on the trainer, which its checkpoints hold; what the loop shares with the
-step (callbacks, the stop request, the worker) is the trainer's ``run``, a
-:class:`~ppo_trainer.run_state.RunState` it sets up.
+checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). What the run
+changes (the counters, the history, the optimisers ...; its checkpoints hold them) and what the
+loop shares with the step (callbacks, the stop request, the worker) is the trainer's ``run``, a
+:class:`~ppo_trainer.run_state.RunState`, whose per-call part the loop begins.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from base_setup.backend import run_blas_threads
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import PromptInput
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
-from ppo_trainer.run_state import RunState, check_same_weights, ensure_optimizers
+from ppo_trainer.run_state import check_same_weights, ensure_optimizers
 from training.checkpoint import CheckpointManager, named_write, resolve_on_all_ranks
 from training.fingerprints import check_same_inputs, data_fingerprint
 from training.run_control import (
@@ -81,13 +81,14 @@ class TrainingRun:
             )
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
-        t.run = state = RunState(last_step=total, callbacks=self.callbacks)
+        t.run.begin(total, self.callbacks)
+        state = t.run
         self._check_run_dir(resuming=resume_from is not None)
-        ensure_optimizers(t, total_steps=total)
+        ensure_optimizers(t.run, cfg, t.value_model is not None, total_steps=total)
         resume_step = self._resume(resume_from) if resume_from is not None else None
         if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
             t.blas_threads = run_blas_threads()
-        check_same_weights(t, "at the start of training")
+        check_same_weights(t.run, t.trained, "at the start of training", t.group)
         for cb in self.callbacks:
             cb.on_train_begin(t)
         last_saved = t.global_step if resume_step is not None else -1
@@ -135,7 +136,7 @@ class TrainingRun:
             finally:
                 state.rollout_worker = None  # the with block ends the worker process
         t.stop_reason = stop.reason
-        check_same_weights(t, "at the end of training")
+        check_same_weights(t.run, t.trained, "at the end of training", t.group)
         if self.eval_prompts and not stop.requested:
             final = self._evaluate()
             if t.is_main_process:

@@ -158,7 +158,7 @@ def test_the_cycle_check_finds_a_cycle_through_a_type_checking_import(tmp_path: 
 #: Import cycles not yet removed (issue #45: the trainer's helpers take the trainer itself). The
 #: list only shrinks: a new cycle fails the test below, and so does a listed one that is gone.
 KNOWN_CYCLES: list[list[str]] = [
-    ["ppo_trainer.ppo_trainer", "ppo_trainer.run_loop", "ppo_trainer.run_state"],
+    ["ppo_trainer.ppo_trainer", "ppo_trainer.run_loop"],
 ]
 
 
