@@ -42,7 +42,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generic, Sequence, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -122,6 +122,7 @@ from ppo_trainer.rollout_records import (
 from ppo_trainer.rewards import Rewards
 from ppo_trainer.run_state import (
     RunState,
+    Trained,
     ensure_optimizers,
     run_inputs,
     load_models,
@@ -144,11 +145,13 @@ from training.checkpoint import (
     check_save_target,
 )
 from training.optimizer import SchedulePlan
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments, update_moments
 from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
+T = TypeVar("T")
 
 
 def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
@@ -175,6 +178,22 @@ def _describe_reward_spec(spec: RewardSpec) -> str:
     if is_reward_function_spec(spec):
         return spec
     return f"{spec} ({model_fingerprint(spec)})"
+
+
+class _InRunState(Generic[T]):
+    """A trainer attribute that is a field of its run state (``trainer.run``,
+    :class:`~ppo_trainer.run_state.RunState`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: Any = None) -> T:
+        if trainer is None:  # on the class: the descriptor itself
+            return cast(T, self)
+        return cast(T, getattr(trainer.run, self.name))
+
+    def __set__(self, trainer: Any, value: T) -> None:
+        setattr(trainer.run, self.name, value)
 
 
 class PPOTrainer:
@@ -210,6 +229,19 @@ class PPOTrainer:
     prompts and reward the run reads (:mod:`training.fingerprints`), which its checkpoints record
     and a resume compares.
     """
+
+    global_step = _InRunState[int]()
+    epoch = _InRunState[int]()
+    step_in_epoch = _InRunState[int]()
+    extra_gen_batches = _InRunState[int]()
+    history = _InRunState[list[dict[str, float]]]()
+    reward_moments = _InRunState[RunningMoments]()
+    kl_ctl = _InRunState[FixedKLController | AdaptiveKLController]()
+    policy_optimizer = _InRunState[optim.Optimizer | None]()
+    value_optimizer = _InRunState[optim.Optimizer | None]()
+    lr_plan = _InRunState[SchedulePlan | None]()
+    blas_threads = _InRunState[int | None]()
+    stop_reason = _InRunState[str | None]()
 
     def __init__(
         self,
@@ -305,22 +337,13 @@ class PPOTrainer:
             )
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
-        self.kl_ctl = kl_controller(config)
-        self.global_step = 0
-        self.epoch = 0
-        #: The running statistics of the scores (``normalize_reward``), checkpointed.
-        self.reward_moments = RunningMoments()
-        self.step_in_epoch = 0
-        #: Prompt batches the epoch's extra generation rounds (dynamic sampling) drew beyond one
-        #: per step: the data order's cursor is ``(step_in_epoch + extra_gen_batches) *
-        #: batch_size``; checkpointed.
-        self.extra_gen_batches = 0
-        self.history: list[dict[str, float]] = []
+        #: What the run changes (counters, history, optimisers, the KL controller ...) and
+        #: what train()'s loop shares with step() and evaluate() (callbacks, the stop request,
+        #: the async_rollout worker ...); ``global_step`` and the others are its fields.
+        self.run = RunState(kl_ctl=kl_controller(config))
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
-        self.policy_optimizer: optim.Optimizer | None = None
-        self.value_optimizer: optim.Optimizer | None = None
         # Before any rollout: the think tags the region weights need, the SFT data of sft_coef.
         think_tags = think_tags_for(config, self.tokenizer)
         #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
@@ -331,14 +354,6 @@ class PPOTrainer:
             if self.value_model is not None
             else None
         )
-        self.stop_reason: str | None = None
-        # The learning-rate schedule of the run, in optimiser updates (checkpoints record it);
-        # set when train() (or the first step()) builds the optimisers.
-        self.lr_plan: SchedulePlan | None = None
-        self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
-        # What train()'s loop shares with step() and evaluate() (callbacks, the stop request,
-        # the async_rollout worker ...): a fresh one outside train().
-        self.run = RunState()
         # What the run reads besides its settings, recorded in its checkpoints and compared on
         # resume (train() adds the prompts).
         self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
@@ -438,7 +453,7 @@ class PPOTrainer:
         local = cfg.batch_size // self.world_size
         first = self.rank * local
         texts, prompt_ids, columns = self._prepare_prompts(prompts, first, first + local)
-        ensure_optimizers(self, total_steps=None)
+        ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
         step = self.global_step + 1
@@ -751,6 +766,11 @@ class PPOTrainer:
             rollout.agent_counts = agent_counts(started.episodes, rollout.generation)
         return rollout
 
+    @property
+    def trained(self) -> Trained:
+        """The models this trainer trains (the policy; the value model with PPO)."""
+        return Trained(self.policy, self.value_model)
+
     def _has_reward(self) -> bool:
         """Whether the run has a reward besides its environments' (a model, a function, several,
         or an overridden ``compute_scores``)."""
@@ -918,7 +938,15 @@ class PPOTrainer:
         """
         if not self.is_main_process:
             return self.checkpoints.root / f"step_{self.global_step:06d}"
-        path = save_trainer_state(self)
+        path = save_trainer_state(
+            self.run,
+            self.trained,
+            self.checkpoints,
+            config=self.config,
+            world_size=self.world_size,
+            inputs=self.inputs,
+            sft_cursor=self.sft_mix.cursor if self.sft_mix is not None else None,
+        )
         for cb in self.run.callbacks:
             cb.on_save(self, self.global_step, path)
         return path
@@ -931,7 +959,16 @@ class PPOTrainer:
             ValueError: the checkpoint was written with other settings (``RESUME_KEYS`` of
                 :mod:`ppo_trainer.run_state`), another number of processes, or is incomplete.
         """
-        load_trainer_state(self, path)
+        cursor = load_trainer_state(
+            self.run,
+            self.trained,
+            path,
+            config=self.config,
+            world_size=self.world_size,
+            warn=self.is_main_process,
+        )
+        if self.sft_mix is not None:  # sft_coef's data stream continues where it stopped
+            self.sft_mix.cursor = cursor or 0
 
     def save_model(self, path: str | Path, overwrite: bool = False) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for

@@ -3,10 +3,10 @@
 :class:`TrainingRun` checks everything before the first step (the prompts, the run folder, the
 checkpoint to resume), then repeats :meth:`PPOTrainer.step` on the epoch's next batch; after each
 step: an evaluation when due, the history, ``metrics.jsonl``, callbacks, the progress bar, a
-checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). The counters
-and the history live on the trainer, which its checkpoints hold; what the loop shares with the
-step (callbacks, the stop request, the worker) is the trainer's ``run``, a
-:class:`~ppo_trainer.run_state.RunState` it sets up.
+checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). What the run
+changes (the counters, the history, the optimisers ...; its checkpoints hold them) and what the
+loop shares with the step (callbacks, the stop request, the worker) is the trainer's ``run``, a
+:class:`~ppo_trainer.run_state.RunState`, whose per-call part the loop begins.
 """
 
 from __future__ import annotations
@@ -17,16 +17,19 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
 from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
+from config.ppo_config import PPOConfig
+from ppo_trainer.agent_rollout import AgentRun
 from ppo_trainer.callbacks import CallbackLike, as_callbacks
-from ppo_trainer.prompt_records import PromptInput
+from ppo_trainer.prompt_records import Columns, PromptInput
+from ppo_trainer.rollout import SamplingSettings
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
-from ppo_trainer.run_state import RunState, check_same_weights, ensure_optimizers
+from ppo_trainer.run_state import RunState, Trained, check_same_weights, ensure_optimizers
 from training.checkpoint import CheckpointManager, named_write, resolve_on_all_ranks
 from training.fingerprints import check_same_inputs, data_fingerprint
 from training.run_control import (
@@ -40,10 +43,46 @@ from training.run_control import (
     save_after_failure,
 )
 
-if TYPE_CHECKING:
-    from ppo_trainer.ppo_trainer import PPOTrainer
-
 logger = logging.getLogger("ppo_mlx")
+
+
+class LoopTrainer(Protocol):
+    """What :class:`TrainingRun` needs of the trainer it drives
+    (:class:`~ppo_trainer.ppo_trainer.PPOTrainer`): its settings and run state, where it writes,
+    and the methods a run calls. The loop changes the run state (``run``) and the recorded
+    ``inputs``, nothing else of the trainer."""
+
+    config: PPOConfig
+    run: RunState
+    group: Any
+    is_main_process: bool
+    run_dir: Path
+    checkpoints: CheckpointManager
+    agent: AgentRun | None
+    inputs: dict[str, str | None]
+    sampling: SamplingSettings
+
+    @property
+    def trained(self) -> Trained: ...
+
+    def step(
+        self,
+        prompts: Sequence[PromptInput],
+        next_prompts: Sequence[PromptInput] | None = None,
+        more_prompts: Callable[[int], Sequence[PromptInput]] | None = None,
+    ) -> dict[str, float]: ...
+
+    def evaluate(self, prompts: Sequence[PromptInput]) -> dict[str, Any]: ...
+
+    def save_checkpoint(self) -> Path: ...
+
+    def load_checkpoint(self, path: str | Path) -> None: ...
+
+    def _prepare_prompts(
+        self, prompts: Sequence[PromptInput], start: int, stop: int
+    ) -> tuple[list[str], list[list[int]], Columns]: ...
+
+    def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None: ...
 
 
 class TrainingRun:
@@ -51,7 +90,7 @@ class TrainingRun:
 
     def __init__(
         self,
-        trainer: PPOTrainer,
+        trainer: LoopTrainer,
         prompts: Sequence[PromptInput],
         num_epochs: int | None,
         callbacks: Sequence[CallbackLike] | None,
@@ -72,33 +111,34 @@ class TrainingRun:
     def _run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
         t = self.trainer
         cfg = t.config
-        if resume_from is None and t.global_step > 0:
+        if resume_from is None and t.run.global_step > 0:
             # A fresh run (and with overwrite_output_dir its folder emptied) on weights already
             # trained to its last step would train nothing.
             raise ValueError(
-                f"this trainer has already trained {t.global_step} steps: to go on, call "
+                f"this trainer has already trained {t.run.global_step} steps: to go on, call "
                 "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
                 "build a new PPOTrainer"
             )
         # Check the prompts, the run folder and the checkpoint before any step.
         total, steps_per_epoch = self._plan()
-        t.run = state = RunState(last_step=total, callbacks=self.callbacks)
+        t.run.begin(total, self.callbacks)
+        state = t.run
         self._check_run_dir(resuming=resume_from is not None)
-        ensure_optimizers(t, total_steps=total)
+        ensure_optimizers(t.run, cfg, t.trained.value_model is not None, total_steps=total)
         resume_step = None
         if resume_from is not None:
             resume_step = self._resume(resume_from, total, steps_per_epoch)
         if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
-            t.blas_threads = run_blas_threads()
-        check_same_weights(t, "at the start of training")
+            t.run.blas_threads = run_blas_threads()
+        check_same_weights(t.run, t.trained, "at the start of training", t.group)
         for cb in self.callbacks:
             cb.on_train_begin(t)
-        last_saved = t.global_step if resume_step is not None else -1
+        last_saved = t.run.global_step if resume_step is not None else -1
         run_log = RunLog(
             t.run_dir,
             cfg,
             total=total,
-            initial=t.global_step,
+            initial=t.run.global_step,
             desc=cfg.algorithm.upper(),
             writes=t.is_main_process,
             resume_step=resume_step,
@@ -112,41 +152,41 @@ class TrainingRun:
         with stop, run_log, worker:
             state.rollout_worker = worker if isinstance(worker, RolloutWorker) else None
             try:
-                while t.global_step < total and not stop.requested:
+                while t.run.global_step < total and not stop.requested:
                     drawn = [0]  # extra generation rounds of dynamic sampling, counted
                     metrics = t.step(
                         self._next_batch(),
                         self._batch_after_next(total, steps_per_epoch),
                         self._more_prompts(drawn),
                     )
-                    t.extra_gen_batches += drawn[0]  # once the step is done: resumes are exact
+                    t.run.extra_gen_batches += drawn[0]  # once the step is done: resumes are exact
                     self._record(metrics, steps_per_epoch, total, run_log)
-                    if cfg.save_every and t.global_step % cfg.save_every == 0:
+                    if cfg.save_every and t.run.global_step % cfg.save_every == 0:
                         t.save_checkpoint()
-                        last_saved = t.global_step
+                        last_saved = t.run.global_step
                     # Stop on every rank or on none: a signal or a callback may reach only some.
                     if dist.any_rank(stop.requested, t.group):
                         stop.request(stop.reason or "another rank stopped")
                 if stop.requested:
-                    logger.warning("stopped (%s) at step %d", stop.reason, t.global_step)
-                if last_saved != t.global_step:
+                    logger.warning("stopped (%s) at step %d", stop.reason, t.run.global_step)
+                if last_saved != t.run.global_step:
                     t.save_checkpoint()
             except BaseException as err:
-                if save_after_failure(err, state.updating, t.global_step, last_saved):
+                if save_after_failure(err, state.updating, t.run.global_step, last_saved):
                     t.save_checkpoint()
                 raise
             finally:
                 state.rollout_worker = None  # the with block ends the worker process
-        t.stop_reason = stop.reason
-        check_same_weights(t, "at the end of training")
+        t.run.stop_reason = stop.reason
+        check_same_weights(t.run, t.trained, "at the end of training", t.group)
         if self.eval_prompts and not stop.requested:
             final = self._evaluate()
             if t.is_main_process:
                 with named_write(t.run_dir / "eval_final.json"):
                     (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
         for cb in self.callbacks:
-            cb.on_train_end(t, t.history)
-        return t.history
+            cb.on_train_end(t, t.run.history)
+        return t.run.history
 
     def _plan(self) -> tuple[int, int]:
         """``(total steps, steps per epoch)``, after checking every prompt (and that every rank
@@ -235,13 +275,13 @@ class TrainingRun:
             )
         t.load_checkpoint(path)
         if t.is_main_process:
-            continue_timeline(t.checkpoints, t.global_step)
-        logger.info("resumed from %s at step %d", path, t.global_step)
-        return t.global_step
+            continue_timeline(t.checkpoints, t.run.global_step)
+        logger.info("resumed from %s at step %d", path, t.run.global_step)
+        return t.run.global_step
 
     def _next_batch(self) -> list[PromptInput]:
         """The prompts of the next step (see :meth:`_batch_at`)."""
-        return self._batch_at(self.trainer.epoch, self.trainer.step_in_epoch)
+        return self._batch_at(self.trainer.run.epoch, self.trainer.run.step_in_epoch)
 
     def _more_prompts(self, drawn: list[int]) -> Any:
         """With dynamic_sampling, the batch of the next step's ``k``-th extra generation round
@@ -250,7 +290,7 @@ class TrainingRun:
         t = self.trainer
         if not t.config.dynamic_sampling:
             return None
-        epoch, position = t.epoch, t.step_in_epoch
+        epoch, position = t.run.epoch, t.run.step_in_epoch
 
         def more(k: int) -> list[PromptInput]:
             drawn[0] = max(drawn[0], k)
@@ -263,9 +303,9 @@ class TrainingRun:
         generates while the next one updates); None without it or when the next step is the
         run's last."""
         t = self.trainer
-        if not t.config.async_rollout or t.global_step + 1 >= total:
+        if not t.config.async_rollout or t.run.global_step + 1 >= total:
             return None
-        epoch, position = t.epoch, t.step_in_epoch + 1
+        epoch, position = t.run.epoch, t.run.step_in_epoch + 1
         if position == steps_per_epoch:
             epoch, position = epoch + 1, 0
         return self._batch_at(epoch, position)
@@ -273,11 +313,11 @@ class TrainingRun:
     def _batch_at(self, epoch: int, step_in_epoch: int) -> list[PromptInput]:
         """The prompts of step ``step_in_epoch`` of ``epoch``: the epoch's permutation (a
         function of seed and epoch), wrapping around at the end of the prompt list, after the
-        batches dynamic sampling drew this epoch (``trainer.extra_gen_batches``)."""
+        batches dynamic sampling drew this epoch (``run.extra_gen_batches``)."""
         t = self.trainer
         n = len(self.prompts)
         order = np.random.default_rng([t.config.seed, epoch]).permutation(n)
-        start = (step_in_epoch + t.extra_gen_batches) * t.config.batch_size
+        start = (step_in_epoch + t.run.extra_gen_batches) * t.config.batch_size
         return [self.prompts[int(order[(start + k) % n])] for k in range(t.config.batch_size)]
 
     def _start_worker(self, resumed: bool) -> RolloutWorker:
@@ -293,16 +333,16 @@ class TrainingRun:
                 "first step generates with the weights after update %d, where the worker would "
                 "have used those of before it (one step off-policy); set async_rollout: false "
                 "for exact resumes",
-                t.global_step,
+                t.run.global_step,
             )
         if resumed:  # the checkpoint's count (perhaps of a synchronous run) stays the trainer's
-            mine = t.blas_threads
+            mine = t.run.blas_threads
             half = max(1, (os.cpu_count() or 1) // 2)
             theirs = None if mine is None else min(mine, half)
         else:
-            mine, theirs = worker_blas_threads(t.blas_threads)
-        if mine is not None and mine != t.blas_threads:
-            t.blas_threads = run_blas_threads(mine)
+            mine, theirs = worker_blas_threads(t.run.blas_threads)
+        if mine is not None and mine != t.run.blas_threads:
+            t.run.blas_threads = run_blas_threads(mine)
         spec = WorkerSpec(cfg.model_config(), t.sampling, theirs, cfg.plain_mlx)
         return RolloutWorker(spec, t.run_dir)
 
@@ -312,33 +352,33 @@ class TrainingRun:
         """After a step: evaluation when due, history, metrics.jsonl, callbacks, progress bar,
         the end of an epoch."""
         t = self.trainer
-        metrics["epoch"] = t.epoch
-        t.step_in_epoch += 1
+        metrics["epoch"] = t.run.epoch
+        t.run.step_in_epoch += 1
         every = t.config.eval_every
-        if self.eval_prompts and every and t.global_step % every == 0:
+        if self.eval_prompts and every and t.run.global_step % every == 0:
             metrics.update(self._evaluate())
-        t.history.append(metrics)
+        t.run.history.append(metrics)
         postfix = {
             "reward": f"{metrics['objective/scores']:.3f}",
             "kl": f"{metrics['objective/kl']:.3f}",
         }
-        run_log.log(t.global_step, metrics, postfix)
+        run_log.log(t.run.global_step, metrics, postfix)
         for cb in self.callbacks:
-            cb.on_step_end(t, t.global_step, metrics)
-        if t.step_in_epoch == steps_per_epoch or t.global_step == total:
+            cb.on_step_end(t, t.run.global_step, metrics)
+        if t.run.step_in_epoch == steps_per_epoch or t.run.global_step == total:
             self._end_epoch()
 
     def _end_epoch(self) -> None:
         t = self.trainer
-        records = [h for h in t.history if h.get("epoch") == t.epoch]
+        records = [h for h in t.run.history if h.get("epoch") == t.run.epoch]
         keys = [k for k in records[0] if isinstance(records[0][k], (int, float))]
         summary = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
         summary["steps"] = float(len(records))
         for cb in self.callbacks:
-            cb.on_epoch_end(t, t.epoch, summary)
-        t.epoch += 1
-        t.step_in_epoch = 0
-        t.extra_gen_batches = 0
+            cb.on_epoch_end(t, t.run.epoch, summary)
+        t.run.epoch += 1
+        t.run.step_in_epoch = 0
+        t.run.extra_gen_batches = 0
 
     def _evaluate(self) -> dict[str, float]:
         """An evaluation during the run, recorded (overrides of evaluate() that call the base
@@ -352,5 +392,5 @@ class TrainingRun:
             t.run.record_eval = False
         scalars: dict[str, Any] = {k: v for k, v in result.items() if isinstance(v, float)}
         for cb in self.callbacks:
-            cb.on_evaluate(t, t.global_step, scalars)
+            cb.on_evaluate(t, t.run.global_step, scalars)
         return scalars

@@ -19,7 +19,7 @@ from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
-from reward_kl.kl_divergence import AdaptiveKLController
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments
 from training.checkpoint import (
     CheckpointManager,
@@ -35,19 +35,33 @@ from training.run_control import StopSignals
 
 if TYPE_CHECKING:
     from ppo_trainer.callbacks import TrainerCallback
-    from ppo_trainer.ppo_trainer import PPOTrainer
     from ppo_trainer.rollout_worker import RolloutWorker
 
 
 @dataclass
 class RunState:
-    """What a run in progress shares between its loop (:class:`ppo_trainer.run_loop.TrainingRun`,
-    which sets it up) and the trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and
-    :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.evaluate`, which read it: the trainer's ``run``
-    attribute. Outside :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.train` it is a fresh one (no
-    callbacks, no worker, no last step).
+    """What a run changes: the trainer's ``run`` attribute, which its loop
+    (:class:`ppo_trainer.run_loop.TrainingRun`), its :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step`
+    and the checkpoint functions below read and write (the trainer's ``global_step``, ``epoch``,
+    ... are its fields). A checkpoint keeps the counters, the history, the scores' statistics,
+    the optimisers, their schedule, the BLAS threads and the KL controller; the others belong to
+    one call of ``train()`` (:meth:`begin` resets them).
 
     Attributes:
+        kl_ctl: the KL coefficient's controller (fixed, or adaptive: it changes).
+        global_step: optimiser iterations done.
+        epoch: passes over the prompts done.
+        step_in_epoch: steps done in the current pass.
+        extra_gen_batches: prompt batches the epoch's extra generation rounds (dynamic sampling)
+            drew beyond one per step: the data order's cursor is ``(step_in_epoch +
+            extra_gen_batches) * batch_size``.
+        history: every step's metrics.
+        reward_moments: the running statistics of the scores (``normalize_reward``).
+        policy_optimizer, value_optimizer: AdamW of each trained model (None until the run or
+            its first step builds them).
+        lr_plan: the learning-rate schedule, in optimiser updates (None until then).
+        blas_threads: OpenBLAS threads of this run (``run_blas_threads``).
+        stop_reason: after ``train()``, why it stopped early (None: it ran to the end).
         last_step: the run's last step (rollout records are written there too); None: no run.
         callbacks: the run's callbacks.
         stop: the run's stop request (Ctrl-C, SIGTERM, :meth:`PPOTrainer.request_stop`).
@@ -58,12 +72,29 @@ class RunState:
             saves no checkpoint: ``training.run_control.save_after_failure``).
     """
 
+    kl_ctl: FixedKLController | AdaptiveKLController
+    global_step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    extra_gen_batches: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    reward_moments: RunningMoments = field(default_factory=RunningMoments)
+    policy_optimizer: optim.Optimizer | None = None
+    value_optimizer: optim.Optimizer | None = None
+    lr_plan: SchedulePlan | None = None
+    blas_threads: int | None = None
+    stop_reason: str | None = None
     last_step: int | None = None
     callbacks: list[TrainerCallback] = field(default_factory=list)
     stop: StopSignals = field(default_factory=StopSignals)
     rollout_worker: RolloutWorker | None = None
     record_eval: bool = False
     updating: bool = False
+
+    def begin(self, last_step: int, callbacks: list[TrainerCallback]) -> None:
+        """A call of ``train()`` starts: its last step and callbacks, a fresh stop request."""
+        self.last_step, self.callbacks, self.stop = last_step, callbacks, StopSignals()
+        self.rollout_worker, self.record_eval, self.updating = None, False, False
 
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
@@ -202,119 +233,154 @@ def load_models(policy: PolicyModel, value_model: ValueModel | None, path: str |
         value_model.load_pretrained_weights(path / "value_model")
 
 
-def ensure_optimizers(trainer: PPOTrainer, total_steps: int | None) -> None:
-    """Give ``trainer`` AdamW optimisers with a schedule over ``total_steps`` iterations.
+def ensure_optimizers(
+    state: RunState, config: PPOConfig, with_value: bool, total_steps: int | None
+) -> None:
+    """Give the run AdamW optimisers (the value model's too, ``with_value``) with a schedule over
+    ``total_steps`` iterations.
 
     :meth:`PPOTrainer.train` calls it with the run's length, :meth:`PPOTrainer.step` with None
     (which keeps existing optimisers). Rebuilding keeps the moments and step counts.
     """
-    if trainer.policy_optimizer is not None and total_steps is None:
+    if state.policy_optimizer is not None and total_steps is None:
         return
-    trainer.lr_plan = schedule_plan(trainer.config, total_steps)
-    rebuild_optimizers(trainer, trainer.lr_plan.schedule())
+    state.lr_plan = schedule_plan(config, total_steps)
+    rebuild_optimizers(state, config, with_value, state.lr_plan.schedule())
 
 
-def rebuild_optimizers(trainer: PPOTrainer, schedule: Callable[[mx.array], mx.array]) -> None:
-    """Replace ``trainer``'s optimisers by ones following ``schedule``, with their states."""
+def rebuild_optimizers(
+    state: RunState,
+    config: PPOConfig,
+    with_value: bool,
+    schedule: Callable[[mx.array], mx.array],
+) -> None:
+    """Replace the run's optimisers by ones following ``schedule``, with their states."""
     previous = {
-        "policy": trainer.policy_optimizer.state if trainer.policy_optimizer else None,
-        "value": trainer.value_optimizer.state if trainer.value_optimizer else None,
+        "policy": state.policy_optimizer.state if state.policy_optimizer else None,
+        "value": state.value_optimizer.state if state.value_optimizer else None,
     }
-    trainer.policy_optimizer, trainer.value_optimizer = build_optimizers(
-        trainer.config, schedule, trainer.value_model is not None, previous
+    state.policy_optimizer, state.value_optimizer = build_optimizers(
+        config, schedule, with_value, previous
     )
+
+
+@dataclass(frozen=True)
+class Trained:
+    """The models a run trains: the policy and (PPO) the value model."""
+
+    policy: nn.Module
+    value_model: nn.Module | None = None
 
 
 def checkpointed(
-    trainer: PPOTrainer,
+    state: RunState, trained: Trained
 ) -> tuple[dict[str, nn.Module], dict[str, optim.Optimizer | None]]:
-    """The models and optimisers a checkpoint of ``trainer`` holds, by name."""
-    models: dict[str, nn.Module] = {"policy": trainer.policy}
-    optimizers = {"policy_optimizer": trainer.policy_optimizer}
-    if trainer.value_model is not None:
-        models["value"] = trainer.value_model
-        optimizers["value_optimizer"] = trainer.value_optimizer
+    """The models and optimisers a checkpoint holds, by name."""
+    models: dict[str, nn.Module] = {"policy": trained.policy}
+    optimizers = {"policy_optimizer": state.policy_optimizer}
+    if trained.value_model is not None:
+        models["value"] = trained.value_model
+        optimizers["value_optimizer"] = state.value_optimizer
     return models, optimizers
 
 
-def check_same_weights(trainer: PPOTrainer, moment: str) -> None:
-    """Raise on every rank unless every rank holds the same models and optimiser states."""
-    models, optimizers = checkpointed(trainer)
+def check_same_weights(state: RunState, trained: Trained, moment: str, group: Any) -> None:
+    """Raise on every rank of ``group`` unless every rank holds the same models and optimiser
+    states."""
+    models, optimizers = checkpointed(state, trained)
     tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
     tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
-    dist.check_same_weights(tree, f"the trained state {moment}", trainer.group)
+    dist.check_same_weights(tree, f"the trained state {moment}", group)
 
 
-def save_trainer_state(trainer: PPOTrainer) -> Path:
-    """Write ``trainer``'s checkpoint for its current step: trainable weights and optimiser
-    states, and the JSON state (counters and the data cursor, KL controller, history, config,
-    number of processes, schedule, BLAS threads, the run's inputs, the scores' running statistics,
-    the SFT data cursor); returns its directory.
+def save_trainer_state(
+    state: RunState,
+    trained: Trained,
+    checkpoints: CheckpointManager,
+    *,
+    config: PPOConfig,
+    world_size: int,
+    inputs: Mapping[str, str | None],
+    sft_cursor: int | None,
+) -> Path:
+    """Write the run's checkpoint for its current step: trainable weights and optimiser states,
+    and the JSON state (counters and the data cursor, KL controller, history, config, number of
+    processes, schedule, BLAS threads, the run's ``inputs``, the scores' running statistics, the
+    SFT data cursor); returns its directory.
     """
-    plan = trainer.lr_plan
-    state = {
-        "global_step": trainer.global_step,
-        "epoch": trainer.epoch,
-        "step_in_epoch": trainer.step_in_epoch,
-        "extra_gen_batches": trainer.extra_gen_batches,
-        "kl_controller": trainer.kl_ctl.state_dict(),
-        "history": trainer.history,
-        "config": config_to_dict(trainer.config),
-        "world_size": trainer.world_size,
+    plan = state.lr_plan
+    saved = {
+        "global_step": state.global_step,
+        "epoch": state.epoch,
+        "step_in_epoch": state.step_in_epoch,
+        "extra_gen_batches": state.extra_gen_batches,
+        "kl_controller": state.kl_ctl.state_dict(),
+        "history": state.history,
+        "config": config_to_dict(config),
+        "world_size": world_size,
         "schedule": plan.to_dict() if plan else None,
-        "blas_threads": trainer.blas_threads,
-        "inputs": trainer.inputs,
-        "reward_moments": trainer.reward_moments.to_dict(),
-        "sft_cursor": trainer.sft_mix.cursor if trainer.sft_mix is not None else None,
+        "blas_threads": state.blas_threads,
+        "inputs": dict(inputs),
+        "reward_moments": state.reward_moments.to_dict(),
+        "sft_cursor": sft_cursor,
     }
-    return save_training_state(
-        trainer.checkpoints, trainer.global_step, *checkpointed(trainer), state
-    )
+    return save_training_state(checkpoints, state.global_step, *checkpointed(state, trained), saved)
 
 
-def load_trainer_state(trainer: PPOTrainer, path: str | Path) -> None:
-    """Restore what :func:`save_trainer_state` wrote into ``trainer``, after checking that the
-    checkpoint belongs to this run (:func:`check_checkpoint`). The resumed run takes the
-    checkpoint's BLAS thread count (its matmuls sum in the same order) and its learning-rate
-    schedule (continued, not restarted, when the run's length changed)."""
-    state = CheckpointManager.read_state(path)
-    check_checkpoint(path, state, trainer.config, trainer.world_size)
-    load_training_state(path, *checkpointed(trainer))
-    trainer.blas_threads = run_blas_threads(state.get("blas_threads"))
-    kl_note = restore_kl_controller(trainer, state)
-    trainer.global_step = int(state["global_step"])
-    trainer.epoch = int(state["epoch"])
-    trainer.step_in_epoch = int(state["step_in_epoch"])
-    trainer.extra_gen_batches = int(state.get("extra_gen_batches", 0))
-    trainer.history = list(state["history"])
-    moments = state.get("reward_moments")  # normalize_reward's statistics (none: before them)
-    trainer.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
-    if trainer.sft_mix is not None:  # sft_coef's data stream continues where it stopped
-        trainer.sft_mix.cursor = int(state.get("sft_cursor") or 0)
+def load_trainer_state(
+    state: RunState,
+    trained: Trained,
+    path: str | Path,
+    *,
+    config: PPOConfig,
+    world_size: int,
+    warn: bool,
+) -> int | None:
+    """Restore what :func:`save_trainer_state` wrote, after checking that the checkpoint belongs
+    to this run (:func:`check_checkpoint`); returns the SFT data cursor it recorded. The resumed
+    run takes the checkpoint's BLAS thread count (its matmuls sum in the same order) and its
+    learning-rate schedule (continued, not restarted, when the run's length changed). ``warn``:
+    log the settings that changed (the main process)."""
+    saved = CheckpointManager.read_state(path)
+    check_checkpoint(path, saved, config, world_size)
+    load_training_state(path, *checkpointed(state, trained))
+    state.blas_threads = run_blas_threads(saved.get("blas_threads"))
+    kl_note = restore_kl_controller(state.kl_ctl, config, saved)
+    state.global_step = int(saved["global_step"])
+    state.epoch = int(saved["epoch"])
+    state.step_in_epoch = int(saved["step_in_epoch"])
+    state.extra_gen_batches = int(saved.get("extra_gen_batches", 0))
+    state.history = list(saved["history"])
+    moments = saved.get("reward_moments")  # normalize_reward's statistics (none: before them)
+    state.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
     schedule_note = None
-    if trainer.lr_plan is not None and trainer.policy_optimizer is not None:
-        updates = int(np.asarray(trainer.policy_optimizer.step))
-        plan, schedule_note = resumed_plan(state.get("schedule"), trainer.lr_plan, updates)
-        trainer.lr_plan = plan  # its checkpoints record the schedule it follows
-        rebuild_optimizers(trainer, plan.schedule())
-    if trainer.is_main_process:
+    if state.lr_plan is not None and state.policy_optimizer is not None:
+        updates = int(np.asarray(state.policy_optimizer.step))
+        plan, schedule_note = resumed_plan(saved.get("schedule"), state.lr_plan, updates)
+        state.lr_plan = plan  # its checkpoints record the schedule it follows
+        rebuild_optimizers(state, config, trained.value_model is not None, plan.schedule())
+    if warn:
         warn_changed_settings(
-            path, state["config"], config_to_dict(trainer.config), [schedule_note, kl_note]
+            path, saved["config"], config_to_dict(config), [schedule_note, kl_note]
         )
+    cursor = saved.get("sft_cursor")
+    return None if cursor is None else int(cursor)
 
 
-def restore_kl_controller(trainer: PPOTrainer, state: Mapping[str, Any]) -> str | None:
-    """Restore ``trainer``'s KL controller from a checkpoint's JSON ``state``. An adaptive one
+def restore_kl_controller(
+    ctl: FixedKLController | AdaptiveKLController, config: PPOConfig, state: Mapping[str, Any]
+) -> str | None:
+    """Restore the KL controller ``ctl`` from a checkpoint's JSON ``state``. An adaptive one
     continues from the coefficient it had reached (its state; ``kl_coef`` is only where it
     started), with the configured ``kl_target`` and ``kl_horizon``; a fixed one is the
     configured ``kl_coef`` (a value changed on resume takes effect), as is an adaptive one
     resumed from a fixed run. Returns a note for the resume's warning when ``kl_coef`` changed
     but the controller keeps its value, else None."""
-    ctl, saved = trainer.kl_ctl, state["kl_controller"]
+    saved = state["kl_controller"]
     if not (isinstance(ctl, AdaptiveKLController) and saved.get("type") == "adaptive"):
         return None
     ctl.load_state_dict(dict(saved))
-    ctl.target, ctl.horizon = trainer.config.kl_target, trainer.config.kl_horizon
-    if state["config"].get("kl_coef") == trainer.config.kl_coef:
+    ctl.target, ctl.horizon = config.kl_target, config.kl_horizon
+    if state["config"].get("kl_coef") == config.kl_coef:
         return None
     return f"kl_coef only starts the adaptive KL controller: it continues from {ctl.value:.4g}"

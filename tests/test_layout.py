@@ -155,18 +155,10 @@ def test_the_cycle_check_finds_a_cycle_through_a_type_checking_import(tmp_path: 
     assert import_cycles(graph) == [["ppo_trainer.a", "ppo_trainer.b"]]
 
 
-#: Import cycles not yet removed (issue #45: the trainer's helpers take the trainer itself). The
-#: list only shrinks: a new cycle fails the test below, and so does a listed one that is gone.
-KNOWN_CYCLES: list[list[str]] = [
-    ["ppo_trainer.ppo_trainer", "ppo_trainer.run_loop", "ppo_trainer.run_state"],
-]
-
-
 def test_no_import_cycle_between_modules() -> None:
     cycles = import_cycles(module_imports())
-    new = [c for c in cycles if c not in KNOWN_CYCLES]
-    gone = [c for c in KNOWN_CYCLES if c not in cycles]
-    assert not new, "import cycles between modules (a TYPE_CHECKING import counts):\n" + "\n".join(
-        " <-> ".join(c) for c in new
+    assert (
+        not cycles
+    ), "import cycles between modules (a TYPE_CHECKING import counts):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
     )
-    assert not gone, f"remove from KNOWN_CYCLES, they are gone: {gone}"
