@@ -244,12 +244,12 @@ def test_normalize_reward_feeds_the_rewards_normalised_scores_and_keeps_the_raw_
 def test_scores_whose_statistics_overflow_stop_instead_of_normalising_to_zero() -> None:
     """Scores near 1e20 square past float32: an infinite running variance would turn every
     normalised score into 0 without a word; the step is named and nothing is made of it."""
-    scores = mx.array([1e20, -1e20] + [0.0] * (len(SCORES) - 2))
-    moments = update_moments(RunningMoments(), scores)
+    values = [1e20, -1e20] + [0.0] * (len(SCORES) - 2)
+    moments = update_moments(RunningMoments(), mx.array(values))
     assert not math.isfinite(moments.var)
     with pytest.raises(ValueError, match="running mean and variance .* step 3 .*too large"):
         make_experience(
-            rollout([float(s) for s in scores.tolist()]),
+            rollout(values),
             settings("ppo"),
             0.1,
             step=3,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
 from fixtures.real_checkpoint import RealCheckpointUnavailable, reverse_permute, smollm2_checkpoint
@@ -55,6 +56,10 @@ def test_reverse_permute_undoes_llama_cpps_rotary_permutation() -> None:
 
 def brevity(completions: list[str], **kwargs: Any) -> list[float]:
     return [-float(len(c.split())) for c in completions]  # about -20 on this model
+
+
+def trainable(model: Any) -> dict[str, Any]:
+    return dict(tree_flatten(model.trainable_parameters()))  # {path: array}
 
 
 class _Enough(Exception):
@@ -155,8 +160,6 @@ def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
     """One GRPO step at its defaults (two updates) on the checkpoint as shipped (LoRA, chat
     template by default, a reward users write): every adapter weight moves, the metrics are
     finite."""
-    from mlx.utils import tree_flatten
-
     config = PPOConfig(
         model_name=str(smollm2_dir),
         algorithm="grpo",
@@ -170,9 +173,9 @@ def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
     )
     trainer = PPOTrainer(config, reward_model=brevity)
     assert trainer.chat_prompts
-    before = {k: np.array(v) for k, v in tree_flatten(trainer.policy.trainable_parameters())}
+    before = {k: np.array(v) for k, v in trainable(trainer.policy).items()}
     metrics = trainer.step(PROMPTS[:2])
-    after = dict(tree_flatten(trainer.policy.trainable_parameters()))
+    after = trainable(trainer.policy)
     unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
     assert before and not unchanged, unchanged
     assert all(np.isfinite(v) for v in metrics.values())
