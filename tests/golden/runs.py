@@ -41,15 +41,25 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from agents import ParsedTurn, ToolCall
 from config.dpo_config import DPOConfig
 from config.ppo_config import PPOConfig
 from config.reward_config import RewardConfig
 from config.sft_config import SFTConfig
-from fixtures.checkpoint_families import _QWEN_TOOLS_MESSAGES, build_family_checkpoint
+from fixtures.checkpoint_families import build_family_checkpoint
 from fixtures.demo_data import preference_records, sft_records
 from fixtures.tiny_corpus import review_prompts
 from fixtures.tiny_model import build_tiny_checkpoint
+
+# The agent runs' tool, parsers, environment and template are the agent trainer tests' own.
+from tests.test_agent_trainer import (  # noqa: F401 (parsers named by "tests.golden.runs:...")
+    SHORT_TOOLS_TEMPLATE,
+    Counter,
+    every_turn_calls,
+    every_turn_increments,
+    lookup,
+    most_frequent_tokens,
+)
+from tests.test_ppo_trainer import e_rate
 
 #: Where the recordings live, one ``<run>.json`` each.
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "data" / "golden"
@@ -62,66 +72,10 @@ TIMING_KEYS = ("time/", "tokens_per_second")
 # --------------------------------------------------------------------------- what runs use
 
 
-def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
-    """A reward the tiny model can move: the share of the letter 'e' in the completion."""
-    return [c.count("e") / max(len(c), 1) for c in completions]
-
-
 def flat_or_alternating(completions: list[str], flat: list[bool], **_: Any) -> list[float]:
     """Equal scores in a group of a ``flat`` prompt, 0 and 1 alternating in the others: dynamic
     sampling drops the flat groups."""
     return [1.0 if f else float(i % 2) for i, f in enumerate(flat)]
-
-
-def lookup(key: str) -> str:
-    """Look up the value stored under a key.
-
-    Args:
-        key: The key to look up.
-    """
-    return f"value of {key!r}"
-
-
-def every_turn_calls(text: str) -> ParsedTurn:
-    """A parser for a random model: every turn calls ``lookup`` when the turn has an even number
-    of characters, else an unknown tool (a failed call)."""
-    name = "lookup" if len(text) % 2 == 0 else "missing_tool"
-    return ParsedTurn(calls=[ToolCall(name, {"key": text[:3]})], errors=[])
-
-
-def every_turn_increments(text: str) -> ParsedTurn:
-    """Every turn calls the environment's ``increment``."""
-    return ParsedTurn(calls=[ToolCall("increment", {"by": 1})], errors=[])
-
-
-class Counter:
-    """An environment whose tool counts; one reward per assistant turn."""
-
-    def reset(self, **record: Any) -> str:
-        self.count, self.target = 0, int(record["target"])
-        return f"Count to {self.target}."
-
-    def increment(self, by: int) -> str:
-        """Add to the counter.
-
-        Args:
-            by: How much to add.
-        """
-        self.count += by
-        return str(self.count)
-
-    def get_reward(self) -> list[float]:
-        return [1.0 if k < self.target else -1.0 for k in range(self.count + 1)]
-
-
-#: Qwen3's tool template with a short tools header (tests/test_agent_trainer.py's).
-SHORT_TOOLS_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}"
-    "{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}"
-    "{{- '</tools><|im_end|>\\n' }}{%- endif %}"
-    + _QWEN_TOOLS_MESSAGES
-    + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 class EpisodeScore:
@@ -173,22 +127,12 @@ class Models:
 
 
 def _tools_model(path: Path) -> tuple[Path, list[int]]:
-    from models.policy_model import PolicyModel
-    from ppo_trainer.generator import generate
-
     build_family_checkpoint(path, "qwen3_tools")
     config_path = path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["chat_template"] = SHORT_TOOLS_TEMPLATE
     config_path.write_text(json.dumps(config), encoding="utf-8")
-    policy = PolicyModel.from_pretrained(path)
-    prompts = [policy.tokenizer.encode(t) for t in ("Hello there", "What is it", "A b c")]
-    mx.random.seed(0)
-    out = generate(
-        policy, prompts, max_new_tokens=32, temperature=1.0, stop_token_ids=[], pad_token_id=0
-    )
-    ids, counts = np.unique(np.array(out.responses), return_counts=True)
-    return path, [int(i) for i in ids[np.argsort(-counts)][:10]]
+    return path, most_frequent_tokens(path)
 
 
 # --------------------------------------------------------------------------- the runs
