@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from config.ppo_config import PPOConfig
 from fixtures.real_checkpoint import RealCheckpointUnavailable, reverse_permute, smollm2_checkpoint
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
+from tests.test_ppo_trainer import assert_all_changed, trainable
 
 PROMPTS = [
     f"Describe {thing} in one sentence."
@@ -56,10 +56,6 @@ def test_reverse_permute_undoes_llama_cpps_rotary_permutation() -> None:
 
 def brevity(completions: list[str], **kwargs: Any) -> list[float]:
     return [-float(len(c.split())) for c in completions]  # about -20 on this model
-
-
-def trainable(model: Any) -> dict[str, Any]:
-    return dict(tree_flatten(model.trainable_parameters()))  # {path: array}
 
 
 class _Enough(Exception):
@@ -173,9 +169,7 @@ def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
     )
     trainer = PPOTrainer(config, reward_model=brevity)
     assert trainer.chat_prompts
-    before = {k: np.array(v) for k, v in trainable(trainer.policy).items()}
+    before = trainable(trainer.policy)
     metrics = trainer.step(PROMPTS[:2])
-    after = trainable(trainer.policy)
-    unchanged = [k for k, v in before.items() if np.array_equal(v, np.array(after[k]))]
-    assert before and not unchanged, unchanged
+    assert_all_changed(before, trainable(trainer.policy))
     assert all(np.isfinite(v) for v in metrics.values())
