@@ -190,6 +190,16 @@ def load_tokenizer(path: str | Path) -> Any:
         )
     config = load_config(model_path)
     tokenizer = _mlx_load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+    add_end_of_turn_id(tokenizer)
+    vocab_size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+    ensure_pad_token(tokenizer, vocab_size=vocab_size)
+    return tokenizer
+
+
+def add_end_of_turn_id(tokenizer: Any) -> None:
+    """Add the chat template's end-of-turn token (:func:`end_of_turn_token_id`) to the
+    tokenizer's EOS ids, so that a reply ends where the template ends a turn (run again after
+    the template changes)."""
     end_of_turn = end_of_turn_token_id(tokenizer)
     if end_of_turn is not None and end_of_turn not in tokenizer.eos_token_ids:
         logger.info(
@@ -198,9 +208,6 @@ def load_tokenizer(path: str | Path) -> Any:
             end_of_turn,
         )
         tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | {end_of_turn}
-    vocab_size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
-    ensure_pad_token(tokenizer, vocab_size=vocab_size)
-    return tokenizer
 
 
 def _has_chat_template(tokenizer: Any) -> bool:

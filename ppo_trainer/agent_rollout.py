@@ -37,7 +37,7 @@ from agents import (
     takes_seed,
     tool_chat_template,
 )
-from base_setup.tokenizer_setup import encode_text, end_of_turn_token_id
+from base_setup.tokenizer_setup import add_end_of_turn_id, encode_text, end_of_turn_token_id
 from models.policy_model import PolicyModel
 from ppo_trainer.generator import GenerationOutput, cut_after_stop_string
 from ppo_trainer.multi_turn import turn_ends
@@ -111,9 +111,7 @@ class AgentRun:
         if self.settings.tool_chat_template is not None:
             tokenizer.chat_template = tool_chat_template(self.settings.tool_chat_template)
             tokenizer.has_chat_template = True
-            end_of_turn = end_of_turn_token_id(tokenizer)
-            if end_of_turn is not None:
-                tokenizer.eos_token_ids = set(tokenizer.eos_token_ids) | {end_of_turn}
+            add_end_of_turn_id(tokenizer)
         check_template_supports_tools(tokenizer, self.sample_tools())
 
 
