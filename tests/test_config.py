@@ -140,6 +140,9 @@ def test_normalize_reward_auto_is_on_where_the_value_head_starts_fresh(tmp_path:
         model_name="m", value_init="policy", reward_model_name=str(reward_dir)
     ).normalizes_reward
     assert not PPOConfig(model_name="m", reward_model_name=str(reward_dir)).normalizes_reward
+    # value adapters and a fresh head on the policy's base, even beside a reward model
+    shared = PPOConfig(model_name="m", value_init="shared", reward_model_name=str(reward_dir))
+    assert shared.normalizes_reward
     assert not PPOConfig(model_name="m", value_model_name=str(reward_dir)).normalizes_reward
     assert not PPOConfig(model_name="m", algorithm="grpo", group_size=2).normalizes_reward
     assert not PPOConfig(model_name="m", normalize_reward=False).normalizes_reward
