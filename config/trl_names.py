@@ -137,7 +137,8 @@ def from_trl_config(algorithm: str, values: Mapping[str, Any]) -> tuple[dict[str
     ``RLOOConfig`` keywords for ``algorithm``: our keys as they are, :data:`TRL_ALIASES`
     renamed, :data:`TRANSLATED` translated, :data:`IGNORED` and :data:`OFF_ONLY` left out,
     TRL's ``num_generations`` default where none is given, ``model_name`` left to the
-    trainer's ``model=`` when not given. The text says each translation and left-out key in
+    trainer's ``model=`` when not given, as ``reward_funcs`` when ``reward_weights`` is given
+    without them (:func:`rewards_from_trainer`). The text says each translation and left-out key in
     one line ("" for none).
 
     ``per_device_train_batch_size`` counts completions, as TRL does: one update takes
@@ -185,7 +186,22 @@ def from_trl_config(algorithm: str, values: Mapping[str, Any]) -> tuple[dict[str
         notes.append(_translate_batch(name, out))
     if "model_name" not in out:
         out["model_name"] = MODEL_FROM_TRAINER
+    weights = out.get("reward_weights")
+    if isinstance(weights, list) and out.get("reward_funcs") is None:
+        # TRL sets the weights in the config and the functions in the trainer.
+        out["reward_funcs"] = [rewards_from_trainer(i) for i in range(len(weights))]
     return out, "; ".join(notes)
+
+
+def rewards_from_trainer(index: int) -> str:
+    """The ``reward_funcs`` entry that stands for the trainer's ``index``-th reward in a config
+    given ``reward_weights`` and no ``reward_funcs`` (TRL's split: the weights in the config,
+    the functions in the trainer); ``GRPOTrainer(reward_funcs=...)`` replaces it."""
+    return f"{REWARDS_FROM_TRAINER} {index + 1}"
+
+
+#: The start of :func:`rewards_from_trainer`'s entries.
+REWARDS_FROM_TRAINER = "(none: pass GRPOTrainer(reward_funcs=...)) reward"
 
 
 def _translate_batch(name: str, out: dict[str, Any]) -> str:

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any, ClassVar, Union
 
 from config.ppo_config import PPOConfig
-from config.trl_names import MODEL_FROM_TRAINER, GRPOConfig, RLOOConfig, from_peft_config
+from config.trl_names import (
+    MODEL_FROM_TRAINER,
+    REWARDS_FROM_TRAINER,
+    GRPOConfig,
+    RLOOConfig,
+    from_peft_config,
+)
 from models.reward_model import RewardFunction, RewardModel
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.ppo_trainer import PPOTrainer
@@ -90,7 +96,16 @@ class GRPOTrainer(PPOTrainer):
         if peft_config is not None:
             args = dataclasses.replace(args, **from_peft_config(peft_config))
         reward: RewardModel | RewardFunction | None = None
+        # reward_weights in a TRL config without reward_funcs: these are the trainer's.
+        weighted = any(str(s).startswith(REWARDS_FROM_TRAINER) for s in args.reward_funcs or [])
+        if weighted and reward_funcs is None:
+            raise ValueError(
+                f"{name}: the config has reward_weights {args.reward_weights} but no reward "
+                "functions: pass reward_funcs= to the trainer, one per weight"
+            )
         if reward_funcs is not None:
+            if weighted and (isinstance(reward_funcs, (str, Mapping)) or callable(reward_funcs)):
+                reward_funcs = [reward_funcs]  # one weighted reward: a list of one
             specs, reward = reward_specs(_as_trl_rewards(reward_funcs, self._trainer_state))
             if specs:
                 args = dataclasses.replace(args, reward_funcs=specs)
@@ -176,6 +191,11 @@ def _as_trl_rewards(reward_funcs: RewardFuncs, state: Callable[[], TrainerState]
     return [wrap(item) for item in reward_funcs]
 
 
+def _is_trl_wrapper(fn: Any) -> bool:
+    """Whether ``fn`` is a reward function a TRL trainer wrapped (:func:`_as_trl_rewards`)."""
+    return any(fn is wrapper for wrapper in _TRL_WRAPPERS.values())
+
+
 def reward_specs(
     reward_funcs: RewardFuncs,
 ) -> tuple[list[str | dict[str, Any]], RewardModel | RewardFunction | None]:
@@ -211,7 +231,10 @@ def reward_specs(
                 )
             known = {info.name: info.fn for info in list_rewards()}
             if known.get(name) is not item:
-                register_reward(name)(item)
+                # A TRL script's function defined again (a notebook cell run twice) takes its
+                # name back from the earlier one; any other reward keeps its name.
+                again = _is_trl_wrapper(item) and _is_trl_wrapper(known.get(name))
+                register_reward(name, replace=again)(item)
             specs.append(name)
         else:
             raise ValueError(f"reward_funcs entries are names, entries or functions, got {item!r}")
