@@ -50,9 +50,14 @@ def close_keys(key: str, names: Iterable[str]) -> list[str]:
     return difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
 
 
-def unknown_keys_message(owner: str, keys: Iterable[str], names: Iterable[str]) -> str:
+def unknown_keys_message(
+    owner: str,
+    keys: Iterable[str],
+    names: Iterable[str],
+    listed: str = "docs/configuration.md lists them",
+) -> str:
     """One line refusing ``keys`` that ``owner`` does not take, each with its "did you mean"
-    among ``names`` (or a pointer to the list of keys when none is close)."""
+    among ``names`` (or, when none is close, ``listed``: where the keys are listed)."""
     names = list(names)
     parts = []
     for key in keys:
@@ -60,7 +65,7 @@ def unknown_keys_message(owner: str, keys: Iterable[str], names: Iterable[str]) 
         hint = (
             "did you mean " + " or ".join(repr(c) for c in close) + "?"
             if close
-            else "no key is close (docs/configuration.md lists them)"
+            else f"no key is close ({listed})"
         )
         parts.append(f"{key!r}: {hint}")
     return f"{owner} does not take " + "; ".join(parts)

@@ -156,7 +156,14 @@ def from_trl_config(algorithm: str, values: Mapping[str, Any]) -> tuple[dict[str
     unknown = [key for key in values if key not in accepted]
     name = "GRPOConfig" if algorithm == "grpo" else f"{algorithm.upper()}Config"
     if unknown:
-        raise TypeError(unknown_keys_message(name, unknown, sorted(accepted)))
+        listed = 'docs/algorithms.md, "GRPO as TRL users run it", lists them'
+        raise TypeError(unknown_keys_message(name, unknown, sorted(accepted), listed))
+    report_to = from_trl_value("report_to", values.get("report_to", "none"))
+    if report_to not in ("none", "tensorboard", "wandb"):
+        raise ValueError(
+            f"{name}: report_to={values['report_to']!r}: name one backend, 'none', "
+            "'tensorboard' or 'wandb' (metrics.jsonl in output_dir is always written)"
+        )
     notes: list[str] = []
     kept: dict[str, Any] = {}
     for key, value in values.items():

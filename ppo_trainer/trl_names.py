@@ -148,6 +148,14 @@ class GRPOTrainer(PPOTrainer):
         every = [*self.callbacks, *(callbacks or [])]
         return super().train(prompts, num_epochs, every or None, eval_prompts, resume_from)
 
+    def save_model(self, path: str | Path | None = None, overwrite: bool = False) -> Path:
+        """:meth:`PPOTrainer.save_model`, with TRL's default: no path, or the run's own
+        ``output_dir`` (which holds its checkpoints and metrics too), saves into
+        ``<output_dir>/final``, the run's own model folder. Returns where it saved."""
+        if path is None or Path(path).resolve() == self.run_dir.resolve():
+            path = self.run_dir / "final"
+        return super().save_model(path, overwrite)
+
 
 class RLOOTrainer(GRPOTrainer):
     """TRL's ``RLOOTrainer`` signature over :class:`PPOTrainer` (``args.algorithm`` "rloo")."""

@@ -123,8 +123,10 @@ def test_the_documented_rewards_on_a_standard_dataset(tiny_model_dir: Path, tmp_
     )
     before = trainable(trainer.policy.model)
     metrics = trainer.train()
+    trainer.save_model(training_args.output_dir)  # how TRL's example scripts end
 
     assert_all_changed(before, trainable(trainer.policy.model))  # LoRA: both steps' updates
+    assert (tmp_path / "run" / "final" / "adapters.safetensors").is_file()
     assert (trainer.config.batch_size, trainer.config.group_size) == (2, 2)
     for name in ("reward_len_tokens", "reward_len_chars", "reward_boxed"):
         assert f"rewards/{name}/mean" in metrics[-1]
@@ -309,6 +311,7 @@ def test_what_is_not_honoured_is_refused_in_one_line() -> None:
     assert "'per_device_train_batch_size'" in message and "'learning_rate'" in message
     assert "no key is close" in refusal(TypeError, vllm_gpu_memory_utilization=0.3)
     assert "set use_vllm=False" in refusal(ValueError, use_vllm=True)
+    assert "name one backend" in refusal(ValueError, report_to="all")
     assert "multiple of num_generations=4" in refusal(
         ValueError, per_device_train_batch_size=6, num_generations=4
     )
