@@ -435,3 +435,15 @@ def test_a_reward_defined_again_takes_its_name_back(tiny_model_dir: Path, tmp_pa
         assert trainer.config.reward_funcs == ["reward_len"]
         assert resolve_reward("reward_len").__wrapped__ is reward_len  # type: ignore[attr-defined]
     assert functions[0] is not functions[1]
+
+
+def test_the_docs_name_every_trl_key_accepted() -> None:
+    """docs/algorithms.md's TRL section names each key that is renamed, translated, ignored or
+    accepted only turned off, so that it says exactly what a TRL script may set."""
+    from config.trl_names import IGNORED, OFF_ONLY, TRANSLATED, TRL_ALIASES
+
+    text = (Path(__file__).parents[1] / "docs" / "algorithms.md").read_text(encoding="utf-8")
+    section = text[text.index("## GRPO as TRL users run it") : text.index("## Metrics")]
+    keys = [*TRL_ALIASES, *TRANSLATED, *IGNORED, *OFF_ONLY, "reward_weights", "peft_config"]
+    missing = [key for key in keys if f"`{key}`" not in section and key != "max_turns"]
+    assert not missing, f"docs/algorithms.md's TRL section does not name {missing}"
