@@ -20,6 +20,7 @@ from datasets import Dataset
 
 from config.ppo_config import PPOConfig
 from config.trl_names import MODEL_FROM_TRAINER, from_peft_config
+from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.trl_data import TrainerState, dataset_records, trl_reward
 from tests.test_ppo_trainer import assert_all_changed, trainable
 
@@ -248,8 +249,19 @@ def test_messages_records_train(tiny_model_dir: Path, tmp_path: Path) -> None:
         use_lora=False,
         progress_bar=False,
     )
+    evaluated: list[int] = []
+
+    class Evaluated(TrainerCallback):
+        def on_evaluate(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+            evaluated.append(step)
+
     trainer = GRPOTrainer(
-        model=str(tiny_model_dir), reward_funcs=exact, args=args, train_dataset=records
+        model=str(tiny_model_dir),
+        reward_funcs=exact,
+        args=args,
+        train_dataset=records,
+        eval_dataset=records[:1],
+        callbacks=[Evaluated()],
     )
     assert trainer.train_dataset == [
         {"prompt": r["messages"], "answer": r["answer"]} for r in records
@@ -258,6 +270,7 @@ def test_messages_records_train(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer.train()
     assert_all_changed(before, trainable(trainer.policy.model))
     assert sorted(set(answers)) == ["1", "2"]
+    assert evaluated == [1]  # the eval_dataset, at the end
 
 
 def test_trl_keys_are_translated_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -447,3 +460,15 @@ def test_the_docs_name_every_trl_key_accepted() -> None:
     keys = [*TRL_ALIASES, *TRANSLATED, *IGNORED, *OFF_ONLY, "reward_weights", "peft_config"]
     missing = [key for key in keys if f"`{key}`" not in section and key != "max_turns"]
     assert not missing, f"docs/algorithms.md's TRL section does not name {missing}"
+
+
+def test_trls_renames_work_in_config_files_and_overrides() -> None:
+    from config.loading import load_config
+
+    c = load_config(
+        None,
+        ["model_name=m", "num_train_epochs=2", "max_steps=-1", "save_steps=5"]
+        + ["save_total_limit=2", "report_to=tensorboard", "lr_scheduler_type=cosine"],
+    )
+    assert (c.num_epochs, c.total_steps, c.save_every, c.keep_last_checkpoints) == (2, None, 5, 2)
+    assert (c.log_with, c.lr_scheduler) == ("tensorboard", "cosine")
