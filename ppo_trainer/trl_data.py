@@ -11,8 +11,10 @@ rewards read ``completion[0]["content"]``. :func:`trl_reward` wraps a function t
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,7 @@ def trl_reward(
     ``completion_ids`` (also as ``completions_ids``, the spelling of TRL's documentation, when
     ``fn`` names it), ``trainer_state`` (``state()``) and every column but ``prompt``; each
     passed by keyword if ``fn`` names it, all with ``**kwargs`` (:func:`keyword_arguments`).
+    An ``async def`` function is awaited (:func:`run_awaitable`).
 
     The wrapper keeps ``fn``'s name (its metrics' ``rewards/<name>/``) and, as ``__wrapped__``,
     its source (a resume compares it); its ``trainer_state`` attribute is ``state``.
@@ -77,7 +80,10 @@ def trl_reward(
         if "completions_ids" in _named(fn) and COMPLETION_IDS in extra:
             extra["completions_ids"] = extra[COMPLETION_IDS]
         available = {"prompts": list(given), "completions": texts, **extra}
-        return list(fn(**keyword_arguments(fn, available)))
+        out = fn(**keyword_arguments(fn, available))
+        if inspect.isawaitable(out):  # an async def reward (TRL's Example 5)
+            out = run_awaitable(out)
+        return list(out)
 
     reward.__name__ = getattr(fn, "__name__", "reward")
     reward.__qualname__ = getattr(fn, "__qualname__", reward.__name__)
@@ -88,6 +94,17 @@ def trl_reward(
     # Where trainer_state comes from; a trainer built later with the same function sets it.
     reward.trainer_state = state  # type: ignore[attr-defined]
     return reward
+
+
+def run_awaitable(awaitable: Awaitable[Any]) -> Any:
+    """The result of ``awaitable``, run to completion on an event loop of its own in a helper
+    thread (so it also works where a loop already runs, as in a notebook)."""
+
+    async def wait() -> Any:
+        return await awaitable
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 def keyword_arguments(fn: Callable[..., Any], available: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ and read the documented shapes (``completion[0]["content"]`` for a conversationa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from dataclasses import dataclass, field
@@ -422,6 +423,15 @@ def test_a_reward_gets_trls_shapes() -> None:
     }
     wrapped(["<formatted>"], ["x"], prompt=["text"], completion_ids=[[1]])
     assert calls[-1]["prompts"] == ["text"] and calls[-1]["completions"] == ["x"]
+
+    async def async_reward_func(prompts, completions, **kwargs):  # TRL's Example 5
+        await asyncio.sleep(0.001)
+        return [1.0 if completion else 0.0 for completion in completions]
+
+    assert trl_reward(async_reward_func, lambda: state)(["p"] * 2, ["x", ""], prompt=["p"] * 2) == [
+        1.0,
+        0.0,
+    ]
 
     def needs(completions, solution):
         return [0.0] * len(completions)
