@@ -60,19 +60,9 @@ def read_prompts(path: str | Path) -> list[Any]:
 
 def _prompt_of(record: Any, where: str) -> Any:
     """A prompt record's prompt (text or chat messages), with its other fields as columns."""
-    from ppo_trainer.prompt_records import prompt_problem
+    from ppo_trainer.prompt_records import prompt_record
 
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        prompt, key = record["prompt"], "prompt"
-    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-        prompt, key = record["messages"], "messages"
-    else:
-        raise ValueError(f"{where}: expected an object with 'prompt' or 'messages'")
-    problem = prompt_problem(prompt)
-    if problem is not None:
-        raise ValueError(f"{where}: {key!r} {problem}")
-    columns = {k: v for k, v in record.items() if k != key}
-    return {"prompt": prompt, **columns} if columns else prompt
+    return prompt_record(record, where)
 
 
 def _hub_prompts(name: str) -> list[Any]:

@@ -19,7 +19,6 @@ one message that lists all its problems.
 """
 
 import dataclasses
-import difflib
 import inspect
 import typing
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
-from config._fields import coerce_value, union_members
+from config._fields import close_keys, coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig
@@ -330,7 +329,7 @@ def _unknown_key(key: str, where: str, types: dict[str, Any], cls: type) -> str:
     """One line: the closest keys (ours or TRL's names of them), else where every key is
     listed (a list of 100 keys on one line helps nobody)."""
     names = list(types) + [alias for alias, ours in TRL_ALIASES.items() if ours in types]
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    close = close_keys(key, names)
     if close:
         hint = "did you mean " + " or ".join(repr(c) for c in close) + "?"
     else:

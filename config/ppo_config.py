@@ -8,7 +8,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
+from config._fields import (
+    check_field_types,
+    divisors,
+    is_non_negative,
+    is_positive,
+    require,
+    unknown_keys_message,
+)
 from config.agent_config import AgentConfig
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
@@ -306,6 +313,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     rollout_records_per_step: int = 16
 
     def __new__(cls, *args: Any, **values: Any) -> "PPOConfig":
+        unknown = [key for key in values if key not in _init_fields(cls)]
+        if unknown:  # a typo: the CLI's "did you mean" rather than a bare TypeError
+            raise TypeError(unknown_keys_message(cls.__name__, unknown, _init_fields(cls)))
         config = super().__new__(cls)
         # The fields the caller gave; __post_init__ gives the others their algorithm's defaults.
         config.__dict__["_given_fields"] = frozenset(values)
@@ -742,6 +752,10 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     def training_config(self) -> TrainingConfig:
         """The :class:`TrainingConfig` part of this config (a new, independent object)."""
         return TrainingConfig(**_field_values(self, TrainingConfig))
+
+
+def _init_fields(cls: type) -> list[str]:
+    return [f.name for f in fields(cls) if f.init]
 
 
 def _field_values(obj: object, cls: type) -> dict[str, Any]:
