@@ -367,9 +367,9 @@ def test_invalid_message_says_what_to_change() -> None:
     with pytest.raises(
         ValueError, match=r"algorithm must be one of 'ppo', 'grpo', 'rloo', .*, got 'gpro'"
     ):
-        PPOConfig(model_name="m", algorithm="gpro")  # type: ignore[arg-type]
+        PPOConfig(model_name="m", algorithm="gpro")
     with pytest.raises(ValueError, match="did you mean 'grpo'"):
-        PPOConfig(model_name="m", algorithm="gpro")  # type: ignore[arg-type]
+        PPOConfig(model_name="m", algorithm="gpro")
 
 
 def test_each_part_validates_alone() -> None:
