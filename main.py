@@ -596,12 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("run", help="the run folder (output_dir) holding metrics.jsonl, rollouts/")
     audit.set_defaults(func=cmd_audit)
 
+    from config.reference import KINDS
+
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
     config.add_argument(
         "--kind",
-        choices=("ppo", "sft", "reward", "dpo"),
+        choices=KINDS,
         default="ppo",
-        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft, reward or dpo",
+        help="the run kind: an algorithm of train (the keys that apply to it, with its "
+        "defaults: ppo, grpo, rloo, reinforce_pp, reinforce_pp_baseline), or sft, reward, dpo",
     )
     config.add_argument(
         "--markdown",
