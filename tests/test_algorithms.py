@@ -1,6 +1,7 @@
 """The algorithms as objects (algorithms/): the registry finds each by name, each declares the
 config keys that apply to it and its defaults (``python main.py config --kind <name>`` prints only
-those; ``algorithm: {name: ..., ...}`` in a config file takes only those)."""
+those; ``algorithm: {name: ..., ...}`` in a config file takes only those), and a new algorithm is
+one class and one registry line: the worked one of docs/algorithms.md trains the tiny model."""
 
 from __future__ import annotations
 
@@ -48,6 +49,113 @@ VALUE_KEYS = {
 }
 
 
+# ------------------------------------------------------------------ the worked algorithm
+
+
+class ReinforceMean:
+    """REINFORCE with a batch-mean baseline (Williams 1992): R_b = score_b - kl_coef * sum_t kl_bt,
+    advantage = R_b - mean_b' R_b' on every token of response b; the clipped surrogate on it."""
+
+    name = "reinforce_mean"
+    title = "REINFORCE (batch-mean baseline)"
+    defaults: Mapping[str, Any] = {"num_ppo_epochs": 1}
+    keys = KL_REWARD_KEYS
+    value_model = False
+    kl_in_reward = True
+    grouped = False
+    policy_loss: PolicyLoss = "token"
+
+    def check(self, config: Any) -> None:
+        """Nothing beyond the config's own checks."""
+
+    def advantages(
+        self, x: AdvantageInputs, settings: AdvantageSettings
+    ) -> tuple[mx.array, mx.array | None]:
+        """(B, T) advantages, each response's R_b - mean(R) on its tokens; no returns."""
+        import mlx.core as mx
+
+        from base_setup.distributed import all_sum
+        from reward_kl.reward_computer import sequence_rewards
+
+        rewards = sequence_rewards(x.scores, x.kl, x.mask, x.kl_coef)  # (B,)
+        # The mean over the global batch: every rank's sequences.
+        total = all_sum(mx.stack([rewards.sum(), mx.array(rewards.size, mx.float32)]), x.group)
+        baseline = total[0] / total[1]
+        return (rewards - baseline)[:, None] * x.mask, None  # (B, T)
+
+
+@pytest.fixture
+def reinforce_mean(monkeypatch: pytest.MonkeyPatch) -> ReinforceMean:
+    """The worked algorithm, registered as the line of algorithms/registry.py would."""
+    algorithm = ReinforceMean()
+    monkeypatch.setitem(ALGORITHMS, algorithm.name, algorithm)
+    return algorithm
+
+
+def naive_advantages(
+    scores: list[float], kl: list[list[float]], mask: list[list[float]], kl_coef: float
+) -> list[list[float]]:
+    rewards = [
+        s - kl_coef * sum(k * m for k, m in zip(row, ms)) for s, row, ms in zip(scores, kl, mask)
+    ]
+    baseline = sum(rewards) / len(rewards)
+    return [[(r - baseline) * m for m in ms] for r, ms in zip(rewards, mask)]
+
+
+def test_the_worked_algorithm_is_the_one_docs_show() -> None:
+    page = (ROOT / "docs" / "algorithms.md").read_text(encoding="utf-8")
+    assert inspect.getsource(ReinforceMean) in page
+    assert "    ReinforceMean(),\n" in page  # its registry line
+
+
+def test_the_worked_algorithms_advantages_equal_the_naive_ones() -> None:
+    scores = [1.0, -0.5, 2.0]
+    kl = [[0.1, 0.2, 0.3], [0.0, -0.1, 0.4], [0.5, 0.5, 0.5]]
+    mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    x = AdvantageInputs(
+        scores=mx.array(scores),
+        kl=mx.array(kl),
+        rewards=mx.zeros((3, 3)),  # not read: the rewards are its own
+        mask=mx.array(mask),
+        values=None,
+        kl_coef=0.5,
+    )
+    settings = ExperienceSettings.from_config(PPOConfig(model_name="m"))
+    advantages, returns = ReinforceMean().advantages(x, settings)
+    assert returns is None
+    np.testing.assert_allclose(
+        np.array(advantages), naive_advantages(scores, kl, mask, 0.5), atol=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_the_worked_algorithm_trains_the_tiny_model(
+    tiny_model_dir: Path, tmp_path: Path, reinforce_mean: ReinforceMean
+) -> None:
+    """Registered by one line, it runs in the trainer: its defaults apply, every trainable
+    parameter moves, and the advantages the update used are the naive ones of the rollout."""
+    cfg = config(tiny_model_dir, tmp_path / "run", algorithm="reinforce_mean", learning_rate=1e-3)
+    assert cfg.num_ppo_epochs == 2  # given by the helper; its default 1 applies where not given
+    assert PPOConfig(model_name="m", algorithm="reinforce_mean").num_ppo_epochs == 1
+    seen: list[RolloutBatch] = []
+
+    class Keep(TrainerCallback):
+        def on_rollout_end(self, trainer: PPOTrainer, step: int, batch: RolloutBatch) -> None:
+            seen.append(batch)
+
+    trainer = PPOTrainer(cfg, reward_model=brevity)
+    assert trainer.value_model is None and trainer.ref_model is not None
+    before = trainable(trainer.policy)
+    trainer.train(review_prompts(cfg.batch_size, seed=0), num_epochs=1, callbacks=[Keep()])
+    assert_all_changed(before, trainable(trainer.policy))
+    (batch,) = seen
+    kl = np.array(batch.logprobs) - np.array(batch.ref_logprobs)  # k1, the default estimator
+    expected = naive_advantages(
+        np.array(batch.scores).tolist(), kl.tolist(), np.array(batch.mask).tolist(), cfg.kl_coef
+    )
+    np.testing.assert_allclose(np.array(batch.advantages), expected, atol=1e-5)
+
+
 # ------------------------------------------------------------------ the registry
 
 
@@ -81,6 +189,19 @@ def test_an_unknown_name_gets_the_closest() -> None:
         get_algorithm(3)
     with pytest.raises(ValueError, match="did you mean 'rloo'"):
         PPOConfig(model_name="m", algorithm="rlooo")
+
+
+def test_a_registered_algorithm_is_a_config_choice(reinforce_mean: ReinforceMean) -> None:
+    config = PPOConfig(model_name="m", algorithm="reinforce_mean")
+    assert config.algorithm_object is reinforce_mean
+    assert config.uses_reference_model and not config.normalizes_reward
+    assert "reinforce_mean" in str(get_algorithm_error("reinforce_meen"))
+
+
+def get_algorithm_error(name: str) -> ValueError:
+    with pytest.raises(ValueError) as info:
+        get_algorithm(name)
+    return info.value
 
 
 # ------------------------------------------------------------------ config by algorithm
