@@ -92,7 +92,7 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 #: A --set example per command, with keys of that command's config.
 _SET_EXAMPLES = {
-    "ppo": "--set kl_coef=0.1 --set algorithm=grpo",
+    "ppo": "--set algorithm=grpo --set group_size=4",
     "sft": "--set learning_rate=2e-5 --set use_lora=true",
     "reward": "--set margin=0.5 --set max_length=512",
     "dpo": "--set beta=0.1 --set loss_type=ipo",
