@@ -189,6 +189,8 @@ def test_an_unknown_name_gets_the_closest() -> None:
         get_algorithm(3)
     with pytest.raises(ValueError, match="did you mean 'rloo'"):
         PPOConfig(model_name="m", algorithm="rlooo")
+    with pytest.raises(ValueError, match=r"algorithm must be one of .*, got \['grpo'\]"):
+        PPOConfig(model_name="m", algorithm=["grpo"])  # type: ignore[arg-type]
 
 
 def test_a_registered_algorithm_is_a_config_choice(reinforce_mean: ReinforceMean) -> None:
@@ -295,6 +297,8 @@ def test_the_algorithm_section_is_the_same_run_as_the_flat_keys(tmp_path: Path) 
         ("  name: grpo\n  vf_coef: 0.2\n", "vf_coef in section 'algorithm' does not apply to "),
         ("  name: grpo\n  gamma: 0.9\n", "--kind grpo` lists what does"),
         ("  name: ppo\n  beta: 0.1\n", "beta in section 'algorithm' does not apply to"),
+        # TRL's name of a GRPO-only key.
+        ("  name: rloo\n  scale_rewards: false\n", "scale_rewards in section 'algorithm' does"),
         ("  group_size: 4\n", "section 'algorithm' must name the algorithm"),
         ("  name: gpro\n", "did you mean 'grpo'"),
     ],
