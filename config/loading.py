@@ -36,12 +36,12 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
-from algorithms.registry import algorithm_keys, get_algorithm
 from config._fields import coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig
 from config.trl_names import TRL_ALIASES, from_trl_value
+from algorithms.registry import algorithm_keys, get_algorithm
 
 C = TypeVar("C")
 

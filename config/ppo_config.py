@@ -8,12 +8,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from algorithms.base import Algorithm as AlgorithmObject
-from algorithms.registry import ALGORITHMS, get_algorithm
 from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
 from config.agent_config import AgentConfig
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
+from algorithms.base import Algorithm as AlgorithmObject
+from algorithms.registry import ALGORITHMS, get_algorithm
 
 #: An algorithm's name: a key of :data:`algorithms.registry.ALGORITHMS`.
 Algorithm = str
