@@ -4,7 +4,7 @@ script translated or refused.
 A recipe copied from TRL's ``GRPOConfig`` loads as it is: ``num_generations: 8`` is our
 ``group_size: 8``, and so on (:data:`TRL_ALIASES`, in config files and ``--set`` too). A GRPO
 run's fields that a config does not set take TRL's GRPO defaults however the config is built
-(:data:`config.ppo_config.ALGORITHM_DEFAULTS`). ``beta`` is a field of ours with TRL's meaning
+(the ``defaults`` of :mod:`algorithms.grpo`). ``beta`` is a field of ours with TRL's meaning
 (GRPO's KL weight).
 
 In Python, :func:`GRPOConfig` and :func:`RLOOConfig` take the rest of what a TRL script sets

@@ -83,7 +83,6 @@ from ppo_trainer.components import (
     vocab_size,
 )
 from ppo_trainer.experience import (
-    KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
     penalized_scores,
@@ -551,7 +550,7 @@ class PPOTrainer:
         if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
             sums = agent_count_sums(rollout.agent_counts)
             metrics.update(agent_metrics_over_ranks(sums, self.group))
-        if cfg.algorithm in KL_IN_REWARD:  # GRPO's KL weight is beta, in its loss
+        if cfg.algorithm_object.kl_in_reward:  # else its KL weight is beta, in its loss
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
             metrics["objective/kl_coef"] = float(self.kl_ctl.value)
         t_end = time.perf_counter()
