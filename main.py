@@ -216,6 +216,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    """``train`` with ``algorithm: distill`` and the teacher of ``--teacher`` (over what
+    ``--config`` and ``--set`` say of both)."""
+    for item in args.overrides:
+        key = item.partition("=")[0].strip()
+        if key in ("algorithm", "teacher_model_name", "algorithm.name"):
+            raise SystemExit(
+                f"distill sets {key} itself (--teacher for the teacher): drop --set {item}"
+            )
+    args.overrides = [*args.overrides, "algorithm=distill", f"teacher_model_name={args.teacher}"]
+    return cmd_train(args)
+
+
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from config.ppo_config import PPOConfig
 
@@ -509,6 +522,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", help=RESUME_HELP)
     _add_overwrite_arg(train)
     train.set_defaults(func=cmd_train)
+
+    distill = sub.add_parser(
+        "distill",
+        help="on-policy distillation: the student samples, a teacher scores each token",
+    )
+    _add_config_args(distill)
+    _add_reward_arg(distill)
+    distill.add_argument(
+        "--teacher", required=True, help="the teacher: a model folder or Hub id, same tokenizer"
+    )
+    distill.add_argument("--prompts", required=True, help="as for train")
+    distill.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
+    distill.add_argument("--resume", help=RESUME_HELP)
+    _add_overwrite_arg(distill)
+    distill.set_defaults(func=cmd_distill)
 
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
     _add_config_args(evaluate)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 
 from algorithms.base import Algorithm
+from algorithms.distill import Distill
 from algorithms.grpo import GRPO
 from algorithms.ppo import PPO
 from algorithms.reinforce_pp import ReinforcePP
@@ -21,6 +22,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         RLOO(),
         ReinforcePP(),
         ReinforcePPBaseline(),
+        Distill(),
     )
 }
 

@@ -86,6 +86,9 @@ class ModelConfig(LoraConfig):
             starts from these weights.
         sft_model_name: Local directory or repo id of the frozen reference (SFT) model that the KL
             penalty is measured against; None = the same weights as model_name.
+        teacher_model_name: algorithm "distill": local directory or repo id of the frozen
+            teacher (4-bit allowed; the same tokenizer as model_name), which takes the
+            reference's place: the KL is measured against it.
         reward_model_name: Local directory or repo id of a *ForSequenceClassification checkpoint
             (one score per sequence); None = no reward model, so the trainer must be given a
             reward function.
@@ -116,6 +119,7 @@ class ModelConfig(LoraConfig):
 
     model_name: str
     sft_model_name: str | None = None
+    teacher_model_name: str | None = None
     reward_model_name: str | None = None
     value_model_name: str | None = None
     value_init: ValueInit = "reward"
@@ -127,7 +131,12 @@ class ModelConfig(LoraConfig):
         LoraConfig.__post_init__(self)
         check_field_types(self, ModelConfig)
         require_model_name(self.model_name)
-        for name in ("sft_model_name", "reward_model_name", "value_model_name"):
+        for name in (
+            "sft_model_name",
+            "teacher_model_name",
+            "reward_model_name",
+            "value_model_name",
+        ):
             value = getattr(self, name)
             require(
                 value is None or bool(value.strip()),
@@ -171,7 +180,10 @@ class ModelConfig(LoraConfig):
 
     @property
     def ref_model_name(self) -> str:
-        """Path or repo id of the reference model: ``sft_model_name``, else ``model_name``."""
+        """Path or repo id of the reference model: ``teacher_model_name`` (distillation), else
+        ``sft_model_name``, else ``model_name``."""
+        if self.teacher_model_name is not None:
+            return self.teacher_model_name
         return self.sft_model_name if self.sft_model_name is not None else self.model_name
 
     @property

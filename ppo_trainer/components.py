@@ -234,6 +234,34 @@ def check_reward_adapters(config: ModelConfig) -> None:
         )
 
 
+def no_score(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:
+    """Score 0 for every completion: the reward of a distillation run without one (the
+    teacher's per-token term is its whole signal)."""
+    return [0.0] * len(completions)
+
+
+def check_teacher_tokenizer(student_tokenizer: Any, student: str, teacher: str) -> None:
+    """Raise ``ValueError`` before the teacher's weights load unless its tokenizer maps every
+    string to the student's ids: distillation compares both models' log-probs of the student's
+    token ids, which another vocabulary would silently misalign."""
+    from base_setup.tokenizer_setup import load_tokenizer
+    from models.policy_model import resolve_model_path
+
+    teacher_tokenizer = load_tokenizer(resolve_model_path(teacher))
+    ours, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
+    if ours != theirs:
+        only_ours = sorted(set(ours) - set(theirs))[:3]
+        only_theirs = sorted(set(theirs) - set(ours))[:3]
+        moved = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])[:3]
+        raise ValueError(
+            f"the teacher {teacher} has another vocabulary than the student {student} "
+            f"({len(theirs)} tokens against {len(ours)}; only the student's: {only_ours}, only "
+            f"the teacher's: {only_theirs}, other ids: {moved}): distillation compares the "
+            "two models' log-probs of the same token ids, so the teacher must use the "
+            "student's tokenizer (a model of the same family)"
+        )
+
+
 def build_models(
     config: PPOConfig,
     *,
@@ -281,6 +309,8 @@ def build_models(
     fast = config.fast_math and not config.plain_mlx
     policy = policy or load_policy(config, plain=config.plain_mlx)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
+    if config.teacher_model_name is not None and ref_model is None:
+        check_teacher_tokenizer(policy.tokenizer, config.model_name, config.teacher_model_name)
     if ref_model is None and config.uses_reference_model:
         if config.use_lora and config.ref_model_name == config.model_name:
             # Same base weights with the adapters switched off: no second copy in memory.
@@ -311,6 +341,8 @@ def build_models(
         reward_model = RewardModel.from_pretrained(
             config.reward_model_name, dtype=config.dtype, fast_math=fast
         )
+    elif config.teacher_model_name is not None:
+        reward_fn = no_score  # distillation alone: the teacher's log-probs are the signal
     elif not custom_scores:
         raise ValueError(
             "no reward: pass reward_model=<RewardModel or function (prompts, completions, "

@@ -125,7 +125,7 @@ def run_inputs(config: PPOConfig, reward: str | None) -> dict[str, str | None]:
     description, as its checkpoints record them (:mod:`training.fingerprints`)."""
     return {
         "model": model_fingerprint(config.model_name),
-        "ref_model": model_fingerprint(config.sft_model_name),
+        "ref_model": model_fingerprint(config.teacher_model_name or config.sft_model_name),
         "value_model": model_fingerprint(config.value_model_name),
         "reward": reward,
     }

@@ -160,7 +160,14 @@ def test_the_worked_algorithm_trains_the_tiny_model(
 
 
 def test_every_algorithm_is_found_by_its_name_and_declares_config_fields() -> None:
-    assert list(ALGORITHMS) == ["ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert list(ALGORITHMS) == [
+        "ppo",
+        "grpo",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "distill",
+    ]
     for name, algorithm in ALGORITHMS.items():
         assert get_algorithm(name) is algorithm and algorithm.name == name
         assert algorithm.keys <= FIELDS, name
@@ -256,8 +263,14 @@ def test_the_configuration_page_marks_each_algorithms_keys_and_defaults() -> Non
     assert set(keys) == FIELDS  # the page lists every key
     assert keys["vf_coef"].algorithms == ("ppo",)
     assert keys["temperature"].algorithms is None
-    assert keys["temperature"].algorithm_defaults == (("grpo", "1.0"),)
-    assert keys["kl_coef"].algorithms == ("ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    assert keys["temperature"].algorithm_defaults == (("grpo", "1.0"), ("distill", "1.0"))
+    assert keys["kl_coef"].algorithms == (
+        "ppo",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "distill",
+    )
 
 
 # ------------------------------------------------------------------ the algorithm section
