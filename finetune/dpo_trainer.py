@@ -39,9 +39,10 @@ from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from finetune.records import load_preference_data
 from finetune.sft_trainer import load_policy
-from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_stage
+from finetune.supervised_trainer import SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
+from training.callbacks import CallbackLike
 from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope
 from training.checkpoint import atomic_directory, check_save_target
@@ -254,7 +255,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
-        callbacks: Sequence[StageCallback] = (),
+        callbacks: Sequence[CallbackLike] = (),
     ) -> list[dict[str, Any]]:
         self._resuming = resume_from is not None  # the reference cache is read on resume only
         return super().train(train_data, eval_data, resume_from, callbacks)

@@ -11,7 +11,7 @@ checkpoints and metrics.
    accumulation gives the gradient of the whole batch; clipping, one update, one ``mx.eval``;
 4. evaluation on the held-out data (before the first step, every ``eval_every`` steps, after
    the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps, and
-   the hooks of the run's :class:`StageCallback` objects;
+   the hooks of the run's :class:`~training.callbacks.TrainerCallback` objects;
 5. ``training_curves.png``.
 
 :class:`finetune.sft_trainer.SFTTrainer` and :class:`finetune.reward_trainer.RewardTrainer` fill
@@ -58,6 +58,7 @@ from config._fields import divisors
 from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
+from training.callbacks import CallbackLike, TrainerCallback, as_callbacks
 from training.checkpoint import (
     resolve_on_all_ranks,
     CheckpointManager,
@@ -237,32 +238,9 @@ def run_stage(
         return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR, overwrite=True)
 
 
-class StageCallback:
-    """Hooks of a fine-tuning stage's loop (SFT, reward model, DPO), as PPO's
-    ``TrainerCallback``; override the ones you need, every default does nothing. ``step`` counts
-    optimiser steps from 1; a hook may call ``trainer.request_stop()`` to stop early (the run
-    saves a checkpoint and can be resumed)."""
-
-    def on_train_begin(self, trainer: SupervisedTrainer[Any, Any]) -> None:
-        """Called once before the first step (after a resume has restored the state)."""
-
-    def on_step_end(
-        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, Any]
-    ) -> None:
-        """Called after each optimiser step with its metrics (and the evaluation's, if due)."""
-
-    def on_evaluate(
-        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, float]
-    ) -> None:
-        """Called after each evaluation on the held-out data (``eval/...`` metrics)."""
-
-    def on_save(self, trainer: SupervisedTrainer[Any, Any], step: int, path: Path) -> None:
-        """Called after a checkpoint has been written (atomically) to ``path``."""
-
-    def on_train_end(
-        self, trainer: SupervisedTrainer[Any, Any], history: list[dict[str, Any]]
-    ) -> None:
-        """Called once at the end of ``train`` (also after a stop that saved a checkpoint)."""
+#: The callback type of the fine-tuning stages: the one of every stage,
+#: :class:`training.callbacks.TrainerCallback` (kept under this name for existing code).
+StageCallback = TrainerCallback
 
 
 class SupervisedTrainer(Generic[E, B]):
@@ -311,7 +289,7 @@ class SupervisedTrainer(Generic[E, B]):
         self._num_train_examples: int | None = None
         self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
         self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
-        self.callbacks: list[StageCallback] = []  # those of the current train() call
+        self.callbacks: list[TrainerCallback] = []  # those of the current train() call
         self._stop: StopSignals | None = None  # the current train() call's
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
         # What the run reads besides its settings, recorded and compared on resume (train() adds
@@ -349,7 +327,7 @@ class SupervisedTrainer(Generic[E, B]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
-        callbacks: Sequence[StageCallback] = (),
+        callbacks: Sequence[CallbackLike] = (),
     ) -> list[dict[str, Any]]:
         """Train on ``train_data`` for the configured epochs/steps; returns the metrics history.
 
@@ -359,7 +337,8 @@ class SupervisedTrainer(Generic[E, B]):
                 steps and after the last; None = no evaluation.
             resume_from: a checkpoint directory or ``"latest"`` (the newest under
                 ``<output_dir>/checkpoints``): continue where it stopped.
-            callbacks: :class:`StageCallback` objects whose hooks the loop calls.
+            callbacks: :class:`~training.callbacks.TrainerCallback` objects whose hooks the loop
+                calls, and/or plain ``fn(epoch, metrics)``.
         """
         # One writer per run folder (rank 0), before anything is removed.
         lock = _main_process_only(
@@ -375,7 +354,7 @@ class SupervisedTrainer(Generic[E, B]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None,
         resume_from: str | Path | None,
-        callbacks: Sequence[StageCallback],
+        callbacks: Sequence[CallbackLike],
     ) -> list[dict[str, Any]]:
         cfg = self.config
         if resume_from is None and self.global_step > 0:  # would empty the folder, train nothing
@@ -384,7 +363,7 @@ class SupervisedTrainer(Generic[E, B]):
                 "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
                 "build a new trainer"
             )
-        self.callbacks = list(callbacks)
+        self.callbacks = as_callbacks(callbacks)
 
         def check_run_dir(held: contextlib.ExitStack) -> None:
             prepare_run_dir(
