@@ -130,7 +130,7 @@ from ppo_trainer.run_state import (
     save_models,
     save_trainer_state,
 )
-from ppo_trainer.run_loop import TrainingRun
+from ppo_trainer.run_loop import RLStage
 from ppo_trainer.sft_mix import load_sft_mix
 from ppo_trainer.update import (
     Learner,
@@ -879,7 +879,7 @@ class PPOTrainer:
         Ctrl-C, SIGTERM or SIGHUP stops after the current step and saves a checkpoint
         (:attr:`stop_reason` says which); a second one interrupts at once.
         """
-        return TrainingRun(self, prompts, num_epochs, callbacks, eval_prompts).run(resume_from)
+        return RLStage(self, prompts, num_epochs, eval_prompts).train(callbacks, resume_from)
 
     def request_stop(self, reason: str = "requested by a callback") -> None:
         """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
