@@ -9,9 +9,10 @@ reference's log-probs are computed once, before the first step, and cached in
 separately loaded reference is dropped before training, so it holds no memory while the policy
 trains. With LoRA the reference is the policy with its adapters off (no second copy).
 
-The loop, checkpoints, exact resume, signals, metrics and curves are
-:class:`finetune.supervised_trainer.SupervisedTrainer`'s; the saved model is a full model directory
-(LoRA merged), like SFT's, which ``generate``, ``chat``, ``export`` and PPO load.
+The loop, checkpoints, exact resume, signals, metrics and curves are those of every stage
+(:class:`training.loop.TrainingLoop`, through
+:class:`finetune.supervised_trainer.SupervisedTrainer`); the saved model is a full model
+directory (LoRA merged), like SFT's, which ``generate``, ``chat``, ``export`` and PPO load.
 
 ::
 

@@ -266,8 +266,8 @@ class SupervisedTrainer(Generic[E, B]):
     epoch = InRunState[int]()
     batch_in_epoch = InRunState[int]("step_in_epoch")
     history = InRunState[list[dict[str, Any]]]()
-    blas_threads = InRunState["int | None"]()
-    stop_reason = InRunState["str | None"]()
+    blas_threads = InRunState[int | None]()
+    stop_reason = InRunState[str | None]()
     callbacks = InRunState[list[TrainerCallback]]()
 
     def __init__(self, config: FineTuneConfig, model: nn.Module) -> None:
@@ -520,13 +520,6 @@ class SupervisedTrainer(Generic[E, B]):
             path, state["config"], config_to_dict(self.config), [schedule_note, world_note]
         )
 
-    def _check_same_weights(self, moment: str) -> None:
-        """Raise on every rank unless every rank holds the same weights and optimiser state."""
-        tree: dict[str, Any] = {"model": self.model.parameters()}
-        if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state
-        dist.check_same_weights(tree, f"the trained state {moment}", self.group)
-
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""
         return ()
@@ -640,5 +633,9 @@ class SupervisedStage(Generic[E, B]):
     def save_checkpoint(self) -> Path:
         return self.trainer.save_checkpoint()
 
-    def check_same_weights(self, moment: str) -> None:
-        self.trainer._check_same_weights(moment)
+    def trained_state(self) -> dict[str, Any]:
+        t = self.trainer
+        tree: dict[str, Any] = {"model": t.model.parameters()}
+        if t.optimizer is not None:
+            tree["optimizer"] = t.optimizer.state
+        return tree

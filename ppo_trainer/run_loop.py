@@ -30,7 +30,7 @@ from ppo_trainer.agent_rollout import AgentRun
 from ppo_trainer.prompt_records import Columns, PromptInput
 from ppo_trainer.rollout import SamplingSettings
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
-from ppo_trainer.run_state import RunState, Trained, check_same_weights, ensure_optimizers
+from ppo_trainer.run_state import RunState, Trained, ensure_optimizers, trained_tree
 from training.callbacks import CallbackLike, as_callbacks
 from training.checkpoint import CheckpointManager
 from training.fingerprints import data_fingerprint
@@ -243,9 +243,8 @@ class RLStage:
     def save_checkpoint(self) -> Path:
         return self.trainer.save_checkpoint()
 
-    def check_same_weights(self, moment: str) -> None:
-        t = self.trainer
-        check_same_weights(t.run, t.trained, moment, t.group)
+    def trained_state(self) -> dict[str, Any]:
+        return trained_tree(self.trainer.run, self.trainer.trained)
 
     def _next_batch(self) -> list[PromptInput]:
         """The prompts of the next step (see :meth:`_batch_at`)."""

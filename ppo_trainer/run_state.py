@@ -13,7 +13,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
@@ -270,13 +269,13 @@ def checkpointed(
     return models, optimizers
 
 
-def check_same_weights(state: RunState, trained: Trained, moment: str, group: Any) -> None:
-    """Raise on every rank of ``group`` unless every rank holds the same models and optimiser
-    states."""
+def trained_tree(state: RunState, trained: Trained) -> dict[str, Any]:
+    """The models' weights and the optimiser states, by name (what every rank of a
+    data-parallel run must hold alike)."""
     models, optimizers = checkpointed(state, trained)
     tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
     tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
-    dist.check_same_weights(tree, f"the trained state {moment}", group)
+    return tree
 
 
 def save_trainer_state(

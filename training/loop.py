@@ -190,8 +190,8 @@ class Stage(Protocol):
     def save_checkpoint(self) -> Path:
         """Write the run's checkpoint at this step (rank 0); fires ``on_save``."""
 
-    def check_same_weights(self, moment: str) -> None:
-        """Raise on every rank unless every rank holds the same trained state."""
+    def trained_state(self) -> dict[str, Any]:
+        """The weights and optimiser states, by name, that every rank must hold alike."""
 
 
 class TrainingLoop:
@@ -230,7 +230,7 @@ class TrainingLoop:
             resume_step = self._resume(resume_from, total, steps_per_epoch)
         else:
             state.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
-        s.check_same_weights("at the start of training")
+        self._check_same_weights("at the start of training")
         run_log = RunLog(
             s.run_dir,
             s.config,
@@ -245,7 +245,7 @@ class TrainingLoop:
             self._steps(total, steps_per_epoch, run_log, resumed=resume_step is not None)
         # 3. After them.
         state.stop_reason = state.stop.reason
-        s.check_same_weights("at the end of training")
+        self._check_same_weights("at the end of training")
         if s.final_eval_file and s.has_eval and not state.stop.requested:
             final = self._evaluate()
             if s.is_main_process:
@@ -332,6 +332,12 @@ class TrainingLoop:
         for cb in self.callbacks:
             cb.on_evaluate(s.trainer, s.state.global_step, metrics)
         return metrics
+
+    def _check_same_weights(self, moment: str) -> None:
+        """Raise on every rank unless every rank holds the same trained state (data
+        parallelism: the ranks' updates must agree)."""
+        s = self.stage
+        dist.check_same_weights(s.trained_state(), f"the trained state {moment}", s.group)
 
     def _check_run_dir(self, resuming: bool) -> None:
         """Rank 0 locks the run folder (held until the run ends) and checks it: a fresh run must
