@@ -250,6 +250,9 @@ class SupervisedTrainer(Generic[E, B]):
     Attributes:
         group: the ``mx.distributed`` group of the launched processes; ``world_size``, ``rank``
             and ``is_main_process`` (rank 0, the one that writes files) describe it.
+        run: what a run changes (:class:`~training.loop.LoopState`); ``global_step``,
+            ``epoch``, ``batch_in_epoch`` (its ``step_in_epoch``), ``history``,
+            ``blas_threads``, ``stop_reason`` and ``callbacks`` are its fields.
         global_step: optimiser steps taken.
         epoch: the current pass over the training data (0-based).
         batch_in_epoch: batches of the current epoch already trained on.
