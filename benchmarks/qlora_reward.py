@@ -67,11 +67,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from base_setup.lora_setup import LoraSettings, apply_lora, is_quantized_layer
     from config.reward_config import RewardConfig
     from finetune.reward_trainer import RewardTrainer
-    from finetune.supervised_trainer import StageCallback
+    from training.callbacks import TrainerCallback
     from fixtures.demo_data import preference_records
     from models.reward_model import RewardModel
 
-    class StepTimes(StageCallback):
+    class StepTimes(TrainerCallback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
 

@@ -9,9 +9,10 @@ reference's log-probs are computed once, before the first step, and cached in
 separately loaded reference is dropped before training, so it holds no memory while the policy
 trains. With LoRA the reference is the policy with its adapters off (no second copy).
 
-The loop, checkpoints, exact resume, signals, metrics and curves are
-:class:`finetune.supervised_trainer.SupervisedTrainer`'s; the saved model is a full model directory
-(LoRA merged), like SFT's, which ``generate``, ``chat``, ``export`` and PPO load.
+The loop, checkpoints, exact resume, signals, metrics and curves are those of every stage
+(:class:`training.loop.TrainingLoop`, through
+:class:`finetune.supervised_trainer.SupervisedTrainer`); the saved model is a full model
+directory (LoRA merged), like SFT's, which ``generate``, ``chat``, ``export`` and PPO load.
 
 ::
 
@@ -39,9 +40,10 @@ from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from finetune.records import load_preference_data
 from finetune.sft_trainer import load_policy
-from finetune.supervised_trainer import StageCallback, SupervisedTrainer, run_stage
+from finetune.supervised_trainer import SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
 from token_attribution.logprob_computer import selective_log_softmax
+from training.callbacks import CallbackLike
 from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope
 from training.checkpoint import atomic_directory, check_save_target
@@ -254,7 +256,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
-        callbacks: Sequence[StageCallback] = (),
+        callbacks: Sequence[CallbackLike] = (),
     ) -> list[dict[str, Any]]:
         self._resuming = resume_from is not None  # the reference cache is read on resume only
         return super().train(train_data, eval_data, resume_from, callbacks)

@@ -1,23 +1,26 @@
-"""The loop that SFT and reward-model training share: batches, optimiser steps, evaluation,
-checkpoints and metrics.
+"""The fine-tuning stages (SFT, reward model, DPO): what they share of the one training loop
+(:class:`training.loop.TrainingLoop`), which runs them as it runs PPO.
 
-:meth:`SupervisedTrainer.train` reads top to bottom:
+:meth:`SupervisedTrainer.train` runs a :class:`SupervisedStage` in the loop:
 
-1. tokenise the training and held-out data (:meth:`~SupervisedTrainer.prepare`);
-2. build AdamW with a warm-up + decay schedule over the run's steps, and resume from a checkpoint;
-3. each step: the epoch's next length-bucketed batch, split into micro-batches; per micro-batch
-   ``nn.value_and_grad`` of :meth:`~SupervisedTrainer.loss_fn` (which calls the model), the
-   gradients weighted by the micro-batch's share of the batch's targets (tokens or pairs), so
-   accumulation gives the gradient of the whole batch; clipping, one update, one ``mx.eval``;
-4. evaluation on the held-out data (before the first step, every ``eval_every`` steps, after
-   the last), ``metrics.jsonl``, the progress bar, a checkpoint every ``save_every`` steps, and
-   the hooks of the run's :class:`StageCallback` objects;
+1. the training and held-out records are read once, fingerprinted, and tokenised
+   (:meth:`~SupervisedTrainer.prepare`), after the loop has locked and checked the run folder;
+2. AdamW with a warm-up + decay schedule over the run's steps; the loop resumes a checkpoint;
+3. each step (:meth:`SupervisedTrainer.step`): the epoch's next length-bucketed batch, split into
+   micro-batches; per micro-batch ``nn.value_and_grad`` of :meth:`~SupervisedTrainer.loss_fn`
+   (which calls the model), the gradients weighted by the micro-batch's share of the batch's
+   targets (tokens or pairs), so accumulation gives the gradient of the whole batch; clipping,
+   one update, one ``mx.eval``;
+4. the loop's: evaluation on the held-out data (before the first step, every ``eval_every``
+   steps, after the last), ``metrics.jsonl``, the progress bar, a checkpoint every
+   ``save_every`` steps, signals, and the hooks of the run's
+   :class:`~training.callbacks.TrainerCallback` objects (``StageCallback`` is the same class);
 5. ``training_curves.png``.
 
-:class:`finetune.sft_trainer.SFTTrainer` and :class:`finetune.reward_trainer.RewardTrainer` fill
-in the task: :meth:`~SupervisedTrainer.prepare`, :meth:`~SupervisedTrainer.collate`,
-:meth:`~SupervisedTrainer.loss_fn`, :meth:`~SupervisedTrainer.evaluate` and
-:meth:`~SupervisedTrainer.save_pretrained`.
+:class:`finetune.sft_trainer.SFTTrainer`, :class:`finetune.reward_trainer.RewardTrainer` and
+:class:`finetune.dpo_trainer.DPOTrainer` fill in the task: :meth:`~SupervisedTrainer.prepare`,
+:meth:`~SupervisedTrainer.collate`, :meth:`~SupervisedTrainer.loss_fn`,
+:meth:`~SupervisedTrainer.evaluate` and :meth:`~SupervisedTrainer.save_pretrained`.
 
 A resumed run continues exactly: the data order of an epoch is a function of ``(seed, epoch)``,
 dropout is seeded from ``(seed, step)``, and a checkpoint holds the trainable weights, the
@@ -58,8 +61,8 @@ from config._fields import divisors
 from config.loading import config_to_dict
 from config.sft_config import FineTuneConfig
 from experience_buffer.buffer import split_micro_batches
+from training.callbacks import CallbackLike, TrainerCallback, as_callbacks
 from training.checkpoint import (
-    resolve_on_all_ranks,
     CheckpointManager,
     check_resume_config,
     load_training_state,
@@ -69,19 +72,14 @@ from training.checkpoint import (
 from finetune.records import train_eval_split
 from training.fingerprints import check_same_inputs, data_fingerprint, model_fingerprint
 from finetune.tokenize import length_bucketed_batches
+from training.loop import InRunState, LoopState, TrainingLoop
 from training.optimizer import SchedulePlan, make_adamw, optimizer_step, resumed_plan
 from training.run_control import (
-    RunLog,
-    StopSignals,
     TrainingStopped,
     check_extension_trains,
-    check_resume_source,
-    continue_timeline,
     in_run_scope,
     prepare_run_dir,
-    remove_run_leftovers,
     run_lock,
-    save_after_failure,
 )
 
 logger = logging.getLogger("ppo_mlx")
@@ -237,32 +235,9 @@ def run_stage(
         return trainer.save_pretrained(Path(config.output_dir) / MODEL_DIR, overwrite=True)
 
 
-class StageCallback:
-    """Hooks of a fine-tuning stage's loop (SFT, reward model, DPO), as PPO's
-    ``TrainerCallback``; override the ones you need, every default does nothing. ``step`` counts
-    optimiser steps from 1; a hook may call ``trainer.request_stop()`` to stop early (the run
-    saves a checkpoint and can be resumed)."""
-
-    def on_train_begin(self, trainer: SupervisedTrainer[Any, Any]) -> None:
-        """Called once before the first step (after a resume has restored the state)."""
-
-    def on_step_end(
-        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, Any]
-    ) -> None:
-        """Called after each optimiser step with its metrics (and the evaluation's, if due)."""
-
-    def on_evaluate(
-        self, trainer: SupervisedTrainer[Any, Any], step: int, metrics: dict[str, float]
-    ) -> None:
-        """Called after each evaluation on the held-out data (``eval/...`` metrics)."""
-
-    def on_save(self, trainer: SupervisedTrainer[Any, Any], step: int, path: Path) -> None:
-        """Called after a checkpoint has been written (atomically) to ``path``."""
-
-    def on_train_end(
-        self, trainer: SupervisedTrainer[Any, Any], history: list[dict[str, Any]]
-    ) -> None:
-        """Called once at the end of ``train`` (also after a stop that saved a checkpoint)."""
+#: The callback type of the fine-tuning stages: the one of every stage,
+#: :class:`training.callbacks.TrainerCallback` (kept under this name for existing code).
+StageCallback = TrainerCallback
 
 
 class SupervisedTrainer(Generic[E, B]):
@@ -275,6 +250,9 @@ class SupervisedTrainer(Generic[E, B]):
     Attributes:
         group: the ``mx.distributed`` group of the launched processes; ``world_size``, ``rank``
             and ``is_main_process`` (rank 0, the one that writes files) describe it.
+        run: what a run changes (:class:`~training.loop.LoopState`); ``global_step``,
+            ``epoch``, ``batch_in_epoch`` (its ``step_in_epoch``), ``history``,
+            ``blas_threads``, ``stop_reason`` and ``callbacks`` are its fields.
         global_step: optimiser steps taken.
         epoch: the current pass over the training data (0-based).
         batch_in_epoch: batches of the current epoch already trained on.
@@ -287,6 +265,14 @@ class SupervisedTrainer(Generic[E, B]):
     #: Metric key of the training loss.
     loss_key = "loss/train"
 
+    global_step = InRunState[int]()
+    epoch = InRunState[int]()
+    batch_in_epoch = InRunState[int]("step_in_epoch")
+    history = InRunState[list[dict[str, Any]]]()
+    blas_threads = InRunState[int | None]()
+    stop_reason = InRunState[str | None]()
+    callbacks = InRunState[list[TrainerCallback]]()
+
     def __init__(self, config: FineTuneConfig, model: nn.Module) -> None:
         self.config = config
         self.model = model
@@ -298,10 +284,9 @@ class SupervisedTrainer(Generic[E, B]):
         check_data_parallel_config(config, self.group)
         if config.gradient_checkpointing:
             checkpoint_blocks(model)
-        self.global_step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self.history: list[dict[str, Any]] = []
+        # What the run changes (counters, history, stop request, callbacks), which the loop
+        # (training.loop.TrainingLoop) shares with the step; global_step, epoch, ... are its fields.
+        self.run = LoopState()
         self.run_dir = Path(config.output_dir)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
@@ -309,10 +294,6 @@ class SupervisedTrainer(Generic[E, B]):
         self.optimizer: optim.Optimizer | None = None
         self._schedule_plan: SchedulePlan | None = None  # the learning rate's, set by train()
         self._num_train_examples: int | None = None
-        self.blas_threads: int | None = None  # OpenBLAS threads of this run (run_blas_threads)
-        self.stop_reason: str | None = None  # after train(): why it stopped early, if it did
-        self.callbacks: list[StageCallback] = []  # those of the current train() call
-        self._stop: StopSignals | None = None  # the current train() call's
         self._value_and_grad = nn.value_and_grad(self.model, self.loss_fn)
         # What the run reads besides its settings, recorded and compared on resume (train() adds
         # the data's).
@@ -349,7 +330,7 @@ class SupervisedTrainer(Generic[E, B]):
         train_data: Iterable[Mapping[str, Any]],
         eval_data: Iterable[Mapping[str, Any]] | None = None,
         resume_from: str | Path | None = None,
-        callbacks: Sequence[StageCallback] = (),
+        callbacks: Sequence[CallbackLike] = (),
     ) -> list[dict[str, Any]]:
         """Train on ``train_data`` for the configured epochs/steps; returns the metrics history.
 
@@ -359,146 +340,11 @@ class SupervisedTrainer(Generic[E, B]):
                 steps and after the last; None = no evaluation.
             resume_from: a checkpoint directory or ``"latest"`` (the newest under
                 ``<output_dir>/checkpoints``): continue where it stopped.
-            callbacks: :class:`StageCallback` objects whose hooks the loop calls.
+            callbacks: :class:`~training.callbacks.TrainerCallback` objects whose hooks the loop
+                calls, and/or plain ``fn(epoch, metrics)``.
         """
-        # One writer per run folder (rank 0), before anything is removed.
-        lock = _main_process_only(
-            self.group,
-            f"locking output_dir {self.run_dir}",
-            lambda held: held.enter_context(run_lock(self.run_dir)),
-        )
-        with lock:
-            return self._train(train_data, eval_data, resume_from, callbacks)
-
-    def _train(
-        self,
-        train_data: Iterable[Mapping[str, Any]],
-        eval_data: Iterable[Mapping[str, Any]] | None,
-        resume_from: str | Path | None,
-        callbacks: Sequence[StageCallback],
-    ) -> list[dict[str, Any]]:
-        cfg = self.config
-        if resume_from is None and self.global_step > 0:  # would empty the folder, train nothing
-            raise ValueError(
-                f"this trainer has already trained {self.global_step} steps: to go on, call "
-                "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
-                "build a new trainer"
-            )
-        self.callbacks = list(callbacks)
-
-        def check_run_dir(held: contextlib.ExitStack) -> None:
-            prepare_run_dir(
-                self.run_dir,
-                resuming=resume_from is not None,
-                overwrite=cfg.overwrite_output_dir,
-                log_with=cfg.log_with,
-            )
-            remove_run_leftovers(self.run_dir)
-
-        _main_process_only(self.group, f"checking output_dir {self.run_dir}", check_run_dir)
-        # 1. Tokenise (every record is checked before any training).
-        records = [dict(r) for r in train_data]  # read once: fingerprinted, then tokenised
-        self.inputs["data"] = data_fingerprint(records)  # the records, not settings' effects
-        held_out = [dict(r) for r in eval_data] if eval_data is not None else None
-        dist.check_same_on_all_ranks(
-            json.dumps([self.inputs["data"], held_out and data_fingerprint(held_out)]).encode(),
-            "the training or held-out data",
-            "give every rank the same data: each rank takes its share of the same batches",
-            self.group,
-        )
-        if resume_from is not None:  # before prepare(): DPO's reference pass costs minutes
-            self._check_resume_inputs(resume_from)
-        examples = self.prepare(records)
-        eval_examples = self.prepare(held_out) if held_out is not None else []
-        self._num_train_examples = len(examples)
-        lengths = [len(e) for e in examples]
-        total, steps_per_epoch = self._run_length(len(examples))
-
-        # 2. Optimiser over the run's length; resume.
-        self._schedule_plan = SchedulePlan(
-            cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total
-        )
-        self.optimizer = self._make_optimizer(self._schedule_plan)
-        resume_step = None
-        if resume_from is not None:
-            resume_step = self._resume(resume_from)
-        else:
-            self.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
-        self._check_same_weights("at the start of training")
-        last_saved = self.global_step if resume_step is not None else -1
-        run_log = RunLog(
-            self.run_dir,
-            cfg,
-            total=total,
-            initial=self.global_step,
-            desc=self.name,
-            writes=self.is_main_process,
-            resume_step=resume_step,
-        )
-        stop = StopSignals()  # Ctrl-C / SIGTERM: finish the step, save, return (stop_reason)
-        self._stop = stop
-        with stop, run_log:
-            try:
-                for cb in self.callbacks:
-                    cb.on_train_begin(self)
-                if eval_examples and cfg.eval_every and self.global_step == 0:
-                    record: dict[str, Any] = {"step": 0, **self.evaluate(eval_examples)}
-                    self.history.append(record)
-                    run_log.write(0, record)
-                    for cb in self.callbacks:
-                        cb.on_evaluate(self, 0, {k: v for k, v in record.items() if k != "step"})
-                batches: list[list[int]] = []
-                batches_epoch = -1
-                # 3. Steps.
-                while self.global_step < total and not stop.requested:
-                    if batches_epoch != self.epoch:
-                        batches = length_bucketed_batches(
-                            lengths,
-                            cfg.batch_size,
-                            window=cfg.bucket_window,
-                            seed=cfg.seed,
-                            epoch=self.epoch,
-                        )
-                        batches_epoch = self.epoch
-                    metrics = self.step([examples[i] for i in batches[self.batch_in_epoch]])
-                    record = {"step": self.global_step, "epoch": self.epoch, **metrics}
-                    self.batch_in_epoch += 1
-                    if self.batch_in_epoch == len(batches):
-                        self.epoch += 1
-                        self.batch_in_epoch = 0
-                    # 4. Evaluation, logging, checkpoints.
-                    due = cfg.eval_every and self.global_step % cfg.eval_every == 0
-                    if eval_examples and (due or self.global_step == total):
-                        evaluation = self.evaluate(eval_examples)
-                        record.update(evaluation)
-                        for cb in self.callbacks:
-                            cb.on_evaluate(self, self.global_step, evaluation)
-                    self.history.append(record)
-                    run_log.log(self.global_step, record, self._postfix(record))
-                    for cb in self.callbacks:
-                        cb.on_step_end(self, self.global_step, record)
-                    if cfg.save_every and self.global_step % cfg.save_every == 0:
-                        self.save_checkpoint()
-                        last_saved = self.global_step
-                    # Stop on every rank or on none: a signal or a callback may reach only some.
-                    if dist.any_rank(stop.requested, self.group):
-                        stop.request(stop.reason or "another rank stopped")
-                if last_saved != self.global_step:
-                    self.save_checkpoint()
-            except BaseException as err:
-                if save_after_failure(err, False, self.global_step, last_saved):
-                    self.save_checkpoint()
-                raise
-        self.stop_reason = stop.reason
-        self._stop = None
-        self._check_same_weights("at the end of training")
-        for cb in self.callbacks:
-            cb.on_train_end(self, self.history)
-        if stop.requested:
-            logger.warning(
-                "stopped (%s) at step %d; the checkpoint is saved", stop.reason, self.global_step
-            )
-        return self.history
+        stage = SupervisedStage(self, train_data, eval_data)
+        return TrainingLoop(stage, as_callbacks(callbacks)).run(resume_from)
 
     def request_stop(self, reason: str = "requested by a callback") -> None:
         """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C
@@ -507,9 +353,9 @@ class SupervisedTrainer(Generic[E, B]):
         Raises:
             ValueError: called outside :meth:`train`.
         """
-        if self._stop is None:
+        if not self.run.running:
             raise ValueError("request_stop() stops a running train(); call it from a callback")
-        self._stop.request(reason)
+        self.run.stop.request(reason)
 
     @in_run_scope
     def step(self, examples: Sequence[E]) -> dict[str, float]:
@@ -677,39 +523,122 @@ class SupervisedTrainer(Generic[E, B]):
             path, state["config"], config_to_dict(self.config), [schedule_note, world_note]
         )
 
-    def _check_resume_inputs(self, resume_from: str | Path) -> None:
-        """Refuse (on every rank) a checkpoint whose recorded inputs (models, data) differ from
-        this run's, before any work that depends on them (:func:`check_same_inputs`)."""
-        path = resolve_on_all_ranks(self.checkpoints, resume_from, self.group)
-        error = None
-        try:
-            check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), self.inputs)
-        except ValueError as err:
-            error = err
-        dist.raise_if_any_rank_failed(error, f"resuming from {path}", self.group)
-
-    def _resume(self, resume_from: str | Path) -> int:
-        """Load the checkpoint to resume from (every rank the same one); returns its step."""
-        path = resolve_on_all_ranks(self.checkpoints, resume_from, self.group)
-        error = None
-        try:  # before rank 0 writes anything to the folder: every rank checks it as it was
-            check_resume_source(self.run_dir, path)
-            self.load_checkpoint(path)
-        except ValueError as err:
-            error = err
-        dist.raise_if_any_rank_failed(error, f"resuming from {path}", self.group)
-        if self.is_main_process:
-            continue_timeline(self.checkpoints, self.global_step)
-        logger.info("resumed from %s at step %d", path, self.global_step)
-        return self.global_step
-
-    def _check_same_weights(self, moment: str) -> None:
-        """Raise on every rank unless every rank holds the same weights and optimiser state."""
-        tree: dict[str, Any] = {"model": self.model.parameters()}
-        if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state
-        dist.check_same_weights(tree, f"the trained state {moment}", self.group)
-
     def _resume_keys(self) -> tuple[str, ...]:
         """Further config fields a resumed run must share with its checkpoint."""
         return ()
+
+
+class SupervisedStage(Generic[E, B]):
+    """A fine-tuning stage (SFT, reward model, DPO) of :class:`~training.loop.TrainingLoop`: one
+    :meth:`SupervisedTrainer.train` call over ``train_data`` (and held-out ``eval_data``).
+
+    It reads the records once (fingerprinted, then tokenised by the trainer's
+    :meth:`~SupervisedTrainer.prepare`), builds AdamW over the run's length, and gives each step
+    the epoch's next length-bucketed batch (a function of ``(seed, epoch)``, so a resumed run
+    recomputes it). It evaluates before the first step (with ``eval_every``) and at the last.
+    """
+
+    evaluate_first = True
+    final_eval_file: str | None = None  # the last step evaluates, in its record
+    epoch_ends_at_last_step = False  # a longer run resumed from the last step continues the pass
+
+    def __init__(
+        self,
+        trainer: SupervisedTrainer[E, B],
+        train_data: Iterable[Mapping[str, Any]],
+        eval_data: Iterable[Mapping[str, Any]] | None,
+    ) -> None:
+        self.trainer = trainer
+        self.config = trainer.config
+        self.group = trainer.group
+        self.is_main_process = trainer.is_main_process
+        self.run_dir = trainer.run_dir
+        self.checkpoints = trainer.checkpoints
+        self.inputs = trainer.inputs
+        self.label = trainer.name
+        self.train_data = train_data
+        self.eval_data = eval_data
+        self.examples: list[E] = []
+        self.eval_examples: list[E] = []
+        self._records: list[dict[str, Any]] = []
+        self._held_out: list[dict[str, Any]] | None = None
+        self._batches: list[list[int]] = []
+        self._batches_epoch = -1  # the epoch _batches belong to
+
+    @property
+    def state(self) -> LoopState:
+        return self.trainer.run
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_examples)
+
+    def check_data(self) -> None:
+        """Read the records once and record their fingerprint (every rank the same data)."""
+        self._records = [dict(r) for r in self.train_data]  # fingerprinted, then tokenised
+        self.inputs["data"] = data_fingerprint(self._records)  # the records, not settings' effects
+        held_out = [dict(r) for r in self.eval_data] if self.eval_data is not None else None
+        self._held_out = held_out
+        dist.check_same_on_all_ranks(
+            json.dumps([self.inputs["data"], held_out and data_fingerprint(held_out)]).encode(),
+            "the training or held-out data",
+            "give every rank the same data: each rank takes its share of the same batches",
+            self.group,
+        )
+
+    def prepare(self) -> tuple[int, int]:
+        """Tokenise (every record is checked before any training); the run's length."""
+        t = self.trainer
+        self.examples = t.prepare(self._records)
+        self.eval_examples = t.prepare(self._held_out) if self._held_out is not None else []
+        t._num_train_examples = len(self.examples)
+        return t._run_length(len(self.examples))
+
+    def build_optimizers(self, total: int) -> None:
+        """AdamW with a warm-up + decay schedule over ``total`` steps."""
+        t = self.trainer
+        cfg = self.config
+        t._schedule_plan = SchedulePlan(
+            cfg.learning_rate, cfg.lr_scheduler, cfg.warmup_steps, total
+        )
+        t.optimizer = t._make_optimizer(t._schedule_plan)
+
+    def restore(self, path: Path, total: int, steps_per_epoch: int) -> None:
+        """:meth:`SupervisedTrainer.load_checkpoint` (which checks that it continues this run)."""
+        self.trainer.load_checkpoint(path)
+
+    def open(self, resumed: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def step(self, total: int, steps_per_epoch: int) -> dict[str, Any]:
+        """One optimiser step on the epoch's next batch; its record (step, epoch, metrics)."""
+        t, state = self.trainer, self.trainer.run
+        if self._batches_epoch != state.epoch:
+            cfg = self.config
+            self._batches = length_bucketed_batches(
+                [len(e) for e in self.examples],
+                cfg.batch_size,
+                window=cfg.bucket_window,
+                seed=cfg.seed,
+                epoch=state.epoch,
+            )
+            self._batches_epoch = state.epoch
+        batch = self._batches[state.step_in_epoch]
+        metrics = t.step([self.examples[i] for i in batch])
+        return {"step": state.global_step, "epoch": state.epoch, **metrics}
+
+    def evaluate(self) -> dict[str, float]:
+        return self.trainer.evaluate(self.eval_examples)
+
+    def postfix(self, record: Mapping[str, Any]) -> dict[str, str]:
+        return self.trainer._postfix(record)
+
+    def save_checkpoint(self) -> Path:
+        return self.trainer.save_checkpoint()
+
+    def trained_state(self) -> dict[str, Any]:
+        t = self.trainer
+        tree: dict[str, Any] = {"model": t.model.parameters()}
+        if t.optimizer is not None:
+            tree["optimizer"] = t.optimizer.state
+        return tree

@@ -1,80 +1,14 @@
-"""Callbacks: a class with no-op hooks, and plain ``on_epoch_end(epoch, metrics)`` functions.
-
-Each hook receives the :class:`~ppo_trainer.ppo_trainer.PPOTrainer` that runs it, typed ``Any``
-here so that this module does not import the trainer (which imports it); a callback may annotate
-it as ``PPOTrainer``."""
+"""Callbacks of a PPO run: the one callback type of every stage, :class:`TrainerCallback`
+(:mod:`training.callbacks`), under the name PPO's users import it by."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from training.callbacks import (
+    CallbackLike,
+    EpochEndFunction,
+    Metrics,
+    TrainerCallback,
+    as_callbacks,
+)
 
-if TYPE_CHECKING:
-    from experience_buffer.buffer import RolloutBatch
-    from ppo_trainer.rollout import Rollout
-
-Metrics = dict[str, float]
-EpochEndFunction = Callable[[int, Metrics], Any]
-
-
-class TrainerCallback:
-    """Override the hooks you need; every default does nothing.
-
-    ``step`` counts PPO iterations from 1; ``epoch`` counts passes over the prompts from 0.
-    """
-
-    def on_train_begin(self, trainer: Any) -> None:
-        """Called once before the first step (after a resume has restored the state)."""
-
-    def on_rollout_scored(self, trainer: Any, step: int, rollout: Rollout) -> None:
-        """Called after generation, log-probs, values and scores of ``step`` (phases 1-3) with
-        the :class:`~ppo_trainer.rollout.Rollout`: the prompt texts, completions, token ids,
-        log-probs, scores and the score function's ``reward_metrics`` (in a data-parallel run,
-        this rank's share)."""
-
-    def on_rollout_end(self, trainer: Any, step: int, batch: RolloutBatch) -> None:
-        """Called after generation, scoring and advantages, before the PPO epochs of ``step``."""
-
-    def on_step_end(self, trainer: Any, step: int, metrics: Metrics) -> None:
-        """Called after each PPO iteration with its metrics."""
-
-    def on_epoch_end(self, trainer: Any, epoch: int, metrics: Metrics) -> None:
-        """Called after each pass over the prompts with the epoch's mean metrics."""
-
-    def on_evaluate(self, trainer: Any, step: int, metrics: Metrics) -> None:
-        """Called after each periodic evaluation."""
-
-    def on_save(self, trainer: Any, step: int, path: Path) -> None:
-        """Called after a checkpoint has been written (atomically) to ``path``."""
-
-    def on_train_end(self, trainer: Any, history: list[Metrics]) -> None:
-        """Called once at the end of ``train`` (also after an interrupt that saved a checkpoint)."""
-
-
-class _EpochEndFunction(TrainerCallback):
-    """Adapts a plain ``fn(epoch, metrics)`` to the callback interface."""
-
-    def __init__(self, fn: EpochEndFunction) -> None:
-        self.fn = fn
-
-    def on_epoch_end(self, trainer: Any, epoch: int, metrics: Metrics) -> None:
-        self.fn(epoch, metrics)
-
-
-CallbackLike = Union[TrainerCallback, EpochEndFunction]
-
-
-def as_callbacks(callbacks: Sequence[CallbackLike] | None) -> list[TrainerCallback]:
-    """Normalise a user's list: callback objects stay, plain functions become epoch-end hooks."""
-    result: list[TrainerCallback] = []
-    for cb in callbacks or []:
-        if isinstance(cb, TrainerCallback):
-            result.append(cb)
-        elif callable(cb):
-            result.append(_EpochEndFunction(cb))
-        else:
-            raise ValueError(
-                f"callback {cb!r} is neither a TrainerCallback nor a function "
-                "on_epoch_end(epoch, metrics)"
-            )
-    return result
+__all__ = ["CallbackLike", "EpochEndFunction", "Metrics", "TrainerCallback", "as_callbacks"]

@@ -42,7 +42,7 @@ import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Generic, Sequence, TypeVar, cast
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -129,7 +129,7 @@ from ppo_trainer.run_state import (
     save_models,
     save_trainer_state,
 )
-from ppo_trainer.run_loop import TrainingRun
+from ppo_trainer.run_loop import RLStage
 from ppo_trainer.sft_mix import load_sft_mix
 from ppo_trainer.update import (
     Learner,
@@ -147,10 +147,10 @@ from training.optimizer import SchedulePlan
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments, update_moments
 from training.fingerprints import model_fingerprint
+from training.loop import InRunState
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
-T = TypeVar("T")
 
 
 def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
@@ -177,22 +177,6 @@ def _describe_reward_spec(spec: RewardSpec) -> str:
     if is_reward_function_spec(spec):
         return spec
     return f"{spec} ({model_fingerprint(spec)})"
-
-
-class _InRunState(Generic[T]):
-    """A trainer attribute that is a field of its run state (``trainer.run``,
-    :class:`~ppo_trainer.run_state.RunState`)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, trainer: Any, owner: Any = None) -> T:
-        if trainer is None:  # on the class: the descriptor itself
-            return cast(T, self)
-        return cast(T, getattr(trainer.run, self.name))
-
-    def __set__(self, trainer: Any, value: T) -> None:
-        setattr(trainer.run, self.name, value)
 
 
 class PPOTrainer:
@@ -229,18 +213,18 @@ class PPOTrainer:
     and a resume compares.
     """
 
-    global_step = _InRunState[int]()
-    epoch = _InRunState[int]()
-    step_in_epoch = _InRunState[int]()
-    extra_gen_batches = _InRunState[int]()
-    history = _InRunState[list[dict[str, float]]]()
-    reward_moments = _InRunState[RunningMoments]()
-    kl_ctl = _InRunState[FixedKLController | AdaptiveKLController]()
-    policy_optimizer = _InRunState[optim.Optimizer | None]()
-    value_optimizer = _InRunState[optim.Optimizer | None]()
-    lr_plan = _InRunState[SchedulePlan | None]()
-    blas_threads = _InRunState[int | None]()
-    stop_reason = _InRunState[str | None]()
+    global_step = InRunState[int]()
+    epoch = InRunState[int]()
+    step_in_epoch = InRunState[int]()
+    extra_gen_batches = InRunState[int]()
+    history = InRunState[list[dict[str, float]]]()
+    reward_moments = InRunState[RunningMoments]()
+    kl_ctl = InRunState[FixedKLController | AdaptiveKLController]()
+    policy_optimizer = InRunState[optim.Optimizer | None]()
+    value_optimizer = InRunState[optim.Optimizer | None]()
+    lr_plan = InRunState[SchedulePlan | None]()
+    blas_threads = InRunState[int | None]()
+    stop_reason = InRunState[str | None]()
 
     def __init__(
         self,
@@ -878,7 +862,7 @@ class PPOTrainer:
         Ctrl-C, SIGTERM or SIGHUP stops after the current step and saves a checkpoint
         (:attr:`stop_reason` says which); a second one interrupts at once.
         """
-        return TrainingRun(self, prompts, num_epochs, callbacks, eval_prompts).run(resume_from)
+        return RLStage(self, prompts, num_epochs, eval_prompts).train(callbacks, resume_from)
 
     def request_stop(self, reason: str = "requested by a callback") -> None:
         """Ask :meth:`train` to stop after the current step and save a checkpoint (what Ctrl-C

@@ -1,12 +1,14 @@
-"""One call of :meth:`PPOTrainer.train`: the loop over iterations and what surrounds it.
+"""The RL stage of the one training loop (:class:`training.loop.TrainingLoop`): what one call of
+:meth:`PPOTrainer.train` adds to it.
 
-:class:`TrainingRun` checks everything before the first step (the prompts, the run folder, the
-checkpoint to resume), then repeats :meth:`PPOTrainer.step` on the epoch's next batch; after each
-step: an evaluation when due, the history, ``metrics.jsonl``, callbacks, the progress bar, a
-checkpoint when due, and the stop check (Ctrl-C, SIGTERM, a callback, on any rank). What the run
+:class:`RLStage` checks the prompts (every rank the same ones) and records their fingerprint,
+builds the optimisers over the run's length, checks a checkpoint to resume (an extension that
+would train nothing is refused; an environment factory that takes no seed is warned), starts the
+``async_rollout`` worker, and gives each step the epoch's next prompt batch (with the batches
+dynamic sampling draws beyond it, and the one after it that the worker generates). What the run
 changes (the counters, the history, the optimisers ...; its checkpoints hold them) and what the
 loop shares with the step (callbacks, the stop request, the worker) is the trainer's ``run``, a
-:class:`~ppo_trainer.run_state.RunState`, whose per-call part the loop begins.
+:class:`~ppo_trainer.run_state.RunState`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -25,29 +27,21 @@ from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import AgentRun
-from ppo_trainer.callbacks import CallbackLike, as_callbacks
 from ppo_trainer.prompt_records import Columns, PromptInput
 from ppo_trainer.rollout import SamplingSettings
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
-from ppo_trainer.run_state import RunState, Trained, check_same_weights, ensure_optimizers
-from training.checkpoint import CheckpointManager, named_write, resolve_on_all_ranks
-from training.fingerprints import check_same_inputs, data_fingerprint
-from training.run_control import (
-    RunLog,
-    check_extension_trains,
-    check_resume_source,
-    continue_timeline,
-    prepare_run_dir,
-    remove_run_leftovers,
-    run_lock,
-    save_after_failure,
-)
+from ppo_trainer.run_state import RunState, Trained, ensure_optimizers, trained_tree
+from training.callbacks import CallbackLike, as_callbacks
+from training.checkpoint import CheckpointManager
+from training.fingerprints import data_fingerprint
+from training.loop import TrainingLoop
+from training.run_control import check_extension_trains
 
 logger = logging.getLogger("ppo_mlx")
 
 
 class LoopTrainer(Protocol):
-    """What :class:`TrainingRun` needs of the trainer it drives
+    """What :class:`RLStage` needs of the trainer it drives
     (:class:`~ppo_trainer.ppo_trainer.PPOTrainer`): its settings and run state, where it writes,
     and the methods a run calls. The loop changes the run state (``run``) and the recorded
     ``inputs``, nothing else of the trainer."""
@@ -85,112 +79,51 @@ class LoopTrainer(Protocol):
     def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None: ...
 
 
-class TrainingRun:
-    """A run of ``trainer`` over ``prompts`` (see :meth:`PPOTrainer.train` for the arguments)."""
+class RLStage:
+    """A run of ``trainer`` over ``prompts`` as a stage of :class:`~training.loop.TrainingLoop`
+    (see :meth:`PPOTrainer.train` for the arguments)."""
+
+    evaluate_first = False
+    final_eval_file: str | None = "eval_final.json"
+    epoch_ends_at_last_step = True
 
     def __init__(
         self,
         trainer: LoopTrainer,
         prompts: Sequence[PromptInput],
         num_epochs: int | None,
-        callbacks: Sequence[CallbackLike] | None,
         eval_prompts: Sequence[PromptInput] | None,
     ) -> None:
         self.trainer = trainer
+        self.config = trainer.config
+        self.group = trainer.group
+        self.is_main_process = trainer.is_main_process
+        self.run_dir = trainer.run_dir
+        self.checkpoints = trainer.checkpoints
+        self.inputs = trainer.inputs
+        self.label = trainer.config.algorithm.upper()
         self.prompts = prompts
         self.num_epochs = num_epochs
-        self.callbacks = as_callbacks(callbacks)
         self.eval_prompts = eval_prompts
+        self._plan: tuple[int, int] | None = None
 
-    def run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
-        """The whole run; returns the trainer's per-step history. Rank 0 holds the run folder's
-        lock throughout (:func:`~training.run_control.run_lock`)."""
-        with contextlib.ExitStack() as self._held:
-            return self._run(resume_from)
+    @property
+    def state(self) -> RunState:
+        return self.trainer.run
 
-    def _run(self, resume_from: str | Path | None) -> list[dict[str, float]]:
-        t = self.trainer
-        cfg = t.config
-        if resume_from is None and t.run.global_step > 0:
-            # A fresh run (and with overwrite_output_dir its folder emptied) on weights already
-            # trained to its last step would train nothing.
-            raise ValueError(
-                f"this trainer has already trained {t.run.global_step} steps: to go on, call "
-                "train(..., resume_from='latest') (with a larger total_steps); for a new run, "
-                "build a new PPOTrainer"
-            )
-        # Check the prompts, the run folder and the checkpoint before any step.
-        total, steps_per_epoch = self._plan()
-        t.run.begin(total, self.callbacks)
-        state = t.run
-        self._check_run_dir(resuming=resume_from is not None)
-        ensure_optimizers(t.run, cfg, t.trained.value_model is not None, total_steps=total)
-        resume_step = None
-        if resume_from is not None:
-            resume_step = self._resume(resume_from, total, steps_per_epoch)
-        if resume_step is None:  # a resumed run takes its checkpoint's count (load_checkpoint)
-            t.run.blas_threads = run_blas_threads()
-        check_same_weights(t.run, t.trained, "at the start of training", t.group)
-        for cb in self.callbacks:
-            cb.on_train_begin(t)
-        last_saved = t.run.global_step if resume_step is not None else -1
-        run_log = RunLog(
-            t.run_dir,
-            cfg,
-            total=total,
-            initial=t.run.global_step,
-            desc=cfg.algorithm.upper(),
-            writes=t.is_main_process,
-            resume_step=resume_step,
-        )
-        stop = state.stop
-        worker = (
-            self._start_worker(resume_step is not None)
-            if cfg.async_rollout
-            else contextlib.nullcontext()
-        )
-        with stop, run_log, worker:
-            state.rollout_worker = worker if isinstance(worker, RolloutWorker) else None
-            try:
-                while t.run.global_step < total and not stop.requested:
-                    drawn = [0]  # extra generation rounds of dynamic sampling, counted
-                    metrics = t.step(
-                        self._next_batch(),
-                        self._batch_after_next(total, steps_per_epoch),
-                        self._more_prompts(drawn),
-                    )
-                    t.run.extra_gen_batches += drawn[0]  # once the step is done: resumes are exact
-                    self._record(metrics, steps_per_epoch, total, run_log)
-                    if cfg.save_every and t.run.global_step % cfg.save_every == 0:
-                        t.save_checkpoint()
-                        last_saved = t.run.global_step
-                    # Stop on every rank or on none: a signal or a callback may reach only some.
-                    if dist.any_rank(stop.requested, t.group):
-                        stop.request(stop.reason or "another rank stopped")
-                if stop.requested:
-                    logger.warning("stopped (%s) at step %d", stop.reason, t.run.global_step)
-                if last_saved != t.run.global_step:
-                    t.save_checkpoint()
-            except BaseException as err:
-                if save_after_failure(err, state.updating, t.run.global_step, last_saved):
-                    t.save_checkpoint()
-                raise
-            finally:
-                state.rollout_worker = None  # the with block ends the worker process
-        t.run.stop_reason = stop.reason
-        check_same_weights(t.run, t.trained, "at the end of training", t.group)
-        if self.eval_prompts and not stop.requested:
-            final = self._evaluate()
-            if t.is_main_process:
-                with named_write(t.run_dir / "eval_final.json"):
-                    (t.run_dir / "eval_final.json").write_text(json.dumps(final, indent=1))
-        for cb in self.callbacks:
-            cb.on_train_end(t, t.run.history)
-        return t.run.history
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_prompts)
 
-    def _plan(self) -> tuple[int, int]:
-        """``(total steps, steps per epoch)``, after checking every prompt (and that every rank
-        has the same ones)."""
+    def train(
+        self, callbacks: Sequence[CallbackLike] | None, resume_from: str | Path | None
+    ) -> list[dict[str, float]]:
+        """The whole run (:meth:`TrainingLoop.run`); returns the trainer's per-step history."""
+        return TrainingLoop(self, as_callbacks(callbacks)).run(resume_from)
+
+    def check_data(self) -> None:
+        """Check every prompt (and that every rank has the same ones), record their fingerprint
+        and the run's length."""
         t = self.trainer
         cfg = t.config
         if not self.prompts:
@@ -211,6 +144,7 @@ class TrainingRun:
         t.inputs["prompts"] = data_fingerprint(self.prompts)  # checked on resume, recorded
         steps_per_epoch = math.ceil(len(self.prompts) / cfg.batch_size)
         total = epochs * steps_per_epoch
+        self._plan = (total, steps_per_epoch)
         if cfg.total_steps and cfg.total_steps < total:
             if t.is_main_process:  # a cap that binds is said, not silent
                 logger.info(
@@ -222,35 +156,22 @@ class TrainingRun:
                     steps_per_epoch,
                     total,
                 )
-            return cfg.total_steps, steps_per_epoch
-        return total, steps_per_epoch
+            self._plan = (cfg.total_steps, steps_per_epoch)
 
-    def _check_run_dir(self, resuming: bool) -> None:
-        """A fresh run must not reuse a folder that holds another run (collective)."""
-        t = self.trainer
-        error: ValueError | None = None
-        if t.is_main_process:
-            try:
-                self._held.enter_context(run_lock(t.run_dir))  # before anything is removed
-                prepare_run_dir(
-                    t.run_dir,
-                    resuming=resuming,
-                    overwrite=t.config.overwrite_output_dir,
-                    log_with=t.config.log_with,
-                )
-                remove_run_leftovers(t.run_dir)
-            except ValueError as err:
-                error = err
-        dist.raise_if_any_rank_failed(error, f"checking output_dir {t.run_dir}", t.group)
+    def prepare(self) -> tuple[int, int]:
+        """``(total steps, steps per epoch)`` (the prompts need no preparing)."""
+        assert self._plan is not None, "check_data() first"
+        return self._plan
 
-    def _resume(self, resume_from: str | Path, total: int, steps_per_epoch: int) -> int:
-        """Load the checkpoint to resume from (every rank the same one); returns its step.
-        An extension that would train nothing of the run's ``total`` steps is refused first."""
+    def build_optimizers(self, total: int) -> None:
         t = self.trainer
-        path = resolve_on_all_ranks(t.checkpoints, resume_from, t.group)
-        check_resume_source(t.run_dir, path)
+        ensure_optimizers(t.run, t.config, t.trained.value_model is not None, total_steps=total)
+
+    def restore(self, path: Path, total: int, steps_per_epoch: int) -> None:
+        """Load the checkpoint at ``path``; an extension that would train nothing of the run's
+        ``total`` steps is refused first."""
+        t = self.trainer
         state = CheckpointManager.read_state(path)
-        check_same_inputs(path, state.get("inputs"), t.inputs)
         check_extension_trains(
             int(state["global_step"]),
             total,
@@ -274,10 +195,56 @@ class TrainingRun:
                 agent.description()["environment"],
             )
         t.load_checkpoint(path)
-        if t.is_main_process:
-            continue_timeline(t.checkpoints, t.run.global_step)
-        logger.info("resumed from %s at step %d", path, t.run.global_step)
-        return t.run.global_step
+
+    @contextlib.contextmanager
+    def open(self, resumed: bool) -> Iterator[None]:
+        """With async_rollout, the generation worker, in the run state while the steps run."""
+        if not self.config.async_rollout:
+            yield
+            return
+        with self._start_worker(resumed) as worker:
+            self.state.rollout_worker = worker
+            try:
+                yield
+            finally:
+                self.state.rollout_worker = None  # the with block ends the worker process
+
+    def step(self, total: int, steps_per_epoch: int) -> dict[str, Any]:
+        """One PPO iteration on the epoch's next batch; its metrics with the epoch."""
+        t = self.trainer
+        drawn = [0]  # extra generation rounds of dynamic sampling, counted
+        metrics: dict[str, Any] = t.step(
+            self._next_batch(),
+            self._batch_after_next(total, steps_per_epoch),
+            self._more_prompts(drawn),
+        )
+        t.run.extra_gen_batches += drawn[0]  # once the step is done: resumes are exact
+        metrics["epoch"] = t.run.epoch
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """An evaluation during the run, recorded (overrides of evaluate() that call the base
+        method record too, without a parameter to pass along); its scalars."""
+        t = self.trainer
+        assert self.eval_prompts is not None
+        t.run.record_eval = t.is_main_process
+        try:
+            result = t.evaluate(self.eval_prompts)
+        finally:
+            t.run.record_eval = False
+        return {k: v for k, v in result.items() if isinstance(v, float)}
+
+    def postfix(self, record: Mapping[str, Any]) -> dict[str, str]:
+        return {
+            "reward": f"{record['objective/scores']:.3f}",
+            "kl": f"{record['objective/kl']:.3f}",
+        }
+
+    def save_checkpoint(self) -> Path:
+        return self.trainer.save_checkpoint()
+
+    def trained_state(self) -> dict[str, Any]:
+        return trained_tree(self.trainer.run, self.trainer.trained)
 
     def _next_batch(self) -> list[PromptInput]:
         """The prompts of the next step (see :meth:`_batch_at`)."""
@@ -345,52 +312,3 @@ class TrainingRun:
             t.run.blas_threads = run_blas_threads(mine)
         spec = WorkerSpec(cfg.model_config(), t.sampling, theirs, cfg.plain_mlx)
         return RolloutWorker(spec, t.run_dir)
-
-    def _record(
-        self, metrics: dict[str, float], steps_per_epoch: int, total: int, run_log: RunLog
-    ) -> None:
-        """After a step: evaluation when due, history, metrics.jsonl, callbacks, progress bar,
-        the end of an epoch."""
-        t = self.trainer
-        metrics["epoch"] = t.run.epoch
-        t.run.step_in_epoch += 1
-        every = t.config.eval_every
-        if self.eval_prompts and every and t.run.global_step % every == 0:
-            metrics.update(self._evaluate())
-        t.run.history.append(metrics)
-        postfix = {
-            "reward": f"{metrics['objective/scores']:.3f}",
-            "kl": f"{metrics['objective/kl']:.3f}",
-        }
-        run_log.log(t.run.global_step, metrics, postfix)
-        for cb in self.callbacks:
-            cb.on_step_end(t, t.run.global_step, metrics)
-        if t.run.step_in_epoch == steps_per_epoch or t.run.global_step == total:
-            self._end_epoch()
-
-    def _end_epoch(self) -> None:
-        t = self.trainer
-        records = [h for h in t.run.history if h.get("epoch") == t.run.epoch]
-        keys = [k for k in records[0] if isinstance(records[0][k], (int, float))]
-        summary = {k: float(np.mean([r[k] for r in records if k in r])) for k in keys}
-        summary["steps"] = float(len(records))
-        for cb in self.callbacks:
-            cb.on_epoch_end(t, t.run.epoch, summary)
-        t.run.epoch += 1
-        t.run.step_in_epoch = 0
-        t.run.extra_gen_batches = 0
-
-    def _evaluate(self) -> dict[str, float]:
-        """An evaluation during the run, recorded (overrides of evaluate() that call the base
-        method record too, without a parameter to pass along)."""
-        t = self.trainer
-        assert self.eval_prompts is not None
-        t.run.record_eval = t.is_main_process
-        try:
-            result = t.evaluate(self.eval_prompts)
-        finally:
-            t.run.record_eval = False
-        scalars: dict[str, Any] = {k: v for k, v in result.items() if isinstance(v, float)}
-        for cb in self.callbacks:
-            cb.on_evaluate(t, t.run.global_step, scalars)
-        return scalars

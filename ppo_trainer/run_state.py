@@ -13,7 +13,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
@@ -30,71 +29,57 @@ from training.checkpoint import (
     warn_changed_settings,
 )
 from training.fingerprints import model_fingerprint
+from training.callbacks import TrainerCallback
+from training.loop import LoopState
 from training.optimizer import AdamW, SchedulePlan, make_adamw, resumed_plan
-from training.run_control import StopSignals
 
 if TYPE_CHECKING:
-    from ppo_trainer.callbacks import TrainerCallback
     from ppo_trainer.rollout_worker import RolloutWorker
 
 
-@dataclass
-class RunState:
-    """What a run changes: the trainer's ``run`` attribute, which its loop
-    (:class:`ppo_trainer.run_loop.TrainingRun`), its :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step`
-    and the checkpoint functions below read and write (the trainer's ``global_step``, ``epoch``,
-    ... are its fields). A checkpoint keeps the counters, the history, the scores' statistics,
-    the optimisers, their schedule, the BLAS threads and the KL controller; the others belong to
-    one call of ``train()`` (:meth:`begin` resets them).
+@dataclass(kw_only=True)
+class RunState(LoopState):
+    """What an RL run changes: the trainer's ``run`` attribute, which the loop
+    (:class:`training.loop.TrainingLoop`, through :class:`ppo_trainer.run_loop.RLStage`), the
+    trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and the checkpoint functions below
+    read and write (the trainer's ``global_step``, ``epoch``, ... are its fields). Besides the
+    loop's fields (:class:`~training.loop.LoopState`: counters, history, BLAS threads, stop
+    request, callbacks), a checkpoint keeps the scores' statistics, the optimisers, their
+    schedule and the KL controller; ``rollout_worker`` and ``record_eval`` belong to one call of
+    ``train()`` (:meth:`begin` resets them).
 
     Attributes:
         kl_ctl: the KL coefficient's controller (fixed, or adaptive: it changes).
-        global_step: optimiser iterations done.
-        epoch: passes over the prompts done.
-        step_in_epoch: steps done in the current pass.
         extra_gen_batches: prompt batches the epoch's extra generation rounds (dynamic sampling)
             drew beyond one per step: the data order's cursor is ``(step_in_epoch +
             extra_gen_batches) * batch_size``.
-        history: every step's metrics.
         reward_moments: the running statistics of the scores (``normalize_reward``).
         policy_optimizer, value_optimizer: AdamW of each trained model (None until the run or
             its first step builds them).
         lr_plan: the learning-rate schedule, in optimiser updates (None until then).
-        blas_threads: OpenBLAS threads of this run (``run_blas_threads``).
-        stop_reason: after ``train()``, why it stopped early (None: it ran to the end).
-        last_step: the run's last step (rollout records are written there too); None: no run.
-        callbacks: the run's callbacks.
-        stop: the run's stop request (Ctrl-C, SIGTERM, :meth:`PPOTrainer.request_stop`).
         rollout_worker: the ``async_rollout`` generation worker, while the run has one.
         record_eval: evaluations write rollout records (the run's periodic evaluations, on the
             main process).
-        updating: the step is in its PPO epochs, its weights partly updated (a failure then
-            saves no checkpoint: ``training.run_control.save_after_failure``).
     """
 
     kl_ctl: FixedKLController | AdaptiveKLController
-    global_step: int = 0
-    epoch: int = 0
-    step_in_epoch: int = 0
     extra_gen_batches: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
     reward_moments: RunningMoments = field(default_factory=RunningMoments)
     policy_optimizer: optim.Optimizer | None = None
     value_optimizer: optim.Optimizer | None = None
     lr_plan: SchedulePlan | None = None
-    blas_threads: int | None = None
-    stop_reason: str | None = None
-    last_step: int | None = None
-    callbacks: list[TrainerCallback] = field(default_factory=list)
-    stop: StopSignals = field(default_factory=StopSignals)
     rollout_worker: RolloutWorker | None = None
     record_eval: bool = False
-    updating: bool = False
 
     def begin(self, last_step: int, callbacks: list[TrainerCallback]) -> None:
         """A call of ``train()`` starts: its last step and callbacks, a fresh stop request."""
-        self.last_step, self.callbacks, self.stop = last_step, callbacks, StopSignals()
-        self.rollout_worker, self.record_eval, self.updating = None, False, False
+        super().begin(last_step, callbacks)
+        self.rollout_worker, self.record_eval = None, False
+
+    def next_epoch(self) -> None:
+        """The prompts' next pass starts (with no extra generation rounds drawn yet)."""
+        super().next_epoch()
+        self.extra_gen_batches = 0
 
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
@@ -284,13 +269,13 @@ def checkpointed(
     return models, optimizers
 
 
-def check_same_weights(state: RunState, trained: Trained, moment: str, group: Any) -> None:
-    """Raise on every rank of ``group`` unless every rank holds the same models and optimiser
-    states."""
+def trained_tree(state: RunState, trained: Trained) -> dict[str, Any]:
+    """The models' weights and the optimiser states, by name (what every rank of a
+    data-parallel run must hold alike)."""
     models, optimizers = checkpointed(state, trained)
     tree: dict[str, Any] = {name: model.parameters() for name, model in models.items()}
     tree.update({name: opt.state for name, opt in optimizers.items() if opt is not None})
-    dist.check_same_weights(tree, f"the trained state {moment}", group)
+    return tree
 
 
 def save_trainer_state(

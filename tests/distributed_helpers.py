@@ -76,11 +76,12 @@ def _stages(dump_dir: Path, runs: dict[str, tuple[int | None, list[str]]]) -> in
     from mlx.utils import tree_flatten
 
     import main
-    from finetune.supervised_trainer import StageCallback, SupervisedTrainer
+    from finetune.supervised_trainer import SupervisedTrainer
+    from training.callbacks import TrainerCallback
 
     current = {"name": ""}
 
-    class DumpWeights(StageCallback):
+    class DumpWeights(TrainerCallback):
         def on_train_end(self, trainer: Any, history: Any) -> None:
             weights = dict(tree_flatten(trainer.model.trainable_parameters()))
             folder = dump_dir / current["name"]

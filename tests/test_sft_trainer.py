@@ -343,3 +343,32 @@ def test_model_and_config_must_agree_on_lora(tiny_model_dir: Path, tmp_path: Pat
         SFTTrainer(config(tiny_model_dir, tmp_path, use_lora=True), model=model)
     with pytest.raises(ValueError, match="dataset is not set"):
         run_sft(config(tiny_model_dir, tmp_path))
+
+
+def test_a_supervised_stage_takes_the_one_callback_type_and_ends_its_epochs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The loop of every stage (training/loop.py): a plain fn(epoch, metrics) and a
+    TrainerCallback's on_epoch_end see each pass over the data with its mean metrics, as in PPO;
+    StageCallback is the same class."""
+    from finetune.supervised_trainer import StageCallback
+    from training.callbacks import TrainerCallback
+
+    assert StageCallback is TrainerCallback
+    epochs: list[tuple[int, dict[str, float]]] = []
+    steps: list[tuple[int, int]] = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+            steps.append((step, trainer.epoch))
+
+    trainer = SFTTrainer(config(tiny_model_dir, tmp_path / "run", num_epochs=2))
+    history = trainer.train(
+        sft_records(12, seed=2), callbacks=[Steps(), lambda e, m: epochs.append((e, m))]
+    )
+    assert [e for e, _ in epochs] == [0, 1] and trainer.epoch == 2
+    assert [m["steps"] for _, m in epochs] == [2.0, 2.0]
+    # The epoch moves on after its last step's hooks: each step belongs to its own pass.
+    assert steps == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    mean = float(np.mean([r["loss/sft"] for r in history if r["epoch"] == 1]))
+    assert epochs[1][1]["loss/sft"] == pytest.approx(mean)
