@@ -143,7 +143,7 @@ def settings_for(
         "log_rollouts_every": 0,
         "progress_bar": False,
         **work.settings,
-        **RECIPES.get(recipe, {"algorithm": "grpo", "group_size": 1}),
+        **RECIPES.get(recipe, {"algorithm": "reinforce_pp"}),  # dpo: sampling and evaluation only
     }
     for item in overrides:
         key, _, value = item.partition("=")
