@@ -77,7 +77,8 @@ def evaluate_rollouts(
         lengths.extend(np.array(rollout.generation.lengths).tolist())
         samples += [
             {"prompt": t, "completion": c, "reward": r}
-            for t, c, r in zip(texts, rollout.completions, rewards[start:stop])
+            # rollout.texts: the prompts the policy continued (an agent's rendered with its tools)
+            for t, c, r in zip(rollout.texts, rollout.completions, rewards[start:stop])
         ][: max(num_samples - len(samples), 0)]
     if records_at is not None:
         write_rollout_records(records_at[0], records_at[1], records, "eval")

@@ -223,3 +223,27 @@ def test_log_probs_equal_transformers_on_the_real_checkpoint(smollm2_dir: Path) 
         # float32 through 30 layers on both sides: they differ by at most 2.1e-4 here; logits
         # scaled by 1.003 already move them by 1.4e-2.
         np.testing.assert_allclose(ours_np[row, : len(theirs)], theirs, atol=5e-4, rtol=0)
+
+
+def test_the_agents_snippet_runs_on_the_checkpoint_with_one_setting(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """docs/agents.md's snippet, with SmolLM2-135M-Instruct as shipped (its template renders no
+    tools) and ``tool_chat_template="chatml_tools"`` added: the trainer builds, an episode's
+    prompt shows the calculator's schema, and one evaluation episode runs. Without the setting
+    the trainer refuses the template by name."""
+    text = (Path(__file__).parents[1] / "docs" / "agents.md").read_text()
+    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+    snippet = snippet.split("trainer.train(", 1)[0]  # up to the trainer, no training loop
+    model = 'model_name="Qwen/Qwen2.5-0.5B-Instruct",'
+    assert model in snippet
+    local = f'model_name={str(smollm2_dir)!r}, output_dir={str(tmp_path / "run")!r},'
+    with pytest.raises(ValueError, match="tool_chat_template"):
+        exec(snippet.replace(model, local), {"__name__": "snippet"})
+    namespace: dict[str, Any] = {"__name__": "snippet"}
+    exec(snippet.replace(model, local + ' tool_chat_template="chatml_tools",'), namespace)
+    trainer = namespace["trainer"]
+    result = trainer.evaluate(namespace["records"], max_new_tokens=24, num_samples=1)
+    prompt = result["samples"][0]["prompt"]
+    assert "<tools>" in prompt and '"calculator"' in prompt and "4821 * 397" in prompt
+    assert np.isfinite(result["eval/mean_reward"])
