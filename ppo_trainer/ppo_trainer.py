@@ -36,10 +36,8 @@ share of the batch; use ``trainer.is_main_process`` to write files).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Generic, Sequence, TypeVar, cast
@@ -55,7 +53,7 @@ from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
+from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -91,11 +89,9 @@ from ppo_trainer.experience import (
 from ppo_trainer.memory_estimate import check_memory
 from ppo_trainer.metrics import agent_metrics_over_ranks, iteration_metrics, reduce_over_ranks
 from ppo_trainer.prompt_records import (
-    COMPLETION_IDS,
     Columns,
     Prompt,
     PromptInput,
-    columns_for,
     repeat_columns,
     slice_columns,
     split_records,
@@ -111,8 +107,6 @@ from ppo_trainer.rollout import (
     decode_completions,
     ended_at_once,
     rollout_keys,
-    split_scores,
-    check_scores,
 )
 from ppo_trainer.rollout_records import (
     log_rollouts,
@@ -120,6 +114,7 @@ from ppo_trainer.rollout_records import (
     rollouts_due,
 )
 from ppo_trainer.rewards import Rewards
+from ppo_trainer.scorer import Scorer
 from ppo_trainer.run_state import (
     RunState,
     Trained,
@@ -147,7 +142,6 @@ from training.checkpoint import (
 from training.optimizer import SchedulePlan
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments, update_moments
-from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
@@ -168,16 +162,6 @@ def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
             "set use_chat_template to false (prompts as they are) or auto"
         )
     return has if setting == "auto" else bool(setting)
-
-
-def _describe_reward_spec(spec: RewardSpec) -> str:
-    """A ``reward_funcs`` entry as a resume compares it: a function's name or path with its
-    parameters, or a reward model's folder with its fingerprint."""
-    if isinstance(spec, dict):
-        return json.dumps(spec, sort_keys=True, default=str)
-    if is_reward_function_spec(spec):
-        return spec
-    return f"{spec} ({model_fingerprint(spec)})"
 
 
 class _InRunState(Generic[T]):
@@ -296,6 +280,9 @@ class PPOTrainer:
         if self.is_main_process:  # before any model loads: a folder we cannot write is named
             prepare_run_dir(self.run_dir, resuming=True, overwrite=False)
         seed_everything(config.seed)
+        # The one place that asks whether this class overrides compute_scores: the scorer
+        # keeps the answer for the run.
+        overrides = type(self).compute_scores is not PPOTrainer.compute_scores
         models = build_models(
             config,
             policy=policy,
@@ -303,7 +290,7 @@ class PPOTrainer:
             reward=reward_model,
             value_model=value_model,
             tokenizer=tokenizer,
-            custom_scores=type(self).compute_scores is not PPOTrainer.compute_scores
+            custom_scores=overrides
             or (self.agent is not None and self.agent.environment_rewards()),
         )
         if config.gradient_checkpointing:  # the two models trained (a given one, in place)
@@ -314,6 +301,10 @@ class PPOTrainer:
         self.ref_model = models.ref_model
         self.rewards = Rewards(
             models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
+        )
+        #: What scores the responses (phase 3), decided once.
+        self.scorer = Scorer.build(
+            config, self.rewards, self.compute_scores, type(self) if overrides else None
         )
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
@@ -356,7 +347,7 @@ class PPOTrainer:
         )
         # What the run reads besides its settings, recorded in its checkpoints and compared on
         # resume (train() adds the prompts).
-        self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
+        self.inputs: dict[str, str | None] = run_inputs(config, self.scorer.description)
         self.inputs["reward_source"] = self.rewards.source_fingerprint()  # edits to its file
         # Agents: the environment factory's and tools' import paths ("none": a run without).
         no_agent = {"environment": "none", "tools": "none"}
@@ -489,13 +480,7 @@ class PPOTrainer:
                 str(cfg.use_chat_template).lower(),
             )
         t_rollout = time.perf_counter()
-        if self.rewards.funcs and not rollout.reward_metrics:
-            warnings.warn(
-                f"{self._score_source()} returned no metrics, so the per-reward metrics of "
-                "reward_funcs are not logged: return (scores, metrics) with the metrics of "
-                "PPOTrainer.compute_scores",
-                stacklevel=2,
-            )
+        self.scorer.warn_without_metrics(rollout.reward_metrics)
         for cb in self.run.callbacks:
             cb.on_rollout_scored(self, step, rollout)
 
@@ -660,7 +645,7 @@ class PPOTrainer:
         """Prompts ``start:stop`` formatted and encoded, with their columns, checked (columns
         the reward needs, lengths) before any generation."""
         plain, all_columns = split_records(prompts)
-        self._check_columns(all_columns)
+        self.scorer.check_columns(all_columns)
         texts = [self.format_prompt(p) for p in plain[start:stop]]
         prompt_ids = [self.encode_prompt(t) for t in texts]
         check_prompts(
@@ -720,28 +705,14 @@ class PPOTrainer:
             env_rewards = episode_rewards(started.episodes, generation)
 
         def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
-            if env_rewards is None:
-                return task_score(completions, query_responses, lengths)
-            if not self._has_reward():  # the environments' rewards are the scores
-                return env_rewards.scores
-            raw, metrics = split_scores(
-                task_score(completions, query_responses, lengths), self._score_source()
-            )
-            base = check_scores(raw, len(completions), self._score_source())
-            return base + env_rewards.scores, metrics
-
-        def task_score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
-            # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
-            rows = np.asarray(query_responses).tolist()
-            ends = np.asarray(lengths).tolist()
-            ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
-            all_columns = {**columns, COMPLETION_IDS: ids}
-            return self.compute_scores(
+            return self.scorer.score(
                 texts,
+                prompt_ids,
+                columns,
                 completions,
                 query_responses,
                 lengths,
-                **columns_for(self.compute_scores, all_columns, positional=4),
+                None if env_rewards is None else env_rewards.scores,
             )
 
         rollout = collect_rollout(
@@ -755,10 +726,10 @@ class PPOTrainer:
                 gen, self.decode_completion, sampling.stop_strings
             ),
             score=score,
-            score_source=self._score_source(),
+            score_source=self.scorer.source,
             keys=keys,
             generation=generation,
-            model_reward=self._reward_is_model() and started is None,
+            model_reward=self.scorer.is_model_pass and started is None,
         )
         if started is not None and env_rewards is not None:
             rollout.action_rewards = env_rewards.action_rewards
@@ -770,19 +741,6 @@ class PPOTrainer:
     def trained(self) -> Trained:
         """The models this trainer trains (the policy; the value model with PPO)."""
         return Trained(self.policy, self.value_model)
-
-    def _has_reward(self) -> bool:
-        """Whether the run has a reward besides its environments' (a model, a function, several,
-        or an overridden ``compute_scores``)."""
-        custom = type(self).compute_scores is not PPOTrainer.compute_scores
-        r = self.rewards
-        return custom or r.model is not None or r.fn is not None or bool(r.funcs)
-
-    def _reward_is_model(self) -> bool:
-        """Whether the scores are the reward model's pass, returned unevaluated (the rollout may
-        run it beside the reference's): the default ``compute_scores`` with a reward model."""
-        default = type(self).compute_scores is PPOTrainer.compute_scores
-        return default and self.rewards.model is not None
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
@@ -807,42 +765,12 @@ class PPOTrainer:
             learners.insert(0, value)
         return learners
 
-    def _check_columns(self, columns: Columns) -> None:
-        """Raise ValueError before any generation if the reward needs a column that the
-        prompts do not carry."""
-        columns = {**columns, COMPLETION_IDS: []}
-        columns_for(self.compute_scores, columns, positional=4)
-        self.rewards.check_columns(columns)
-
     def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
         """Raise ``ValueError`` before any rollout when a reward function returns the wrong
         number of scores, from a call on the first prompt twice (as a group repeats it) with
-        empty completions. Not for an overridden ``compute_scores`` (it reads the sequences)."""
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return
+        empty completions (:meth:`Scorer.check_call`)."""
         texts, _, columns = self._prepare_prompts(prompts, 0, 1)
-        self.rewards.check_call(texts * 2, repeat_columns(columns, 2))
-
-    def _reward_description(self) -> str | None:
-        """What scores the responses, as a resume compares it: the function's import path, the
-        reward model's folder and fingerprint, or the overriding method (None: a reward model
-        passed as an object)."""
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return f"{type(self).__module__}.{type(self).__qualname__}.compute_scores"
-        fn = self.rewards.fn
-        if fn is not None:
-            return f"function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
-        if self.config.reward_funcs:
-            return "reward_funcs " + ", ".join(
-                _describe_reward_spec(spec) for spec in self.config.reward_funcs
-            )
-        name = self.config.reward_model_name
-        return f"reward model {name} ({model_fingerprint(name)})" if name else None
-
-    def _score_source(self) -> str:
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return f"{type(self).__name__}.compute_scores"
-        return self.rewards.source
+        self.scorer.check_call(texts * 2, repeat_columns(columns, 2))
 
     @property
     def reward_model(self) -> RewardModel | None:
