@@ -46,7 +46,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
@@ -60,15 +59,7 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from agents import AgentSettings
-from ppo_trainer.agent_rollout import (
-    AgentRun,
-    agent_count_sums,
-    agent_counts,
-    environment_seeds,
-    episode_rewards,
-    play_episodes,
-    start_episodes,
-)
+from ppo_trainer.agent_rollout import AgentRun, agent_count_sums
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
@@ -96,18 +87,18 @@ from ppo_trainer.prompt_records import (
     slice_columns,
     split_records,
 )
-from ppo_trainer.dynamic_sampling import choose_groups, informative_groups, take_groups
 from ppo_trainer.evaluation import evaluate_rollouts
-from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import (
+    PromptBatch,
     Rollout,
     SamplingSettings,
+    StepPlan,
     check_prompts,
-    collect_rollout,
-    decode_completions,
-    ended_at_once,
     rollout_keys,
+    warn_if_ended_at_once,
 )
+from ppo_trainer.rollout_sources import build_rollout_source, check_rollout_features
+from ppo_trainer.single_turn import SingleTurn
 from ppo_trainer.rollout_records import (
     log_rollouts,
     rollout_arrays,
@@ -247,33 +238,16 @@ class PPOTrainer:
         self.rank = self.group.rank()
         self.is_main_process = self.rank == 0
         check_data_parallel_config(config, self.group)
-        if config.async_rollout and self.world_size > 1:
-            raise ValueError(
-                f"async_rollout runs one generation worker beside one trainer; this run has "
-                f"{self.world_size} data-parallel processes: set async_rollout: false, or "
-                "launch one process"
-            )
-        if config.dynamic_sampling and self.world_size > 1:
-            raise ValueError(
-                f"dynamic_sampling filters the groups of one process's batch; this run has "
-                f"{self.world_size} data-parallel processes: set dynamic_sampling: false, or "
-                "launch one process"
-            )
-        if config.async_rollout and policy is not None:
-            raise ValueError(
-                "async_rollout builds the generation worker's policy from the config "
-                "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
-                "trainer: pass no policy=, or set async_rollout: false"
-            )
+        check_rollout_features(
+            config,
+            world_size=self.world_size,
+            policy_given=policy is not None,
+            agents=bool(tools) or environment_factory is not None,
+        )
         #: Agents (tools, environments): checked before any model loads; None without them.
         self.agent = AgentRun.build(
             tools, environment_factory, AgentSettings.from_config(config, load_function)
         )
-        if self.agent is not None and config.async_rollout:
-            raise ValueError(
-                "async_rollout samples single-turn responses in a worker process; agents "
-                "(tools, environment_factory) need multi-turn episodes: set async_rollout: false"
-            )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
@@ -332,6 +306,17 @@ class PPOTrainer:
         #: what train()'s loop shares with step() and evaluate() (callbacks, the stop request,
         #: the async_rollout worker ...); ``global_step`` and the others are its fields.
         self.run = RunState(kl_ctl=kl_controller(config))
+        #: Where the rollouts come from (phases 1-3), training's and evaluation's.
+        self.source = build_rollout_source(
+            config,
+            SingleTurn(
+                self.policy, self.ref_model, self.value_model, self.scorer, self.decode_completion
+            ),
+            agent=self.agent,
+            tokenizer=self.tokenizer,
+            context_length=context_length(self.policy),
+            worker=lambda: self.run.rollout_worker,
+        )
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
@@ -443,7 +428,7 @@ class PPOTrainer:
             )
         local = cfg.batch_size // self.world_size
         first = self.rank * local
-        texts, prompt_ids, columns = self._prepare_prompts(prompts, first, first + local)
+        sequences = self._prompt_batch(prompts, first, first + local)
         ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
@@ -454,31 +439,12 @@ class PPOTrainer:
         group = cfg.group_size
         keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
         keys = keys[first * group : (first + local) * group]
-        sequence_ids = [p for p in prompt_ids for _ in range(group)]
-        generation, waited = self._overlap_generation(sequence_ids, next_prompts)
+        plan = StepPlan(self.global_step, self._prompt_batch, next_prompts, more_prompts)
         try:
-            rollout = self._rollout(
-                [t for t in texts for _ in range(group)],
-                sequence_ids,
-                repeat_columns(columns, group),
-                self.sampling,
-                keys,
-                generation=generation,
-            )
-            sampled = None
-            if cfg.dynamic_sampling:
-                rollout, sampled = self._dynamic_sampling(rollout, more_prompts, step)
+            rollout = self.source.rollout(sequences, self.sampling, keys, plan)
         except ValueError as err:  # a reward that is NaN or not numbers: name the step
             raise ValueError(f"step {step}: {err}") from err
-        if ended_at_once(rollout.generation):
-            logger.warning(
-                "step %d: every response ended at once with a stop token (empty completions); "
-                "PPO learns nothing from them but to stop. Plain prompts to a chat model "
-                "without its chat template do this: check use_chat_template (now %s) and the "
-                "prompt format",
-                step,
-                str(cfg.use_chat_template).lower(),
-            )
+        warn_if_ended_at_once(rollout.generation, step, cfg.use_chat_template)
         t_rollout = time.perf_counter()
         self.scorer.warn_without_metrics(rollout.reward_metrics)
         for cb in self.run.callbacks:
@@ -531,8 +497,8 @@ class PPOTrainer:
         )
         if rollout.reward_metrics:  # several rewards: each one's mean and spread
             metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
-        if sampled is not None:  # of every group generated, not only those kept
-            metrics.update(sampled)
+        # The source's: dynamic sampling's over every group generated, not only those kept.
+        metrics.update(rollout.source_metrics)
         if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
             sums = agent_count_sums(rollout.agent_counts)
             metrics.update(agent_metrics_over_ranks(sums, self.group))
@@ -549,95 +515,11 @@ class PPOTrainer:
                 "time/advantages": t_advantages - t_rollout,
                 "time/update": t_update - t_advantages,
                 "time/step": t_end - t0,
-                **({"time/generation_wait": waited} if waited is not None else {}),
                 "tokens_per_second": metrics.pop("num_generated") / max(t_end - t0, 1e-9),
             }
         )
         self.global_step = step
         return metrics
-
-    def _dynamic_sampling(
-        self,
-        first: Rollout,
-        more_prompts: Callable[[int], Sequence[PromptInput]] | None,
-        step: int,
-    ) -> tuple[Rollout, dict[str, float]]:
-        """Dynamic sampling (:mod:`ppo_trainer.dynamic_sampling`): generation rounds on
-        ``more_prompts(1), more_prompts(2), ...`` until ``batch_size`` groups have differing
-        scores or ``max_num_gen_batches`` rounds ran; the rollout of the groups chosen
-        (:func:`choose_groups`) and the metrics: ``dynamic_sampling/num_gen_batches``,
-        ``/groups_dropped`` (uninformative groups left out), ``/extra_rollouts`` (responses
-        generated beyond the first round) and ``frac_reward_zero_std`` over every group
-        generated. A batch still short is completed with uninformative groups, with a warning."""
-        cfg = self.config
-        group, groups = cfg.group_size, cfg.batch_size
-        rounds = [first]
-        informative = informative_groups(np.array(first.scores), group).tolist()
-        while sum(informative) < groups and len(rounds) < cfg.max_num_gen_batches:
-            if more_prompts is None:
-                break
-            r = len(rounds)
-            texts, prompt_ids, columns = self._prepare_prompts(more_prompts(r), 0, groups)
-            more = self._rollout(
-                [t for t in texts for _ in range(group)],
-                [p for p in prompt_ids for _ in range(group)],
-                repeat_columns(columns, group),
-                self.sampling,
-                rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size, extra_round=r),
-            )
-            rounds.append(more)
-            informative += informative_groups(np.array(more.scores), group).tolist()
-        chosen, filled = choose_groups(informative, groups)
-        if filled:
-            logger.warning(
-                "step %d: dynamic sampling found %d of the batch's %d groups with differing "
-                "scores in %d generation batch(es) (max_num_gen_batches=%d); the batch is "
-                "completed with %d groups whose scores are all equal, which teach nothing. "
-                "Raise max_num_gen_batches, or check that the reward can tell this model's "
-                "responses apart (the prompts may be too hard or too easy for it)",
-                step,
-                groups - filled,
-                groups,
-                len(rounds),
-                cfg.max_num_gen_batches,
-                filled,
-            )
-        metrics = {
-            "dynamic_sampling/num_gen_batches": float(len(rounds)),
-            "dynamic_sampling/groups_dropped": float(len(informative) - len(chosen)),
-            "dynamic_sampling/extra_rollouts": float((len(rounds) - 1) * cfg.rollout_batch_size),
-            "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
-        }
-        if len(rounds) == 1 and not filled:
-            return first, metrics
-        return take_groups(rounds, chosen, group, self.pad_token_id), metrics
-
-    def _overlap_generation(
-        self,
-        sequence_ids: list[list[int]],
-        next_prompts: Sequence[PromptInput] | None,
-    ) -> tuple[GenerationOutput | None, float | None]:
-        """With the asynchronous rollout worker: this step's responses if the worker generated
-        them (else None: :meth:`_rollout` generates), and the next step's batch asked of it with
-        the policy's weights as they are now, before this step's update (one step off-policy).
-        Returns the responses and the seconds spent waiting for them (None without a worker)."""
-        worker = self.run.rollout_worker
-        if worker is None:
-            return None, None
-        cfg = self.config
-        start = time.perf_counter()
-        generation = worker.take(self.global_step, sequence_ids)
-        waited = time.perf_counter() - start
-        if next_prompts is not None:
-            _, next_ids, _ = self._prepare_prompts(next_prompts, 0, cfg.batch_size)
-            step = self.global_step + 1
-            worker.request(
-                step,
-                [p for p in next_ids for _ in range(cfg.group_size)],
-                rollout_keys(cfg.seed, step, cfg.rollout_batch_size),
-                dict(tree_flatten(self.policy.trainable_parameters())),
-            )
-        return generation, waited
 
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
@@ -657,85 +539,14 @@ class PPOTrainer:
         )
         return texts, prompt_ids, slice_columns(all_columns, start, stop)
 
-    def _rollout(
-        self,
-        texts: list[str],
-        prompt_ids: list[list[int]],
-        columns: Columns,
-        sampling: SamplingSettings,
-        keys: mx.array | None = None,
-        with_values: bool = True,
-        generation: GenerationOutput | None = None,
-    ) -> Rollout:
-        """Phases 1-3 with this trainer's models and reward (training and evaluation); with
-        tools or environments, phase 1 plays multi-turn episodes (:mod:`ppo_trainer.agent_rollout`)
-        whose prompts (``columns["prompt"]``) are rendered with their tools."""
-        started = env_rewards = None
-        if self.agent is not None and generation is None:
-            template_kwargs = dict(self.config.chat_template_kwargs or {})
-            # Each environment's seed comes from its sequence's key (seed, step, place in the
-            # global batch); an evaluation's (no keys) from the random state, as its samples.
-            seed_keys = keys
-            if seed_keys is None:
-                seed_keys = mx.random.randint(0, 2**31 - 1, (len(texts), 2)).astype(mx.uint32)
-            started = start_episodes(
-                self.agent,
-                self.tokenizer,
-                columns,
-                system_prompt=self.config.system_prompt,
-                template_kwargs=template_kwargs,
-                seeds=environment_seeds(seed_keys),
-            )
-            texts, prompt_ids = started.texts, started.prompt_ids
-            check_prompts(
-                prompt_ids,
-                texts,
-                max_prompt_length=self.config.max_prompt_length,
-                max_new_tokens=sampling.max_new_tokens,
-                context_length=context_length(self.policy),
-            )
-            generation = play_episodes(
-                self.policy,
-                self.tokenizer,
-                started,
-                sampling,
-                template_kwargs=template_kwargs,
-                keys=keys,
-            )
-            env_rewards = episode_rewards(started.episodes, generation)
-
-        def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
-            return self.scorer.score(
-                texts,
-                prompt_ids,
-                columns,
-                completions,
-                query_responses,
-                lengths,
-                None if env_rewards is None else env_rewards.scores,
-            )
-
-        rollout = collect_rollout(
-            self.policy,
-            self.ref_model,
-            self.value_model if with_values else None,
-            texts,
-            prompt_ids,
-            sampling,
-            decode=lambda gen: decode_completions(
-                gen, self.decode_completion, sampling.stop_strings
-            ),
-            score=score,
-            score_source=self.scorer.source,
-            keys=keys,
-            generation=generation,
-            model_reward=self.scorer.is_model_pass and started is None,
-        )
-        if started is not None and env_rewards is not None:
-            rollout.action_rewards = env_rewards.action_rewards
-            rollout.turn_ends = env_rewards.turn_ends
-            rollout.agent_counts = agent_counts(started.episodes, rollout.generation)
-        return rollout
+    def _prompt_batch(
+        self, prompts: Sequence[PromptInput], start: int = 0, stop: int | None = None
+    ) -> PromptBatch:
+        """Prompts ``start:stop`` (default: all) prepared (:meth:`_prepare_prompts`), each
+        repeated ``group_size`` times: a step's sequences."""
+        stop = len(prompts) if stop is None else stop
+        texts, prompt_ids, columns = self._prepare_prompts(prompts, start, stop)
+        return PromptBatch(texts, prompt_ids, columns).repeat(self.config.group_size)
 
     @property
     def trained(self) -> Trained:
@@ -844,8 +655,8 @@ class PPOTrainer:
         )
 
         def roll_out(start: int, stop: int) -> tuple[list[str], Rollout]:
-            texts, ids, columns = self._prepare_prompts(prompts, start, stop)
-            return texts, self._rollout(texts, ids, columns, sampling, with_values=False)
+            batch = PromptBatch(*self._prepare_prompts(prompts, start, stop))
+            return batch.texts, self.source.rollout(batch, sampling, None)
 
         return evaluate_rollouts(
             roll_out,
