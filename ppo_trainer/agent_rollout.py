@@ -126,6 +126,12 @@ class AgentRun:
         check_template_supports_tools(tokenizer, self.sample_tools())
 
 
+def agent_inputs(agent: AgentRun | None) -> dict[str, str]:
+    """What a run's checkpoints record of its agents, and a resume compares
+    (:meth:`AgentRun.description`; "none" for a run without)."""
+    return agent.description() if agent is not None else {"environment": "none", "tools": "none"}
+
+
 @dataclass
 class Episodes:
     """A batch of started episodes: one per sequence, with its conversation and prompt."""

@@ -59,9 +59,8 @@ from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from agents import AgentSettings
-from ppo_trainer.agent_rollout import AgentRun, agent_count_sums
+from ppo_trainer.agent_rollout import AgentRun, agent_inputs
 from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
     build_models,
     load_function,
@@ -78,14 +77,11 @@ from ppo_trainer.experience import (
     penalized_scores,
 )
 from ppo_trainer.memory_estimate import check_memory
-from ppo_trainer.metrics import agent_metrics_over_ranks, iteration_metrics, reduce_over_ranks
+from ppo_trainer.metrics import iteration_metrics, rollout_metrics
 from ppo_trainer.prompt_records import (
     Columns,
     Prompt,
     PromptInput,
-    repeat_columns,
-    slice_columns,
-    split_records,
 )
 from ppo_trainer.evaluation import evaluate_rollouts
 from ppo_trainer.rollout import (
@@ -93,7 +89,6 @@ from ppo_trainer.rollout import (
     Rollout,
     SamplingSettings,
     StepPlan,
-    check_prompts,
     rollout_keys,
     warn_if_ended_at_once,
 )
@@ -105,6 +100,7 @@ from ppo_trainer.rollout_records import (
     rollouts_due,
 )
 from ppo_trainer.rewards import Rewards
+from ppo_trainer.prompt_batches import PromptPreparation, chat_prompts
 from ppo_trainer.scorer import Scorer
 from ppo_trainer.run_state import (
     RunState,
@@ -137,22 +133,6 @@ from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
 T = TypeVar("T")
-
-
-def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
-    """Whether plain-text prompts go through the chat template: ``config.use_chat_template``,
-    ``"auto"`` meaning when the tokenizer has one (as ``mlx_lm.generate`` decides).
-
-    Raises:
-        ValueError: ``use_chat_template`` is true and the tokenizer has no chat template.
-    """
-    has = has_chat_template(tokenizer)
-    if setting is True and not has:
-        raise ValueError(
-            "use_chat_template is true but the tokenizer of model_name has no chat template: "
-            "set use_chat_template to false (prompts as they are) or auto"
-        )
-    return has if setting == "auto" else bool(setting)
 
 
 class _InRunState(Generic[T]):
@@ -289,17 +269,15 @@ class PPOTrainer:
             self.agent.prepare_tokenizer(self.tokenizer)
         self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
         #: Whether plain-text prompts go through the chat template (config.use_chat_template).
-        self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
-        if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:
-            logger.info(
-                "plain-text prompts %s (use_chat_template=%s)",
-                (
-                    "go through the tokenizer's chat template"
-                    if self.chat_prompts
-                    else "are used as they are, without a chat template"
-                ),
-                str(config.use_chat_template).lower(),
-            )
+        self.chat_prompts = chat_prompts(
+            self.tokenizer,
+            config.use_chat_template,
+            log=type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process,
+        )
+        #: How prompts become sequences (format_prompt, encode_prompt, the checks).
+        self.preparation = PromptPreparation.from_config(
+            config, self.format_prompt, self.encode_prompt, self.scorer, context_length(self.policy)
+        )
         self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
         self.experience = ExperienceSettings.from_config(config)
         #: What the run changes (counters, history, optimisers, the KL controller ...) and
@@ -331,12 +309,13 @@ class PPOTrainer:
             else None
         )
         # What the run reads besides its settings, recorded in its checkpoints and compared on
-        # resume (train() adds the prompts).
-        self.inputs: dict[str, str | None] = run_inputs(config, self.scorer.description)
-        self.inputs["reward_source"] = self.rewards.source_fingerprint()  # edits to its file
-        # Agents: the environment factory's and tools' import paths ("none": a run without).
-        no_agent = {"environment": "none", "tools": "none"}
-        self.inputs.update(self.agent.description() if self.agent is not None else no_agent)
+        # resume (train() adds the prompts): the models, the reward, the reward functions'
+        # source (edits to their files), the agents' import paths.
+        self.inputs: dict[str, str | None] = {
+            **run_inputs(config, self.scorer.description),
+            "reward_source": self.rewards.source_fingerprint(),
+            **agent_inputs(self.agent),
+        }
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -422,13 +401,7 @@ class PPOTrainer:
         completed with uninformative groups).
         """
         cfg = self.config
-        if len(prompts) != cfg.batch_size:
-            raise ValueError(
-                f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
-            )
-        local = cfg.batch_size // self.world_size
-        first = self.rank * local
-        sequences = self._prompt_batch(prompts, first, first + local)
+        sequences, keys = self._step_sequences(prompts)
         ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
@@ -436,17 +409,9 @@ class PPOTrainer:
         t0 = time.perf_counter()
 
         # 1-3. Generate group_size responses per prompt; log-probs, values and scores.
-        group = cfg.group_size
-        keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
-        keys = keys[first * group : (first + local) * group]
-        plan = StepPlan(self.global_step, self._prompt_batch, next_prompts, more_prompts)
-        try:
-            rollout = self.source.rollout(sequences, self.sampling, keys, plan)
-        except ValueError as err:  # a reward that is NaN or not numbers: name the step
-            raise ValueError(f"step {step}: {err}") from err
-        warn_if_ended_at_once(rollout.generation, step, cfg.use_chat_template)
+        plan = StepPlan(self.global_step, self.preparation.batch, next_prompts, more_prompts)
+        rollout = self._roll_out(sequences, keys, plan)
         t_rollout = time.perf_counter()
-        self.scorer.warn_without_metrics(rollout.reward_metrics)
         for cb in self.run.callbacks:
             cb.on_rollout_scored(self, step, rollout)
 
@@ -495,13 +460,7 @@ class PPOTrainer:
         metrics = iteration_metrics(
             rollout, batch, stats, update_metrics, self.group, self.config.group_size
         )
-        if rollout.reward_metrics:  # several rewards: each one's mean and spread
-            metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
-        # The source's: dynamic sampling's over every group generated, not only those kept.
-        metrics.update(rollout.source_metrics)
-        if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
-            sums = agent_count_sums(rollout.agent_counts)
-            metrics.update(agent_metrics_over_ranks(sums, self.group))
+        metrics.update(rollout_metrics(rollout, self.group))
         if cfg.algorithm in KL_IN_REWARD:  # GRPO's KL weight is beta, in its loss
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
             metrics["objective/kl_coef"] = float(self.kl_ctl.value)
@@ -521,32 +480,37 @@ class PPOTrainer:
         self.global_step = step
         return metrics
 
+    def _step_sequences(self, prompts: Sequence[PromptInput]) -> tuple[PromptBatch, mx.array]:
+        """This rank's share of a step's global batch of ``prompts``, each ``group_size`` times,
+        and their PRNG keys: sequence ``k`` of the global batch samples from key ``k``."""
+        cfg = self.config
+        if len(prompts) != cfg.batch_size:
+            raise ValueError(
+                f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
+            )
+        local = cfg.batch_size // self.world_size
+        first = self.rank * local
+        sequences = self.preparation.batch(prompts, first, first + local)
+        keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
+        return sequences, keys[first * cfg.group_size : (first + local) * cfg.group_size]
+
+    def _roll_out(self, sequences: PromptBatch, keys: mx.array, plan: StepPlan) -> Rollout:
+        """Phases 1-3 of step ``plan.step + 1`` from the run's source, and the warnings a
+        rollout may call for (every response empty; several rewards' metrics missing)."""
+        step = plan.step + 1
+        try:
+            rollout = self.source.rollout(sequences, self.sampling, keys, plan)
+        except ValueError as err:  # a reward that is NaN or not numbers: name the step
+            raise ValueError(f"step {step}: {err}") from err
+        warn_if_ended_at_once(rollout.generation, step, self.config.use_chat_template)
+        self.scorer.warn_without_metrics(rollout.reward_metrics)
+        return rollout
+
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
     ) -> tuple[list[str], list[list[int]], Columns]:
-        """Prompts ``start:stop`` formatted and encoded, with their columns, checked (columns
-        the reward needs, lengths) before any generation."""
-        plain, all_columns = split_records(prompts)
-        self.scorer.check_columns(all_columns)
-        texts = [self.format_prompt(p) for p in plain[start:stop]]
-        prompt_ids = [self.encode_prompt(t) for t in texts]
-        check_prompts(
-            prompt_ids,
-            texts,
-            max_prompt_length=self.config.max_prompt_length,
-            max_new_tokens=max(self.config.max_new_tokens, self.config.eval_tokens),
-            context_length=context_length(self.policy),
-        )
-        return texts, prompt_ids, slice_columns(all_columns, start, stop)
-
-    def _prompt_batch(
-        self, prompts: Sequence[PromptInput], start: int = 0, stop: int | None = None
-    ) -> PromptBatch:
-        """Prompts ``start:stop`` (default: all) prepared (:meth:`_prepare_prompts`), each
-        repeated ``group_size`` times: a step's sequences."""
-        stop = len(prompts) if stop is None else stop
-        texts, prompt_ids, columns = self._prepare_prompts(prompts, start, stop)
-        return PromptBatch(texts, prompt_ids, columns).repeat(self.config.group_size)
+        """Prompts ``start:stop`` formatted, encoded and checked (:meth:`PromptPreparation.prepare`)."""
+        return self.preparation.prepare(prompts, start, stop)
 
     @property
     def trained(self) -> Trained:
@@ -577,11 +541,8 @@ class PPOTrainer:
         return learners
 
     def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
-        """Raise ``ValueError`` before any rollout when a reward function returns the wrong
-        number of scores, from a call on the first prompt twice (as a group repeats it) with
-        empty completions (:meth:`Scorer.check_call`)."""
-        texts, _, columns = self._prepare_prompts(prompts, 0, 1)
-        self.scorer.check_call(texts * 2, repeat_columns(columns, 2))
+        """A trial call of the reward before any rollout (:meth:`PromptPreparation.check_reward_call`)."""
+        self.preparation.check_reward_call(prompts)
 
     @property
     def reward_model(self) -> RewardModel | None:
