@@ -62,6 +62,7 @@ from agents import AgentSettings
 from ppo_trainer.agent_rollout import AgentRun, agent_inputs
 from ppo_trainer.callbacks import CallbackLike
 from ppo_trainer.components import (
+    RunModels,
     build_models,
     load_function,
     check_data_parallel_config,
@@ -253,48 +254,17 @@ class PPOTrainer:
                     checkpoint_blocks(trained)
         self.policy = models.policy
         self.ref_model = models.ref_model
-        self.rewards = Rewards(
-            models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
-        )
-        #: What scores the responses (phase 3), decided once.
-        self.scorer = Scorer.build(
-            config, self.rewards, self.compute_scores, type(self) if overrides else None
-        )
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        if self.agent is not None:  # tool_chat_template; one that cannot show tools stops here
-            self.agent.prepare_tokenizer(self.tokenizer)
-        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
-        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
-        self.chat_prompts = chat_prompts(
-            self.tokenizer,
-            config.use_chat_template,
-            log=type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process,
-        )
-        #: How prompts become sequences (format_prompt, encode_prompt, the checks).
-        self.preparation = PromptPreparation.from_config(
-            config, self.format_prompt, self.encode_prompt, self.scorer, context_length(self.policy)
-        )
-        self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
+        self._build_rollout(models, overrides)
         self.experience = ExperienceSettings.from_config(config)
         #: What the run changes (counters, history, optimisers, the KL controller ...) and
         #: what train()'s loop shares with step() and evaluate() (callbacks, the stop request,
         #: the async_rollout worker ...); ``global_step`` and the others are its fields.
         self.run = RunState(kl_ctl=kl_controller(config))
-        #: Where the rollouts come from (phases 1-3), training's and evaluation's.
-        self.source = build_rollout_source(
-            config,
-            SingleTurn(
-                self.policy, self.ref_model, self.value_model, self.scorer, self.decode_completion
-            ),
-            agent=self.agent,
-            tokenizer=self.tokenizer,
-            context_length=context_length(self.policy),
-            worker=lambda: self.run.rollout_worker,
-        )
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
@@ -316,6 +286,44 @@ class PPOTrainer:
             "reward_source": self.rewards.source_fingerprint(),
             **agent_inputs(self.agent),
         }
+
+    def _build_rollout(self, models: RunModels, overrides: bool) -> None:
+        """Phases 1-3's parts, decided once: the reward and its :class:`Scorer` (``overrides``:
+        this class overrides :meth:`compute_scores`), the agents' tokenizer, the stop tokens,
+        the prompts' preparation, the sampling and the rollout source."""
+        config = self.config
+        self.rewards = Rewards(
+            models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
+        )
+        #: What scores the responses (phase 3).
+        self.scorer = Scorer.build(
+            config, self.rewards, self.compute_scores, type(self) if overrides else None
+        )
+        if self.agent is not None:  # tool_chat_template; one that cannot show tools stops here
+            self.agent.prepare_tokenizer(self.tokenizer)  # before the stop tokens: its end of turn
+        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
+        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
+        self.chat_prompts = chat_prompts(
+            self.tokenizer,
+            config.use_chat_template,
+            log=type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process,
+        )
+        #: How prompts become sequences (format_prompt, encode_prompt, the checks).
+        self.preparation = PromptPreparation.from_config(
+            config, self.format_prompt, self.encode_prompt, self.scorer, context_length(self.policy)
+        )
+        self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
+        #: Where the rollouts come from (phases 1-3), training's and evaluation's.
+        self.source = build_rollout_source(
+            config,
+            SingleTurn(
+                self.policy, self.ref_model, self.value_model, self.scorer, self.decode_completion
+            ),
+            agent=self.agent,
+            tokenizer=self.tokenizer,
+            context_length=context_length(self.policy),
+            worker=lambda: self.run.rollout_worker,
+        )
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -389,16 +397,11 @@ class PPOTrainer:
         learns from its contiguous share of ``batch_size / world_size`` prompts (and their
         columns), and the metrics are those of the global batch.
 
-        ``next_prompts``: the next step's batch, which the asynchronous rollout worker (during
-        :meth:`train` with ``config.async_rollout``) generates with the current policy while this
-        step updates; ignored without a worker. This step takes its own responses from the
-        worker when it was asked for exactly these prompts, else generates them itself.
-
-        ``more_prompts``: with ``config.dynamic_sampling``, ``more_prompts(k)`` is the batch of
-        the ``k``-th extra generation round (``k >= 1``), the next prompts in the data order;
-        :meth:`train` passes it and moves its cursor past the rounds used
-        (``dynamic_sampling/num_gen_batches - 1``). None: no extra rounds (a short batch is
-        completed with uninformative groups).
+        ``next_prompts``: the next step's batch, which the ``async_rollout`` worker generates
+        with the current policy while this step updates (this step takes its own responses from
+        the worker when it was asked for exactly these prompts). ``more_prompts(k)``: with
+        ``dynamic_sampling``, the batch of the ``k``-th extra generation round (``k >= 1``);
+        None: no extra rounds. :meth:`train` passes both (:class:`~ppo_trainer.rollout.StepPlan`).
         """
         cfg = self.config
         sequences, keys = self._step_sequences(prompts)
