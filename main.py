@@ -60,19 +60,9 @@ def read_prompts(path: str | Path) -> list[Any]:
 
 def _prompt_of(record: Any, where: str) -> Any:
     """A prompt record's prompt (text or chat messages), with its other fields as columns."""
-    from ppo_trainer.prompt_records import prompt_problem
+    from ppo_trainer.prompt_records import prompt_record
 
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        prompt, key = record["prompt"], "prompt"
-    elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-        prompt, key = record["messages"], "messages"
-    else:
-        raise ValueError(f"{where}: expected an object with 'prompt' or 'messages'")
-    problem = prompt_problem(prompt)
-    if problem is not None:
-        raise ValueError(f"{where}: {key!r} {problem}")
-    columns = {k: v for k, v in record.items() if k != key}
-    return {"prompt": prompt, **columns} if columns else prompt
+    return prompt_record(record, where)
 
 
 def _hub_prompts(name: str) -> list[Any]:
@@ -92,7 +82,7 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 #: A --set example per command, with keys of that command's config.
 _SET_EXAMPLES = {
-    "ppo": "--set kl_coef=0.1 --set algorithm=grpo",
+    "ppo": "--set algorithm=grpo --set group_size=4",
     "sft": "--set learning_rate=2e-5 --set use_lora=true",
     "reward": "--set margin=0.5 --set max_length=512",
     "dpo": "--set beta=0.1 --set loss_type=ipo",
@@ -596,12 +586,15 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("run", help="the run folder (output_dir) holding metrics.jsonl, rollouts/")
     audit.set_defaults(func=cmd_audit)
 
+    from config.reference import KINDS
+
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
     config.add_argument(
         "--kind",
-        choices=("ppo", "sft", "reward", "dpo"),
+        choices=KINDS,
         default="ppo",
-        help="the run kind: ppo (train: PPO, GRPO, RLOO, REINFORCE++), sft, reward or dpo",
+        help="the run kind: an algorithm of train (the keys that apply to it, with its "
+        "defaults: ppo, grpo, rloo, reinforce_pp, reinforce_pp_baseline), or sft, reward, dpo",
     )
     config.add_argument(
         "--markdown",

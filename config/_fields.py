@@ -14,6 +14,7 @@ import inspect
 import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import fields
 from functools import cache
 from typing import Any, Literal, Union
@@ -41,6 +42,33 @@ def require_model_name(model_name: str) -> None:
         "a non-empty path or repo id",
         "set model_name to a local model directory or a Hugging Face repo id",
     )
+
+
+def close_keys(key: str, names: Iterable[str]) -> list[str]:
+    """The (at most 3) names closest to a mistyped ``key`` (difflib, cutoff 0.6), best first;
+    [] when none is close. Every "did you mean" of the configs comes from here."""
+    return difflib.get_close_matches(key, list(names), n=3, cutoff=0.6)
+
+
+def unknown_keys_message(
+    owner: str,
+    keys: Iterable[str],
+    names: Iterable[str],
+    listed: str = "docs/configuration.md lists them",
+) -> str:
+    """One line refusing ``keys`` that ``owner`` does not take, each with its "did you mean"
+    among ``names`` (or, when none is close, ``listed``: where the keys are listed)."""
+    names = list(names)
+    parts = []
+    for key in keys:
+        close = close_keys(key, names)
+        hint = (
+            "did you mean " + " or ".join(repr(c) for c in close) + "?"
+            if close
+            else f"no key is close ({listed})"
+        )
+        parts.append(f"{key!r}: {hint}")
+    return f"{owner} does not take " + "; ".join(parts)
 
 
 def divisors(n: int) -> list[int]:

@@ -13,13 +13,20 @@ the "wrong" section is fine, but a key given twice is an error)::
     training:
       learning_rate: 1e-5
 
+and the algorithm may carry its own settings, which must apply to it (``python main.py config
+--kind grpo`` lists them)::
+
+    algorithm:
+      name: grpo
+      group_size: 4
+      beta: 0.04
+
 Every key is checked against the dataclass fields (unknown keys get "did you mean" suggestions) and
 every value against the field's type before the dataclass is built, so a malformed file fails with
 one message that lists all its problems.
 """
 
 import dataclasses
-import difflib
 import inspect
 import typing
 from collections.abc import Mapping, Sequence
@@ -28,11 +35,12 @@ from typing import Any, TypeVar, overload
 
 import yaml
 
-from config._fields import coerce_value, union_members
+from config._fields import close_keys, coerce_value, union_members
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig
 from config.training_config import TrainingConfig
 from config.trl_names import TRL_ALIASES, from_trl_value
+from algorithms.registry import algorithm_keys, get_algorithm
 
 C = TypeVar("C")
 
@@ -286,6 +294,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
                     f"(e.g. model_name under model:)"
                 )
             entries = [(k, v, f"section '{key}'") for k, v in value.items()]
+        elif key == "algorithm" and isinstance(value, dict):
+            entries = _algorithm_section(path, value)
         else:
             entries = [(key, value, "the top level")]
         for name, item, place in entries:
@@ -303,6 +313,36 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return merged
 
 
+def _algorithm_section(path: Path, section: dict[Any, Any]) -> list[tuple[Any, Any, str]]:
+    """``algorithm: {name: grpo, <key>: <value>, ...}`` as flat entries: ``algorithm`` = the
+    name, then the keys, each of which must apply to that algorithm (a key of other algorithms
+    only would do nothing)."""
+    place = "section 'algorithm'"
+    name = section.get("name")
+    if not isinstance(name, str):
+        raise ValueError(
+            f"config file {path}: section 'algorithm' must name the algorithm, e.g. "
+            f"algorithm: {{name: grpo, beta: 0.04}}, got {section!r}"
+        )
+    try:
+        algorithm = get_algorithm(name)
+    except ValueError as err:
+        raise ValueError(f"config file {path}: {err}") from err
+    others = algorithm_keys() - algorithm.keys
+    entries: list[tuple[Any, Any, str]] = [("algorithm", name, place)]
+    for key, value in section.items():
+        if key == "name":
+            continue
+        if TRL_ALIASES.get(key, key) in others:
+            raise ValueError(
+                f"config file {path}: {key} in section 'algorithm' does not apply to algorithm "
+                f"{name!r} (`python main.py config --kind {name}` lists what does); remove it, "
+                "or name the algorithm it is for"
+            )
+        entries.append((key, value, place))
+    return entries
+
+
 def _split_override(override: str) -> tuple[str, str]:
     key, sep, raw = override.partition("=")
     key = key.strip().replace("-", "_")
@@ -311,6 +351,8 @@ def _split_override(override: str) -> tuple[str, str]:
     prefix, dot, rest = key.partition(".")
     if dot and prefix in SECTIONS:
         key = rest
+    elif dot and prefix == "algorithm":  # algorithm.name=grpo, algorithm.beta=0.04
+        key = "algorithm" if rest == "name" else rest
     return key, raw
 
 
@@ -330,14 +372,19 @@ def _unknown_key(key: str, where: str, types: dict[str, Any], cls: type) -> str:
     """One line: the closest keys (ours or TRL's names of them), else where every key is
     listed (a list of 100 keys on one line helps nobody)."""
     names = list(types) + [alias for alias, ours in TRL_ALIASES.items() if ours in types]
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+    close = close_keys(key, names)
     if close:
         hint = "did you mean " + " or ".join(repr(c) for c in close) + "?"
     else:
-        kind = _CONFIG_KINDS.get(cls.__name__, "ppo")
+        kind = _CONFIG_KINDS.get(cls.__name__)
+        where = (
+            f"`python main.py config --kind {kind}` lists every key"
+            if kind is not None
+            else "`python main.py config --kind ppo` (or grpo, rloo, ...: an algorithm) lists "
+            "the keys of a run of it"
+        )
         hint = (
-            f"no key of this kind of run is close; `python main.py config --kind {kind}` lists "
-            "every key with its meaning (docs/configuration.md)"
+            f"no key of this kind of run is close; {where} with its meaning (docs/configuration.md)"
         )
     return f"unknown config key {key!r} in {where}: {hint}"
 

@@ -8,20 +8,28 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from config._fields import check_field_types, divisors, is_non_negative, is_positive, require
+from config._fields import (
+    check_field_types,
+    divisors,
+    is_non_negative,
+    is_positive,
+    require,
+    unknown_keys_message,
+)
 from config.agent_config import AgentConfig
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
+from algorithms.base import Algorithm as AlgorithmObject
+from algorithms.registry import ALGORITHMS, get_algorithm
 
-Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+#: An algorithm's name: a key of :data:`algorithms.registry.ALGORITHMS`.
+Algorithm = str
 KLEstimator = Literal["k1", "k2", "k3"]
 GRPOAdvantageScale = Literal["group", "batch", "none"]
 RolloutLogprobs = Literal["sampling", "forward"]
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 
-#: Algorithms that compare the group_size responses to each prompt (group_size >= 2).
-GROUP_ALGORITHMS = ("grpo", "rloo", "reinforce_pp_baseline")
 # "package.module:function" or "path/to/file.py:function": a reward function; a plain word that
 # is not a local directory: a reward of the registry (rewards/); anything else is a model.
 _FUNCTION_SPEC = re.compile(r"^(?:[A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")
@@ -29,14 +37,6 @@ _REWARD_NAME = re.compile(r"^[A-Za-z_]\w*$")
 
 #: A ``reward_funcs`` entry: a name or path, or ``{name: ..., <parameter>: ...}``.
 RewardSpec = str | dict[str, Any]
-
-#: Each algorithm's defaults where they differ from the fields' own (which are PPO's). GRPO's are
-#: TRL's (1.x ``GRPOConfig``): no KL term, so no reference model; one update pass per batch; the
-#: "dapo" loss; temperature 1.0. A config takes them for the fields it is not given, however it
-#: is built (Python, a config file, ``--set``, TRL's names): a setting means the same every way.
-ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"beta": 0.0, "num_ppo_epochs": 1, "loss_type": "dapo", "temperature": 1.0},
-}
 
 
 def is_reward_function_spec(spec: RewardSpec) -> bool:
@@ -75,8 +75,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     Summarization" (Huang et al., 2024) where they apply: gamma 1, lam 0.95, 4 PPO epochs,
     kl_coef 0.05 (k1 estimator, fixed), sampling temperature 0.7, cliprange 0.2,
     cliprange_value 0.2, vf_coef 0.1, Adam eps 1e-5, whitened advantages and un-whitened rewards.
-    An algorithm whose defaults differ (:data:`ALGORITHM_DEFAULTS`: GRPO takes TRL's) has them
-    for every field the config is not given.
+    An algorithm whose defaults differ (its object's ``defaults``, :mod:`algorithms`: GRPO takes
+    TRL's) has them for every field the config is not given, however the config is built
+    (Python, a config file, ``--set``, TRL's names): a setting means the same every way.
 
     KL estimators, with ``log_ratio = logp_policy - logp_ref`` per response token and
     ``r = exp(-log_ratio)`` (Schulman, "Approximating KL divergence"): k1 = log_ratio,
@@ -89,7 +90,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             clipped sequence-level loss); "reinforce_pp" (REINFORCE++: per-token KL in the
             reward, discounted returns whitened over the batch, the clipped PPO loss, no value
             model); "reinforce_pp_baseline" (REINFORCE++-baseline: the group's mean score
-            subtracted first). See docs/algorithms.md.
+            subtracted first). Each is an object of algorithms/ (its settings, defaults,
+            advantages and loss), found by name in algorithms/registry.py. See
+            docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
         max_prompt_length: Most tokens in a prompt.
         use_chat_template: Whether a plain-text prompt goes through the tokenizer's chat template
@@ -306,6 +309,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     rollout_records_per_step: int = 16
 
     def __new__(cls, *args: Any, **values: Any) -> "PPOConfig":
+        unknown = [key for key in values if key not in _init_fields(cls)]
+        if unknown:  # a typo: the CLI's "did you mean" rather than a bare TypeError
+            raise TypeError(unknown_keys_message(cls.__name__, unknown, _init_fields(cls)))
         config = super().__new__(cls)
         # The fields the caller gave; __post_init__ gives the others their algorithm's defaults.
         config.__dict__["_given_fields"] = frozenset(values)
@@ -313,7 +319,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
 
     def __post_init__(self) -> None:
         given = self.__dict__.get("_given_fields", frozenset())
-        for name, value in ALGORITHM_DEFAULTS.get(self.algorithm, {}).items():
+        for name, value in get_algorithm(self.algorithm).defaults.items():
             if name not in given:
                 setattr(self, name, value)
         ModelConfig.__post_init__(self)
@@ -422,12 +428,13 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             "> 0",
             "set e.g. 0.2",
         )
-        if self.algorithm == "ppo":
+        algorithm = self.algorithm_object
+        if algorithm.value_model:
             require(
                 is_positive(self.vf_coef),
                 "vf_coef",
                 self.vf_coef,
-                '> 0 when algorithm is "ppo"',
+                f'> 0 when algorithm is "{self.algorithm}"',
                 "set e.g. 0.1 (with 0 the value model never learns and GAE is meaningless)",
             )
         else:
@@ -442,7 +449,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             ">= 0",
             "set the steps in which only the value model trains, or 0",
         )
-        if self.value_warmup_steps and self.algorithm != "ppo":
+        if self.value_warmup_steps and not algorithm.value_model:
             raise ValueError(
                 f"value_warmup_steps={self.value_warmup_steps} needs a value model: it is for "
                 f'algorithm "ppo" ({self.algorithm!r} has none); set it to 0'
@@ -456,7 +463,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "set the amount subtracted from the score (e.g. 1.0), or null for none",
             )
         require(self.group_size >= 1, "group_size", self.group_size, ">= 1", "set e.g. 1")
-        if self.algorithm in GROUP_ALGORITHMS:
+        if algorithm.grouped:
             require(
                 self.group_size >= 2,
                 "group_size",
@@ -474,6 +481,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             "set 0.0 for no entropy bonus, or a small weight such as 0.001",
         )
         self._check_loss_weights()
+        algorithm.check(self)
 
     def _check_loss_weights(self) -> None:
         """The token weights and the mixed-in SFT loss (their data is loaded by the trainer)."""
@@ -533,7 +541,8 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "> 0 or null",
                 "set e.g. 0.28 (DAPO), or null to clip symmetrically with clip_epsilon",
             )
-        if self.algorithm != "grpo":
+        keys = self.algorithm_object.keys
+        if "loss_type" not in keys:
             require(
                 self.loss_type == "bnpo",
                 "loss_type",
@@ -542,6 +551,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "loss_type chooses among GRPO's loss variants; set algorithm: grpo, or remove "
                 "loss_type",
             )
+        if "importance_sampling_level" not in keys:
             require(
                 self.importance_sampling_level == "token",
                 "importance_sampling_level",
@@ -550,14 +560,16 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "sequence-level ratios (GSPO) are a GRPO variant; set algorithm: grpo, or "
                 "remove importance_sampling_level",
             )
-        if self.algorithm == "ppo":
+        if "mask_truncated_completions" not in keys:
             require(
                 not self.mask_truncated_completions,
                 "mask_truncated_completions",
                 self.mask_truncated_completions,
-                'false when algorithm is "ppo"',
-                "PPO's value model learns from every token; use it with grpo, rloo or "
-                "reinforce_pp, or set missing_eos_penalty to discourage truncation",
+                f'false when algorithm is "{self.algorithm}"',
+                f"{self.algorithm} trains on every response (PPO's value model learns from "
+                "every token); use it with one of "
+                f"{', '.join(n for n, a in ALGORITHMS.items() if 'mask_truncated_completions' in a.keys)}, or set "
+                "missing_eos_penalty to discourage truncation",
             )
         require(
             self.max_num_gen_batches >= 1,
@@ -568,13 +580,14 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             "offered: a reward equal on every response would generate forever)",
         )
         if self.dynamic_sampling:
+            grouped = [name for name, a in ALGORITHMS.items() if a.grouped]
             require(
-                self.algorithm in GROUP_ALGORITHMS,
+                self.algorithm_object.grouped,
                 "dynamic_sampling",
                 self.dynamic_sampling,
                 f"false when algorithm is {self.algorithm!r}",
                 "it drops groups of responses to one prompt whose scores are all equal; use "
-                f"it with one of {', '.join(GROUP_ALGORITHMS)}",
+                f"it with one of {', '.join(grouped)}",
             )
             require(
                 not self.async_rollout,
@@ -583,15 +596,6 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "false when async_rollout is on",
                 "the worker generates the next batch before this one is filtered: set "
                 "async_rollout: false",
-            )
-        if self.algorithm == "reinforce_pp_baseline":
-            require(
-                self.gamma == 1.0,
-                "gamma",
-                self.gamma,
-                '1.0 when algorithm is "reinforce_pp_baseline"',
-                "REINFORCE++-baseline uses undiscounted returns (as OpenRLHF); set gamma: 1.0, "
-                "or use algorithm: reinforce_pp for a discount",
             )
 
     def _check_rewards(self) -> None:
@@ -695,17 +699,24 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
         with a fresh head (it predicts 0 whatever the reward's offset)."""
         if self.normalize_reward != "auto":
             return bool(self.normalize_reward)
-        return self.algorithm == "ppo" and self.value_source[0] in ("policy", "shared")
+        learns_values = self.algorithm_object.value_model
+        return learns_values and self.value_source[0] in ("policy", "shared")
 
     @property
     def uses_reference_model(self) -> bool:
-        """Whether the KL to the reference enters the run: ``beta > 0`` for "grpo" (its loss),
-        ``kl_coef > 0`` or ``adaptive_kl`` for the others (their reward). Without it no reference
+        """Whether the KL to the reference enters the run: ``beta > 0`` where it is a term of the
+        loss ("grpo"), ``kl_coef > 0`` or ``adaptive_kl`` where it is in the reward (the others). Without it no reference
         model is loaded or run (TRL's ``beta: 0``), and the KL is measured against the rollout
         policy (0 at each rollout)."""
-        if self.algorithm == "grpo":
+        if not self.algorithm_object.kl_in_reward:
             return self.beta > 0
         return self.kl_coef > 0 or self.adaptive_kl
+
+    @property
+    def algorithm_object(self) -> AlgorithmObject:
+        """The algorithm ``algorithm`` names (:func:`algorithms.registry.get_algorithm`): its
+        settings, advantages and loss."""
+        return get_algorithm(self.algorithm)
 
     @property
     def reward_func_names(self) -> list[str]:
@@ -742,6 +753,10 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     def training_config(self) -> TrainingConfig:
         """The :class:`TrainingConfig` part of this config (a new, independent object)."""
         return TrainingConfig(**_field_values(self, TrainingConfig))
+
+
+def _init_fields(cls: type) -> list[str]:
+    return [f.name for f in fields(cls) if f.init]
 
 
 def _field_values(obj: object, cls: type) -> dict[str, Any]:

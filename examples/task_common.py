@@ -409,19 +409,9 @@ def _sets_model(args: argparse.Namespace) -> bool:
     return any(isinstance(s, dict) and s.get("model_name") for s in sections)
 
 
-#: The printed name of each ``PPOConfig.algorithm``.
-ALGORITHM_NAMES: dict[str, str] = {
-    "ppo": "PPO",
-    "grpo": "GRPO",
-    "rloo": "RLOO",
-    "reinforce_pp": "REINFORCE++",
-    "reinforce_pp_baseline": "REINFORCE++-baseline",
-}
-
-
 def algorithm_header(config: PPOConfig) -> str:
     """The line that says which algorithm trains the policy, and how many samples per prompt."""
-    name = ALGORITHM_NAMES[config.algorithm]
+    name = config.algorithm_object.title
     group = f", {config.group_size} samples per prompt" if config.group_size > 1 else ""
     steps = "" if config.total_steps is None else f", {config.total_steps} steps"
     return (
@@ -446,7 +436,7 @@ def print_run_summary(
             f"KL {last['objective/kl']:.4f}"
         )
     for name, result in after.items():
-        print_evaluation(f"After {ALGORITHM_NAMES[trainer.config.algorithm]}, {name}", result)
+        print_evaluation(f"After {trainer.config.algorithm_object.title}, {name}", result)
     for name in after:
         print(_verdict(name, before[name], after[name]))
     print(f"metrics: {trainer.run_dir / 'metrics.jsonl'}")
@@ -507,7 +497,7 @@ def run_task_cli(
         evaluated = {name: prompts for name, prompts in evaluated.items() if prompts}
         before = {name: evaluate_records(trainer, p, repeats) for name, p in evaluated.items()}
         for name, result in before.items():
-            print_evaluation(f"Before {ALGORITHM_NAMES[config.algorithm]}, {name}", result)
+            print_evaluation(f"Before {config.algorithm_object.title}, {name}", result)
         history = train_on_records(
             trainer, records, eval_fraction=args.eval_fraction, resume_from=args.resume
         )

@@ -56,6 +56,14 @@ TARGETS: dict[str, list[str]] = {
     "advantage/reward_to_go.py": ["tests/test_advantage.py"],
     "advantage/td_error.py": ["tests/test_advantage.py"],
     "advantage/whitening.py": ["tests/test_advantage.py", "tests/test_experience.py"],
+    **{
+        f"algorithms/{name}.py": [
+            "tests/test_algorithms.py",
+            "tests/test_experience.py",
+            "tests/test_config.py",
+        ]
+        for name in ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "registry")
+    },
     "token_attribution/extractor.py": ["tests/test_token_attribution.py"],
     "token_attribution/logprob_computer.py": ["tests/test_token_attribution.py"],
     "token_attribution/sequences.py": ["tests/test_token_attribution.py"],

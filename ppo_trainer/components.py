@@ -317,7 +317,8 @@ def build_models(
             "**columns) -> list[float]>, set reward_model_name in the config, or override "
             "compute_scores"
         )
-    if config.algorithm == "ppo" and value_model is None:
+    learns_values = config.algorithm_object.value_model
+    if learns_values and value_model is None:
         kind, path = config.value_source
         if kind == "shared":  # adapters and a head on the policy's base, held once
             lora = replace(policy.lora or LoraSettings.from_model_config(config), dropout=0.0)
@@ -326,7 +327,7 @@ def build_models(
             value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype, fast_math=fast)
         else:
             value_model = ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)
-    if config.algorithm != "ppo":
+    if not learns_values:
         value_model = None
     reward_funcs: list[NamedReward] = []
     if config.reward_funcs:

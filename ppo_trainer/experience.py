@@ -1,9 +1,9 @@
 """Phases 3-4 of an iteration: from a rollout to what the update learns from.
 
-:func:`make_experience` turns scores and log-probs into per-token KL, per-token rewards and
-advantages (GAE with a value model for PPO; group-relative for GRPO; leave-one-out for RLOO;
-whitened returns for REINFORCE++), with the math of the stage folders (``reward_kl/``,
-``advantage/``). Whitening and group statistics use the global batch of a
+:func:`make_experience` turns scores and log-probs into per-token KL and per-token rewards
+(``reward_kl/``), then asks the run's algorithm (:mod:`algorithms`) for the advantages (GAE with
+a value model for PPO; group-relative for GRPO; leave-one-out for RLOO; whitened returns for
+REINFORCE++), which it makes with the math of ``advantage/``. Whitening and group statistics use the global batch of a
 data-parallel run (``group``).
 """
 
@@ -17,10 +17,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from advantage.gae_advantage import compute_gae
-from advantage.group_advantage import group_advantages, rloo_advantages
-from advantage.reinforce_pp import reinforce_pp_advantages, reinforce_pp_baseline_advantages
-from advantage.whitening import masked_whiten
+from algorithms.base import AdvantageInputs
+from algorithms.registry import get_algorithm
 from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator
 from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.rollout import Rollout
@@ -68,16 +66,13 @@ class ExperienceSettings:
         )
 
 
-#: Algorithms whose per-sequence reward holds the KL penalty (weighted by ``kl_coef``, which the
-#: adaptive controller may move); GRPO puts it in the loss instead (``beta``).
-KL_IN_REWARD: frozenset[str] = frozenset({"ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"})
-
-
 def kl_per_token(rollout: Rollout, settings: ExperienceSettings) -> mx.array:
     """The per-token KL to the reference the algorithm penalises, (B, T), 0 after each response:
-    GRPO's k3 (the term of its loss), else ``kl_estimator``. Training and evaluation both report
-    its sum over a response as ``objective/kl`` / ``eval/kl``."""
-    estimator: KLEstimator = "k3" if settings.algorithm == "grpo" else settings.kl_estimator
+    ``kl_estimator`` where it is a penalty in the reward, else k3 (the term of GRPO's loss).
+    Training and evaluation both report its sum over a response as ``objective/kl`` /
+    ``eval/kl``."""
+    in_reward = get_algorithm(settings.algorithm).kl_in_reward
+    estimator: KLEstimator = settings.kl_estimator if in_reward else "k3"
     return kl_estimate(rollout.logprobs, rollout.ref_logprobs, estimator) * rollout.mask
 
 
@@ -104,14 +99,11 @@ def make_experience(
     Scores first lose ``missing_eos_penalty`` for responses without a stop token and, with
     ``score_moments`` (``normalize_reward``: the running statistics, this batch included), are
     normalised by them for what follows (``batch.scores`` keeps them unnormalised, for the
-    metrics); ``kl`` is :func:`kl_per_token`. Then, by algorithm:
-
-    * ``ppo``: per-token rewards ``-kl_coef * kl`` plus the score at the last token (optionally
-      whitened), GAE advantages and returns over the values (advantages optionally whitened);
-    * ``grpo``: the scores' group-relative advantages (the KL is in the loss, ``beta``);
-    * ``rloo``: leave-one-out advantages of ``score - kl_coef * sum(kl)`` (TRL's RLOO);
-    * ``reinforce_pp``: the per-token rewards' discounted returns, whitened over the batch
-      (REINFORCE++); ``reinforce_pp_baseline``: the same from group-centred scores, gamma 1.
+    metrics); ``kl`` is :func:`kl_per_token`; the per-token rewards are ``-coef * kl`` plus the
+    score at the last token, ``coef`` = ``kl_coef`` where the algorithm's KL is in the reward,
+    else ``beta``. Then the algorithm (:mod:`algorithms`) makes the advantages and returns:
+    GAE for PPO, group-relative for GRPO, leave-one-out for RLOO, whitened returns for
+    REINFORCE++.
 
     ``mask_truncated_completions`` (group methods) then drops responses without a stop token from
     the loss (``batch.mask`` all 0 for them); they still count in their group's baseline.
@@ -119,7 +111,8 @@ def make_experience(
     Agents (multi-turn episodes): ``r.mask`` holds the policy's tokens only, so the KL, the
     losses and GAE skip the tool tokens (GAE's next state after a turn is the next turn's first
     token). Per-action rewards (``r.action_rewards``) land on each turn's last token for PPO,
-    and are summed into the episode's score for the others (sequence-level advantages).
+    and are summed into the episode's score for the others (no value model: sequence-level
+    credit).
 
     Returns:
         ``(batch, stats)`` with ``stats``: ``kl`` (B, T), ``non_score`` (B, T) the KL part of the
@@ -128,49 +121,28 @@ def make_experience(
 
     Raises:
         ValueError: the advantages or returns are not finite (scores too large for float32),
-            naming ``step``: no update is made from them.
+            naming ``step``: no update is made from them; an unknown algorithm.
     """
     r = rollout
+    algorithm = get_algorithm(settings.algorithm)
     ended = r.generation.ended_with_stop
     scores = raw_scores = penalized_scores(r, settings)  # (B,)
-    per_token_actions = settings.algorithm == "ppo"
+    per_token_actions = algorithm.value_model
     if r.action_rewards is not None and not per_token_actions:
         scores = raw_scores = scores + r.action_rewards.sum(axis=1)  # (B,) the episode's total
     if score_moments is not None:
         _check_finite_moments(score_moments, raw_scores, step)
         scores = normalize_scores(scores, score_moments)  # (B,)
     kl = kl_per_token(r, settings)  # (B, T)
-    coef = settings.beta if settings.algorithm == "grpo" else kl_coef
+    coef = kl_coef if algorithm.kl_in_reward else settings.beta
     rewards, non_score = per_token_rewards(scores, kl, r.mask, coef)  # (B, T) each
     if r.action_rewards is not None and per_token_actions:
         assert r.turn_ends is not None, "per-action rewards come with their turns' ends"
         rewards = add_action_rewards(rewards, r.action_rewards, r.turn_ends)  # (B, T)
     stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # rewards before whitening
-    returns = None
-    algorithm = settings.algorithm
-    if algorithm == "ppo":
-        assert r.values is not None, "PPO needs the rollout's values"
-        if settings.whiten_rewards:
-            rewards = masked_whiten(rewards, r.mask, shift_mean=False, group=group)
-        advantages, returns = compute_gae(rewards, r.values, r.mask, settings.gamma, settings.lam)
-        if settings.whiten_advantages:
-            advantages = masked_whiten(advantages, r.mask, group=group)
-    elif algorithm == "grpo":
-        advantages = group_advantages(
-            scores, settings.group_size, settings.grpo_advantage_scale, group=group
-        )  # (B,)
-    elif algorithm == "rloo":
-        advantages, _ = rloo_advantages(scores, kl, r.mask, kl_coef, settings.group_size)  # (B,)
-    elif algorithm == "reinforce_pp":
-        advantages, returns = reinforce_pp_advantages(
-            scores, kl, r.mask, kl_coef, settings.gamma, group=group
-        )  # (B, T) each
-    elif algorithm == "reinforce_pp_baseline":
-        advantages, returns = reinforce_pp_baseline_advantages(
-            scores, kl, r.mask, kl_coef, settings.group_size, group=group
-        )
-    else:
-        raise ValueError(f"unknown algorithm {algorithm!r}")
+    # Rollout arrays (scores, KL, values) are constants: no gradient flows through advantages.
+    inputs = AdvantageInputs(scores, kl, rewards, r.mask, r.values, kl_coef, group)
+    advantages, returns = algorithm.advantages(inputs, settings)  # (B,) or (B, T); (B, T)
     mask = r.mask
     if settings.mask_truncated_completions:
         mask = mask_truncated_completions(mask, ended)

@@ -40,6 +40,7 @@ import mlx.core as mx
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
+from algorithms.registry import ALGORITHMS
 from base_setup.lora_setup import lora_modules, save_adapters
 from base_setup.tokenizer_setup import eos_token_ids
 from models.backbone_loading import QUANTIZATION_KEYS
@@ -58,6 +59,19 @@ _ALGORITHMS = {
     "grpo": "GRPO (group-relative advantages, frozen reference, no value model)",
     "sft": "supervised fine-tuning (next-token cross-entropy on the completions)",
 }
+
+
+def _training(algorithm: str | None) -> str:
+    """The model card's line on how the weights were trained."""
+    if algorithm is None:
+        return "unknown (no training run found)"
+    if algorithm in _ALGORITHMS:
+        return _ALGORITHMS[algorithm]
+    if algorithm in ALGORITHMS:
+        return f"{ALGORITHMS[algorithm].title} (`algorithm: {algorithm}`, docs/algorithms.md)"
+    return "unknown (no training run found)"
+
+
 #: ``model_type`` values whose mlx-lm weights carry transformers' names and shapes, so that a
 #: float export loads in ``AutoModelForCausalLM`` (each checked in tests/test_export.py).
 TRANSFORMERS_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
@@ -315,7 +329,7 @@ def _write_model_card(
         f"A {architecture} exported by ppo-mlx (`python main.py export`) from `{found.path}`.",
         "",
         f"- **Base model:** `{base}`" if base else "- **Base model:** not recorded",
-        f"- **Training:** {_ALGORITHMS.get(algorithm or '', 'unknown (no training run found)')}",
+        f"- **Training:** {_training(algorithm)}",
         f"- **Weights:** {weights_kind}; {storage}",
         f"- **Stops at token ids:** {stops or 'none recorded'}",
         f"- **Chat template:** {'yes' if layout['chat_template'] else 'no'}",

@@ -72,7 +72,6 @@ from ppo_trainer.components import (
     vocab_size,
 )
 from ppo_trainer.experience import (
-    KL_IN_REWARD,
     ExperienceSettings,
     make_experience,
     penalized_scores,
@@ -464,7 +463,7 @@ class PPOTrainer:
             rollout, batch, stats, update_metrics, self.group, self.config.group_size
         )
         metrics.update(rollout_metrics(rollout, self.group))
-        if cfg.algorithm in KL_IN_REWARD:  # GRPO's KL weight is beta, in its loss
+        if cfg.algorithm_object.kl_in_reward:  # else its KL weight is beta, in its loss
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
             metrics["objective/kl_coef"] = float(self.kl_ctl.value)
         t_end = time.perf_counter()

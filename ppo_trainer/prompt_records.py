@@ -77,6 +77,34 @@ def prompt_problem(prompt: Any) -> str | None:
     return None
 
 
+def prompt_record(record: Any, where: str) -> PromptInput:
+    """A dataset row as a prompt: its ``"prompt"`` (text or chat messages), else its chat
+    ``"messages"``, with its other fields as the record's columns (a bare prompt when it has
+    none). How the command line reads JSONL and Hub rows, and ``GRPOTrainer`` a
+    ``train_dataset``'s.
+
+    Raises:
+        ValueError: ``where`` and what is wrong: no ``"prompt"`` or ``"messages"``, or a
+            prompt that is not text or chat messages (:func:`prompt_problem`).
+    """
+    if isinstance(record, Mapping) and PROMPT_KEY in record:
+        key = PROMPT_KEY
+    elif isinstance(record, Mapping) and isinstance(record.get("messages"), list):
+        key = "messages"
+    else:
+        found = f"the fields {sorted(record)}" if isinstance(record, Mapping) else repr(record)
+        raise ValueError(
+            f"{where}: expected an object with 'prompt' (text or chat messages) or 'messages' "
+            f"(chat messages), got {found:.200}"
+        )
+    prompt = record[key]
+    problem = prompt_problem(prompt)
+    if problem is not None:
+        raise ValueError(f"{where}: {key!r} {problem}")
+    columns = {k: v for k, v in record.items() if k != key}
+    return {PROMPT_KEY: prompt, **columns} if columns else prompt
+
+
 def split_records(items: Sequence[PromptInput]) -> tuple[list[Prompt], Columns]:
     """The prompts of ``items`` and their columns, aligned with them: ``"prompt"`` (the prompts
     themselves) and every other field of the records.

@@ -87,7 +87,8 @@ class TrainedModel:
 
     @property
     def algorithm(self) -> str | None:
-        """``"ppo"``, ``"grpo"``, ``"sft"`` or ``"reward"`` from the run's config; None if unknown."""
+        """The run's algorithm (``"ppo"``, ``"grpo"``, ``"rloo"``, ...), or ``"sft"`` or
+        ``"reward"``, from the run's config; None if unknown."""
         return None if self.run_config is None else run_kind(self.run_config)
 
     @property
@@ -342,7 +343,9 @@ def load_trained_model(found: TrainedModel) -> PolicyModel:
             "or pass the run's final model instead"
         ) from err
     arrays, _ = CheckpointManager.load(found.path)
-    weights = arrays["policy" if found.algorithm in ("ppo", "grpo") else "model"]
+    # An RL run (its config names an algorithm) saves the policy; SFT and reward runs the model.
+    rl_run = found.run_config is not None and "algorithm" in found.run_config
+    weights = arrays["policy" if rl_run else "model"]
     trainable = cast(list[tuple[str, mx.array]], tree_flatten(policy.trainable_parameters()))
     expected = {k: v.shape for k, v in trainable}
     got = {k: v.shape for k, v in weights.items()}

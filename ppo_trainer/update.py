@@ -20,6 +20,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from algorithms.registry import get_algorithm
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from finetune.sft_trainer import sft_loss
@@ -77,14 +78,16 @@ def think_tags_for(config: Any, tokenizer: Any) -> ThinkTags | None:
 
 
 def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLossFn:
-    """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the clipped
-    surrogate on token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its
-    ``loss_type`` / ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
+    """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the
+    algorithm's ``policy_loss`` (:data:`algorithms.base.PolicyLoss`): the clipped surrogate on
+    token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its ``loss_type`` /
+    ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
     upper clip ``clip_epsilon_high`` when set, the per-token weights of the think / answer
     regions (``think_tags`` from :func:`think_tags_for`) and of ``top_entropy_quantile``, and the
     entropy bonus when ``entropy_coef`` > 0. An :class:`SFTBatch` (``sft_coef``) gets
     ``sft_coef * NLL`` of its completions (:func:`finetune.sft_trainer.sft_loss`, temperature
     1), with ``policy/sft_loss`` = NLL."""
+    kind = get_algorithm(config.algorithm).policy_loss
 
     def loss(
         policy: nn.Module, mb: RolloutBatch | SFTBatch
@@ -130,7 +133,7 @@ def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLo
         logprobs: mx.array, mb: RolloutBatch, weights: mx.array | None
     ) -> tuple[mx.array, dict[str, mx.array]]:
         high = config.clip_epsilon_high
-        if config.algorithm == "grpo":
+        if kind == "grpo":
             return grpo_policy_loss(
                 logprobs,
                 mb.logprobs,
@@ -145,7 +148,7 @@ def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLo
                 max_completion_length=config.max_new_tokens,
                 weights=weights,
             )
-        if config.algorithm == "rloo":
+        if kind == "sequence":
             return rloo_policy_loss(
                 logprobs,
                 mb.logprobs,
@@ -170,11 +173,13 @@ def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLo
 
 def policy_weighting(config: Any) -> LossType:
     """How the policy loss's micro-batches are weighted in an update
-    (:func:`training.policy_loss.micro_batch_weights`): GRPO's ``loss_type``; RLOO's sequence
-    mean as ``"grpo"``; the token means of PPO and REINFORCE++ as ``"bnpo"``."""
-    if config.algorithm == "grpo":
+    (:func:`training.policy_loss.micro_batch_weights`), by the algorithm's ``policy_loss``:
+    GRPO's ``loss_type``; RLOO's sequence mean as ``"grpo"``; the token means of PPO and
+    REINFORCE++ as ``"bnpo"``."""
+    kind = get_algorithm(config.algorithm).policy_loss
+    if kind == "grpo":
         return cast(LossType, config.loss_type)
-    return "grpo" if config.algorithm == "rloo" else "bnpo"
+    return "grpo" if kind == "sequence" else "bnpo"
 
 
 def value_loss_fn(config: Any) -> LossFn:

@@ -1,6 +1,6 @@
 """Rewards by name: the built-in verifiable rewards of reasoning RL (think format, math and
-multiple-choice accuracy, code tests, length and repetition shaping) and a registry a user's
-rewards join.
+multiple-choice accuracy, code tests, length and repetition shaping), local LLM judges, and a
+registry a user's rewards join.
 
 ::
 
@@ -11,6 +11,7 @@ rewards join.
 """
 
 from rewards import builtin as builtin  # registers the built-ins
+from rewards import judge as judge  # registers judge and group_judge
 from rewards.registry import (
     RewardFn,
     RewardInfo,

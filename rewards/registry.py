@@ -45,14 +45,16 @@ _REGISTRY: dict[str, RewardInfo] = {}
 
 
 def register_reward(
-    name: str, *, columns: Collection[str] = ()
+    name: str, *, columns: Collection[str] = (), replace: bool = False
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: add ``fn`` to the registry under ``name`` (``reward_funcs: [name]``).
 
     Args:
-        name: the registry name; must not be taken already.
+        name: the registry name; must not be taken already, unless ``replace``.
         columns: the record columns the reward reads (``"answer|solution"``: either), checked
             against the prompt records before any rollout (:func:`check_reward_columns`).
+        replace: let ``fn`` take the name from the reward that holds it (a function a script
+            defined again under the same name, as a notebook does).
 
     Raises:
         ValueError: ``name`` is empty, contains ``:``, or is registered already.
@@ -61,7 +63,7 @@ def register_reward(
         raise ValueError(f"a reward name must be a plain word such as 'my_reward', got {name!r}")
 
     def add(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn and not replace:
             raise ValueError(
                 f"a reward named {name!r} is registered already ({_REGISTRY[name].fn.__module__})"
                 ": choose another name"

@@ -167,7 +167,7 @@ def _two_turn_rollout(algorithm: str) -> tuple[Any, Any]:
         turn_ends=TURN_ENDS,
     )
     settings = ExperienceSettings(
-        algorithm=algorithm,  # type: ignore[arg-type]
+        algorithm=algorithm,
         kl_estimator="k1",
         gamma=1.0,
         lam=1.0,

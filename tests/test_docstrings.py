@@ -21,6 +21,7 @@ LIBRARY = [
     "token_attribution",
     "reward_kl",
     "advantage",
+    "algorithms",
     "experience_buffer",
     "training",
     "finetune",

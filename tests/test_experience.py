@@ -497,7 +497,7 @@ def test_ppo_without_values_is_a_bug() -> None:
 
 
 def test_unknown_algorithm_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown algorithm 'ppo2'"):
+    with pytest.raises(ValueError, match="algorithm must be one of 'ppo', .*, got 'ppo2'"):
         make_experience(rollout(), settings("ppo2"), 0.1, step=0)
 
 

@@ -416,6 +416,37 @@ def test_export_of_a_checkpoint_and_of_an_sft_run(
     np.testing.assert_allclose(logits(model, tokenizer), logits(ref, tokenizer))
 
 
+def test_a_checkpoint_of_every_algorithm_without_a_value_model_loads_and_exports(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An RLOO checkpoint holds the policy as PPO's and GRPO's do (loading one looked for an SFT
+    run's weights before, and failed); the model card names its algorithm."""
+    config = PPOConfig(
+        model_name=str(tiny_model_dir),
+        algorithm="rloo",
+        group_size=2,
+        batch_size=2,
+        max_new_tokens=4,
+        num_ppo_epochs=1,
+        learning_rate=3e-2,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        total_steps=1,
+        save_every=1,
+        use_lora=True,
+        log_rollouts_every=0,
+    )
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    trainer.train(review_prompts(2, seed=0), num_epochs=1)
+    step1 = tmp_path / "run" / "checkpoints" / "step_000001"
+    policy = ours(step1)
+    np.testing.assert_allclose(
+        logits(policy.model, policy.tokenizer), logits(trainer.policy.model, policy.tokenizer)
+    )
+    out = export_model(step1, tmp_path / "export", fuse=True)
+    assert "- **Training:** RLOO (`algorithm: rloo`" in (out / "README.md").read_text()
+
+
 def test_float_export_loads_in_transformers_with_the_same_logits(
     ppo_run: Path, tmp_path: Path
 ) -> None:

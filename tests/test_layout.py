@@ -10,13 +10,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The data flow's order (docs/architecture.md's table).
 ORDER = [
-    "config",
     "base_setup",
     "models",
     "fixtures",
     "token_attribution",
     "reward_kl",
     "advantage",
+    "algorithms",
+    "config",
     "experience_buffer",
     "training",
     "finetune",

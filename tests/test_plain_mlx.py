@@ -31,7 +31,7 @@ def e_rate(prompts: list[str], completions: list[str]) -> list[float]:
 def _config(tiny_model_dir: Path, out: Path, algorithm: str, plain_mlx: bool) -> PPOConfig:
     return PPOConfig(
         model_name=str(tiny_model_dir),
-        algorithm=algorithm,  # type: ignore[arg-type]
+        algorithm=algorithm,
         group_size=2 if algorithm == "grpo" else 1,
         batch_size=4 if algorithm == "ppo" else 2,
         use_lora=True,  # a frozen head (blockwise log-probs) and adapters to merge for sampling
