@@ -12,6 +12,9 @@ the losses, the KL and GAE see.
 Rewards from the environment (``get_reward()``): one float is added to the episode's score; a
 list (one per assistant turn) gives per-action rewards, which land on each turn's last token
 (:func:`reward_kl.reward_computer.add_action_rewards`; summed into the score for GRPO / RLOO).
+
+:class:`AgentEpisodes` is the run's rollout source with agents
+(:class:`~ppo_trainer.rollout.RolloutSource`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,15 @@ from models.policy_model import PolicyModel
 from ppo_trainer.generator import GenerationOutput, cut_after_stop_string
 from ppo_trainer.multi_turn import turn_ends
 from ppo_trainer.prompt_records import PROMPT_KEY, Columns
-from ppo_trainer.rollout import SamplingSettings, sample_episodes
+from ppo_trainer.rollout import (
+    PromptBatch,
+    Rollout,
+    SamplingSettings,
+    StepPlan,
+    check_prompts,
+    sample_episodes,
+)
+from ppo_trainer.single_turn import SingleTurn
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,12 @@ class AgentRun:
             tokenizer.has_chat_template = True
             add_end_of_turn_id(tokenizer)
         check_template_supports_tools(tokenizer, self.sample_tools())
+
+
+def agent_inputs(agent: AgentRun | None) -> dict[str, str]:
+    """What a run's checkpoints record of its agents, and a resume compares
+    (:meth:`AgentRun.description`; "none" for a run without)."""
+    return agent.description() if agent is not None else {"environment": "none", "tools": "none"}
 
 
 @dataclass
@@ -310,3 +327,80 @@ def agent_metrics(counts: Mapping[str, float], prefix: str = "agent/") -> dict[s
         f"{prefix}tool_call_success": counts["successful_calls"] / calls if calls else 0.0,
         f"{prefix}context_tokens": counts["context_tokens"] / episodes,
     }
+
+
+@dataclass(frozen=True)
+class AgentEpisodes:
+    """The rollout source of a run with tools or environments: each sequence a multi-turn
+    episode (:func:`start_episodes`, :func:`play_episodes`) whose prompt
+    (``columns["prompt"]``) is rendered with its tools, then scored as
+    :class:`~ppo_trainer.single_turn.SingleTurn` scores, the environments' rewards added.
+
+    Attributes:
+        models: the run's models and scorer.
+        agent: the tools, environment factory and settings.
+        tokenizer: the policy's, with the run's tool chat template.
+        system_prompt: put first in a conversation without a system message.
+        template_kwargs: the chat template's variables.
+        max_prompt_length: the longest rendered prompt allowed, in tokens.
+        context_length: the policy's context (None: unknown).
+    """
+
+    models: SingleTurn
+    agent: AgentRun
+    tokenizer: Any
+    system_prompt: str | None
+    template_kwargs: Mapping[str, Any]
+    max_prompt_length: int
+    context_length: int | None
+
+    def rollout(
+        self,
+        batch: PromptBatch,
+        sampling: SamplingSettings,
+        keys: mx.array | None,
+        plan: StepPlan | None = None,
+    ) -> Rollout:
+        """The episodes of ``batch``'s records (:class:`~ppo_trainer.rollout.RolloutSource`)."""
+        template_kwargs = dict(self.template_kwargs)
+        # Each environment's seed comes from its sequence's key (seed, step, place in the
+        # global batch); an evaluation's (no keys) from the random state, as its samples.
+        seed_keys = keys
+        if seed_keys is None:
+            seed_keys = mx.random.randint(0, 2**31 - 1, (len(batch.texts), 2)).astype(mx.uint32)
+        started = start_episodes(
+            self.agent,
+            self.tokenizer,
+            batch.columns,
+            system_prompt=self.system_prompt,
+            template_kwargs=template_kwargs,
+            seeds=environment_seeds(seed_keys),
+        )
+        check_prompts(
+            started.prompt_ids,
+            started.texts,
+            max_prompt_length=self.max_prompt_length,
+            max_new_tokens=sampling.max_new_tokens,
+            context_length=self.context_length,
+        )
+        generation = play_episodes(
+            self.models.policy,
+            self.tokenizer,
+            started,
+            sampling,
+            template_kwargs=template_kwargs,
+            keys=keys,
+        )
+        rewards = episode_rewards(started.episodes, generation)
+        rollout = self.models.collect(
+            PromptBatch(started.texts, started.prompt_ids, batch.columns),
+            sampling,
+            keys,
+            with_values=plan is not None,
+            generation=generation,
+            environment_scores=rewards.scores,
+        )
+        rollout.action_rewards = rewards.action_rewards
+        rollout.turn_ends = rewards.turn_ends
+        rollout.agent_counts = agent_counts(started.episodes, rollout.generation)
+        return rollout

@@ -5,20 +5,30 @@ the step drops it and fills the batch with the informative groups of further gen
 
 :func:`choose_groups` is the selection, a pure function of the groups' scores;
 :func:`take_groups` builds the step's rollout from the chosen groups of several generation
-batches.
+batches; :class:`DynamicSampling` wraps a run's rollout source with both.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+import logging
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ppo_trainer.generator import GenerationOutput
-from ppo_trainer.rollout import Rollout
+from ppo_trainer.rollout import (
+    PromptBatch,
+    Rollout,
+    RolloutSource,
+    SamplingSettings,
+    StepPlan,
+    rollout_keys,
+)
 from token_attribution.sequences import build_query_responses
+
+logger = logging.getLogger("ppo_mlx")
 
 
 def informative_groups(scores: np.ndarray, group_size: int) -> np.ndarray:
@@ -70,6 +80,7 @@ ROLLOUT_FIELDS: dict[str, str] = {
     "action_rewards": "turns",
     "turn_ends": "turns",
     "agent_counts": "rows",
+    "source_metrics": "first",
 }
 GENERATION_FIELDS: dict[str, str] = {
     "responses": "tokens",
@@ -176,3 +187,87 @@ def take_groups(
         taken["prompt_ids"], generation.responses, pad_token_id
     )
     return Rollout(**taken)
+
+
+@dataclass(frozen=True)
+class DynamicSampling:
+    """A rollout source that keeps only informative groups: generation rounds on the step's
+    prompts, then ``plan.more_prompts(1), more_prompts(2), ...`` (the next prompts in the data
+    order), until ``num_groups`` groups have differing scores or ``max_num_gen_batches`` rounds
+    ran; the rollout of the groups chosen (:func:`choose_groups`). A batch still short is
+    completed with uninformative groups, with a warning. Evaluations (no plan) keep every group.
+
+    Its ``source_metrics``: ``dynamic_sampling/num_gen_batches``, ``/groups_dropped``
+    (uninformative groups left out), ``/extra_rollouts`` (responses generated beyond the first
+    round) and ``frac_reward_zero_std`` over every group generated.
+
+    Attributes:
+        inner: the source each round samples from.
+        group_size: responses per prompt, adjacent.
+        num_groups: groups a step trains on (``batch_size``).
+        max_num_gen_batches: most generation rounds per step.
+        seed, rollout_batch_size: the extra rounds' PRNG keys (:func:`rollout_keys`).
+    """
+
+    inner: RolloutSource
+    group_size: int
+    num_groups: int
+    max_num_gen_batches: int
+    seed: int
+    rollout_batch_size: int
+
+    def rollout(
+        self,
+        batch: PromptBatch,
+        sampling: SamplingSettings,
+        keys: mx.array | None,
+        plan: StepPlan | None = None,
+    ) -> Rollout:
+        """The rollout of the groups chosen (:class:`~ppo_trainer.rollout.RolloutSource`)."""
+        first = self.inner.rollout(batch, sampling, keys, plan)
+        if plan is None:
+            return first
+        group, groups = self.group_size, self.num_groups
+        rounds = [first]
+        informative = informative_groups(np.array(first.scores), group).tolist()
+        while sum(informative) < groups and len(rounds) < self.max_num_gen_batches:
+            if plan.more_prompts is None:
+                break
+            r = len(rounds)
+            more = self.inner.rollout(
+                plan.prepare(plan.more_prompts(r)),
+                sampling,
+                rollout_keys(self.seed, plan.step, self.rollout_batch_size, extra_round=r),
+                StepPlan(plan.step, plan.prepare),
+            )
+            rounds.append(more)
+            informative += informative_groups(np.array(more.scores), group).tolist()
+        chosen, filled = choose_groups(informative, groups)
+        if filled:
+            logger.warning(
+                "step %d: dynamic sampling found %d of the batch's %d groups with differing "
+                "scores in %d generation batch(es) (max_num_gen_batches=%d); the batch is "
+                "completed with %d groups whose scores are all equal, which teach nothing. "
+                "Raise max_num_gen_batches, or check that the reward can tell this model's "
+                "responses apart (the prompts may be too hard or too easy for it)",
+                plan.step + 1,
+                groups - filled,
+                groups,
+                len(rounds),
+                self.max_num_gen_batches,
+                filled,
+            )
+        kept = first
+        if len(rounds) > 1 or filled:
+            kept = take_groups(rounds, chosen, group, sampling.pad_token_id)
+        kept.source_metrics.update(
+            {
+                "dynamic_sampling/num_gen_batches": float(len(rounds)),
+                "dynamic_sampling/groups_dropped": float(len(informative) - len(chosen)),
+                "dynamic_sampling/extra_rollouts": float(
+                    (len(rounds) - 1) * self.rollout_batch_size
+                ),
+                "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
+            }
+        )
+        return kept

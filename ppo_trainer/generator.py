@@ -28,8 +28,9 @@ data-parallel ranks generate any slice of a global batch and get the samples one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence, cast
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -235,6 +236,78 @@ def per_step_keys(
     return mx.vmap(lambda key: mx.random.split(key, max_new_tokens))(keys)
 
 
+def check_generation(
+    model: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    keys: mx.array | None,
+    stop_strings: Sequence[str],
+    decode: Callable[[list[int]], str] | None,
+) -> nn.Module:
+    """The mlx-lm model of ``model`` (a :class:`PolicyModel`'s, or itself), after checking a
+    generation's arguments (see :func:`generate`'s ``Raises``)."""
+    if not prompts:
+        raise ValueError("prompts is empty; pass at least one list of token ids")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+    if stop_strings and decode is None:
+        raise ValueError("stop_strings needs decode, the function from token ids to text")
+    if keys is not None and (tuple(keys.shape) != (len(prompts), 2) or keys.dtype != mx.uint32):
+        raise ValueError(
+            f"keys must be a ({len(prompts)}, 2) uint32 array, one PRNG key per prompt (e.g. "
+            f"mx.random.split(mx.random.key(seed), {len(prompts)})); got {keys.dtype} "
+            f"{tuple(keys.shape)}"
+        )
+    lm = model.model if isinstance(model, PolicyModel) else model
+    max_len = max(len(p) for p in prompts)
+    context = getattr(getattr(lm, "args", None), "max_position_embeddings", None)
+    if isinstance(context, int) and max_len + max_new_tokens > context:
+        raise ValueError(
+            f"the longest prompt ({max_len} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {context} tokens; shorten the prompts or "
+            "lower max_new_tokens"
+        )
+    return lm
+
+
+@contextmanager
+def eval_mode(lm: nn.Module) -> Iterator[None]:
+    """``lm`` in eval mode (no dropout) within the block, then back in its previous mode."""
+    was_training = lm.training
+    lm.eval()
+    try:
+        yield
+    finally:
+        lm.train(was_training)
+
+
+def prefill(
+    lm: nn.Module, prompts: list[list[int]], pad_token_id: int, prefill_once: bool | None
+) -> tuple[mx.array, list[Any]]:
+    """The last logits ``(B, V)`` of ``prompts`` and their batched cache, each distinct prompt
+    prefilled once with ``prefill_once`` (:func:`prompt_batch`) and repeated to its rows."""
+    batch, cache, rows = prompt_batch(lm, prompts, pad_token_id, prefill_once)
+    logits = lm(batch, cache=cache)[:, -1, :]  # (U, V)
+    if rows is not None:  # each distinct prompt's cache and logits to its rows
+        for layer_cache in cache:
+            layer_cache.filter(rows)
+        logits = logits[rows]  # (B, V)
+    return logits, cache
+
+
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
@@ -285,60 +358,26 @@ def generate(
             ``temperature < 0``, ``top_p`` outside (0, 1], ``top_k < 0``, or prompt plus
             ``max_new_tokens`` longer than the model's ``max_position_embeddings``.
     """
-    if not prompts:
-        raise ValueError("prompts is empty; pass at least one list of token ids")
-    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-    if empty:
-        raise ValueError(f"prompts {empty[:10]} are empty; every prompt needs at least one token")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
-    if stop_strings and decode is None:
-        raise ValueError("stop_strings needs decode, the function from token ids to text")
-    if keys is not None and (tuple(keys.shape) != (len(prompts), 2) or keys.dtype != mx.uint32):
-        raise ValueError(
-            f"keys must be a ({len(prompts)}, 2) uint32 array, one PRNG key per prompt (e.g. "
-            f"mx.random.split(mx.random.key(seed), {len(prompts)})); got {keys.dtype} "
-            f"{tuple(keys.shape)}"
-        )
-
-    lm = model.model if isinstance(model, PolicyModel) else model
-    lengths = [len(p) for p in prompts]
-    max_len = max(lengths)
-    context = getattr(getattr(lm, "args", None), "max_position_embeddings", None)
-    if isinstance(context, int) and max_len + max_new_tokens > context:
-        raise ValueError(
-            f"the longest prompt ({max_len} tokens) plus max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {context} tokens; shorten the prompts or "
-            "lower max_new_tokens"
-        )
-
-    batch, cache, rows = prompt_batch(lm, prompts, pad_token_id, prefill_once)
+    lm = check_generation(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        keys=keys,
+        stop_strings=stop_strings,
+        decode=decode,
+    )
     stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
     pad = mx.array(pad_token_id, dtype=mx.int32)
 
     step_keys = per_step_keys(keys, temperature, max_new_tokens)
-    was_training = lm.training
-    lm.eval()
-    try:
-        logits = lm(batch, cache=cache)[:, -1, :]  # (U, V)
-        if rows is not None:  # each distinct prompt's cache and logits to its rows
-            for layer_cache in cache:
-                layer_cache.filter(rows)
-            logits = logits[rows]  # (B, V)
+    with eval_mode(lm):
+        logits, cache = prefill(lm, prompts, pad_token_id, prefill_once)  # (B, V)
         done = mx.zeros((len(prompts),), dtype=mx.bool_)  # stopped before this step
-        step_tokens: list[mx.array] = []
-        step_logprobs: list[mx.array] = []
-        step_entropy: list[mx.array] = []
-        step_alive: list[mx.array] = []
-        window = stop_string_window(stop_strings) if stop_strings else 0
-        row_tokens: list[list[int]] = [[] for _ in prompts]  # the running rows' tokens, on the host
-        by_string = [False] * len(prompts)
+        steps = DecodedSteps()
+        watch = StopStringWatch(len(prompts), stop_strings, decode) if stop_strings else None
         for t in range(max_new_tokens):
             tokens, token_logprobs, entropy = _sample(
                 logits,
@@ -351,52 +390,94 @@ def generate(
             alive = mx.logical_not(done)  # this step's token belongs to the response
             tokens = mx.where(alive, tokens, pad)
             done = mx.logical_or(done, (tokens[:, None] == stop_ids[None, :]).any(axis=1))
-            step_tokens.append(tokens)
-            step_logprobs.append(mx.where(alive, token_logprobs, 0.0))
-            if entropy is not None:
-                step_entropy.append(mx.where(alive, entropy, 0.0))
-            step_alive.append(alive)
+            steps.add(alive, tokens, token_logprobs, entropy)
             last = t == max_new_tokens - 1
             if not last:
                 logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
                 # The step's entropy too: left lazy, each step's would hold its (B, V)
                 # probabilities until the end (two (B, T, V) arrays' worth at the last step).
-                mx.async_eval(logits, done, tokens, token_logprobs, *step_entropy[-1:])
-            if stop_strings:  # read while the next forward runs
-                assert decode is not None
-                hits = _stop_string_hits(
-                    row_tokens,
-                    by_string,
-                    cast(list[bool], alive.tolist()),
-                    cast(list[int], tokens.tolist()),
-                    stop_strings,
-                    decode,
-                    window,
-                )
-                if hits:
-                    done = mx.logical_or(done, mx.array(by_string))
+                mx.async_eval(logits, done, tokens, token_logprobs, *steps.entropy[-1:])
+            if watch is not None:  # read while the next forward runs
+                done = watch.update(alive, tokens, done)
             if last:
                 break
             if (stop_ids.size or stop_strings) and done.all().item():  # the step's host sync
                 break
-    finally:
-        lm.train(was_training)
+    return steps.output(done, return_logprobs, None if watch is None else watch.by_string)
 
-    alive_all = mx.stack(step_alive, axis=1)  # (B, T_run)
-    response_lengths = alive_all.sum(axis=1).astype(mx.int32)  # (B,)
-    responses = mx.stack(step_tokens, axis=1)  # (B, T_run)
-    logprobs = mx.stack(step_logprobs, axis=1).astype(mx.float32) if return_logprobs else None
-    entropies = mx.stack(step_entropy, axis=1) if return_logprobs else None
-    mx.eval(response_lengths, responses, done, logprobs, entropies)
-    width = cast(int, response_lengths.max().item())  # T: the longest response
-    return GenerationOutput(
-        responses=responses[:, :width],
-        lengths=response_lengths,
-        ended_with_stop=done,
-        logprobs=None if logprobs is None else logprobs[:, :width],
-        entropy=None if entropies is None else entropies[:, :width],
-        stopped_by_string=mx.array(by_string) if stop_strings else None,
-    )
+
+class StopStringWatch:
+    """:func:`generate`'s stop strings: per row, the running response's tokens on the host,
+    and whether a stop string ended it."""
+
+    def __init__(
+        self,
+        rows: int,
+        stop_strings: Sequence[str],
+        decode: Callable[[list[int]], str] | None,
+    ) -> None:
+        assert decode is not None, "checked by check_generation"
+        self.stop_strings = stop_strings
+        self.decode = decode
+        self.window = stop_string_window(stop_strings)
+        self.rows: list[list[int]] = [[] for _ in range(rows)]
+        self.by_string = [False] * rows
+
+    def update(self, alive: mx.array, tokens: mx.array, done: mx.array) -> mx.array:
+        """``done`` (B,) after this step's ``tokens`` (B,) of the ``alive`` rows, with the
+        rows a stop string now ends (one host read of the step's tokens)."""
+        hits = _stop_string_hits(
+            self.rows,
+            self.by_string,
+            cast(list[bool], alive.tolist()),
+            cast(list[int], tokens.tolist()),
+            self.stop_strings,
+            self.decode,
+            self.window,
+        )
+        return mx.logical_or(done, mx.array(self.by_string)) if hits else done
+
+
+@dataclass
+class DecodedSteps:
+    """:func:`generate`'s decoding steps so far, each a ``(B,)`` array per step: the tokens
+    (pad after a row's end), whether the row was still running, and the tokens' log-probs and
+    entropies (0 after the end)."""
+
+    tokens: list[mx.array] = field(default_factory=list)
+    alive: list[mx.array] = field(default_factory=list)
+    logprobs: list[mx.array] = field(default_factory=list)
+    entropy: list[mx.array] = field(default_factory=list)
+
+    def add(
+        self, alive: mx.array, tokens: mx.array, logprobs: mx.array, entropy: mx.array | None
+    ) -> None:
+        """One step: ``tokens`` already padded where not ``alive``."""
+        self.tokens.append(tokens)
+        self.logprobs.append(mx.where(alive, logprobs, 0.0))
+        if entropy is not None:
+            self.entropy.append(mx.where(alive, entropy, 0.0))
+        self.alive.append(alive)
+
+    def output(
+        self, done: mx.array, with_logprobs: bool, by_string: list[bool] | None
+    ) -> GenerationOutput:
+        """The generation, cut to the longest response (``T``)."""
+        alive_all = mx.stack(self.alive, axis=1)  # (B, T_run)
+        response_lengths = alive_all.sum(axis=1).astype(mx.int32)  # (B,)
+        responses = mx.stack(self.tokens, axis=1)  # (B, T_run)
+        logprobs = mx.stack(self.logprobs, axis=1).astype(mx.float32) if with_logprobs else None
+        entropies = mx.stack(self.entropy, axis=1) if with_logprobs else None
+        mx.eval(response_lengths, responses, done, logprobs, entropies)
+        width = cast(int, response_lengths.max().item())  # T: the longest response
+        return GenerationOutput(
+            responses=responses[:, :width],
+            lengths=response_lengths,
+            ended_with_stop=done,
+            logprobs=None if logprobs is None else logprobs[:, :width],
+            entropy=None if entropies is None else entropies[:, :width],
+            stopped_by_string=None if by_string is None else mx.array(by_string),
+        )
 
 
 def _stop_string_hits(

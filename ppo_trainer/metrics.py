@@ -15,7 +15,7 @@ import numpy as np
 from advantage.whitening import masked_var
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch
-from ppo_trainer.agent_rollout import agent_metrics
+from ppo_trainer.agent_rollout import agent_count_sums, agent_metrics
 from ppo_trainer.rollout import Rollout
 
 
@@ -38,6 +38,20 @@ def agent_metrics_over_ranks(counts: dict[str, float], group: Any) -> dict[str, 
     a mean of the ranks' rates."""
     totals = reduce_over_ranks({}, {k: mx.array(v) for k, v in counts.items()}, group)
     return agent_metrics(totals)
+
+
+def rollout_metrics(rollout: Rollout, group: Any) -> dict[str, float]:
+    """What a rollout adds to its step's metrics: several rewards' means and spreads, its
+    source's (dynamic sampling's over every group generated, not only those kept), and the
+    ``agent/`` metrics of the global batch's episodes (counts added over the ranks)."""
+    metrics: dict[str, float] = {}
+    if rollout.reward_metrics:
+        metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, group))
+    metrics.update(rollout.source_metrics)
+    if rollout.agent_counts:
+        sums = agent_count_sums(rollout.agent_counts)
+        metrics.update(agent_metrics_over_ranks(sums, group))
+    return metrics
 
 
 def frac_reward_zero_std(scores: mx.array, group_size: int) -> mx.array:

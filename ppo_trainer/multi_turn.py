@@ -29,13 +29,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from models.policy_model import PolicyModel
 from ppo_trainer.generator import (
     GenerationOutput,
     _sample,
+    check_generation,
     ends_in_stop_string,
+    eval_mode,
     per_step_keys,
-    prompt_batch,
+    prefill,
     stop_string_window,
 )
 
@@ -93,109 +94,42 @@ def generate_turns(
         ValueError: bad arguments (as :func:`~ppo_trainer.generator.generate`), or a
             ``continue_fn`` that returns an empty list.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if stop_strings and decode is None:
-        raise ValueError("stop_strings needs decode, the function from token ids to text")
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 (or None), got {max_turns}")
+    lm = check_generation(
+        model,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        keys=keys,
+        stop_strings=stop_strings,
+        decode=decode,
+    )
     B = len(prompts)
-    if keys is not None and (tuple(keys.shape) != (B, 2) or keys.dtype != mx.uint32):
-        raise ValueError(f"keys must be a ({B}, 2) uint32 array, one PRNG key per prompt")
-    lm = model.model if isinstance(model, PolicyModel) else model
-    max_len = max(len(p) for p in prompts)
-    context = getattr(getattr(lm, "args", None), "max_position_embeddings", None)
-    if isinstance(context, int) and max_len + max_new_tokens > context:
-        raise ValueError(
-            f"the longest prompt ({max_len} tokens) plus max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {context} tokens"
-        )
-    batch, cache, rows = prompt_batch(lm, prompts, pad_token_id, prefill_once)
-    stops = set(int(t) for t in stop_token_ids)
     step_keys = per_step_keys(keys, temperature, max_new_tokens)
     sample_top_p = top_p if temperature > 0 else 1.0
     sample_top_k = top_k if temperature > 0 else 0
-
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    action: list[list[int]] = [[] for _ in range(B)]
-    logprobs: list[list[float]] = [[] for _ in range(B)]
-    entropy: list[list[float]] = [[] for _ in range(B)]
-    pending: list[deque[int]] = [deque() for _ in range(B)]  # context still to feed
-    spans: list[list[tuple[int, int]]] = [[] for _ in range(B)]
-    turn_start = [0] * B
-    done = [False] * B
-    ended = [False] * B
-    by_string = [False] * B  # the row's last turn ended at a stop string
-    window = stop_string_window(stop_strings) if stop_strings else 0
-
-    def completes_stop_string(i: int) -> bool:
-        """Whether row ``i``'s last token completes a stop string in its turn's text."""
-        if not stop_strings:
-            return False
-        assert decode is not None
-        tail = tokens[i][max(turn_start[i], len(tokens[i]) - window) :]
-        return ends_in_stop_string(decode(tail), stop_strings)
-
-    def emit_context(i: int, token: int) -> None:
-        tokens[i].append(token)
-        action[i].append(0)
-        logprobs[i].append(0.0)
-        entropy[i].append(0.0)
-
-    def end_turn(i: int) -> None:
-        """Row ``i`` ended a turn (a stop token or string): ask for context, or end the episode."""
-        end = len(tokens[i])
-        spans[i].append((turn_start[i], end))
-        if max_turns is not None and len(spans[i]) >= max_turns:
-            done[i] = ended[i] = True
-            return
-        ctx = continue_fn(i, tokens[i][turn_start[i] :])
-        if ctx is None:
-            done[i] = ended[i] = True
-            return
-        if len(ctx) == 0:
-            raise ValueError(
-                f"continue_fn returned no tokens for row {i}; return None to end the episode"
-            )
-        if end + len(ctx) >= max_new_tokens:  # no room for the policy's next token
-            done[i] = True
-            return
-        pending[i].extend(int(t) for t in ctx)
-        turn_start[i] = end + len(ctx)
-
-    was_training = lm.training
-    lm.eval()
-    try:
-        logits = lm(batch, cache=cache)[:, -1, :]  # (U, V)
-        if rows is not None:
-            for layer_cache in cache:
-                layer_cache.filter(rows)
-            logits = logits[rows]  # (B, V)
-        while not all(done):
-            live = [i for i in range(B) if not done[i]]
-            if all(pending[i] for i in live):
+    rows = TurnRows(B, continue_fn, max_new_tokens, stop_token_ids, max_turns, stop_strings, decode)
+    with eval_mode(lm):
+        logits, cache = prefill(lm, prompts, pad_token_id, prefill_once)  # (B, V)
+        while not all(rows.done):
+            live = [i for i in range(B) if not rows.done[i]]
+            if all(rows.pending[i] for i in live):
                 # Every live row feeds context: the shortest pending run as one chunk.
-                k = min(len(pending[i]) for i in live)
-                chunk = np.full((B, k), pad_token_id, dtype=np.int32)  # (B, k)
-                for i in live:
-                    for j in range(k):
-                        chunk[i, j] = pending[i].popleft()
-                        emit_context(i, int(chunk[i, j]))
+                chunk = rows.context_chunk(live, pad_token_id)  # (B, k)
                 logits = lm(mx.array(chunk), cache=cache)[:, -1, :]  # (B, V)
                 continue
             step_key = None
             if step_keys is not None:
-                columns = mx.array([min(len(t), max_new_tokens - 1) for t in tokens])
+                columns = mx.array([min(len(t), max_new_tokens - 1) for t in rows.tokens])
                 step_key = step_keys[mx.arange(B), columns]  # (B, 2)
             sampled, token_logprobs, token_entropy = _sample(
                 logits, temperature, sample_top_p, sample_top_k, step_key, with_entropy=True
             )
-            forced = [pending[i][0] if pending[i] else pad_token_id for i in range(B)]
-            use_forced = mx.array([done[i] or bool(pending[i]) for i in range(B)])
+            forced = [rows.pending[i][0] if rows.pending[i] else pad_token_id for i in range(B)]
+            use_forced = mx.array([rows.done[i] or bool(rows.pending[i]) for i in range(B)])
             inputs = mx.where(use_forced, mx.array(forced, dtype=mx.int32), sampled)  # (B,)
             logits = lm(inputs[:, None], cache=cache)[:, -1, :]  # (B, V), queued
             mx.async_eval(logits)
@@ -204,45 +138,133 @@ def generate_turns(
             host_logprobs = np.asarray(token_logprobs).tolist()
             host_entropy = np.asarray(token_entropy).tolist()
             for i in live:
-                if pending[i]:
-                    emit_context(i, pending[i].popleft())
-                    continue
-                token = int(host_tokens[i])
-                tokens[i].append(token)
-                action[i].append(1)
-                logprobs[i].append(float(host_logprobs[i]))
-                entropy[i].append(float(host_entropy[i]))
-                if token in stops or completes_stop_string(i):
-                    by_string[i] = token not in stops
-                    end_turn(i)
-                elif len(tokens[i]) >= max_new_tokens:  # cut by the budget mid-turn
-                    spans[i].append((turn_start[i], len(tokens[i])))
-                    done[i] = True
-                    by_string[i] = False
-    finally:
-        lm.train(was_training)
+                rows.advance(i, int(host_tokens[i]), host_logprobs[i], host_entropy[i])
+    return rows.output(pad_token_id)
 
-    width = max(len(t) for t in tokens)  # T
-    responses = np.full((B, width), pad_token_id, dtype=np.int32)
-    mask = np.zeros((B, width), dtype=np.float32)
-    lp = np.zeros((B, width), dtype=np.float32)
-    ent = np.zeros((B, width), dtype=np.float32)
-    for i in range(B):
-        n = len(tokens[i])
-        responses[i, :n] = tokens[i]
-        mask[i, :n] = action[i]
-        lp[i, :n] = logprobs[i]
-        ent[i, :n] = entropy[i]
-    return GenerationOutput(
-        responses=mx.array(responses),
-        lengths=mx.array([len(t) for t in tokens], dtype=mx.int32),
-        ended_with_stop=mx.array(ended),
-        logprobs=mx.array(lp),
-        entropy=mx.array(ent),
-        stopped_by_string=mx.array(by_string) if stop_strings else None,
-        action_mask=mx.array(mask),
-        turn_spans=spans,
-    )
+
+class TurnRows:
+    """:func:`generate_turns`'s rows on the host: per row, its tokens after the prompt (the
+    policy's and the context's), which are the policy's, their log-probs and entropies, the
+    context still to feed, its turns, and whether it is done."""
+
+    def __init__(
+        self,
+        rows: int,
+        continue_fn: ContinueFn,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        max_turns: int | None,
+        stop_strings: Sequence[str],
+        decode: Callable[[list[int]], str] | None,
+    ) -> None:
+        self.continue_fn = continue_fn
+        self.max_new_tokens = max_new_tokens
+        self.stops = set(int(t) for t in stop_token_ids)
+        self.max_turns = max_turns
+        self.stop_strings = stop_strings
+        self.decode = decode
+        self.window = stop_string_window(stop_strings) if stop_strings else 0
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.action: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.entropy: list[list[float]] = [[] for _ in range(rows)]
+        self.pending: list[deque[int]] = [deque() for _ in range(rows)]  # context still to feed
+        self.spans: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+        self.turn_start = [0] * rows
+        self.done = [False] * rows
+        self.ended = [False] * rows
+        self.by_string = [False] * rows  # the row's last turn ended at a stop string
+
+    def context_chunk(self, live: list[int], pad_token_id: int) -> np.ndarray:
+        """``(B, k)``: the next ``k`` context tokens of every ``live`` row (each has some; ``k``
+        the fewest pending), taken from their queues; pad in the other rows."""
+        k = min(len(self.pending[i]) for i in live)
+        chunk = np.full((len(self.tokens), k), pad_token_id, dtype=np.int32)  # (B, k)
+        for i in live:
+            for j in range(k):
+                chunk[i, j] = self.pending[i].popleft()
+                self.emit_context(i, int(chunk[i, j]))
+        return chunk
+
+    def advance(self, i: int, token: int, logprob: float, entropy: float) -> None:
+        """Row ``i`` (live) after a decoding step: its next context token when it has one
+        pending (the sample discarded), else the sampled ``token``, which may end its turn
+        (a stop token or string) or its budget."""
+        if self.pending[i]:
+            self.emit_context(i, self.pending[i].popleft())
+            return
+        self.tokens[i].append(token)
+        self.action[i].append(1)
+        self.logprobs[i].append(float(logprob))
+        self.entropy[i].append(float(entropy))
+        if token in self.stops or self.completes_stop_string(i):
+            self.by_string[i] = token not in self.stops
+            self.end_turn(i)
+        elif len(self.tokens[i]) >= self.max_new_tokens:  # cut by the budget mid-turn
+            self.spans[i].append((self.turn_start[i], len(self.tokens[i])))
+            self.done[i] = True
+            self.by_string[i] = False
+
+    def completes_stop_string(self, i: int) -> bool:
+        """Whether row ``i``'s last token completes a stop string in its turn's text."""
+        if not self.stop_strings:
+            return False
+        assert self.decode is not None
+        tail = self.tokens[i][max(self.turn_start[i], len(self.tokens[i]) - self.window) :]
+        return ends_in_stop_string(self.decode(tail), self.stop_strings)
+
+    def emit_context(self, i: int, token: int) -> None:
+        """Row ``i`` fed a context token: not an action, log-prob and entropy 0."""
+        self.tokens[i].append(token)
+        self.action[i].append(0)
+        self.logprobs[i].append(0.0)
+        self.entropy[i].append(0.0)
+
+    def end_turn(self, i: int) -> None:
+        """Row ``i`` ended a turn (a stop token or string): ask for context, or end the episode."""
+        end = len(self.tokens[i])
+        self.spans[i].append((self.turn_start[i], end))
+        if self.max_turns is not None and len(self.spans[i]) >= self.max_turns:
+            self.done[i] = self.ended[i] = True
+            return
+        ctx = self.continue_fn(i, self.tokens[i][self.turn_start[i] :])
+        if ctx is None:
+            self.done[i] = self.ended[i] = True
+            return
+        if len(ctx) == 0:
+            raise ValueError(
+                f"continue_fn returned no tokens for row {i}; return None to end the episode"
+            )
+        if end + len(ctx) >= self.max_new_tokens:  # no room for the policy's next token
+            self.done[i] = True
+            return
+        self.pending[i].extend(int(t) for t in ctx)
+        self.turn_start[i] = end + len(ctx)
+
+    def output(self, pad_token_id: int) -> GenerationOutput:
+        """The episodes as one generation, right-padded to the longest (``T``)."""
+        B = len(self.tokens)
+        width = max(len(t) for t in self.tokens)  # T
+        responses = np.full((B, width), pad_token_id, dtype=np.int32)
+        mask = np.zeros((B, width), dtype=np.float32)
+        lp = np.zeros((B, width), dtype=np.float32)
+        ent = np.zeros((B, width), dtype=np.float32)
+        for i in range(B):
+            n = len(self.tokens[i])
+            responses[i, :n] = self.tokens[i]
+            mask[i, :n] = self.action[i]
+            lp[i, :n] = self.logprobs[i]
+            ent[i, :n] = self.entropy[i]
+        return GenerationOutput(
+            responses=mx.array(responses),
+            lengths=mx.array([len(t) for t in self.tokens], dtype=mx.int32),
+            ended_with_stop=mx.array(self.ended),
+            logprobs=mx.array(lp),
+            entropy=mx.array(ent),
+            stopped_by_string=mx.array(self.by_string) if self.stop_strings else None,
+            action_mask=mx.array(mask),
+            turn_spans=self.spans,
+        )
 
 
 def turn_ends(turn_spans: list[list[tuple[int, int]]]) -> mx.array:

@@ -36,10 +36,8 @@ share of the batch; use ``trainer.is_main_process`` to write files).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -48,32 +46,23 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
 from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
-from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
+from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from agents import AgentSettings
-from ppo_trainer.agent_rollout import (
-    AgentRun,
-    agent_count_sums,
-    agent_counts,
-    environment_seeds,
-    episode_rewards,
-    play_episodes,
-    start_episodes,
-)
+from ppo_trainer.agent_rollout import AgentRun, agent_inputs
 from ppo_trainer.callbacks import CallbackLike
-from ppo_trainer.chat import has_chat_template
 from ppo_trainer.components import (
+    RunModels,
     build_models,
     load_function,
     check_data_parallel_config,
@@ -88,37 +77,31 @@ from ppo_trainer.experience import (
     penalized_scores,
 )
 from ppo_trainer.memory_estimate import check_memory
-from ppo_trainer.metrics import agent_metrics_over_ranks, iteration_metrics, reduce_over_ranks
+from ppo_trainer.metrics import iteration_metrics, rollout_metrics
 from ppo_trainer.prompt_records import (
-    COMPLETION_IDS,
     Columns,
     Prompt,
     PromptInput,
-    columns_for,
-    repeat_columns,
-    slice_columns,
-    split_records,
 )
-from ppo_trainer.dynamic_sampling import choose_groups, informative_groups, take_groups
 from ppo_trainer.evaluation import evaluate_rollouts
-from ppo_trainer.generator import GenerationOutput
 from ppo_trainer.rollout import (
+    PromptBatch,
     Rollout,
     SamplingSettings,
-    check_prompts,
-    collect_rollout,
-    decode_completions,
-    ended_at_once,
+    StepPlan,
     rollout_keys,
-    split_scores,
-    check_scores,
+    warn_if_ended_at_once,
 )
+from ppo_trainer.rollout_sources import build_rollout_source, check_rollout_features
+from ppo_trainer.single_turn import SingleTurn
 from ppo_trainer.rollout_records import (
     log_rollouts,
     rollout_arrays,
     rollouts_due,
 )
 from ppo_trainer.rewards import Rewards
+from ppo_trainer.prompt_batches import PromptPreparation, chat_prompts
+from ppo_trainer.scorer import Scorer
 from ppo_trainer.run_state import (
     RunState,
     Trained,
@@ -146,37 +129,10 @@ from training.checkpoint import (
 from training.optimizer import SchedulePlan
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments, update_moments
-from training.fingerprints import model_fingerprint
 from training.loop import InRunState
 from training.run_control import in_run_scope, prepare_run_dir
 
 logger = logging.getLogger("ppo_mlx")
-
-
-def chat_prompts(tokenizer: Any, setting: bool | str) -> bool:
-    """Whether plain-text prompts go through the chat template: ``config.use_chat_template``,
-    ``"auto"`` meaning when the tokenizer has one (as ``mlx_lm.generate`` decides).
-
-    Raises:
-        ValueError: ``use_chat_template`` is true and the tokenizer has no chat template.
-    """
-    has = has_chat_template(tokenizer)
-    if setting is True and not has:
-        raise ValueError(
-            "use_chat_template is true but the tokenizer of model_name has no chat template: "
-            "set use_chat_template to false (prompts as they are) or auto"
-        )
-    return has if setting == "auto" else bool(setting)
-
-
-def _describe_reward_spec(spec: RewardSpec) -> str:
-    """A ``reward_funcs`` entry as a resume compares it: a function's name or path with its
-    parameters, or a reward model's folder with its fingerprint."""
-    if isinstance(spec, dict):
-        return json.dumps(spec, sort_keys=True, default=str)
-    if is_reward_function_spec(spec):
-        return spec
-    return f"{spec} ({model_fingerprint(spec)})"
 
 
 class PPOTrainer:
@@ -246,39 +202,25 @@ class PPOTrainer:
         self.rank = self.group.rank()
         self.is_main_process = self.rank == 0
         check_data_parallel_config(config, self.group)
-        if config.async_rollout and self.world_size > 1:
-            raise ValueError(
-                f"async_rollout runs one generation worker beside one trainer; this run has "
-                f"{self.world_size} data-parallel processes: set async_rollout: false, or "
-                "launch one process"
-            )
-        if config.dynamic_sampling and self.world_size > 1:
-            raise ValueError(
-                f"dynamic_sampling filters the groups of one process's batch; this run has "
-                f"{self.world_size} data-parallel processes: set dynamic_sampling: false, or "
-                "launch one process"
-            )
-        if config.async_rollout and policy is not None:
-            raise ValueError(
-                "async_rollout builds the generation worker's policy from the config "
-                "(model_name, dtype, LoRA settings), so it cannot copy a policy passed to the "
-                "trainer: pass no policy=, or set async_rollout: false"
-            )
+        check_rollout_features(
+            config,
+            world_size=self.world_size,
+            policy_given=policy is not None,
+            agents=bool(tools) or environment_factory is not None,
+        )
         #: Agents (tools, environments): checked before any model loads; None without them.
         self.agent = AgentRun.build(
             tools, environment_factory, AgentSettings.from_config(config, load_function)
         )
-        if self.agent is not None and config.async_rollout:
-            raise ValueError(
-                "async_rollout samples single-turn responses in a worker process; agents "
-                "(tools, environment_factory) need multi-turn episodes: set async_rollout: false"
-            )
         if policy is None:  # before any model loads: sizes that cannot fit (memory_estimate)
             check_memory(config, self.world_size)
         self.run_dir = Path(config.output_dir)
         if self.is_main_process:  # before any model loads: a folder we cannot write is named
             prepare_run_dir(self.run_dir, resuming=True, overwrite=False)
         seed_everything(config.seed)
+        # The one place that asks whether this class overrides compute_scores: the scorer
+        # keeps the answer for the run.
+        overrides = type(self).compute_scores is not PPOTrainer.compute_scores
         models = build_models(
             config,
             policy=policy,
@@ -286,7 +228,7 @@ class PPOTrainer:
             reward=reward_model,
             value_model=value_model,
             tokenizer=tokenizer,
-            custom_scores=type(self).compute_scores is not PPOTrainer.compute_scores
+            custom_scores=overrides
             or (self.agent is not None and self.agent.environment_rewards()),
         )
         if config.gradient_checkpointing:  # the two models trained (a given one, in place)
@@ -295,30 +237,12 @@ class PPOTrainer:
                     checkpoint_blocks(trained)
         self.policy = models.policy
         self.ref_model = models.ref_model
-        self.rewards = Rewards(
-            models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
-        )
         self.value_model = models.value_model
         self.tokenizer = models.tokenizer
         # Pad may be an EOS id (as many checkpoints ship it): masks and the reward's last token
         # come from lengths, never from comparing ids with pad.
         self.pad_token_id = int(self.tokenizer.pad_token_id)
-        if self.agent is not None:  # tool_chat_template; one that cannot show tools stops here
-            self.agent.prepare_tokenizer(self.tokenizer)
-        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
-        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
-        self.chat_prompts = chat_prompts(self.tokenizer, config.use_chat_template)
-        if type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process:
-            logger.info(
-                "plain-text prompts %s (use_chat_template=%s)",
-                (
-                    "go through the tokenizer's chat template"
-                    if self.chat_prompts
-                    else "are used as they are, without a chat template"
-                ),
-                str(config.use_chat_template).lower(),
-            )
-        self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
+        self._build_rollout(models, overrides)
         self.experience = ExperienceSettings.from_config(config)
         #: What the run changes (counters, history, optimisers, the KL controller ...) and
         #: what train()'s loop shares with step() and evaluate() (callbacks, the stop request,
@@ -338,12 +262,51 @@ class PPOTrainer:
             else None
         )
         # What the run reads besides its settings, recorded in its checkpoints and compared on
-        # resume (train() adds the prompts).
-        self.inputs: dict[str, str | None] = run_inputs(config, self._reward_description())
-        self.inputs["reward_source"] = self.rewards.source_fingerprint()  # edits to its file
-        # Agents: the environment factory's and tools' import paths ("none": a run without).
-        no_agent = {"environment": "none", "tools": "none"}
-        self.inputs.update(self.agent.description() if self.agent is not None else no_agent)
+        # resume (train() adds the prompts): the models, the reward, the reward functions'
+        # source (edits to their files), the agents' import paths.
+        self.inputs: dict[str, str | None] = {
+            **run_inputs(config, self.scorer.description),
+            "reward_source": self.rewards.source_fingerprint(),
+            **agent_inputs(self.agent),
+        }
+
+    def _build_rollout(self, models: RunModels, overrides: bool) -> None:
+        """Phases 1-3's parts, decided once: the reward and its :class:`Scorer` (``overrides``:
+        this class overrides :meth:`compute_scores`), the agents' tokenizer, the stop tokens,
+        the prompts' preparation, the sampling and the rollout source."""
+        config = self.config
+        self.rewards = Rewards(
+            models.reward_model, models.reward_fn, models.reward_funcs, config.reward_weights
+        )
+        #: What scores the responses (phase 3).
+        self.scorer = Scorer.build(
+            config, self.rewards, self.compute_scores, type(self) if overrides else None
+        )
+        if self.agent is not None:  # tool_chat_template; one that cannot show tools stops here
+            self.agent.prepare_tokenizer(self.tokenizer)  # before the stop tokens: its end of turn
+        self.stop_token_ids = stop_token_ids(config, self.tokenizer, vocab_size(self.policy))
+        #: Whether plain-text prompts go through the chat template (config.use_chat_template).
+        self.chat_prompts = chat_prompts(
+            self.tokenizer,
+            config.use_chat_template,
+            log=type(self).format_prompt is PPOTrainer.format_prompt and self.is_main_process,
+        )
+        #: How prompts become sequences (format_prompt, encode_prompt, the checks).
+        self.preparation = PromptPreparation.from_config(
+            config, self.format_prompt, self.encode_prompt, self.scorer, context_length(self.policy)
+        )
+        self.sampling = SamplingSettings.from_config(config, self.stop_token_ids, self.pad_token_id)
+        #: Where the rollouts come from (phases 1-3), training's and evaluation's.
+        self.source = build_rollout_source(
+            config,
+            SingleTurn(
+                self.policy, self.ref_model, self.value_model, self.scorer, self.decode_completion
+            ),
+            agent=self.agent,
+            tokenizer=self.tokenizer,
+            context_length=context_length(self.policy),
+            worker=lambda: self.run.rollout_worker,
+        )
 
     # ------------------------------------------------------------------ task seams
     def format_prompt(self, prompt: Prompt) -> str:
@@ -417,25 +380,14 @@ class PPOTrainer:
         learns from its contiguous share of ``batch_size / world_size`` prompts (and their
         columns), and the metrics are those of the global batch.
 
-        ``next_prompts``: the next step's batch, which the asynchronous rollout worker (during
-        :meth:`train` with ``config.async_rollout``) generates with the current policy while this
-        step updates; ignored without a worker. This step takes its own responses from the
-        worker when it was asked for exactly these prompts, else generates them itself.
-
-        ``more_prompts``: with ``config.dynamic_sampling``, ``more_prompts(k)`` is the batch of
-        the ``k``-th extra generation round (``k >= 1``), the next prompts in the data order;
-        :meth:`train` passes it and moves its cursor past the rounds used
-        (``dynamic_sampling/num_gen_batches - 1``). None: no extra rounds (a short batch is
-        completed with uninformative groups).
+        ``next_prompts``: the next step's batch, which the ``async_rollout`` worker generates
+        with the current policy while this step updates (this step takes its own responses from
+        the worker when it was asked for exactly these prompts). ``more_prompts(k)``: with
+        ``dynamic_sampling``, the batch of the ``k``-th extra generation round (``k >= 1``);
+        None: no extra rounds. :meth:`train` passes both (:class:`~ppo_trainer.rollout.StepPlan`).
         """
         cfg = self.config
-        if len(prompts) != cfg.batch_size:
-            raise ValueError(
-                f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
-            )
-        local = cfg.batch_size // self.world_size
-        first = self.rank * local
-        texts, prompt_ids, columns = self._prepare_prompts(prompts, first, first + local)
+        sequences, keys = self._step_sequences(prompts)
         ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
         adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
         mx.random.seed(step_seed(cfg.seed, self.global_step))
@@ -443,42 +395,9 @@ class PPOTrainer:
         t0 = time.perf_counter()
 
         # 1-3. Generate group_size responses per prompt; log-probs, values and scores.
-        group = cfg.group_size
-        keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
-        keys = keys[first * group : (first + local) * group]
-        sequence_ids = [p for p in prompt_ids for _ in range(group)]
-        generation, waited = self._overlap_generation(sequence_ids, next_prompts)
-        try:
-            rollout = self._rollout(
-                [t for t in texts for _ in range(group)],
-                sequence_ids,
-                repeat_columns(columns, group),
-                self.sampling,
-                keys,
-                generation=generation,
-            )
-            sampled = None
-            if cfg.dynamic_sampling:
-                rollout, sampled = self._dynamic_sampling(rollout, more_prompts, step)
-        except ValueError as err:  # a reward that is NaN or not numbers: name the step
-            raise ValueError(f"step {step}: {err}") from err
-        if ended_at_once(rollout.generation):
-            logger.warning(
-                "step %d: every response ended at once with a stop token (empty completions); "
-                "PPO learns nothing from them but to stop. Plain prompts to a chat model "
-                "without its chat template do this: check use_chat_template (now %s) and the "
-                "prompt format",
-                step,
-                str(cfg.use_chat_template).lower(),
-            )
+        plan = StepPlan(self.global_step, self.preparation.batch, next_prompts, more_prompts)
+        rollout = self._roll_out(sequences, keys, plan)
         t_rollout = time.perf_counter()
-        if self.rewards.funcs and not rollout.reward_metrics:
-            warnings.warn(
-                f"{self._score_source()} returned no metrics, so the per-reward metrics of "
-                "reward_funcs are not logged: return (scores, metrics) with the metrics of "
-                "PPOTrainer.compute_scores",
-                stacklevel=2,
-            )
         for cb in self.run.callbacks:
             cb.on_rollout_scored(self, step, rollout)
 
@@ -527,13 +446,7 @@ class PPOTrainer:
         metrics = iteration_metrics(
             rollout, batch, stats, update_metrics, self.group, self.config.group_size
         )
-        if rollout.reward_metrics:  # several rewards: each one's mean and spread
-            metrics.update(reduce_over_ranks(rollout.reward_metrics, {}, self.group))
-        if sampled is not None:  # of every group generated, not only those kept
-            metrics.update(sampled)
-        if rollout.agent_counts:  # the global batch's episodes: counts added over the ranks
-            sums = agent_count_sums(rollout.agent_counts)
-            metrics.update(agent_metrics_over_ranks(sums, self.group))
+        metrics.update(rollout_metrics(rollout, self.group))
         if cfg.algorithm_object.kl_in_reward:  # else its KL weight is beta, in its loss
             self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
             metrics["objective/kl_coef"] = float(self.kl_ctl.value)
@@ -547,225 +460,48 @@ class PPOTrainer:
                 "time/advantages": t_advantages - t_rollout,
                 "time/update": t_update - t_advantages,
                 "time/step": t_end - t0,
-                **({"time/generation_wait": waited} if waited is not None else {}),
                 "tokens_per_second": metrics.pop("num_generated") / max(t_end - t0, 1e-9),
             }
         )
         self.global_step = step
         return metrics
 
-    def _dynamic_sampling(
-        self,
-        first: Rollout,
-        more_prompts: Callable[[int], Sequence[PromptInput]] | None,
-        step: int,
-    ) -> tuple[Rollout, dict[str, float]]:
-        """Dynamic sampling (:mod:`ppo_trainer.dynamic_sampling`): generation rounds on
-        ``more_prompts(1), more_prompts(2), ...`` until ``batch_size`` groups have differing
-        scores or ``max_num_gen_batches`` rounds ran; the rollout of the groups chosen
-        (:func:`choose_groups`) and the metrics: ``dynamic_sampling/num_gen_batches``,
-        ``/groups_dropped`` (uninformative groups left out), ``/extra_rollouts`` (responses
-        generated beyond the first round) and ``frac_reward_zero_std`` over every group
-        generated. A batch still short is completed with uninformative groups, with a warning."""
+    def _step_sequences(self, prompts: Sequence[PromptInput]) -> tuple[PromptBatch, mx.array]:
+        """This rank's share of a step's global batch of ``prompts``, each ``group_size`` times,
+        and their PRNG keys: sequence ``k`` of the global batch samples from key ``k``."""
         cfg = self.config
-        group, groups = cfg.group_size, cfg.batch_size
-        rounds = [first]
-        informative = informative_groups(np.array(first.scores), group).tolist()
-        while sum(informative) < groups and len(rounds) < cfg.max_num_gen_batches:
-            if more_prompts is None:
-                break
-            r = len(rounds)
-            texts, prompt_ids, columns = self._prepare_prompts(more_prompts(r), 0, groups)
-            more = self._rollout(
-                [t for t in texts for _ in range(group)],
-                [p for p in prompt_ids for _ in range(group)],
-                repeat_columns(columns, group),
-                self.sampling,
-                rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size, extra_round=r),
+        if len(prompts) != cfg.batch_size:
+            raise ValueError(
+                f"step() needs batch_size={cfg.batch_size} prompts, got {len(prompts)}"
             )
-            rounds.append(more)
-            informative += informative_groups(np.array(more.scores), group).tolist()
-        chosen, filled = choose_groups(informative, groups)
-        if filled:
-            logger.warning(
-                "step %d: dynamic sampling found %d of the batch's %d groups with differing "
-                "scores in %d generation batch(es) (max_num_gen_batches=%d); the batch is "
-                "completed with %d groups whose scores are all equal, which teach nothing. "
-                "Raise max_num_gen_batches, or check that the reward can tell this model's "
-                "responses apart (the prompts may be too hard or too easy for it)",
-                step,
-                groups - filled,
-                groups,
-                len(rounds),
-                cfg.max_num_gen_batches,
-                filled,
-            )
-        metrics = {
-            "dynamic_sampling/num_gen_batches": float(len(rounds)),
-            "dynamic_sampling/groups_dropped": float(len(informative) - len(chosen)),
-            "dynamic_sampling/extra_rollouts": float((len(rounds) - 1) * cfg.rollout_batch_size),
-            "frac_reward_zero_std": 1.0 - sum(informative) / len(informative),
-        }
-        if len(rounds) == 1 and not filled:
-            return first, metrics
-        return take_groups(rounds, chosen, group, self.pad_token_id), metrics
+        local = cfg.batch_size // self.world_size
+        first = self.rank * local
+        sequences = self.preparation.batch(prompts, first, first + local)
+        keys = rollout_keys(cfg.seed, self.global_step, cfg.rollout_batch_size)
+        return sequences, keys[first * cfg.group_size : (first + local) * cfg.group_size]
 
-    def _overlap_generation(
-        self,
-        sequence_ids: list[list[int]],
-        next_prompts: Sequence[PromptInput] | None,
-    ) -> tuple[GenerationOutput | None, float | None]:
-        """With the asynchronous rollout worker: this step's responses if the worker generated
-        them (else None: :meth:`_rollout` generates), and the next step's batch asked of it with
-        the policy's weights as they are now, before this step's update (one step off-policy).
-        Returns the responses and the seconds spent waiting for them (None without a worker)."""
-        worker = self.run.rollout_worker
-        if worker is None:
-            return None, None
-        cfg = self.config
-        start = time.perf_counter()
-        generation = worker.take(self.global_step, sequence_ids)
-        waited = time.perf_counter() - start
-        if next_prompts is not None:
-            _, next_ids, _ = self._prepare_prompts(next_prompts, 0, cfg.batch_size)
-            step = self.global_step + 1
-            worker.request(
-                step,
-                [p for p in next_ids for _ in range(cfg.group_size)],
-                rollout_keys(cfg.seed, step, cfg.rollout_batch_size),
-                dict(tree_flatten(self.policy.trainable_parameters())),
-            )
-        return generation, waited
+    def _roll_out(self, sequences: PromptBatch, keys: mx.array, plan: StepPlan) -> Rollout:
+        """Phases 1-3 of step ``plan.step + 1`` from the run's source, and the warnings a
+        rollout may call for (every response empty; several rewards' metrics missing)."""
+        step = plan.step + 1
+        try:
+            rollout = self.source.rollout(sequences, self.sampling, keys, plan)
+        except ValueError as err:  # a reward that is NaN or not numbers: name the step
+            raise ValueError(f"step {step}: {err}") from err
+        warn_if_ended_at_once(rollout.generation, step, self.config.use_chat_template)
+        self.scorer.warn_without_metrics(rollout.reward_metrics)
+        return rollout
 
     def _prepare_prompts(
         self, prompts: Sequence[PromptInput], start: int, stop: int
     ) -> tuple[list[str], list[list[int]], Columns]:
-        """Prompts ``start:stop`` formatted and encoded, with their columns, checked (columns
-        the reward needs, lengths) before any generation."""
-        plain, all_columns = split_records(prompts)
-        self._check_columns(all_columns)
-        texts = [self.format_prompt(p) for p in plain[start:stop]]
-        prompt_ids = [self.encode_prompt(t) for t in texts]
-        check_prompts(
-            prompt_ids,
-            texts,
-            max_prompt_length=self.config.max_prompt_length,
-            max_new_tokens=max(self.config.max_new_tokens, self.config.eval_tokens),
-            context_length=context_length(self.policy),
-        )
-        return texts, prompt_ids, slice_columns(all_columns, start, stop)
-
-    def _rollout(
-        self,
-        texts: list[str],
-        prompt_ids: list[list[int]],
-        columns: Columns,
-        sampling: SamplingSettings,
-        keys: mx.array | None = None,
-        with_values: bool = True,
-        generation: GenerationOutput | None = None,
-    ) -> Rollout:
-        """Phases 1-3 with this trainer's models and reward (training and evaluation); with
-        tools or environments, phase 1 plays multi-turn episodes (:mod:`ppo_trainer.agent_rollout`)
-        whose prompts (``columns["prompt"]``) are rendered with their tools."""
-        started = env_rewards = None
-        if self.agent is not None and generation is None:
-            template_kwargs = dict(self.config.chat_template_kwargs or {})
-            # Each environment's seed comes from its sequence's key (seed, step, place in the
-            # global batch); an evaluation's (no keys) from the random state, as its samples.
-            seed_keys = keys
-            if seed_keys is None:
-                seed_keys = mx.random.randint(0, 2**31 - 1, (len(texts), 2)).astype(mx.uint32)
-            started = start_episodes(
-                self.agent,
-                self.tokenizer,
-                columns,
-                system_prompt=self.config.system_prompt,
-                template_kwargs=template_kwargs,
-                seeds=environment_seeds(seed_keys),
-            )
-            texts, prompt_ids = started.texts, started.prompt_ids
-            check_prompts(
-                prompt_ids,
-                texts,
-                max_prompt_length=self.config.max_prompt_length,
-                max_new_tokens=sampling.max_new_tokens,
-                context_length=context_length(self.policy),
-            )
-            generation = play_episodes(
-                self.policy,
-                self.tokenizer,
-                started,
-                sampling,
-                template_kwargs=template_kwargs,
-                keys=keys,
-            )
-            env_rewards = episode_rewards(started.episodes, generation)
-
-        def score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
-            if env_rewards is None:
-                return task_score(completions, query_responses, lengths)
-            if not self._has_reward():  # the environments' rewards are the scores
-                return env_rewards.scores
-            raw, metrics = split_scores(
-                task_score(completions, query_responses, lengths), self._score_source()
-            )
-            base = check_scores(raw, len(completions), self._score_source())
-            return base + env_rewards.scores, metrics
-
-        def task_score(completions: list[str], query_responses: mx.array, lengths: mx.array) -> Any:
-            # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
-            rows = np.asarray(query_responses).tolist()
-            ends = np.asarray(lengths).tolist()
-            ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
-            all_columns = {**columns, COMPLETION_IDS: ids}
-            return self.compute_scores(
-                texts,
-                completions,
-                query_responses,
-                lengths,
-                **columns_for(self.compute_scores, all_columns, positional=4),
-            )
-
-        rollout = collect_rollout(
-            self.policy,
-            self.ref_model,
-            self.value_model if with_values else None,
-            texts,
-            prompt_ids,
-            sampling,
-            decode=lambda gen: decode_completions(
-                gen, self.decode_completion, sampling.stop_strings
-            ),
-            score=score,
-            score_source=self._score_source(),
-            keys=keys,
-            generation=generation,
-            model_reward=self._reward_is_model() and started is None,
-        )
-        if started is not None and env_rewards is not None:
-            rollout.action_rewards = env_rewards.action_rewards
-            rollout.turn_ends = env_rewards.turn_ends
-            rollout.agent_counts = agent_counts(started.episodes, rollout.generation)
-        return rollout
+        """Prompts ``start:stop`` formatted, encoded and checked (:meth:`PromptPreparation.prepare`)."""
+        return self.preparation.prepare(prompts, start, stop)
 
     @property
     def trained(self) -> Trained:
         """The models this trainer trains (the policy; the value model with PPO)."""
         return Trained(self.policy, self.value_model)
-
-    def _has_reward(self) -> bool:
-        """Whether the run has a reward besides its environments' (a model, a function, several,
-        or an overridden ``compute_scores``)."""
-        custom = type(self).compute_scores is not PPOTrainer.compute_scores
-        r = self.rewards
-        return custom or r.model is not None or r.fn is not None or bool(r.funcs)
-
-    def _reward_is_model(self) -> bool:
-        """Whether the scores are the reward model's pass, returned unevaluated (the rollout may
-        run it beside the reference's): the default ``compute_scores`` with a reward model."""
-        default = type(self).compute_scores is PPOTrainer.compute_scores
-        return default and self.rewards.model is not None
 
     def _learners(self) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
@@ -790,42 +526,9 @@ class PPOTrainer:
             learners.insert(0, value)
         return learners
 
-    def _check_columns(self, columns: Columns) -> None:
-        """Raise ValueError before any generation if the reward needs a column that the
-        prompts do not carry."""
-        columns = {**columns, COMPLETION_IDS: []}
-        columns_for(self.compute_scores, columns, positional=4)
-        self.rewards.check_columns(columns)
-
     def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
-        """Raise ``ValueError`` before any rollout when a reward function returns the wrong
-        number of scores, from a call on the first prompt twice (as a group repeats it) with
-        empty completions. Not for an overridden ``compute_scores`` (it reads the sequences)."""
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return
-        texts, _, columns = self._prepare_prompts(prompts, 0, 1)
-        self.rewards.check_call(texts * 2, repeat_columns(columns, 2))
-
-    def _reward_description(self) -> str | None:
-        """What scores the responses, as a resume compares it: the function's import path, the
-        reward model's folder and fingerprint, or the overriding method (None: a reward model
-        passed as an object)."""
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return f"{type(self).__module__}.{type(self).__qualname__}.compute_scores"
-        fn = self.rewards.fn
-        if fn is not None:
-            return f"function {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
-        if self.config.reward_funcs:
-            return "reward_funcs " + ", ".join(
-                _describe_reward_spec(spec) for spec in self.config.reward_funcs
-            )
-        name = self.config.reward_model_name
-        return f"reward model {name} ({model_fingerprint(name)})" if name else None
-
-    def _score_source(self) -> str:
-        if type(self).compute_scores is not PPOTrainer.compute_scores:
-            return f"{type(self).__name__}.compute_scores"
-        return self.rewards.source
+        """A trial call of the reward before any rollout (:meth:`PromptPreparation.check_reward_call`)."""
+        self.preparation.check_reward_call(prompts)
 
     @property
     def reward_model(self) -> RewardModel | None:
@@ -899,8 +602,8 @@ class PPOTrainer:
         )
 
         def roll_out(start: int, stop: int) -> tuple[list[str], Rollout]:
-            texts, ids, columns = self._prepare_prompts(prompts, start, stop)
-            return texts, self._rollout(texts, ids, columns, sampling, with_values=False)
+            batch = PromptBatch(*self._prepare_prompts(prompts, start, stop))
+            return batch.texts, self.source.rollout(batch, sampling, None)
 
         return evaluate_rollouts(
             roll_out,

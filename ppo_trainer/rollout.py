@@ -1,6 +1,12 @@
 """Phases 1-3 of an iteration: generate responses and score them with every model.
 
-:func:`collect_rollout` is what training and evaluation both run, so they cannot drift apart:
+A run asks its :class:`RolloutSource` for each batch's :class:`Rollout`: one sampled response
+per sequence (:mod:`ppo_trainer.single_turn`), multi-turn agent episodes
+(:mod:`ppo_trainer.agent_rollout`), the asynchronous worker's responses
+(:mod:`ppo_trainer.async_rollout`), or dynamic sampling over any of them
+(:mod:`ppo_trainer.dynamic_sampling`); :mod:`ppo_trainer.rollout_sources` chooses, once.
+Each ends in :func:`collect_rollout`, which training and evaluation both run, so they cannot
+drift apart:
 
 1. sample responses for the prompts (batched, KV cache, stopping at the stop tokens);
 2. log-probs of the sampled tokens under the rollout policy and the frozen reference, and the
@@ -13,9 +19,10 @@ Every array it returns is a constant for the losses that follow.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence, cast
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Protocol, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -35,14 +42,18 @@ from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
 from ppo_trainer.generator import GenerationOutput, cut_after_stop_string, generate
 from ppo_trainer.multi_turn import ContinueFn, generate_turns
+from ppo_trainer.prompt_records import Columns, PromptInput, repeat_columns
 from reward_kl.combined_reward import score_value
 from token_attribution.sequences import (
     build_query_responses,
     gather_positions,
     logprobs_from,
     response_positions,
+    ScoringInputs,
     scoring_inputs,
 )
+
+logger = logging.getLogger("ppo_mlx")
 
 #: ``score(completions, query_responses, sequence_lengths) -> (B,)`` or ``((B,), metrics)``
 #: (:func:`split_scores`): the trainer's reward, with the prompts and their columns bound.
@@ -126,6 +137,9 @@ class Rollout:
     #: turns, tool calls, successful calls, context tokens:
     #: ``ppo_trainer.agent_rollout.agent_counts``); empty without agents.
     agent_counts: dict[str, mx.array] = field(default_factory=dict)
+    #: What the source measured beside the batch, logged with the step's metrics (dynamic
+    #: sampling's rounds, the asynchronous worker's wait); empty for most sources.
+    source_metrics: dict[str, float] = field(default_factory=dict)
 
     def as_batch(self) -> RolloutBatch:
         """The rollout as a batch without advantages (an evaluation: nothing learns from it)."""
@@ -140,6 +154,61 @@ class Rollout:
             advantages=mx.zeros_like(self.scores),
             values=self.values,
         )
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Prompts formatted and encoded for the policy, one entry per sequence: the formatted
+    texts, their token ids and the columns of their records (each a list aligned with them)."""
+
+    texts: list[str]
+    prompt_ids: list[list[int]]
+    columns: Columns
+
+    def repeat(self, times: int) -> PromptBatch:
+        """Each prompt ``times`` times in a row (a group's samples are adjacent)."""
+        return PromptBatch(
+            [t for t in self.texts for _ in range(times)],
+            [p for p in self.prompt_ids for _ in range(times)],
+            repeat_columns(self.columns, times),
+        )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a training step tells its rollout source beyond its own batch.
+
+    Attributes:
+        step: the global step before this one (0-based), which numbers its PRNG keys and the
+            worker's batches.
+        prepare: a batch of prompts (or records) formatted, encoded, checked and repeated
+            ``group_size`` times, as the step's own.
+        next_prompts: the next step's prompts, which the asynchronous worker generates during
+            this step's update (None: none, or no worker).
+        more_prompts: ``more_prompts(k)``, the prompts of dynamic sampling's ``k``-th extra
+            generation round (None: no extra rounds).
+    """
+
+    step: int
+    prepare: Callable[[Sequence[PromptInput]], PromptBatch]
+    next_prompts: Sequence[PromptInput] | None = None
+    more_prompts: Callable[[int], Sequence[PromptInput]] | None = None
+
+
+class RolloutSource(Protocol):
+    """Where a run's rollouts come from (phases 1-3)."""
+
+    def rollout(
+        self,
+        batch: PromptBatch,
+        sampling: SamplingSettings,
+        keys: mx.array | None,
+        plan: StepPlan | None = None,
+    ) -> Rollout:
+        """The rollout of ``batch`` sampled with ``sampling``, sequence ``b`` from ``keys[b]``
+        (None: the global random state). ``plan``: a training step's; None for an evaluation,
+        which takes no values (nothing learns from it), no worker and no extra rounds."""
+        ...
 
 
 def sampling_adapters(policy: PolicyModel, setting: MergeSetting) -> AbstractContextManager[object]:
@@ -279,12 +348,101 @@ def collect_rollout(
     forward = sampling.logprobs_from == "forward"
     completions = decode(gen)  # text without the stop token
     sequence_lengths = prompt_lengths + gen.lengths
-    # The models' passes over the sequences depend on the rollout only. On the CPU the
-    # reference's (and the policy's) runs on one stream while the value model's, or else a
-    # reward model's, runs on another (base_setup.backend.side_by_side): passes of equal depth,
-    # which MLX's evaluation interleaves. The LM heads' log-probs and the remaining reward follow
-    # with every thread.
-    two = (value_model is not None or model_reward) and side_by_side_pays(
+    passes = model_passes(
+        policy,
+        ref_model,
+        value_model,
+        query_responses,
+        positions,
+        forward=forward,
+        reward=(
+            (lambda: score(completions, query_responses, sequence_lengths))
+            if model_reward
+            else None
+        ),
+    )
+    logprobs, entropy, ref_logprobs = passes.logprobs(gen, temperature)
+    mx.async_eval(logprobs, entropy, ref_logprobs)
+
+    # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
+    raw = passes.reward
+    if not passes.reward_in_lane:
+        raw = score(completions, query_responses, sequence_lengths)
+    raw, reward_metrics = split_scores(raw, score_source)
+    mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
+    scores = check_scores(raw, len(texts), score_source)
+    release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
+    return Rollout(
+        texts,
+        completions,
+        prompt_ids,
+        gen,
+        query_responses,
+        prompt_lengths,
+        mask,
+        logprobs,
+        ref_logprobs,
+        entropy,
+        passes.values,
+        scores,
+        reward_metrics,
+    )
+
+
+class ModelPasses(NamedTuple):
+    """The models' passes over a rollout's sequences (:func:`model_passes`), evaluated."""
+
+    ref_inputs: ScoringInputs | None  # the reference's, for its log-probs
+    policy_inputs: ScoringInputs | None  # the policy's, with logprobs_from "forward"
+    values: mx.array | None  # (B, T) the value model's
+    reward: Any  # the reward model's pass when it ran beside the reference's, else None
+    reward_in_lane: bool  # whether it did
+
+    def logprobs(
+        self, gen: GenerationOutput, temperature: float
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """``(logprobs, entropy, ref_logprobs)``, each (B, T), of ``gen``'s responses at
+        ``temperature``: the sampler's (or the policy's pass's) and the reference's (without a
+        reference, the rollout policy's: a KL of 0)."""
+        logprobs, entropy = gen.logprobs, gen.entropy
+        if self.policy_inputs is not None:
+            logprobs, entropy = logprobs_from(
+                self.policy_inputs,
+                gen.responses,
+                temperature,
+                with_entropy=True,
+                differentiable=False,
+            )
+        assert logprobs is not None and entropy is not None
+        if self.ref_inputs is None:
+            return logprobs, entropy, logprobs  # no KL term: the rollout policy is the reference
+        ref_logprobs, _ = logprobs_from(
+            self.ref_inputs, gen.responses, temperature, differentiable=False
+        )
+        return logprobs, entropy, ref_logprobs
+
+
+def model_passes(
+    policy: PolicyModel,
+    ref_model: ReferenceModel | None,
+    value_model: ValueModel | None,
+    query_responses: mx.array,
+    positions: mx.array,
+    *,
+    forward: bool,
+    reward: Callable[[], Any] | None,
+) -> ModelPasses:
+    """Phase 2's passes over ``query_responses`` (B, L) at the response ``positions`` (B, T),
+    without gradients: the reference's, the policy's when ``forward`` (its log-probs
+    recomputed), the value model's, and ``reward()`` (a reward model's pass, None: the
+    reward is no model) when it can run beside the reference's.
+
+    The passes depend on the rollout only. On the CPU the reference's (and the policy's) runs
+    on one stream while the value model's, or else a reward model's, runs on another
+    (base_setup.backend.side_by_side): passes of equal depth, which MLX's evaluation
+    interleaves. The LM heads' log-probs and the remaining reward follow with every thread.
+    """
+    two = (value_model is not None or reward is not None) and side_by_side_pays(
         ref_model if ref_model is not None else policy, query_responses
     )
     reward_in_lane = two and value_model is None
@@ -305,49 +463,15 @@ def collect_rollout(
             if value_model is not None:
                 values = gather_positions(value_model(query_responses), positions)  # (B, T)
             if reward_in_lane:
-                raw = score(completions, query_responses, sequence_lengths)
+                assert reward is not None
+                raw = reward()
         mx.eval(
             [] if ref_inputs is None else ref_inputs.states,
             [] if policy_inputs is None else policy_inputs.states,
             values,
             raw if isinstance(raw, mx.array) else [],
         )
-    logprobs, entropy = gen.logprobs, gen.entropy
-    if policy_inputs is not None:
-        logprobs, entropy = logprobs_from(
-            policy_inputs, gen.responses, temperature, with_entropy=True, differentiable=False
-        )
-    assert logprobs is not None and entropy is not None
-    if ref_inputs is not None:
-        ref_logprobs, _ = logprobs_from(
-            ref_inputs, gen.responses, temperature, differentiable=False
-        )
-    else:
-        ref_logprobs = logprobs  # no KL term: the rollout policy is the reference
-    mx.async_eval(logprobs, entropy, ref_logprobs)
-
-    # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
-    if not reward_in_lane:
-        raw = score(completions, query_responses, sequence_lengths)
-    raw, reward_metrics = split_scores(raw, score_source)
-    mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
-    scores = check_scores(raw, len(texts), score_source)
-    release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
-    return Rollout(
-        texts,
-        completions,
-        prompt_ids,
-        gen,
-        query_responses,
-        prompt_lengths,
-        mask,
-        logprobs,
-        ref_logprobs,
-        entropy,
-        values,
-        scores,
-        reward_metrics,
-    )
+    return ModelPasses(ref_inputs, policy_inputs, values, raw, reward_in_lane)
 
 
 #: Token-parameters (the sequences' tokens times the reference model's parameters) below which
@@ -384,6 +508,19 @@ def ended_at_once(gen: GenerationOutput) -> bool:
     of prompts in the wrong format (a chat model given plain text without its template)."""
     first_stop = (gen.lengths == 1) & gen.ended_with_stop  # (B,)
     return bool(mx.all(first_stop).item())
+
+
+def warn_if_ended_at_once(gen: GenerationOutput, step: int, use_chat_template: Any) -> None:
+    """Warn when every response of step ``step`` ended at once (:func:`ended_at_once`)."""
+    if ended_at_once(gen):
+        logger.warning(
+            "step %d: every response ended at once with a stop token (empty completions); "
+            "PPO learns nothing from them but to stop. Plain prompts to a chat model "
+            "without its chat template do this: check use_chat_template (now %s) and the "
+            "prompt format",
+            step,
+            str(use_chat_template).lower(),
+        )
 
 
 def decode_completions(

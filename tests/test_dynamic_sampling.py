@@ -154,6 +154,7 @@ def _agent_rollout(seed: int, b: int, width: int, turns: int, prompt_len: int) -
         action_rewards=real(b, turns),
         turn_ends=mx.array(ends),
         agent_counts={"turns": real(b), "tool_calls": real(b)},
+        source_metrics={"time/generation_wait": float(seed)},
     )
 
 
@@ -222,6 +223,7 @@ def _naive_take(
         "agent_counts": {
             key: rows(lambda r, key=key: r.agent_counts[key]) for key in rollouts[0].agent_counts
         },
+        "source_metrics": rollouts[0].source_metrics,
     }
 
 

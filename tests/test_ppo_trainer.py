@@ -275,7 +275,7 @@ def test_scoring_side_by_side_equals_one_stream(
         )
         reward = RewardModel.from_causal_lm(tiny_model_dir, head_init="normal", seed=3)
         trainer = PPOTrainer(config, reward_model=reward)
-        assert trainer._reward_is_model()
+        assert trainer.scorer.is_model_pass
         keep = KeepRollouts()
         trainer.train(PROMPTS[: config.batch_size], num_epochs=1, callbacks=[keep])
         rollouts[mode] = keep.kept[0][0]

@@ -460,8 +460,11 @@ def test_built_in_rewards_score_a_grpo_step(tiny_model_dir: Path, tmp_path: Path
     np.testing.assert_allclose(np.array(rollout.scores), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_a_missing_column_fails_before_any_generation(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_missing_column_fails_before_any_generation(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.test_algorithms_learn import config
+    from ppo_trainer import rollout as rollout_module
     from ppo_trainer.ppo_trainer import PPOTrainer
 
     cfg = config(
@@ -473,13 +476,13 @@ def test_a_missing_column_fails_before_any_generation(tiny_model_dir: Path, tmp_
     )
     trainer = PPOTrainer(cfg)
     rolled: list[Any] = []
-    original = trainer._rollout
+    original = rollout_module.sample_responses
 
-    def rollout(*args: Any, **kwargs: Any) -> Any:
+    def sample_responses(*args: Any, **kwargs: Any) -> Any:
         rolled.append(args)
         return original(*args, **kwargs)
 
-    trainer._rollout = rollout  # type: ignore[method-assign]
+    monkeypatch.setattr(rollout_module, "sample_responses", sample_responses)
     with pytest.raises(ValueError, match="reads the column 'answer' or 'solution'"):
         trainer.step([{"prompt": "What is 1 + 1?", "question_id": 3}] * 4)
     assert not rolled

@@ -1,0 +1,108 @@
+"""Which rollout source a run has (:class:`~ppo_trainer.rollout.RolloutSource`), decided once
+when the trainer is built: single-turn sampling, agents' multi-turn episodes or the asynchronous
+worker, each optionally wrapped in dynamic sampling; and which of those features a run cannot
+combine, refused here before anything loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from config.ppo_config import PPOConfig
+from ppo_trainer.agent_rollout import AgentEpisodes, AgentRun
+from ppo_trainer.async_rollout import AsyncRollout
+from ppo_trainer.dynamic_sampling import DynamicSampling
+from ppo_trainer.rollout import RolloutSource
+from ppo_trainer.rollout_worker import RolloutWorker
+from ppo_trainer.single_turn import SingleTurn
+
+
+def check_rollout_features(
+    config: PPOConfig, *, world_size: int, policy_given: bool, agents: bool
+) -> None:
+    """Raise ``ValueError`` for rollout features this run cannot combine: the asynchronous
+    worker or dynamic sampling with data parallelism, the worker with a policy passed to the
+    trainer or with agents. (Pairs within the config alone, such as dynamic sampling with the
+    worker, are refused by the config itself.)
+
+    Args:
+        world_size: the run's data-parallel processes.
+        policy_given: a policy was passed to the trainer.
+        agents: tools or an environment factory were passed to the trainer.
+    """
+    processes = f"{world_size} data-parallel processes"
+    refused = [
+        (
+            config.async_rollout and world_size > 1,
+            f"async_rollout with {processes}",
+            "it runs one generation worker beside one trainer",
+            "set async_rollout: false, or launch one process",
+        ),
+        (
+            config.dynamic_sampling and world_size > 1,
+            f"dynamic_sampling with {processes}",
+            "it filters the groups of one process's batch",
+            "set dynamic_sampling: false, or launch one process",
+        ),
+        (
+            config.async_rollout and policy_given,
+            "async_rollout with a policy passed to the trainer",
+            "the generation worker builds its policy from the config (model_name, dtype, LoRA "
+            "settings) and cannot copy one",
+            "pass no policy=, or set async_rollout: false",
+        ),
+        (
+            config.async_rollout and agents,
+            "async_rollout with agents (tools, environment_factory)",
+            "the worker samples single-turn responses and agents need multi-turn episodes",
+            "set async_rollout: false",
+        ),
+    ]
+    for on, pair, why, change in refused:
+        if on:
+            raise ValueError(f"{pair}: {why}; {change}")
+
+
+def build_rollout_source(
+    config: PPOConfig,
+    models: SingleTurn,
+    *,
+    agent: AgentRun | None,
+    tokenizer: Any,
+    context_length: int | None,
+    worker: Callable[[], RolloutWorker | None],
+) -> RolloutSource:
+    """The run's rollout source: agents' episodes with tools or environments, else the
+    worker's responses with ``async_rollout``, else ``models`` sampling one response per
+    sequence; inside dynamic sampling with ``dynamic_sampling``.
+
+    Args:
+        models: the run's models and scorer.
+        agent: the run's tools and environments (None: none).
+        tokenizer: the policy's (agents render their prompts with it).
+        context_length: the policy's context (None: unknown).
+        worker: the run's asynchronous worker while it has one.
+    """
+    source: RolloutSource = models
+    if agent is not None:
+        source = AgentEpisodes(
+            models,
+            agent,
+            tokenizer,
+            system_prompt=config.system_prompt,
+            template_kwargs=dict(config.chat_template_kwargs or {}),
+            max_prompt_length=config.max_prompt_length,
+            context_length=context_length,
+        )
+    elif config.async_rollout:
+        source = AsyncRollout(models, worker, config.seed, config.rollout_batch_size)
+    if config.dynamic_sampling:
+        source = DynamicSampling(
+            source,
+            group_size=config.group_size,
+            num_groups=config.batch_size,
+            max_num_gen_batches=config.max_num_gen_batches,
+            seed=config.seed,
+            rollout_batch_size=config.rollout_batch_size,
+        )
+    return source
