@@ -207,6 +207,21 @@ def columns_for(
     return {p.name: columns[p.name] for p in named if p.name in columns}
 
 
+def missing_parameters(
+    params: Sequence[inspect.Parameter], available: Mapping[str, Any]
+) -> list[str]:
+    """The parameters a call by keyword with ``available`` leaves unset: those without a
+    default that are positional-only or not among ``available`` (``*args`` and ``**kwargs``
+    aside)."""
+    return [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and (p.kind is p.POSITIONAL_ONLY or p.name not in available)
+    ]
+
+
 def reward_arguments(
     fn: Callable[..., Any],
     prompts: list[str],
@@ -234,13 +249,7 @@ def reward_arguments(
     if "completions" not in named and not only_kwargs:
         return (prompts, completions), columns_for(fn, columns, positional=2)
     available = {"prompts": prompts, "completions": completions, **columns}
-    missing = [
-        p.name
-        for p in params
-        if p.default is p.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and (p.kind is p.POSITIONAL_ONLY or p.name not in available)
-    ]
+    missing = missing_parameters(params, available)
     if missing:
         name = getattr(fn, "__qualname__", repr(fn))
         raise ValueError(

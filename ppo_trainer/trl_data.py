@@ -18,7 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_trainer.prompt_records import COMPLETION_IDS, PROMPT_KEY, PromptInput, prompt_record
+from ppo_trainer.prompt_records import (
+    COMPLETION_IDS,
+    PROMPT_KEY,
+    PromptInput,
+    missing_parameters,
+    prompt_record,
+)
 
 
 def dataset_records(dataset: Iterable[Any], name: str = "train_dataset") -> list[PromptInput]:
@@ -119,13 +125,7 @@ def keyword_arguments(fn: Callable[..., Any], available: Mapping[str, Any]) -> d
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no inspectable signature: pass everything
         return dict(available)
-    missing = [
-        p.name
-        for p in params
-        if p.default is p.empty
-        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        and (p.kind is p.POSITIONAL_ONLY or p.name not in available)
-    ]
+    missing = missing_parameters(params, available)
     if missing:
         name = getattr(fn, "__qualname__", repr(fn))
         raise ValueError(
