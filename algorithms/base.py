@@ -45,6 +45,8 @@ class AdvantageInputs:
         kl_coef: the KL weight in the reward (the controller's current value).
         group: the data-parallel group whose global batch the statistics span (None: one
             process).
+        log_ratio: (B, T) ``log pi_rollout - log pi_ref`` at the sampled tokens, 0 after each
+            response (None: not given).
     """
 
     scores: mx.array
@@ -54,6 +56,7 @@ class AdvantageInputs:
     values: mx.array | None
     kl_coef: float
     group: Group | None = None
+    log_ratio: mx.array | None = None
 
 
 class AdvantageSettings(Protocol):
@@ -76,6 +79,9 @@ class AdvantageSettings(Protocol):
 
     @property
     def grpo_advantage_scale(self) -> str: ...
+
+    @property
+    def beta(self) -> float: ...
 
 
 class Algorithm(Protocol):

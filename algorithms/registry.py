@@ -8,6 +8,7 @@ import difflib
 from algorithms.base import Algorithm
 from algorithms.distill import Distill
 from algorithms.grpo import GRPO
+from algorithms.online_dpo import OnlineDPO
 from algorithms.ppo import PPO
 from algorithms.reinforce_pp import ReinforcePP
 from algorithms.reinforce_pp_baseline import ReinforcePPBaseline
@@ -23,6 +24,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         ReinforcePP(),
         ReinforcePPBaseline(),
         Distill(),
+        OnlineDPO(),
     )
 }
 

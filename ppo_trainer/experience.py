@@ -141,7 +141,8 @@ def make_experience(
         rewards = add_action_rewards(rewards, r.action_rewards, r.turn_ends)  # (B, T)
     stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # rewards before whitening
     # Rollout arrays (scores, KL, values) are constants: no gradient flows through advantages.
-    inputs = AdvantageInputs(scores, kl, rewards, r.mask, r.values, kl_coef, group)
+    log_ratio = mx.where(r.mask > 0, r.logprobs - r.ref_logprobs, 0.0)  # (B, T)
+    inputs = AdvantageInputs(scores, kl, rewards, r.mask, r.values, kl_coef, group, log_ratio)
     advantages, returns = algorithm.advantages(inputs, settings)  # (B,) or (B, T); (B, T)
     mask = r.mask
     if settings.mask_truncated_completions:

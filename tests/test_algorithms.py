@@ -167,6 +167,7 @@ def test_every_algorithm_is_found_by_its_name_and_declares_config_fields() -> No
         "reinforce_pp",
         "reinforce_pp_baseline",
         "distill",
+        "online_dpo",
     ]
     for name, algorithm in ALGORITHMS.items():
         assert get_algorithm(name) is algorithm and algorithm.name == name
@@ -174,11 +175,12 @@ def test_every_algorithm_is_found_by_its_name_and_declares_config_fields() -> No
         assert set(algorithm.defaults) <= FIELDS, name
         assert algorithm.policy_loss in ("token", "grpo", "sequence")
     assert [n for n, a in ALGORITHMS.items() if a.value_model] == ["ppo"]
-    assert [n for n, a in ALGORITHMS.items() if not a.kl_in_reward] == ["grpo"]
+    assert [n for n, a in ALGORITHMS.items() if not a.kl_in_reward] == ["grpo", "online_dpo"]
     assert [n for n, a in ALGORITHMS.items() if a.grouped] == [
         "grpo",
         "rloo",
         "reinforce_pp_baseline",
+        "online_dpo",
     ]
     # GRPO's defaults are TRL's.
     assert dict(ALGORITHMS["grpo"].defaults) == {
@@ -263,7 +265,11 @@ def test_the_configuration_page_marks_each_algorithms_keys_and_defaults() -> Non
     assert set(keys) == FIELDS  # the page lists every key
     assert keys["vf_coef"].algorithms == ("ppo",)
     assert keys["temperature"].algorithms is None
-    assert keys["temperature"].algorithm_defaults == (("grpo", "1.0"), ("distill", "1.0"))
+    assert keys["temperature"].algorithm_defaults == (
+        ("grpo", "1.0"),
+        ("distill", "1.0"),
+        ("online_dpo", "0.9"),
+    )
     assert keys["kl_coef"].algorithms == (
         "ppo",
         "rloo",
