@@ -23,7 +23,7 @@ from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator
 from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.rollout import Rollout
 from reward_kl.kl_divergence import kl_estimate
-from reward_kl.reward_normalization import RunningMoments, normalize_scores
+from reward_kl.reward_normalization import RunningMoments, normalize_scores, update_moments
 from reward_kl.reward_computer import (
     add_action_rewards,
     apply_missing_eos_penalty,
@@ -162,6 +162,27 @@ def make_experience(
     mx.eval(batch.advantages, batch.returns, batch.mask, stats)
     _check_finite(batch, step)
     return batch, stats
+
+
+def experience_phase(
+    rollout: Rollout,
+    settings: ExperienceSettings,
+    kl_coef: float,
+    moments: RunningMoments | None,
+    *,
+    step: int,
+    group: Any = None,
+) -> tuple[RolloutBatch, dict[str, mx.array], RunningMoments | None]:
+    """Phase 4 of a step: with ``moments`` (``normalize_reward``'s running statistics), they
+    take this batch's scores (over every rank) in first and the scores are normalised by them;
+    then :func:`make_experience`. Returns ``(batch, stats, moments)``, the moments updated
+    (None when none were given)."""
+    if moments is not None:
+        moments = update_moments(moments, penalized_scores(rollout, settings), group)
+    batch, stats = make_experience(
+        rollout, settings, kl_coef, step=step, group=group, score_moments=moments
+    )
+    return batch, stats, moments
 
 
 def _check_finite_moments(moments: RunningMoments, scores: mx.array, step: int) -> None:

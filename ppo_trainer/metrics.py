@@ -7,6 +7,7 @@ standard deviation, the value model's explained variance) use all-reduced statis
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -134,3 +135,26 @@ def iteration_metrics(
         )
     result.update({k: float(np.asarray(v)) for k, v in spreads.items()})
     return result
+
+
+def step_timings(
+    t0: float,
+    t_rollout: float,
+    t_advantages: float,
+    t_update: float,
+    metrics: dict[str, float],
+    lr: float,
+) -> dict[str, float]:
+    """A step's clock readings as metrics (its end is now): ``time/rollout``,
+    ``time/advantages``, ``time/update``, ``time/step``, ``tokens_per_second`` (taking
+    ``num_generated`` out of ``metrics``), with ``lr`` and ``avg_reward`` (the mean score)."""
+    t_end = time.perf_counter()
+    return {
+        "lr": lr,
+        "avg_reward": metrics["objective/scores"],
+        "time/rollout": t_rollout - t0,
+        "time/advantages": t_advantages - t_rollout,
+        "time/update": t_update - t_advantages,
+        "time/step": t_end - t0,
+        "tokens_per_second": metrics.pop("num_generated") / max(t_end - t0, 1e-9),
+    }

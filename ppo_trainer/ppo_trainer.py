@@ -71,13 +71,9 @@ from ppo_trainer.components import (
     stop_token_ids,
     vocab_size,
 )
-from ppo_trainer.experience import (
-    ExperienceSettings,
-    make_experience,
-    penalized_scores,
-)
+from ppo_trainer.experience import ExperienceSettings, experience_phase
 from ppo_trainer.memory_estimate import check_memory
-from ppo_trainer.metrics import iteration_metrics, rollout_metrics
+from ppo_trainer.metrics import iteration_metrics, rollout_metrics, step_timings
 from ppo_trainer.prompt_records import (
     Columns,
     Prompt,
@@ -128,7 +124,7 @@ from training.checkpoint import (
 )
 from training.optimizer import SchedulePlan
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
-from reward_kl.reward_normalization import RunningMoments, update_moments
+from reward_kl.reward_normalization import RunningMoments
 from training.loop import InRunState
 from training.run_control import in_run_scope, prepare_run_dir
 
@@ -373,24 +369,16 @@ class PPOTrainer:
         next_prompts: Sequence[PromptInput] | None = None,
         more_prompts: Callable[[int], Sequence[PromptInput]] | None = None,
     ) -> dict[str, float]:
-        """One PPO/GRPO iteration on ``batch_size`` prompts (or prompt records); returns its
-        metrics.
+        """One iteration on ``batch_size`` prompts (or prompt records), the global batch (each
+        data-parallel rank learns from its contiguous share); returns the global batch's metrics.
 
-        ``prompts`` is the global batch, the same on every rank of a data-parallel run: each rank
-        learns from its contiguous share of ``batch_size / world_size`` prompts (and their
-        columns), and the metrics are those of the global batch.
-
-        ``next_prompts``: the next step's batch, which the ``async_rollout`` worker generates
-        with the current policy while this step updates (this step takes its own responses from
-        the worker when it was asked for exactly these prompts). ``more_prompts(k)``: with
-        ``dynamic_sampling``, the batch of the ``k``-th extra generation round (``k >= 1``);
-        None: no extra rounds. :meth:`train` passes both (:class:`~ppo_trainer.rollout.StepPlan`).
+        ``next_prompts``: the next step's batch, for the ``async_rollout`` worker to generate
+        while this step updates; ``more_prompts(k)``: ``dynamic_sampling``'s ``k``-th extra
+        round; :meth:`train` passes both (:class:`~ppo_trainer.rollout.StepPlan`).
         """
         cfg = self.config
         sequences, keys = self._step_sequences(prompts)
-        ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
-        adapt_blas_threads()  # only with PPO_MLX_ADAPTIVE_BLAS=step (else fixed per run)
-        mx.random.seed(step_seed(cfg.seed, self.global_step))
+        self._begin_step()
         step = self.global_step + 1
         t0 = time.perf_counter()
 
@@ -401,21 +389,66 @@ class PPOTrainer:
         for cb in self.run.callbacks:
             cb.on_rollout_scored(self, step, rollout)
 
-        # 4. Per-token KL and rewards, advantages and returns (from normalised scores with
-        # normalize_reward: the running statistics take this batch in first).
-        moments = None
-        if cfg.normalizes_reward:
-            scores = penalized_scores(rollout, self.experience)
-            self.reward_moments = moments = update_moments(self.reward_moments, scores, self.group)
-        batch, stats = make_experience(
-            rollout,
-            self.experience,
-            self.kl_ctl.value,
-            step=step,
-            group=self.group,
-            score_moments=moments,
+        # 4. Per-token KL and rewards, advantages and returns (with normalize_reward, from
+        # scores normalised by running statistics that take this batch in first).
+        moments = self.reward_moments if cfg.normalizes_reward else None
+        batch, stats, moments = experience_phase(
+            rollout, self.experience, self.kl_ctl.value, moments, step=step, group=self.group
         )
+        if moments is not None:
+            self.reward_moments = moments
         t_advantages = time.perf_counter()
+        self._record_rollouts(rollout, batch, stats, step)
+        for cb in self.run.callbacks:
+            cb.on_rollout_end(self, step, batch)
+
+        # 5. PPO epochs over shuffled minibatches (the order is a function of seed and step).
+        update_metrics = self._update(batch, step)
+        t_update = time.perf_counter()
+
+        # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
+        metrics = self._step_metrics(rollout, batch, stats, update_metrics)
+        metrics.update(step_timings(t0, t_rollout, t_advantages, t_update, metrics, self._lr()))
+        self.global_step = step
+        return metrics
+
+    def _begin_step(self) -> None:
+        """Before a step's rollout: the optimisers (built at the first step), the BLAS threads
+        (``PPO_MLX_ADAPTIVE_BLAS=step`` only; else fixed per run), the step's random seed."""
+        cfg = self.config
+        ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
+        adapt_blas_threads()
+        mx.random.seed(step_seed(cfg.seed, self.global_step))
+
+    def _step_metrics(
+        self,
+        rollout: Rollout,
+        batch: RolloutBatch,
+        stats: dict[str, mx.array],
+        update_metrics: list[dict[str, mx.array]],
+    ) -> dict[str, float]:
+        """Phase 6: the global batch's metrics; the KL controller follows the measured KL where
+        the algorithm's KL is in the reward (else its weight is ``beta``, in its loss)."""
+        cfg = self.config
+        metrics = iteration_metrics(
+            rollout, batch, stats, update_metrics, self.group, cfg.group_size
+        )
+        metrics.update(rollout_metrics(rollout, self.group))
+        if cfg.algorithm_object.kl_in_reward:
+            self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
+            metrics["objective/kl_coef"] = float(self.kl_ctl.value)
+        return metrics
+
+    def _lr(self) -> float:
+        """The policy's current learning rate."""
+        assert self.policy_optimizer is not None
+        return float(np.asarray(self.policy_optimizer.learning_rate))
+
+    def _record_rollouts(
+        self, rollout: Rollout, batch: RolloutBatch, stats: dict[str, mx.array], step: int
+    ) -> None:
+        """Rank 0 writes the step's rollout records when ``log_rollouts_every`` says so."""
+        cfg = self.config
         if self.is_main_process and rollouts_due(step, cfg.log_rollouts_every, self.run.last_step):
             log_rollouts(
                 self.run_dir,
@@ -423,10 +456,11 @@ class PPOTrainer:
                 self.tokenizer,
                 cfg.rollout_records_per_step,
             )
-        for cb in self.run.callbacks:
-            cb.on_rollout_end(self, step, batch)
 
-        # 5. PPO epochs over shuffled minibatches (the order is a function of seed and step).
+    def _update(self, batch: RolloutBatch, step: int) -> list[dict[str, mx.array]]:
+        """Phase 5: the PPO epochs of the step's learners (:meth:`_learners`); the run counts as
+        updating meanwhile (a failure then does not save a half-updated state)."""
+        cfg = self.config
         self.run.updating = True
         update_metrics = ppo_epochs(
             batch,
@@ -440,31 +474,7 @@ class PPOTrainer:
             group=self.group,
         )
         self.run.updating = False
-        t_update = time.perf_counter()
-
-        # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
-        metrics = iteration_metrics(
-            rollout, batch, stats, update_metrics, self.group, self.config.group_size
-        )
-        metrics.update(rollout_metrics(rollout, self.group))
-        if cfg.algorithm_object.kl_in_reward:  # else its KL weight is beta, in its loss
-            self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
-            metrics["objective/kl_coef"] = float(self.kl_ctl.value)
-        t_end = time.perf_counter()
-        assert self.policy_optimizer is not None
-        metrics.update(
-            {
-                "lr": float(np.asarray(self.policy_optimizer.learning_rate)),
-                "avg_reward": metrics["objective/scores"],
-                "time/rollout": t_rollout - t0,
-                "time/advantages": t_advantages - t_rollout,
-                "time/update": t_update - t_advantages,
-                "time/step": t_end - t0,
-                "tokens_per_second": metrics.pop("num_generated") / max(t_end - t0, 1e-9),
-            }
-        )
-        self.global_step = step
-        return metrics
+        return update_metrics
 
     def _step_sequences(self, prompts: Sequence[PromptInput]) -> tuple[PromptBatch, mx.array]:
         """This rank's share of a step's global batch of ``prompts``, each ``group_size`` times,
