@@ -139,3 +139,24 @@ def test_python_main_py_distill_trains_from_the_command_line(
     assert (out / "final").is_dir() and "trained 1 steps" in run.stdout
     refused = run_main("distill", "--teacher", str(teacher_dir), *common, "--set", "algorithm=ppo")
     assert refused.returncode != 0 and "distill sets algorithm itself" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_distillation_equals_the_straight_run(
+    tiny_model_dir: Path, teacher_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.resume_checks import assert_resume_equals_straight
+
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
+    assert_resume_equals_straight(
+        lambda name: PPOTrainer(
+            make_config(
+                tiny_model_dir,
+                tmp_path / name,
+                algorithm="distill",
+                teacher_model_name=str(teacher_dir),
+                save_every=100,
+            )
+        ),
+        PROMPTS,
+    )

@@ -157,3 +157,26 @@ def test_a_judge_ranks_online_dpos_pairs(tiny_model_dir: Path, tmp_path: Path) -
     metrics: dict[str, Any] = trainer.step(PROMPTS)
     assert np.isfinite(metrics["objective/scores"])
     assert_all_changed(before, trainable(trainer.policy.model))
+
+
+@pytest.mark.slow
+def test_a_resumed_online_dpo_run_equals_the_straight_run(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.resume_checks import assert_resume_equals_straight
+
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
+    judge = [{"name": "judge", "model": str(tiny_model_dir), "scale": "yes/no"}]
+    assert_resume_equals_straight(
+        lambda name: PPOTrainer(
+            make_config(
+                tiny_model_dir,
+                tmp_path / name,
+                algorithm="online_dpo",
+                num_ppo_epochs=1,
+                reward_funcs=judge,
+                save_every=100,
+            )
+        ),
+        PROMPTS,
+    )
