@@ -64,7 +64,7 @@ def assert_resume_equals_straight(
 
     assert len(straight_history) == num_epochs  # one step an epoch: stopped after the first
     assert without_timings(resumed_history) == without_timings(straight_history)
-    pairs = [(straight.policy, second.policy)]
+    pairs: list[tuple[Any, Any]] = [(straight.policy, second.policy)]
     if straight.value_model is not None or second.value_model is not None:
         assert straight.value_model is not None and second.value_model is not None
         pairs.append((straight.value_model, second.value_model))
