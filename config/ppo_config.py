@@ -90,7 +90,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             clipped sequence-level loss); "reinforce_pp" (REINFORCE++: per-token KL in the
             reward, discounted returns whitened over the batch, the clipped PPO loss, no value
             model); "reinforce_pp_baseline" (REINFORCE++-baseline: the group's mean score
-            subtracted first). Each is an object of algorithms/ (its settings, defaults,
+            subtracted first); "distill" (on-policy distillation from teacher_model_name: the
+            per-token reverse KL to the teacher); "online_dpo" (DPO's loss on two samples per
+            prompt ranked by the reward). Each is an object of algorithms/ (its settings, defaults,
             advantages and loss), found by name in algorithms/registry.py. See
             docs/algorithms.md.
         max_new_tokens: Most tokens generated per response.
