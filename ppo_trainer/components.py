@@ -298,6 +298,11 @@ def build_models(
             "share_reward_base puts reward_model_name on the policy's base, but a reward was "
             "passed to the trainer: pass none, or set share_reward_base: false"
         )
+    if config.reward_funcs and reward is not None:
+        raise ValueError(
+            "reward_funcs is set in the config and a reward was passed to the trainer: "
+            "use one of them"
+        )
     if config.use_lora and config.lora_dropout > 0:
         # As TRL's PPO / GRPO trainers (which disable dropout): with dropout the policy's
         # log-probs in the loss would differ from the rollout's on the same weights.
@@ -309,72 +314,13 @@ def build_models(
     fast = config.fast_math and not config.plain_mlx
     policy = policy or load_policy(config, plain=config.plain_mlx)
     policy.check_trainable()  # a quantized model trains through adapters only (QLoRA)
-    if config.teacher_model_name is not None and ref_model is None:
-        check_teacher_tokenizer(policy.tokenizer, config.model_name, config.teacher_model_name)
-    if ref_model is None and config.uses_reference_model:
-        if config.use_lora and config.ref_model_name == config.model_name:
-            # Same base weights with the adapters switched off: no second copy in memory.
-            ref_model = ReferenceModel.from_policy(policy)
-        else:
-            ref_model = ReferenceModel.from_pretrained(
-                config.ref_model_name, dtype=config.dtype, fast_math=fast
-            )
-    reward_model: RewardModel | None = None
-    reward_fn: RewardFunction | None = None
-    if isinstance(reward, RewardModel):
-        reward_model = reward
-    elif reward is not None:
-        if not callable(reward):
-            raise ValueError(
-                "reward_model must be a RewardModel or a function "
-                f"(prompts, completions) -> list[float], got {type(reward).__name__}"
-            )
-        reward_fn = reward
-    elif config.reward_funcs:
-        pass  # several rewards, below
-    elif config.reward_model_name and config.share_reward_base:
-        # Adapters and a head on the policy's base, held once; frozen, adapters off for the rest.
-        reward_model = RewardModel.sharing_base(
-            policy.model, config.reward_model_name, dtype=config.dtype, fast_math=fast
-        )
-    elif config.reward_model_name:
-        reward_model = RewardModel.from_pretrained(
-            config.reward_model_name, dtype=config.dtype, fast_math=fast
-        )
-    elif config.teacher_model_name is not None:
-        reward_fn = no_score  # distillation alone: the teacher's log-probs are the signal
-    elif not custom_scores:
-        raise ValueError(
-            "no reward: pass reward_model=<RewardModel or function (prompts, completions, "
-            "**columns) -> list[float]>, set reward_model_name in the config, or override "
-            "compute_scores"
-        )
-    learns_values = config.algorithm_object.value_model
-    if learns_values and value_model is None:
-        kind, path = config.value_source
-        if kind == "shared":  # adapters and a head on the policy's base, held once
-            lora = replace(policy.lora or LoraSettings.from_model_config(config), dropout=0.0)
-            value_model = ValueModel.sharing_base(policy.model, lora, fast_math=fast)
-        elif kind == "policy":
-            value_model = ValueModel.from_policy_backbone(path, dtype=config.dtype, fast_math=fast)
-        else:
-            value_model = ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)
-    if not learns_values:
+    if ref_model is None:
+        ref_model = _load_reference(config, policy, fast)
+    reward_model, reward_fn = _single_reward(config, policy, reward, custom_scores, fast)
+    if not config.algorithm_object.value_model:
         value_model = None
-    reward_funcs: list[NamedReward] = []
-    if config.reward_funcs:
-        if reward is not None:
-            raise ValueError(
-                "reward_funcs is set in the config and a reward was passed to the trainer: "
-                "use one of them"
-            )
-        for name, spec in zip(config.reward_func_names, config.reward_funcs):
-            if is_reward_function_spec(spec):
-                reward_funcs.append((name, reward_function(spec)))
-            else:
-                assert isinstance(spec, str)  # an entry with parameters is a function
-                model = RewardModel.from_pretrained(spec, dtype=config.dtype, fast_math=fast)
-                reward_funcs.append((name, model))
+    elif value_model is None:
+        value_model = _load_value_model(config, policy, fast)
     return RunModels(
         policy=policy,
         ref_model=ref_model,
@@ -382,8 +328,94 @@ def build_models(
         reward_fn=reward_fn,
         value_model=value_model,
         tokenizer=tokenizer if tokenizer is not None else policy.tokenizer,
-        reward_funcs=reward_funcs,
+        reward_funcs=_reward_funcs(config, fast),
     )
+
+
+def _load_reference(config: PPOConfig, policy: PolicyModel, fast: bool) -> ReferenceModel | None:
+    """The reference of a run with a KL term: the policy's base with the adapters off (LoRA on
+    the same model: no second copy), else a frozen copy of ``ref_model_name`` (a teacher's
+    tokenizer checked before its weights load); None without a KL term."""
+    if config.teacher_model_name is not None:
+        check_teacher_tokenizer(policy.tokenizer, config.model_name, config.teacher_model_name)
+    if not config.uses_reference_model:
+        return None
+    if config.use_lora and config.ref_model_name == config.model_name:
+        return ReferenceModel.from_policy(policy)
+    return ReferenceModel.from_pretrained(config.ref_model_name, dtype=config.dtype, fast_math=fast)
+
+
+def _single_reward(
+    config: PPOConfig,
+    policy: PolicyModel,
+    reward: RewardModel | RewardFunction | None,
+    custom_scores: bool,
+    fast: bool,
+) -> tuple[RewardModel | None, RewardFunction | None]:
+    """``(reward_model, reward_fn)`` of a run with one reward: the one passed, else
+    ``reward_model_name`` (on the policy's base with ``share_reward_base``), else none for
+    ``reward_funcs`` (:func:`_reward_funcs`), a distillation run (:func:`no_score`) or an
+    overridden ``compute_scores``.
+
+    Raises:
+        ValueError: a reward that is neither a model nor callable, or no reward at all.
+    """
+    if isinstance(reward, RewardModel):
+        return reward, None
+    if reward is not None:
+        if not callable(reward):
+            raise ValueError(
+                "reward_model must be a RewardModel or a function "
+                f"(prompts, completions) -> list[float], got {type(reward).__name__}"
+            )
+        return None, reward
+    if config.reward_funcs:
+        return None, None
+    if config.reward_model_name and config.share_reward_base:
+        # Adapters and a head on the policy's base, held once; frozen, adapters off for the rest.
+        shared = RewardModel.sharing_base(
+            policy.model, config.reward_model_name, dtype=config.dtype, fast_math=fast
+        )
+        return shared, None
+    if config.reward_model_name:
+        loaded = RewardModel.from_pretrained(
+            config.reward_model_name, dtype=config.dtype, fast_math=fast
+        )
+        return loaded, None
+    if config.teacher_model_name is not None:
+        return None, no_score  # distillation alone: the teacher's log-probs are the signal
+    if not custom_scores:
+        raise ValueError(
+            "no reward: pass reward_model=<RewardModel or function (prompts, completions, "
+            "**columns) -> list[float]>, set reward_model_name in the config, or override "
+            "compute_scores"
+        )
+    return None, None
+
+
+def _load_value_model(config: PPOConfig, policy: PolicyModel, fast: bool) -> ValueModel:
+    """The value model where ``config.value_source`` says: adapters and a head on the policy's
+    base (``shared``), the policy's backbone with a fresh head, or a checkpoint."""
+    kind, path = config.value_source
+    if kind == "shared":  # adapters and a head on the policy's base, held once
+        lora = replace(policy.lora or LoraSettings.from_model_config(config), dropout=0.0)
+        return ValueModel.sharing_base(policy.model, lora, fast_math=fast)
+    if kind == "policy":
+        return ValueModel.from_policy_backbone(path, dtype=config.dtype, fast_math=fast)
+    return ValueModel.from_pretrained(path, dtype=config.dtype, fast_math=fast)
+
+
+def _reward_funcs(config: PPOConfig, fast: bool) -> list[NamedReward]:
+    """``config.reward_funcs`` by name: functions resolved, reward-model folders loaded."""
+    reward_funcs: list[NamedReward] = []
+    for name, spec in zip(config.reward_func_names, config.reward_funcs or []):
+        if is_reward_function_spec(spec):
+            reward_funcs.append((name, reward_function(spec)))
+        else:
+            assert isinstance(spec, str)  # an entry with parameters is a function
+            model = RewardModel.from_pretrained(spec, dtype=config.dtype, fast_math=fast)
+            reward_funcs.append((name, model))
+    return reward_funcs
 
 
 def stop_token_ids(config: PPOConfig, tokenizer: Any, vocab: int | None = None) -> list[int]:
