@@ -599,3 +599,17 @@ def test_explained_variance_is_undefined_when_the_returns_do_not_vary() -> None:
     zeros = mx.zeros((2, 3))
     assert math.isnan(float(explained_variance(zeros, zeros, mask)))
     assert math.isnan(float(explained_variance(zeros, mx.full((2, 3), 0.5), mask)))
+
+
+def test_reward_funcs_beside_a_passed_reward_is_refused_before_any_model_loads(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ppo_trainer.components as components
+
+    def no_loading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(components, "load_policy", no_loading)
+    config = make_config(tiny_model_dir, tmp_path, reward_funcs=["think_format"])
+    with pytest.raises(ValueError, match="reward_funcs is set in the config and a reward was"):
+        PPOTrainer(config, reward_model=e_rate)
