@@ -492,6 +492,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_training_commands(sub)
+    _add_model_commands(sub)
+    _add_reference_commands(sub)
+    return parser
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments of an RL run (train, distill): config, reward, prompts, resume."""
+    _add_config_args(parser)
+    _add_reward_arg(parser)
+    parser.add_argument(
+        "--prompts",
+        required=True,
+        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
+    )
+    parser.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
+    parser.add_argument("--resume", help=RESUME_HELP)
+    _add_overwrite_arg(parser)
+
+
+def _add_training_commands(sub: Any) -> None:
+    """demo, train, distill, evaluate and the sft / reward / dpo stages."""
     demo = sub.add_parser("demo", help="SFT -> reward model -> PPO on the embedded tiny model")
     demo.add_argument(
         "--output-dir", default="runs/demo", help="where the stages write (default: runs/demo)"
@@ -509,33 +531,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser(
-        "train", help="PPO, GRPO, RLOO or REINFORCE++ on a prompt file (YAML config, --set)"
+        "train", help="PPO, GRPO, RLOO, REINFORCE++ or online DPO on a prompt file (config, --set)"
     )
-    _add_config_args(train)
-    _add_reward_arg(train)
-    train.add_argument(
-        "--prompts",
-        required=True,
-        help=".txt (one per line), .jsonl or a Hub dataset (owner/name)",
-    )
-    train.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
-    train.add_argument("--resume", help=RESUME_HELP)
-    _add_overwrite_arg(train)
+    _add_run_args(train)
     train.set_defaults(func=cmd_train)
 
     distill = sub.add_parser(
         "distill",
         help="on-policy distillation: the student samples, a teacher scores each token",
     )
-    _add_config_args(distill)
-    _add_reward_arg(distill)
     distill.add_argument(
         "--teacher", required=True, help="the teacher: a model folder or Hub id, same tokenizer"
     )
-    distill.add_argument("--prompts", required=True, help="as for train")
-    distill.add_argument("--eval-prompts", help="evaluated every eval_every steps and at the end")
-    distill.add_argument("--resume", help=RESUME_HELP)
-    _add_overwrite_arg(distill)
+    _add_run_args(distill)
     distill.set_defaults(func=cmd_distill)
 
     evaluate = sub.add_parser("evaluate", help="mean reward, KL and samples of a saved policy")
@@ -564,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_overwrite_arg(stage)
         stage.set_defaults(func=func)
 
+
+def _add_model_commands(sub: Any) -> None:
+    """What works on a trained model or run: generate, chat, export, inspect, audit."""
     generate = sub.add_parser("generate", help="complete one prompt with a trained model")
     _add_sampling_args(generate)
     generate.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
@@ -614,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("run", help="the run folder (output_dir) holding metrics.jsonl, rollouts/")
     audit.set_defaults(func=cmd_audit)
 
+
+def _add_reference_commands(sub: Any) -> None:
+    """What lists the settings and rewards: config, rewards."""
     from config.reference import KINDS
 
     config = sub.add_parser("config", help="every config key of a run kind: default and meaning")
@@ -622,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=KINDS,
         default="ppo",
         help="the run kind: an algorithm of train (the keys that apply to it, with its "
-        "defaults: ppo, grpo, rloo, reinforce_pp, reinforce_pp_baseline), or sft, reward, dpo",
+        "defaults), or sft, reward, dpo",
     )
     config.add_argument(
         "--markdown",
@@ -634,7 +648,6 @@ def build_parser() -> argparse.ArgumentParser:
         "rewards", help="the built-in rewards reward_funcs can name, and the columns they read"
     )
     rewards.set_defaults(func=cmd_rewards)
-    return parser
 
 
 def cmd_config(args: argparse.Namespace) -> None:
