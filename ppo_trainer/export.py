@@ -292,13 +292,11 @@ def _format_metrics(record: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _write_model_card(
-    path: Path, found: TrainedModel, out: Path, layout: dict[str, Any], *, config_of: Path
-) -> None:
-    """README.md: what the model is, how it was trained, its final metrics, how to use it."""
-    config = json.loads((config_of / "config.json").read_text(encoding="utf-8"))
-    architecture = (config.get("architectures") or [config.get("model_type", "?")])[0]
-    name = out.name
+def _weights_description(
+    found: TrainedModel, layout: dict[str, Any], config: dict[str, Any]
+) -> tuple[str, str]:
+    """The model card's two halves of its weights line: what was trained (all weights, LoRA
+    fused or as adapters) and how they are stored (dtypes, quantization)."""
     lora = layout["lora"]
     if lora is None:
         weights_kind = "all weights trained" if found.run_config else "the weights as found"
@@ -318,6 +316,53 @@ def _write_model_card(
         storage = ", ".join(layout["dtypes"]) or "float"
         if layout["dequantized"]:
             storage += " (dequantized from a quantized model)"
+    return weights_kind, storage
+
+
+def _loading_lines(layout: dict[str, Any], out: Path, model_type: str | None) -> list[str]:
+    """The model card's note on who reads the weights: mlx-lm only (quantized, or names that
+    are not transformers'), else transformers too, with its snippet."""
+    if layout["quantized"]:
+        return [
+            "The weights are in mlx-lm's quantized format: mlx-lm reads them, transformers does "
+            "not (export again with `--dequantize` for float weights).",
+            "",
+        ]
+    if model_type not in TRANSFORMERS_LAYOUT:
+        return [
+            f"The weights are stored under mlx-lm's names for `{model_type}`, which need not be "
+            "transformers' (GPT-2's are not): use mlx-lm. transformers is known to read float "
+            f"exports of {', '.join(TRANSFORMERS_LAYOUT)} models.",
+            "",
+        ]
+    lines = []
+    if layout["adapters"]:
+        lines += [
+            "transformers reads the base model only (the adapters are in mlx-lm's format): "
+            "export with `--fuse` for a transformers-ready model.",
+            "",
+        ]
+    return lines + [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{out}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{out}")',
+        'ids = tokenizer("Hello", return_tensors="pt").input_ids',
+        "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))",
+        "```",
+        "",
+    ]
+
+
+def _write_model_card(
+    path: Path, found: TrainedModel, out: Path, layout: dict[str, Any], *, config_of: Path
+) -> None:
+    """README.md: what the model is, how it was trained, its final metrics, how to use it."""
+    config = json.loads((config_of / "config.json").read_text(encoding="utf-8"))
+    architecture = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    name = out.name
+    weights_kind, storage = _weights_description(found, layout, config)
     stops = ", ".join(f"{i} (`{t}`)" for i, t in zip(layout["stop_ids"], layout["stop_tokens"]))
     base = found.base_model if found.kind != "model" else None
     if base is None and found.run_config:
@@ -346,38 +391,7 @@ def _write_model_card(
         "```",
         "",
     ]
-    model_type = config.get("model_type")
-    if layout["quantized"]:
-        lines += [
-            "The weights are in mlx-lm's quantized format: mlx-lm reads them, transformers does "
-            "not (export again with `--dequantize` for float weights).",
-            "",
-        ]
-    elif model_type not in TRANSFORMERS_LAYOUT:
-        lines += [
-            f"The weights are stored under mlx-lm's names for `{model_type}`, which need not be "
-            "transformers' (GPT-2's are not): use mlx-lm. transformers is known to read float "
-            f"exports of {', '.join(TRANSFORMERS_LAYOUT)} models.",
-            "",
-        ]
-    else:
-        if layout["adapters"]:
-            lines += [
-                "transformers reads the base model only (the adapters are in mlx-lm's format): "
-                "export with `--fuse` for a transformers-ready model.",
-                "",
-            ]
-        lines += [
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'tokenizer = AutoTokenizer.from_pretrained("{out}")',
-            f'model = AutoModelForCausalLM.from_pretrained("{out}")',
-            'ids = tokenizer("Hello", return_tensors="pt").input_ids',
-            "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))",
-            "```",
-            "",
-        ]
+    lines += _loading_lines(layout, out, config.get("model_type"))
     if found.run_config is not None:
         lines += [
             "## Training",
