@@ -31,7 +31,7 @@ from training.checkpoint import (
 from training.fingerprints import model_fingerprint
 from training.callbacks import TrainerCallback
 from training.loop import LoopState
-from training.optimizer import AdamW, SchedulePlan, make_adamw, resumed_plan
+from training.optimizer import SchedulePlan, make_adamw, resumed_plan
 
 if TYPE_CHECKING:
     from ppo_trainer.rollout_worker import RolloutWorker
