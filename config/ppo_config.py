@@ -451,11 +451,11 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             ">= 0",
             "set the steps in which only the value model trains, or 0",
         )
-        if self.teacher_model_name is not None and self.algorithm != "distill":
+        if self.teacher_model_name is not None and "teacher_model_name" not in algorithm.keys:
             raise ValueError(
-                f'teacher_model_name is for algorithm "distill" (this run is {self.algorithm!r}): '
-                "set algorithm: distill, or leave teacher_model_name unset (sft_model_name sets "
-                "the reference of the KL penalty)"
+                f"teacher_model_name is for on-policy distillation (algorithm: distill), not "
+                f"{self.algorithm!r}: set algorithm: distill, or leave teacher_model_name unset "
+                "(sft_model_name sets the reference of the KL penalty)"
             )
         if self.value_warmup_steps and not algorithm.value_model:
             raise ValueError(

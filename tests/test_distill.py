@@ -56,7 +56,7 @@ def test_the_config_needs_a_teacher_and_keeps_it_to_distillation(tiny_model_dir:
     name = str(tiny_model_dir)
     with pytest.raises(ValueError, match="set teacher_model_name"):
         PPOConfig(model_name=name, algorithm="distill")
-    with pytest.raises(ValueError, match='teacher_model_name is for algorithm "distill"'):
+    with pytest.raises(ValueError, match="teacher_model_name is for on-policy distillation"):
         PPOConfig(model_name=name, teacher_model_name=name)
     with pytest.raises(ValueError, match="adaptive_kl: false"):
         PPOConfig(model_name=name, algorithm="distill", teacher_model_name=name, adaptive_kl=True)
