@@ -123,15 +123,7 @@ def main(cfg: dict[str, Any]) -> None:
             drop_privileges(cfg["uid"])
             libc.prctl(4, 1, "PR_SET_DUMPABLE")  # setuid cleared it: /proc/self was root's
         outer_uid, outer_gid = os.getuid(), os.getgid()  # unmapped once the user namespace exists
-        flags = 0
-        if cfg["user_namespace"]:
-            flags |= CLONE_NEWUSER  # lets a user without CAP_SYS_ADMIN own the namespaces below
-        if cfg["network_namespace"]:
-            flags |= CLONE_NEWNET
-        if cfg["private_mounts"]:
-            flags |= CLONE_NEWNS | CLONE_NEWIPC
-        if cfg["pid_namespace"]:
-            flags |= CLONE_NEWPID  # our next child is pid 1 of a new namespace
+        flags = namespace_flags(cfg)
         if flags:
             step = "unshare"
             assert libc is not None  # the namespace layers are only chosen on Linux
@@ -145,21 +137,7 @@ def main(cfg: dict[str, Any]) -> None:
         if cfg["pid_namespace"]:
             step = "pid namespace"
             assert libc is not None
-            libc.die_with_parent()
-            # SIGTERM (the trainer's cleanup) waits until the handler that passes it on to
-            # pid 1 is in place; pid 1 unblocks it at once.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            init = os.fork()
-            if init:
-                # Outside the namespace the launcher only waits: it gives up the result pipe
-                # first, so nothing it does later (a late SIGTERM) can write a record.
-                os.close(RESULT_FD)
-                wait_for_init(init)
-            libc.die_with_parent()
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-            # A session and process group of its own: the run's kill(0, ...) and killpg reach
-            # only the namespace's processes, never the launcher outside it.
-            os.setsid()
+            become_pid_one(libc)
         workdir = cfg["workdir"]
         if cfg["private_mounts"]:
             step = "ipc limits"
@@ -216,6 +194,41 @@ def main(cfg: dict[str, Any]) -> None:
         os.execve(interp, argv, cfg["env"])
     except (OSError, ValueError) as exc:
         fail(step, exc)
+
+
+def namespace_flags(cfg: dict[str, Any]) -> int:
+    """The ``unshare`` flags of the namespaces ``cfg`` asks for (0: none)."""
+    flags = 0
+    if cfg["user_namespace"]:
+        flags |= CLONE_NEWUSER  # lets a user without CAP_SYS_ADMIN own the namespaces below
+    if cfg["network_namespace"]:
+        flags |= CLONE_NEWNET
+    if cfg["private_mounts"]:
+        flags |= CLONE_NEWNS | CLONE_NEWIPC
+    if cfg["pid_namespace"]:
+        flags |= CLONE_NEWPID  # our next child is pid 1 of a new namespace
+    return flags
+
+
+def become_pid_one(libc: Libc) -> None:
+    """Fork into the PID namespace ``unshare`` prepared: the launcher outside only waits for
+    pid 1 (:func:`wait_for_init` never returns); the child returns as pid 1, in a session of its
+    own."""
+    libc.die_with_parent()
+    # SIGTERM (the trainer's cleanup) waits until the handler that passes it on to
+    # pid 1 is in place; pid 1 unblocks it at once.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    init = os.fork()
+    if init:
+        # Outside the namespace the launcher only waits: it gives up the result pipe
+        # first, so nothing it does later (a late SIGTERM) can write a record.
+        os.close(RESULT_FD)
+        wait_for_init(init)
+    libc.die_with_parent()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    # A session and process group of its own: the run's kill(0, ...) and killpg reach
+    # only the namespace's processes, never the launcher outside it.
+    os.setsid()
 
 
 def drop_privileges(uid: int) -> None:

@@ -377,38 +377,30 @@ def grpo_policy_loss(
         if beta != 0:
             per_token = per_token + beta * kl
         per_token = _weighted(per_token, weights)
-        indicators = _clip_indicators(ratio, advantages, cliprange, upper)
-
-        def ratio_mean(x: mx.array) -> mx.array:
-            return _token_mean(x, valid)
-
+        ratio_rows = valid  # ratio metrics: means over the action tokens
     elif importance_sampling_level == "sequence":
         counts = mx.sum(valid.astype(mx.float32), axis=1, keepdims=True)  # (B, 1)
         token_log_ratio = mx.where(valid, _weighted(log_ratio, weights), 0.0)  # (B, T)
         seq_log_ratio = mx.sum(token_log_ratio, axis=1, keepdims=True) / mx.maximum(counts, 1.0)
         per_seq, clipped, ratio = _clipped_surrogate(seq_log_ratio, advantages, cliprange, upper)
-        indicators = _clip_indicators(ratio, advantages, cliprange, upper)
         per_token = mx.broadcast_to(per_seq, log_ratio.shape)  # (B, T): each token its row's
         if beta != 0:
             per_token = per_token + _weighted(beta * kl, weights)
-        has_tokens = counts > 0  # (B, 1)
-
-        def ratio_mean(x: mx.array) -> mx.array:
-            return _token_mean(x, has_tokens)
-
+        ratio_rows = counts > 0  # (B, 1): ratio metrics are means over the rows with tokens
     else:
         raise ValueError(
             f"importance_sampling_level must be 'token' or 'sequence', got "
             f"{importance_sampling_level!r}"
         )
+    indicators = _clip_indicators(ratio, advantages, cliprange, upper)
     loss = aggregate_loss(per_token, valid, loss_type, max_completion_length)
     metrics = {
         "kl": _token_mean(kl, valid),
-        "clipfrac": ratio_mean(clipped),
+        "clipfrac": _token_mean(clipped, ratio_rows),
         "approxkl": _token_mean(0.5 * log_ratio * log_ratio, valid),
-        "ratio": ratio_mean(ratio),
+        "ratio": _token_mean(ratio, ratio_rows),
     }
-    metrics.update({key: ratio_mean(value) for key, value in indicators.items()})
+    metrics.update({key: _token_mean(value, ratio_rows) for key, value in indicators.items()})
     return loss, metrics
 
 
