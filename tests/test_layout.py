@@ -163,3 +163,30 @@ def test_no_import_cycle_between_modules() -> None:
     ), "import cycles between modules (a TYPE_CHECKING import counts):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+def long_functions(limit: int, root: Path = ROOT) -> list[str]:
+    """``"path:function (n lines)"`` for every function of the library (the folders of
+    :data:`ORDER` and ``main.py``) longer than ``limit`` lines, its docstring included."""
+    paths = [p for folder in ORDER for p in sorted((root / folder).rglob("*.py"))]
+    found = []
+    for path in [*paths, root / "main.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno is not None
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_library_function_is_over_a_hundred_lines(tmp_path: Path) -> None:
+    """A function that grows past a screenful and a half is split by what it does (the
+    trainer's step reads as phases, each a function of its own)."""
+    long_functions_found = long_functions(100)
+    assert not long_functions_found, "\n".join(long_functions_found)
+    (tmp_path / "base_setup").mkdir()  # the check finds one
+    body = "\n".join(f"    x{i} = {i}" for i in range(100))
+    (tmp_path / "base_setup" / "long.py").write_text(f"def long() -> None:\n{body}\n")
+    (tmp_path / "main.py").write_text("")
+    assert long_functions(100, tmp_path) == ["base_setup/long.py:long (101 lines)"]
