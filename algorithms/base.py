@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -47,6 +47,8 @@ class AdvantageInputs:
             process).
         log_ratio: (B, T) ``log pi_rollout - log pi_ref`` at the sampled tokens, 0 after each
             response (None: not given).
+        logprobs: (B, T) the rollout policy's log-probs at the sampled tokens (None: not given).
+        ended_with_stop: (B,) whether each response ended with a stop token (None: not given).
     """
 
     scores: mx.array
@@ -57,6 +59,8 @@ class AdvantageInputs:
     kl_coef: float
     group: Group | None = None
     log_ratio: mx.array | None = None
+    logprobs: mx.array | None = None
+    ended_with_stop: mx.array | None = None
 
 
 class AdvantageSettings(Protocol):
@@ -82,6 +86,9 @@ class AdvantageSettings(Protocol):
 
     @property
     def beta(self) -> float: ...
+
+    @property
+    def loss_type(self) -> str: ...
 
 
 class Algorithm(Protocol):
@@ -124,6 +131,16 @@ class Algorithm(Protocol):
     ) -> tuple[mx.array, mx.array | None]:
         """``(advantages, returns)``: advantages (B,) per sequence or (B, T) per token;
         returns (B, T) where the algorithm has them (the value model's targets), else None."""
+        ...
+
+
+@runtime_checkable
+class AlgorithmMetrics(Protocol):
+    """What an algorithm may add (most do not): ``metrics(x, settings)``, its own metrics of
+    the batch, scalars logged with the step's (online DPO's pairs under TRL's names)."""
+
+    def metrics(self, x: AdvantageInputs, settings: AdvantageSettings) -> dict[str, mx.array]:
+        """The algorithm's metrics of the batch, named scalars."""
         ...
 
 

@@ -35,7 +35,13 @@ class GRPO:
     policy_loss: PolicyLoss = "grpo"
 
     def check(self, config: Any) -> None:
-        """Nothing beyond the config's own checks."""
+        """A loss_type of GRPO's (not one of DPO's)."""
+        losses = ("grpo", "dr_grpo", "dapo", "bnpo")
+        if config.loss_type not in losses:
+            raise ValueError(
+                f'algorithm "grpo" makes its loss with loss_type {", ".join(losses)} (got '
+                f"{config.loss_type!r}, a DPO loss: algorithm online_dpo learns with it)"
+            )
 
     def advantages(
         self, x: AdvantageInputs, settings: AdvantageSettings

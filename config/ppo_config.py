@@ -17,6 +17,7 @@ from config._fields import (
     unknown_keys_message,
 )
 from config.agent_config import AgentConfig
+from config.dpo_config import PreferenceLossType
 from config.model_config import ModelConfig
 from config.training_config import TrainingConfig
 from algorithms.base import Algorithm as AlgorithmObject
@@ -204,7 +205,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             one process), "dapo" = token mean of the whole batch of an update (TRL's default),
             "grpo" = mean over sequences of each one's token mean (the GRPO paper), "dr_grpo" =
             token sum / (sequences * max_new_tokens) (Dr. GRPO; pair with grpo_advantage_scale
-            "none"). "grpo" algorithm only. GRPO's default: TRL's "dapo".
+            "none"). GRPO's default: TRL's "dapo". For "online_dpo", DPO's loss on each pair
+            (as the dpo stage's loss_type): "sigmoid" (DPO; its default), "ipo" (on per-token
+            averaged log-ratios) or "hinge" (SLiC). "grpo" and "online_dpo" only.
         importance_sampling_level: "token" (one ratio per token) or "sequence" (GSPO: one ratio
             per response, exp of its mean token log-ratio; pair with loss_type "grpo"). "grpo"
             algorithm only.
@@ -293,7 +296,7 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     group_size: int = 1
     beta: float = 0.04
     grpo_advantage_scale: GRPOAdvantageScale = "group"
-    loss_type: LossType = "bnpo"
+    loss_type: LossType | PreferenceLossType = "bnpo"
     importance_sampling_level: ImportanceSamplingLevel = "token"
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
@@ -556,8 +559,8 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 "loss_type",
                 self.loss_type,
                 f'"bnpo" (the default) when algorithm is "{self.algorithm}"',
-                "loss_type chooses among GRPO's loss variants; set algorithm: grpo, or remove "
-                "loss_type",
+                "loss_type chooses among GRPO's and online DPO's loss variants; set algorithm: "
+                "grpo or online_dpo, or remove loss_type",
             )
         if "importance_sampling_level" not in keys:
             require(

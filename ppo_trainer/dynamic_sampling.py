@@ -77,6 +77,7 @@ ROLLOUT_FIELDS: dict[str, str] = {
     "values": "tokens",
     "scores": "rows",
     "reward_metrics": "first",
+    "reward_details": "rows",
     "action_rewards": "turns",
     "turn_ends": "turns",
     "agent_counts": "rows",

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from algorithms.base import AdvantageInputs
+from algorithms.base import AdvantageInputs, AlgorithmMetrics
 from algorithms.registry import get_algorithm
 from config.ppo_config import Algorithm, GRPOAdvantageScale, KLEstimator
 from experience_buffer.buffer import RolloutBatch
@@ -47,6 +47,7 @@ class ExperienceSettings:
     grpo_advantage_scale: GRPOAdvantageScale
     missing_eos_penalty: float | None
     mask_truncated_completions: bool = False
+    loss_type: str = "bnpo"
 
     @classmethod
     def from_config(cls, config: Any) -> ExperienceSettings:
@@ -63,6 +64,7 @@ class ExperienceSettings:
             grpo_advantage_scale=config.grpo_advantage_scale,
             missing_eos_penalty=config.missing_eos_penalty,
             mask_truncated_completions=config.mask_truncated_completions,
+            loss_type=config.loss_type,
         )
 
 
@@ -117,7 +119,8 @@ def make_experience(
     Returns:
         ``(batch, stats)`` with ``stats``: ``kl`` (B, T), ``non_score`` (B, T) the KL part of the
         reward, and ``rewards`` (B, T) the per-token rewards (before any whitening; for GRPO the
-        score minus ``beta * kl``, what its loss optimises).
+        score minus ``beta * kl``, what its loss optimises), and the algorithm's own metrics,
+        scalars (``AlgorithmMetrics``: online DPO's ``rewards/chosen`` ...).
 
     Raises:
         ValueError: the advantages or returns are not finite (scores too large for float32),
@@ -142,8 +145,21 @@ def make_experience(
     stats = {"kl": kl, "non_score": non_score, "rewards": rewards}  # rewards before whitening
     # Rollout arrays (scores, KL, values) are constants: no gradient flows through advantages.
     log_ratio = mx.where(r.mask > 0, r.logprobs - r.ref_logprobs, 0.0)  # (B, T)
-    inputs = AdvantageInputs(scores, kl, rewards, r.mask, r.values, kl_coef, group, log_ratio)
+    inputs = AdvantageInputs(
+        scores,
+        kl,
+        rewards,
+        r.mask,
+        r.values,
+        kl_coef,
+        group,
+        log_ratio,
+        logprobs=r.logprobs,
+        ended_with_stop=ended,
+    )
     advantages, returns = algorithm.advantages(inputs, settings)  # (B,) or (B, T); (B, T)
+    if isinstance(algorithm, AlgorithmMetrics):  # scalars: the algorithm's own metrics, if any
+        stats.update(algorithm.metrics(inputs, settings))
     mask = r.mask
     if settings.mask_truncated_completions:
         mask = mask_truncated_completions(mask, ended)

@@ -4,7 +4,9 @@
 (:mod:`ppo_trainer.rollout_records`) and writes ``RUN/rollouts/inspect.html``: every recorded
 response with its tokens coloured by a chosen quantity (advantage, KL, reward, value, return,
 entropy, log-probs), the numbers of a token on hover, sorting by score or KL, a step selector,
-the same prompt at two steps side by side, and the mean KL and advantage by token position. The
+the same prompt at two steps side by side, the mean KL and advantage by token position, and under
+each response what its rewards logged (a judge's score, the distribution it was read from and
+its prompt, opened with ``#judge=1``). The
 records are embedded in the page and drawn by its own script: it opens from disk, offline.
 """
 

@@ -103,7 +103,8 @@ def iteration_metrics(
     ``objective/rlhf_reward``, ``objective/scores`` (and ``_std``), ``episode/response_length``,
     ``val/num_eos_tokens``, ``val/explained_variance`` (PPO), ``frac_reward_zero_std`` (groups
     of ``group_size`` > 1), the means of the update's metrics (``loss/policy``,
-    ``policy/clipfrac``, ...), and ``num_generated`` (tokens)."""
+    ``policy/clipfrac``, ...), the algorithm's own (the scalars of ``stats``), and
+    ``num_generated`` (tokens)."""
     mask = batch.mask
     kl_sum = stats["kl"].sum(axis=1)  # (B,)
     non_score_sum = stats["non_score"].sum(axis=1)  # (B,)
@@ -119,6 +120,8 @@ def iteration_metrics(
         means["frac_reward_zero_std"] = frac_reward_zero_std(batch.scores, group_size)
     for key in update_metrics[0]:
         means[key] = mx.stack([m[key] for m in update_metrics]).mean()
+    # The algorithm's own metrics (make_experience's scalar stats): means over each rank's rows.
+    means.update({key: value for key, value in stats.items() if value.ndim == 0})
     sums = {
         "val/num_eos_tokens": rollout.generation.ended_with_stop.astype(mx.float32).sum(),
         "num_generated": mask.sum(),

@@ -37,8 +37,13 @@ COMPLETION_IDS = "completion_ids"
 """The column the trainer adds for the reward: each completion's token ids (the stop token
 included, no padding), as TRL passes ``completion_ids``."""
 
+LOG_EXTRA = "log_extra"
+"""The argument the trainer adds for the reward, as TRL's ``GRPOTrainer`` does:
+``log_extra(column, values)`` records one value per completion beside the scores (a judge's
+prompt and verdict), in the rollout records' ``details`` (:class:`ExtraColumns`)."""
+
 RESERVED_COLUMNS = frozenset(
-    {"prompts", "completions", "query_responses", "sequence_lengths", COMPLETION_IDS}
+    {"prompts", "completions", "query_responses", "sequence_lengths", COMPLETION_IDS, LOG_EXTRA}
 )
 """Names of the arguments of rewards and ``compute_scores``: not usable as record fields."""
 
@@ -265,7 +270,42 @@ def reward_arguments(
 def check_reward_function(fn: Callable[..., Any], column_names: Sequence[str]) -> None:
     """Raise ``ValueError`` now (before any model loads or generates) if the reward function
     ``fn`` cannot be called with the prompts' columns ``column_names`` (plus
-    ``completion_ids``), by :func:`reward_arguments`'s rule."""
+    ``completion_ids`` and ``log_extra``), by :func:`reward_arguments`'s rule."""
     columns: dict[str, list[Any]] = {name: [] for name in column_names}
     columns[COMPLETION_IDS] = []
+    columns[LOG_EXTRA] = []
     reward_arguments(fn, [], [], columns)
+
+
+class ExtraColumns:
+    """What the rewards of one scoring call logged with ``log_extra(column, values)`` (the
+    object is that function: :meth:`log`): column
+    name -> one value per completion (JSON-able: text, numbers, lists, dicts, None), in
+    ``columns``.
+
+    Raises (from :meth:`log`):
+        ValueError: a column without a name, or not one value per completion.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.columns: dict[str, list[Any]] = {}
+
+    def log(self, column: str, values: Sequence[Any]) -> None:
+        """Record ``values`` (one per completion) as ``column``; a column logged again is
+        replaced."""
+        if not isinstance(column, str) or not column:
+            raise ValueError(f"log_extra needs a column name, got {column!r}")
+        values = list(values)
+        if len(values) != self.count:
+            raise ValueError(
+                f"log_extra({column!r}, ...) got {len(values)} values for {self.count} "
+                "completions: log one value per completion (None where there is none)"
+            )
+        self.columns[column] = values
+
+    __call__ = log  # the trainer passes the object itself as ``log_extra``
+
+    def prefixed(self, prefix: str) -> Callable[[str, Sequence[Any]], None]:
+        """``log_extra`` for one reward: its columns are named ``<prefix>/<column>``."""
+        return lambda column, values: self.log(f"{prefix}/{column}", values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +15,9 @@ from models.reward_model import RewardFunction, RewardModel
 from ppo_trainer.components import NamedReward
 from ppo_trainer.prompt_records import (
     COMPLETION_IDS,
+    LOG_EXTRA,
     Columns,
+    ExtraColumns,
     check_reward_function,
     reward_arguments,
 )
@@ -76,16 +78,28 @@ class Rewards:
         columns: Columns,
     ) -> tuple[mx.array, dict[str, mx.array]]:
         """``(scores (B,), metrics)``: the reward of each completion and, for several rewards,
-        each one's ``rewards/<name>/mean`` and ``/std`` (a function's None: not applicable)."""
+        each one's ``rewards/<name>/mean`` and ``/std`` (a function's None: not applicable).
+
+        ``columns`` may hold the trainer's ``log_extra`` (an :class:`ExtraColumns`):
+        each reward function then gets one that names its columns ``<reward name>/<column>``
+        (a judge's ``judge/prompt``, ``judge/score`` ...)."""
+        extra = columns.get(LOG_EXTRA)
+
+        def for_reward(name: str) -> Columns:
+            if not isinstance(extra, ExtraColumns):
+                return {k: v for k, v in columns.items() if k != LOG_EXTRA}
+            return {**columns, LOG_EXTRA: cast(Any, extra.prefixed(name))}
+
         if self.funcs:
             names = [name for name, _ in self.funcs]
             values: list[list[float | None]] = []
-            for _, reward in self.funcs:
+            for name, reward in self.funcs:
                 if isinstance(reward, RewardModel):
                     scores = reward.score(query_responses, sequence_lengths)
                     values.append(np.asarray(scores).tolist())
                 else:
-                    args, kwargs = reward_arguments(reward, prompts, completions, columns)
+                    cols = for_reward(name)
+                    args, kwargs = reward_arguments(reward, prompts, completions, cols)
                     values.append(list(reward(*args, **kwargs)))
             matrix = reward_matrix(values, names, len(completions))  # (K, B)
             weights = self.weights or [1.0] * len(names)
@@ -94,7 +108,8 @@ class Rewards:
             return self.model.score(query_responses, sequence_lengths), {}
         if self.fn is None:
             raise ValueError("no reward to score with: pass a reward model or function")
-        args, kwargs = reward_arguments(self.fn, prompts, completions, columns)
+        cols = for_reward(str(getattr(self.fn, "__name__", "reward")))
+        args, kwargs = reward_arguments(self.fn, prompts, completions, cols)
         out = self.fn(*args, **kwargs)
         return check_scores(out, len(completions), self.source), {}
 
@@ -105,7 +120,11 @@ class Rewards:
         values of empty completions mean nothing."""
         n = len(prompts)
         completions = [""] * n
-        columns = {**columns, COMPLETION_IDS: [[] for _ in range(n)]}
+        columns = {
+            **columns,
+            COMPLETION_IDS: [[] for _ in range(n)],
+            LOG_EXTRA: cast(Any, ExtraColumns(n)),
+        }
         functions: list[tuple[str, Any]] = [] if self.fn is None else [("", self.fn)]
         functions += [(name, r) for name, r in self.funcs if not isinstance(r, RewardModel)]
         for name, function in functions:

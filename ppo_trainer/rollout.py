@@ -56,8 +56,22 @@ from token_attribution.sequences import (
 logger = logging.getLogger("ppo_mlx")
 
 #: ``score(completions, query_responses, sequence_lengths) -> (B,)`` or ``((B,), metrics)``
-#: (:func:`split_scores`): the trainer's reward, with the prompts and their columns bound.
+#: (:func:`split_scores`), or either as a :class:`Scored` with what the rewards logged: the
+#: trainer's reward, with the prompts and their columns bound.
 ScoreFn = Callable[[list[str], mx.array, mx.array], Any]
+
+
+class Scored(NamedTuple):
+    """A score function's result with what its rewards logged beside the scores.
+
+    Attributes:
+        out: the scores, or ``(scores, metrics)`` (:func:`split_scores`).
+        details: column -> one value per completion (``log_extra``'s, e.g. a judge's
+            ``judge/prompt`` and ``judge/score``); empty when nothing was logged.
+    """
+
+    out: Any
+    details: dict[str, list[Any]]
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,9 @@ class Rollout:
     #: What the score function returned beside the scores (scalar arrays; the default
     #: ``compute_scores``: each of several rewards' ``rewards/<name>/mean`` and ``/std``).
     reward_metrics: dict[str, mx.array] = field(default_factory=dict)
+    #: What the rewards logged per completion (``log_extra``): column -> (B,) values, e.g. a
+    #: judge's ``judge/prompt``, ``judge/score``; the rollout records' ``details``.
+    reward_details: dict[str, list[Any]] = field(default_factory=dict)
     #: Agents: (B, K) per-action rewards (an environment's ``get_reward()`` list), landing on
     #: ``turn_ends`` (B, K), each policy turn's last column (-1: none); None without them.
     action_rewards: mx.array | None = None
@@ -368,6 +385,9 @@ def collect_rollout(
     raw = passes.reward
     if not passes.reward_in_lane:
         raw = score(completions, query_responses, sequence_lengths)
+    details: dict[str, list[Any]] = {}
+    if isinstance(raw, Scored):
+        raw, details = raw
     raw, reward_metrics = split_scores(raw, score_source)
     mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
     scores = check_scores(raw, len(texts), score_source)
@@ -386,6 +406,7 @@ def collect_rollout(
         passes.values,
         scores,
         reward_metrics,
+        reward_details=details,
     )
 
 

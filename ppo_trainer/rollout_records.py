@@ -43,6 +43,15 @@ rounded to 6 significant digits; a non-finite number is written as the string ``
         above are null on context tokens (they are not actions). Null for single-turn rollouts
     turns: multi-turn episodes: the ``[start, end)`` token ranges of the policy's turns; null
         for single-turn rollouts
+    details: what the rewards logged beside the score (TRL's ``log_extra``), as
+        ``{"<reward>/<column>": value}``; null when nothing was logged. A judge
+        (``rewards.judge``) logs ``prompt`` (the judge's prompt text, the template filled in,
+        before its chat template), ``score`` (its expected reply on the scale: 0-10, or P(yes);
+        the reward is this over the scale's top), ``distribution`` (each reply's probability
+        among the scale's) and ``mass`` (the probability that its reply is one of them);
+        ``group_judge`` also ``response`` (the completion's number in its group) and logs its
+        prompt, which shows the whole group, on the group's first completion only (null on
+        the others, whose prompts differ only in the number asked about)
 """
 
 from __future__ import annotations
@@ -104,6 +113,7 @@ class RolloutArrays:
         actions: (B, T) multi-turn episodes: nonzero on the policy's tokens (``mask`` then
             covers every token of the episode, context included), or None.
         turns: multi-turn episodes: per row, the ``(start, end)`` ranges of the policy's turns.
+        details: column -> B values the rewards logged (``Rollout.reward_details``), or None.
     """
 
     step: int
@@ -127,6 +137,7 @@ class RolloutArrays:
     source: Source = "train"
     actions: Array | None = None
     turns: Sequence[Sequence[tuple[int, int]]] | None = None
+    details: Mapping[str, Sequence[Any]] | None = None
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -179,6 +190,12 @@ class RolloutArrays:
                 f"advantages has shape {_host(self.advantages).shape}, expected ({batch}, "
                 f"{tokens}) per token (PPO) or ({batch},) per sequence (GRPO)"
             )
+        for column, values in (self.details or {}).items():
+            if len(values) != batch:
+                raise ValueError(
+                    f"details {column!r} has {len(values)} values for {batch} responses: one "
+                    "per response"
+                )
         query_responses = _host(self.query_responses)
         if query_responses.ndim != 2 or query_responses.shape[0] != batch:
             raise ValueError(
@@ -284,6 +301,20 @@ def _numbers(row: np.ndarray) -> list[float | str | None]:
     return [_number(x) for x in row.tolist()]
 
 
+def _json_value(x: Any) -> Any:
+    """A logged detail as JSON: numbers as :func:`_number` writes them, containers item by
+    item, text and None as they are, anything else as its text."""
+    if x is None or isinstance(x, (str, bool)):
+        return x
+    if isinstance(x, (int, float, np.number)):
+        return int(x) if isinstance(x, (int, np.integer)) else _number(float(x))
+    if isinstance(x, Mapping):
+        return {str(k): _json_value(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_json_value(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
+    return str(x)
+
+
 def rollout_records(
     arrays: RolloutArrays, tokenizer: Any, rows: Sequence[int] | None = None
 ) -> list[dict[str, Any]]:
@@ -347,6 +378,11 @@ def rollout_records(
             "sequence_advantage": None,
             "actions": None if actions is None else actions[row, :n].astype(int).tolist(),
             "turns": None if arrays.turns is None else [list(t) for t in arrays.turns[row]],
+            "details": (
+                {column: _json_value(values[row]) for column, values in arrays.details.items()}
+                if arrays.details
+                else None
+            ),
         }
         if advantages is not None and advantages.ndim == 1:
             record["sequence_advantage"] = _number(advantages[row])
@@ -476,7 +512,8 @@ def rollout_arrays(
     (:class:`ppo_trainer.rollout.Rollout`), its batch (:class:`RolloutBatch`) and the experience
     phase's per-token ``stats`` (``kl``, and ``rewards`` when there are any). An evaluation
     (``source="eval"``) records no advantages. Multi-turn episodes record every token up to
-    each episode's end, with the policy's ``actions`` and ``turns``."""
+    each episode's end, with the policy's ``actions`` and ``turns``; what the rewards logged
+    per response is its ``details``."""
     gen = rollout.generation
     multi_turn = gen.action_mask is not None
     mask = batch.mask
@@ -504,4 +541,5 @@ def rollout_arrays(
         source=source,
         actions=gen.action_mask if multi_turn else None,
         turns=gen.turn_spans if multi_turn else None,
+        details=rollout.reward_details or None,
     )

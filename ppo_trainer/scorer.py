@@ -13,15 +13,21 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import numpy as np
 
 from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
-from ppo_trainer.prompt_records import COMPLETION_IDS, Columns, columns_for
+from ppo_trainer.prompt_records import (
+    COMPLETION_IDS,
+    LOG_EXTRA,
+    Columns,
+    ExtraColumns,
+    columns_for,
+)
 from ppo_trainer.rewards import Rewards
-from ppo_trainer.rollout import check_scores, split_scores
+from ppo_trainer.rollout import Scored, check_scores, split_scores
 from training.fingerprints import model_fingerprint
 
 
@@ -104,7 +110,7 @@ class Scorer:
     def check_columns(self, columns: Columns) -> None:
         """Raise ``ValueError`` before any generation if the reward needs a column that the
         prompts do not carry."""
-        columns = {**columns, COMPLETION_IDS: []}
+        columns = {**columns, COMPLETION_IDS: [], LOG_EXTRA: []}
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
@@ -126,18 +132,20 @@ class Scorer:
         sequence_lengths: mx.array,
         environment_scores: mx.array | None = None,
     ) -> Any:
-        """The scores of ``completions`` (what ``compute_scores`` returns: the scores, or the
-        pair ``(scores, metrics)``), each completion's token ids given as the column
-        ``completion_ids``. ``environment_scores`` (B,): agents' episodes' ``get_reward()``
-        floats, added to the reward's scores, or the scores when the run has no other
-        reward."""
+        """The scores of ``completions`` as :class:`~ppo_trainer.rollout.Scored`: what
+        ``compute_scores`` returns (the scores, or the pair ``(scores, metrics)``) and what the
+        rewards logged per completion. Each completion's token ids are given as the column
+        ``completion_ids``, and ``log_extra`` (an :class:`ExtraColumns`) collects the logged
+        columns. ``environment_scores`` (B,): agents' episodes' ``get_reward()`` floats, added
+        to the reward's scores, or the scores when the run has no other reward."""
         if environment_scores is not None and not self.has_reward:
             return environment_scores
         # Each completion's ids, stop token included: prompt_ids[i] ends where it starts.
         rows = np.asarray(query_responses).tolist()
         ends = np.asarray(sequence_lengths).tolist()
         ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
-        all_columns = {**columns, COMPLETION_IDS: ids}
+        extra = ExtraColumns(len(completions))
+        all_columns: Columns = {**columns, COMPLETION_IDS: ids, LOG_EXTRA: cast(Any, extra)}
         out = self.compute_scores(
             texts,
             completions,
@@ -146,10 +154,10 @@ class Scorer:
             **columns_for(self.compute_scores, all_columns, positional=4),
         )
         if environment_scores is None:
-            return out
+            return Scored(out, extra.columns)
         raw, metrics = split_scores(out, self.source)
         base = check_scores(raw, len(completions), self.source)
-        return base + environment_scores, metrics
+        return Scored((base + environment_scores, metrics), extra.columns)
 
     def warn_without_metrics(self, reward_metrics: dict[str, mx.array]) -> None:
         """Warn when a run of several ``reward_funcs`` gets no per-reward metrics (an

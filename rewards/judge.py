@@ -22,7 +22,7 @@ the trainer formats it for the policy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -166,11 +166,20 @@ def judge_prompt_ids(tokenizer: Any, text: str) -> list[int]:
 
 def score_texts(model: Any, texts: Sequence[str], scale: str, batch_size: int) -> list[float]:
     """The judge's expected score of each prompt text, in batches of ``batch_size``."""
+    probabilities, candidates = judge_probabilities(model, texts, scale, batch_size)
+    return list(expected_scores(probabilities, candidates.values).tolist())
+
+
+def judge_probabilities(
+    model: Any, texts: Sequence[str], scale: str, batch_size: int
+) -> tuple[np.ndarray, Candidates]:
+    """The probability of each candidate reply of ``scale`` after each prompt text, (B, K),
+    and the candidates, in batches of ``batch_size``."""
     import mlx.core as mx  # here: listing the rewards loads no MLX
 
     tokenizer = model.tokenizer
     candidates = candidates_for(tokenizer, scale)
-    scores: list[float] = []
+    out: list[np.ndarray] = []
     for start in range(0, len(texts), batch_size):
         rows = [judge_prompt_ids(tokenizer, t) for t in texts[start : start + batch_size]]
         lengths = np.array([len(r) for r in rows])
@@ -184,9 +193,50 @@ def score_texts(model: Any, texts: Sequence[str], scale: str, batch_size: int) -
         logits = model.logits_at(mx.array(ids), mx.array(positions.astype(np.int32)))
         probs = np.asarray(mx.softmax(logits.astype(mx.float32), axis=-1))  # (B, 1 or 2, V)
         second = probs[:, 1] if extra else None
-        p = answer_probabilities(probs[:, 0], second, candidates)
-        scores += expected_scores(p, candidates.values).tolist()
-    return scores
+        out.append(answer_probabilities(probs[:, 0], second, candidates))
+    empty = np.zeros((0, len(candidates.ids)))
+    return (np.concatenate(out) if out else empty), candidates
+
+
+def verdict_details(
+    probabilities: np.ndarray, values: Sequence[float], scale: str
+) -> dict[str, list[Any]]:
+    """What a judge's scores were read from, per row of ``probabilities`` (B, K), as the rollout
+    records keep them: ``score``, the expected reply on the scale (0-10, or P(yes) for yes/no);
+    ``distribution``, each reply's probability among the scale's replies (``{"0": ..., "10":
+    ...}`` or ``{"yes": ..., "no": ...}``, variants added up); ``mass``, the probability that
+    the judge's reply is one of them at all (low: the judge would answer otherwise)."""
+    v = np.asarray(values, dtype=np.float64)
+    mass = probabilities.sum(axis=1)  # (B,)
+    shares = probabilities / np.maximum(mass, 1e-30)[:, None]  # (B, K)
+    names = {1.0: "yes", 0.0: "no"} if scale == "yes/no" else {x: str(int(x)) for x in set(v)}
+    order = sorted(set(v.tolist()), reverse=scale == "yes/no")
+    distribution = [
+        {names[x]: float(shares[b, v == x].sum()) for x in order} for b in range(len(shares))
+    ]
+    return {
+        "score": (shares @ v).tolist(),
+        "distribution": distribution,
+        "mass": mass.tolist(),
+    }
+
+
+def _judged(
+    texts: Sequence[str],
+    model: str,
+    scale: str,
+    batch_size: int,
+    log_extra: Callable[[str, Sequence[Any]], None] | None,
+    shown_prompts: Sequence[str | None] | None = None,
+) -> list[float | None]:
+    """The judge's rewards of ``texts`` (scores / top value), and, with ``log_extra``, its
+    prompts (``shown_prompts`` where given) and :func:`verdict_details` for the records."""
+    probabilities, candidates = judge_probabilities(load_judge(model), texts, scale, batch_size)
+    if log_extra is not None:
+        log_extra("prompt", list(texts if shown_prompts is None else shown_prompts))
+        for column, values in verdict_details(probabilities, candidates.values, scale).items():
+            log_extra(column, values)
+    return list(expected_scores(probabilities, candidates.values).tolist())
 
 
 def _check(name: str, scale: str, batch_size: int) -> None:
@@ -205,6 +255,7 @@ def judge(
     scale: str = "0-10",
     template: str = JUDGE_TEMPLATE,
     batch_size: int = 8,
+    log_extra: Callable[[str, Sequence[Any]], None] | None = None,
     **_: Any,
 ) -> list[float | None]:
     """A local LLM judge's score of each completion, read from its own probabilities (0-1).
@@ -212,14 +263,16 @@ def judge(
     ``model``: the judge's checkpoint folder; ``scale``: ``"0-10"`` or ``"yes/no"``;
     ``template``: its prompt, with ``{prompt}``, ``{completion}`` and ``{question}`` (the
     scale's question). The score is the judge's expected reply over the scale's candidates
-    divided by the top value.
+    divided by the top value. ``log_extra`` (the trainer's, TRL's): it logs each completion's
+    ``prompt`` (the template filled in, before the judge's chat template) and
+    :func:`verdict_details` for the rollout records.
     """
     _check("judge", scale, batch_size)
     texts = [
         template.format(prompt=p, completion=c, question=QUESTIONS[scale])
         for p, c in zip(prompts, completions, strict=True)
     ]
-    return list(score_texts(load_judge(model), texts, scale, batch_size))
+    return _judged(texts, model, scale, batch_size, log_extra)
 
 
 def prompt_groups(prompts: Sequence[str]) -> list[range]:
@@ -242,18 +295,23 @@ def group_judge(
     scale: str = "0-10",
     template: str = GROUP_TEMPLATE,
     batch_size: int = 8,
+    log_extra: Callable[[str, Sequence[Any]], None] | None = None,
     **_: Any,
 ) -> list[float | None]:
     """A local LLM judge's score of each completion against the others of its group (0-1).
 
     The group is the run of consecutive completions of the same prompt (GRPO's group). The
     judge sees them all (``Response 1: ...``) and scores each in turn; ``template`` has
-    ``{prompt}``, ``{responses}``, ``{index}`` and ``{question}``.
+    ``{prompt}``, ``{responses}``, ``{index}`` and ``{question}``. ``log_extra``: as
+    :func:`judge`'s, plus each completion's ``response`` number in its group; the prompt,
+    which holds the whole group, is logged once, on the group's first completion (None on
+    the others: theirs differs only in the number asked about).
     """
     _check("group_judge", scale, batch_size)
     if len(prompts) != len(completions):
         raise ValueError(f"group_judge: {len(prompts)} prompts for {len(completions)} completions")
-    texts = []
+    texts: list[str] = []
+    numbers: list[int] = []
     for group in prompt_groups(prompts):
         shown = "\n\n".join(
             f"Response {n}:\n{completions[i]}" for n, i in enumerate(group, start=1)
@@ -267,4 +325,8 @@ def group_judge(
                     question=QUESTIONS[scale],
                 )
             )
-    return list(score_texts(load_judge(model), texts, scale, batch_size))
+            numbers.append(n)
+    if log_extra is not None:
+        log_extra("response", numbers)
+    logged = [t if n == 1 else None for t, n in zip(texts, numbers)]
+    return _judged(texts, model, scale, batch_size, log_extra, logged)

@@ -350,7 +350,7 @@ def test_algorithm_options_defaults_and_combinations() -> None:
     )
     assert several.reward_func_names == ["format_reward", "reward-model", "rm"]
     assert several.reward_weights == [1.0, 0.5, -0.25]
-    with pytest.raises(ValueError, match=r"set algorithm: grpo, or remove loss_type"):
+    with pytest.raises(ValueError, match=r"set algorithm: grpo or online_dpo, or remove loss_type"):
         PPOConfig(model_name="m", algorithm="rloo", group_size=2, loss_type="dapo")
     with pytest.raises(ValueError, match=r"list the reward model in reward_funcs instead"):
         PPOConfig(model_name="m", reward_model_name="rm", reward_funcs=["org/rm2"])

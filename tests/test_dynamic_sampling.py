@@ -155,6 +155,7 @@ def _agent_rollout(seed: int, b: int, width: int, turns: int, prompt_len: int) -
         turn_ends=mx.array(ends),
         agent_counts={"turns": real(b), "tool_calls": real(b)},
         source_metrics={"time/generation_wait": float(seed)},
+        reward_details={"judge/prompt": [f"judge {seed}.{i}" for i in range(b)]},
     )
 
 
@@ -224,6 +225,7 @@ def _naive_take(
             key: rows(lambda r, key=key: r.agent_counts[key]) for key in rollouts[0].agent_counts
         },
         "source_metrics": rollouts[0].source_metrics,
+        "reward_details": {"judge/prompt": rows(lambda r: r.reward_details["judge/prompt"])},
     }
 
 

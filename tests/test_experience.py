@@ -526,4 +526,5 @@ def test_settings_from_config() -> None:
         grpo_advantage_scale="batch",
         missing_eos_penalty=1.0,
         mask_truncated_completions=True,
+        loss_type="dapo",
     )

@@ -292,3 +292,74 @@ def test_compare_view_and_a_hostile_prompt(tmp_path: Path) -> None:
     assert "<title>Rollout inspector" in dom
     assert re.search(r"<title>[^<]*broken", dom) is None
     assert html.escape(SCRIPT_PROMPT, quote=False) in dom
+
+
+def make_judged_run(run_dir: Path) -> None:
+    """One GRPO step of two groups of two responses scored by ``group_judge`` on the 0-10
+    scale: its prompt on each group's first response, its verdict on every one."""
+    responses = np.array([[1, GOOD, 4, 0], [1, BAD, 4, 0], [1, 9, 8, 0], [1, 4, 8, 0]])
+    mask = np.ones((4, 4), dtype=np.float32)
+    prompts = ["Review of the film:"] * 2 + ["Plot:"] * 2
+    group_prompt = (
+        "Several responses to one request follow.\n\nRequest:\n{}\n\nResponse 1:\n{}\n\n"
+        "Response 2:\n{}\n\nHow good is response 1, compared with the others?"
+    )
+    digits = [str(k) for k in range(11)]
+    shares = [
+        np.eye(11)[8] * 0.7 + np.eye(11)[9] * 0.3,
+        np.eye(11)[2],
+        np.eye(11)[5],
+        np.eye(11)[6],
+    ]
+    details: dict[str, list[Any]] = {
+        "group_judge/response": [1, 2, 1, 2],
+        "group_judge/prompt": [
+            group_prompt.format(prompts[0], "The good film", "The bad film"),
+            None,
+            group_prompt.format(prompts[2], "The plot was", "The film was"),
+            None,
+        ],
+        "group_judge/score": [8.3, 2.0, 5.0, 6.0],
+        "group_judge/distribution": [dict(zip(digits, p.tolist())) for p in shares],
+        "group_judge/mass": [0.93, 0.88, 0.61, 0.75],
+    }
+    arrays = RolloutArrays(
+        step=1,
+        algorithm="grpo",
+        prompts=prompts,
+        query_responses=np.concatenate([np.array([[1, 4, 5]] * 4), responses], axis=1),
+        prompt_lengths=np.full(4, 3),
+        responses=responses,
+        mask=mask,
+        ended_with_stop=np.array([True] * 4),
+        scores=np.array([0.83, 0.2, 0.5, 0.6]),
+        logprobs=-np.full((4, 4), 0.5),
+        ref_logprobs=-np.full((4, 4), 0.5),
+        kl=np.zeros((4, 4)),
+        advantages=np.array([0.7, -0.7, -0.7, 0.7]),
+        group_size=2,
+        details=details,
+    )
+    log_rollouts(run_dir, arrays, WordTokenizer(), limit=4)
+
+
+@needs_chromium
+@pytest.mark.slow
+def test_the_judges_prompt_and_verdict_show_under_each_response(tmp_path: Path) -> None:
+    """Each card shows the judge's score on its scale, the distribution it was read from and
+    its prompt; a group's later responses show the prompt recorded with the first."""
+    run = tmp_path / "run"
+    make_judged_run(run)
+    page = write_inspector(run)
+    dom = chromium(tmp_path, page, "view=responses&step=1&judge=1", "--dump-dom")
+    cards = dom.split("<script")[0].split('<div class="card" data-c=')[1:]
+    assert len(cards) == 4
+    for card, score in zip(cards, ("8.30", "2.00", "5.00", "6.00")):
+        assert f"judge's score <b>{score}</b> / 10" in card
+        assert card.count("<i title=") == 11  # the 0-10 distribution's bars
+        assert "<details open=" in card and "How good is response 1" in card
+    assert "Response 2:\nThe bad film" in cards[1] and "shown with #0" in cards[1]
+    assert "on the scale <b>93.0%</b>" in cards[0]
+    shot = tmp_path / "judge.png"
+    chromium(tmp_path, page, "view=responses&step=1&judge=1", f"--screenshot={shot}")
+    assert shot.stat().st_size > 0

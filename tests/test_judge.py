@@ -23,6 +23,7 @@ from rewards.judge import (
     load_judge,
     prompt_groups,
 )
+from ppo_trainer.rollout_records import read_records_file
 from tests.test_ppo_trainer import assert_all_changed, make_config, trainable
 
 
@@ -123,11 +124,14 @@ def test_group_judge_shows_each_group_its_own_responses(
     seen: list[str] = []
     import rewards.judge as judge_module
 
-    def fake_scores(model: Any, texts: list[str], scale: str, batch_size: int) -> list[float]:
+    def fake_probabilities(
+        model: Any, texts: list[str], scale: str, batch_size: int
+    ) -> tuple[np.ndarray, Candidates]:
         seen.extend(texts)
-        return [0.5] * len(texts)
+        return np.full((len(texts), 2), 0.25), Candidates(((1,), (2,)), (1.0, 0.0), None)
 
-    monkeypatch.setattr(judge_module, "score_texts", fake_scores)
+    monkeypatch.setattr(judge_module, "judge_probabilities", fake_probabilities)
+    monkeypatch.setattr(judge_module, "load_judge", lambda path: None)
     out = group_judge(["p", "p", "q"], ["A1", "A2", "B1"], model=str(tiny_model_dir))
     assert out == [0.5, 0.5, 0.5] and len(seen) == 3
     assert (
@@ -166,3 +170,21 @@ def test_grpo_trains_the_tiny_model_on_a_judges_scores(
     metrics = trainer.step(["Review of the film:", "Review of the book:"])
     assert np.isfinite(metrics["objective/scores"])
     assert_all_changed(before, trainable(trainer.policy.model))
+    # The rollout records carry the judge's prompt and verdict beside each score.
+    records = read_records_file(Path(trainer.run_dir) / "rollouts" / "step_000001.jsonl")
+    assert len(records) == 8
+    for record in records:
+        details = record["details"]
+        assert record["score"] == pytest.approx(details[f"{name}/score"], abs=2e-6)  # P(yes)
+        assert sum(details[f"{name}/distribution"].values()) == pytest.approx(1.0, abs=1e-5)
+        assert list(details[f"{name}/distribution"]) == ["yes", "no"]
+        assert 0.0 < details[f"{name}/mass"] <= 1.0
+        prompt = details[f"{name}/prompt"]
+        if name == "judge":
+            assert record["prompt"] in prompt and "Response:\n" in prompt
+        else:  # the group's prompt, once, on its first completion; each one's number
+            number = details["group_judge/response"]
+            assert number == record["index"] % 4 + 1
+            assert (prompt is None) == (number != 1)
+            if number == 1:
+                assert record["prompt"] in prompt and "Response 4:\n" in prompt

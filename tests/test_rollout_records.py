@@ -189,6 +189,28 @@ def test_non_finite_numbers_are_written_as_strings() -> None:
     json.dumps(record, allow_nan=False)
 
 
+def test_what_the_rewards_logged_is_each_records_details() -> None:
+    """The rewards' per-completion columns (``log_extra``) land on their rows, as JSON: numbers
+    to 6 digits (numpy's too), containers item by item, None as null; none logged: null."""
+    details = {
+        "judge/prompt": ["Rate A", None, "Rate C", "Rate D"],
+        "judge/score": [np.float32(7.123456789), 2.0, 0.5, 10],
+        "judge/distribution": [{"yes": 0.25, "no": 0.75}] * 4,
+    }
+    records = rollout_records(make_arrays(details=details), WordTokenizer(VOCAB), rows=[1, 0])
+    assert records[0]["details"] == {
+        "judge/prompt": None,
+        "judge/score": 2.0,
+        "judge/distribution": {"yes": 0.25, "no": 0.75},
+    }
+    assert records[1]["details"]["judge/score"] == 7.12346
+    assert records[1]["details"]["judge/prompt"] == "Rate A"
+    json.dumps(records, allow_nan=False)
+    assert rollout_records(make_arrays(), WordTokenizer(VOCAB), rows=[0])[0]["details"] is None
+    with pytest.raises(ValueError, match="details 'judge/score' has 3 values for 4 responses"):
+        make_arrays(details={"judge/score": [1.0, 2.0, 3.0]})
+
+
 def test_mlx_arrays_are_copied_to_the_host() -> None:
     base = make_arrays()
     arrays = make_arrays(
