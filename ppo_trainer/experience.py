@@ -47,6 +47,7 @@ class ExperienceSettings:
     grpo_advantage_scale: GRPOAdvantageScale
     missing_eos_penalty: float | None
     mask_truncated_completions: bool = False
+    reward_coef: float = 1.0
 
     @classmethod
     def from_config(cls, config: Any) -> ExperienceSettings:
@@ -63,6 +64,7 @@ class ExperienceSettings:
             grpo_advantage_scale=config.grpo_advantage_scale,
             missing_eos_penalty=config.missing_eos_penalty,
             mask_truncated_completions=config.mask_truncated_completions,
+            reward_coef=config.reward_coef,
         )
 
 
