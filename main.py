@@ -216,16 +216,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``python main.py distill --loss``: the algorithm of each form.
+DISTILL_LOSSES = {"reverse_kl": "distill", "gkd": "gkd"}
+
+
 def cmd_distill(args: argparse.Namespace) -> int:
-    """``train`` with ``algorithm: distill`` and the teacher of ``--teacher`` (over what
-    ``--config`` and ``--set`` say of both)."""
+    """``train`` with the algorithm of ``--loss`` (``distill``, or ``gkd``) and the teacher of
+    ``--teacher`` (over what ``--config`` and ``--set`` say of both)."""
     for item in args.overrides:
         key = item.partition("=")[0].strip()
         if key in ("algorithm", "teacher_model_name", "algorithm.name"):
             raise SystemExit(
-                f"distill sets {key} itself (--teacher for the teacher): drop --set {item}"
+                f"distill sets {key} itself (--teacher for the teacher, --loss for the form): "
+                f"drop --set {item}"
             )
-    args.overrides = [*args.overrides, "algorithm=distill", f"teacher_model_name={args.teacher}"]
+    algorithm = DISTILL_LOSSES[args.loss]
+    args.overrides = [
+        *args.overrides,
+        f"algorithm={algorithm}",
+        f"teacher_model_name={args.teacher}",
+    ]
     return cmd_train(args)
 
 
@@ -542,6 +552,15 @@ def _add_training_commands(sub: Any) -> None:
     )
     distill.add_argument(
         "--teacher", required=True, help="the teacher: a model folder or Hub id, same tokenizer"
+    )
+    distill.add_argument(
+        "--loss",
+        choices=sorted(DISTILL_LOSSES),
+        default="reverse_kl",
+        help="reverse_kl (default): the teacher's per-token log-ratio on the student's samples "
+        "as the advantage (algorithm distill); gkd: TRL's GKD, the generalized JSD over the "
+        "vocabulary (beta) on the student's samples or, a share 1 - lmbda of the steps, the "
+        "data's completions (algorithm gkd; --set lmbda=..., beta=...)",
     )
     _add_run_args(distill)
     distill.set_defaults(func=cmd_distill)

@@ -9,10 +9,10 @@ from token_attribution.extractor import check_token_arrays, valid_mask
 
 
 def distillation_advantages(
-    kl: mx.array, scores: mx.array, mask: mx.array, kl_coef: float
+    kl: mx.array, scores: mx.array, mask: mx.array, kl_coef: float, reward_coef: float = 1.0
 ) -> mx.array:
-    """Per-token advantages ``A_t = -kl_coef * (log pi(y_t) - log pi_teacher(y_t)) + s`` on the
-    action tokens, 0 elsewhere.
+    """Per-token advantages ``A_t = -kl_coef * (log pi(y_t) - log pi_teacher(y_t)) + reward_coef
+    * s`` on the action tokens, 0 elsewhere.
 
     ``log pi - log pi_teacher`` at the sampled token is the one-sample estimate of the reverse
     KL ``KL(pi || pi_teacher)`` at that position; each token is credited with its own term only
@@ -26,14 +26,32 @@ def distillation_advantages(
         scores: (B,) sequence scores.
         mask: (B, T) 1 on the action tokens.
         kl_coef: the weight of the teacher's term.
+        reward_coef: the weight of the score.
 
     Returns:
         (B, T) float32.
     """
     check_token_arrays("kl", kl, mask=mask)
-    if scores.shape != (kl.shape[0],):
-        raise ValueError(f"scores must have shape ({kl.shape[0]},), got {tuple(scores.shape)}")
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    per_token = -kl_coef * kl.astype(mx.float32) + scores.astype(mx.float32)[:, None]  # (B, T)
+    score = score_advantages(scores, mask, reward_coef)  # (B, T)
+    return mx.where(valid_mask(mask), -kl_coef * kl.astype(mx.float32) + score, 0.0)
+
+
+def score_advantages(scores: mx.array, mask: mx.array, reward_coef: float) -> mx.array:
+    """Per-token advantages ``A_t = reward_coef * s`` on the action tokens, 0 elsewhere: each
+    sequence's score on every one of its tokens (GKD's policy-gradient term; the score part of
+    :func:`distillation_advantages`). Inputs are constants (rollout quantities).
+
+    Args:
+        scores: (B,) sequence scores.
+        mask: (B, T) 1 on the action tokens.
+        reward_coef: the weight of the score.
+
+    Returns:
+        (B, T) float32.
+    """
+    if scores.shape != (mask.shape[0],):
+        raise ValueError(f"scores must have shape ({mask.shape[0]},), got {tuple(scores.shape)}")
+    per_token = reward_coef * scores.astype(mx.float32)[:, None] * mx.ones(mask.shape)  # (B, T)
     return mx.where(valid_mask(mask), per_token, 0.0)

@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 #: The policy loss of an update: ``"token"`` the clipped surrogate on per-token advantages
 #: (``training.policy_loss.ppo_policy_loss``), ``"grpo"`` GRPO's loss with its k3 KL term,
 #: ``loss_type`` and ``importance_sampling_level`` (``grpo_policy_loss``), ``"sequence"`` the
-#: clipped whole-sequence ratio averaged over sequences (``rloo_policy_loss``).
-PolicyLoss = Literal["token", "grpo", "sequence"]
+#: clipped whole-sequence ratio averaged over sequences (``rloo_policy_loss``), ``"gkd"`` the
+#: generalized JSD to the teacher over the whole vocabulary (``beta``, ``temperature``;
+#: ``training.distillation_loss.chunked_generalized_jsd``) plus the clipped surrogate on the
+#: score's token advantages.
+PolicyLoss = Literal["token", "grpo", "sequence", "gkd"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class AdvantageSettings(Protocol):
 
     @property
     def loss_type(self) -> str: ...
+    def reward_coef(self) -> float: ...
 
 
 class Algorithm(Protocol):

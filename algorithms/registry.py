@@ -7,6 +7,7 @@ import difflib
 
 from algorithms.base import Algorithm
 from algorithms.distill import Distill
+from algorithms.gkd import GKD
 from algorithms.grpo import GRPO
 from algorithms.online_dpo import OnlineDPO
 from algorithms.ppo import PPO
@@ -24,6 +25,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         ReinforcePP(),
         ReinforcePPBaseline(),
         Distill(),
+        GKD(),
         OnlineDPO(),
     )
 }

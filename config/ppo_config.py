@@ -92,7 +92,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             reward, discounted returns whitened over the batch, the clipped PPO loss, no value
             model); "reinforce_pp_baseline" (REINFORCE++-baseline: the group's mean score
             subtracted first); "distill" (on-policy distillation from teacher_model_name: the
-            per-token reverse KL to the teacher); "online_dpo" (DPO's loss on two samples per
+            per-token reverse KL to the teacher); "gkd" (TRL's GKD: the generalized JSD to
+            teacher_model_name over the vocabulary, on the student's samples or, a share 1 -
+            lmbda of the steps, the data's completions); "online_dpo" (DPO's loss on two samples per
             prompt ranked by the reward). Each is an object of algorithms/ (its settings, defaults,
             advantages and loss), found by name in algorithms/registry.py. See
             docs/algorithms.md.
@@ -196,8 +198,22 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
             each.
         group_size: Responses sampled per prompt; "grpo", "rloo" and "reinforce_pp_baseline"
             need >= 2.
-        beta: Weight of GRPO's k3 KL term in its loss (>= 0; used by "grpo" only; TRL's beta).
-            0 loads and runs no reference model. GRPO's default: TRL's 0.
+        beta: Weight of GRPO's k3 KL term in its loss (>= 0; TRL's beta). 0 loads and runs no
+            reference model. GRPO's default: TRL's 0. "online_dpo": DPO's beta (TRL's 0.1).
+            "gkd": the generalized JSD's beta, in [0, 1] (0 = forward KL(teacher || student),
+            1 = reverse KL(student || teacher); TRL's GKD default 0.5).
+        lmbda: "gkd" only: the share of steps whose completions are the student's own samples
+            (TRL's lmbda, default 0.5); the other steps train on the data's completions (prompt
+            records with a "completion" column, or chat messages whose last turn is the
+            assistant's: docs/learning_from_models.md). Which a step takes is drawn from (seed,
+            step), so a resumed run draws the same. In [0, 1]; below 1 every training prompt
+            needs its completion.
+        reward_coef: "distill" and "gkd": the weight of the verifiable reward's score beside the
+            teacher's signal ("distill": each token's advantage is -kl_coef * (log pi - log
+            pi_teacher) + reward_coef * score; "gkd": the loss adds reward_coef times the
+            clipped policy-gradient loss with the score as every token's advantage). The scores
+            are those of reward_funcs (each weighted by reward_weights), reward_model_name or
+            the trainer's reward; without a reward they are 0 and it does nothing.
         grpo_advantage_scale: GRPO advantage = (score - group mean) / std, with std over the
             "group", over the whole "batch", or "none" (no division, Dr. GRPO).
         loss_type: How GRPO's per-token losses make the loss (TRL's loss_type): "bnpo" = token
@@ -295,6 +311,8 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     reward_weights: list[float] | None = None
     group_size: int = 1
     beta: float = 0.04
+    lmbda: float = 0.5
+    reward_coef: float = 1.0
     grpo_advantage_scale: GRPOAdvantageScale = "group"
     loss_type: LossType | PreferenceLossType = "bnpo"
     importance_sampling_level: ImportanceSamplingLevel = "token"
@@ -456,9 +474,9 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
         )
         if self.teacher_model_name is not None and "teacher_model_name" not in algorithm.keys:
             raise ValueError(
-                f"teacher_model_name is for on-policy distillation (algorithm: distill), not "
-                f"{self.algorithm!r}: set algorithm: distill, or leave teacher_model_name unset "
-                "(sft_model_name sets the reference of the KL penalty)"
+                f"teacher_model_name is for on-policy distillation (algorithm: distill or gkd), "
+                f"not {self.algorithm!r}: set algorithm: distill, or leave teacher_model_name "
+                "unset (sft_model_name sets the reference of the KL penalty)"
             )
         if self.value_warmup_steps and not algorithm.value_model:
             raise ValueError(
@@ -582,6 +600,20 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
                 f"{', '.join(n for n, a in ALGORITHMS.items() if 'mask_truncated_completions' in a.keys)}, or set "
                 "missing_eos_penalty to discourage truncation",
             )
+        for name, default, what in (
+            ("lmbda", 0.5, "the share of gkd's batches sampled by the student"),
+            ("reward_coef", 1.0, "the weight of a reward beside a distillation teacher"),
+        ):
+            if name not in keys:
+                require(
+                    getattr(self, name) == default,
+                    name,
+                    getattr(self, name),
+                    f"{default} (the default) when algorithm is {self.algorithm!r}",
+                    f"it is {what}; use it with one of "
+                    f"{', '.join(n for n, a in ALGORITHMS.items() if name in a.keys)}, or remove "
+                    f"{name}",
+                )
         require(
             self.max_num_gen_batches >= 1,
             "max_num_gen_batches",
@@ -716,9 +748,12 @@ class PPOConfig(ModelConfig, TrainingConfig, AgentConfig):
     @property
     def uses_reference_model(self) -> bool:
         """Whether the KL to the reference enters the run: ``beta > 0`` where it is a term of the
-        loss ("grpo"), ``kl_coef > 0`` or ``adaptive_kl`` where it is in the reward (the others). Without it no reference
+        loss ("grpo"), ``kl_coef > 0`` or ``adaptive_kl`` where it is in the reward (the others);
+        always with a distillation teacher, which is the reference. Without it no reference
         model is loaded or run (TRL's ``beta: 0``), and the KL is measured against the rollout
         policy (0 at each rollout)."""
+        if self.teacher_model_name is not None:
+            return True  # distillation: the teacher is the reference
         if not self.algorithm_object.kl_in_reward:
             return self.beta > 0
         return self.kl_coef > 0 or self.adaptive_kl

@@ -48,6 +48,7 @@ class ExperienceSettings:
     missing_eos_penalty: float | None
     mask_truncated_completions: bool = False
     loss_type: str = "bnpo"
+    reward_coef: float = 1.0
 
     @classmethod
     def from_config(cls, config: Any) -> ExperienceSettings:
@@ -65,6 +66,7 @@ class ExperienceSettings:
             missing_eos_penalty=config.missing_eos_penalty,
             mask_truncated_completions=config.mask_truncated_completions,
             loss_type=config.loss_type,
+            reward_coef=config.reward_coef,
         )
 
 

@@ -251,7 +251,9 @@ class PPOTrainer:
         think_tags = think_tags_for(config, self.tokenizer)
         #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
         self.sft_mix = load_sft_mix(config, self.tokenizer)
-        self._policy_grad = nn.value_and_grad(self.policy, policy_loss_fn(config, think_tags))
+        self._policy_grad = nn.value_and_grad(
+            self.policy, policy_loss_fn(config, think_tags, self.ref_model)
+        )
         self._value_grad = (
             nn.value_and_grad(self.value_model, value_loss_fn(config))
             if self.value_model is not None

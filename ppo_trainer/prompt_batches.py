@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 from config.ppo_config import PPOConfig
 from ppo_trainer.chat import has_chat_template
+from ppo_trainer.gkd import split_completion, takes_data_completions
 from ppo_trainer.prompt_records import (
     Columns,
     Prompt,
@@ -66,6 +67,8 @@ class PromptPreparation:
         max_new_tokens: the most tokens generated after a prompt, training's or evaluation's.
         context_length: the policy's context (None: unknown).
         group_size: samples per prompt, adjacent.
+        split_completions: chat messages that end with the assistant's turn are a prompt and
+            its completion (GKD's data: :func:`ppo_trainer.gkd.split_completion`).
     """
 
     format_prompt: Callable[[Prompt], str]
@@ -75,6 +78,7 @@ class PromptPreparation:
     max_new_tokens: int
     context_length: int | None
     group_size: int
+    split_completions: bool = False
 
     @classmethod
     def from_config(
@@ -94,6 +98,7 @@ class PromptPreparation:
             max(config.max_new_tokens, config.eval_tokens),
             context_length,
             config.group_size,
+            takes_data_completions(config),
         )
 
     def prepare(
@@ -101,6 +106,8 @@ class PromptPreparation:
     ) -> tuple[list[str], list[list[int]], Columns]:
         """Prompts ``start:stop`` formatted and encoded, with their columns, checked (columns
         the reward needs, lengths) before any generation."""
+        if self.split_completions:
+            prompts = [split_completion(p) for p in prompts]
         plain, all_columns = split_records(prompts)
         self.scorer.check_columns(all_columns)
         texts = [self.format_prompt(p) for p in plain[start:stop]]

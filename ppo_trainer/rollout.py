@@ -335,7 +335,8 @@ def collect_rollout(
             asynchronous rollout worker's, from the policy of one update earlier, or multi-turn
             episodes): phase 1 is skipped and their log-probs are the rollout's
             (``sampling.logprobs_from`` must be "sampling", except for episodes sampled by the
-            current policy: those with an ``action_mask``). With an ``action_mask`` it is the
+            current policy: those with an ``action_mask``); or without log-probs (GKD's data
+            completions), which then needs "forward". With an ``action_mask`` it is the
             rollout's mask: only the policy's tokens are actions.
         model_reward: ``score`` runs a model's pass and returns it unevaluated (the trainer's
             reward model): on the CPU it then runs beside the reference's pass when there is
@@ -343,7 +344,16 @@ def collect_rollout(
     """
     # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
     if generation is not None:
-        if sampling.logprobs_from != "sampling" and generation.action_mask is None:
+        if generation.logprobs is None and sampling.logprobs_from != "forward":
+            raise ValueError(
+                "a generation without log-probs (the data's completions) is scored by a forward "
+                'pass: use logprobs_from "forward"'
+            )
+        if (
+            sampling.logprobs_from != "sampling"
+            and generation.action_mask is None
+            and generation.logprobs is not None
+        ):
             raise ValueError(
                 'a generation made elsewhere brings its behaviour log-probs: use logprobs_from "sampling"'
             )

@@ -1,7 +1,7 @@
 """Which rollout source a run has (:class:`~ppo_trainer.rollout.RolloutSource`), decided once
-when the trainer is built: single-turn sampling, agents' multi-turn episodes or the asynchronous
-worker, each optionally wrapped in dynamic sampling; and which of those features a run cannot
-combine, refused here before anything loads.
+when the trainer is built: single-turn sampling, agents' multi-turn episodes, the asynchronous
+worker or GKD's mix with the data's completions, each optionally wrapped in dynamic sampling;
+and which of those features a run cannot combine, refused here before anything loads.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import AgentEpisodes, AgentRun
 from ppo_trainer.async_rollout import AsyncRollout
 from ppo_trainer.dynamic_sampling import DynamicSampling
+from ppo_trainer.gkd import GKDRollouts, takes_data_completions
+from ppo_trainer.prompt_batches import chat_prompts
 from ppo_trainer.rollout import RolloutSource
 from ppo_trainer.rollout_worker import RolloutWorker
 from ppo_trainer.single_turn import SingleTurn
@@ -52,6 +54,12 @@ def check_rollout_features(
             "pass no policy=, or set async_rollout: false",
         ),
         (
+            takes_data_completions(config) and config.lmbda < 1 and agents,
+            f"lmbda={config.lmbda} with agents (tools, environment_factory)",
+            "a share of gkd's steps trains on the data's completions, which are single turns",
+            "set lmbda: 1 (the student's episodes only), or pass no tools",
+        ),
+        (
             config.async_rollout and agents,
             "async_rollout with agents (tools, environment_factory)",
             "the worker samples single-turn responses and agents need multi-turn episodes",
@@ -73,8 +81,9 @@ def build_rollout_source(
     worker: Callable[[], RolloutWorker | None],
 ) -> RolloutSource:
     """The run's rollout source: agents' episodes with tools or environments, else the
-    worker's responses with ``async_rollout``, else ``models`` sampling one response per
-    sequence; inside dynamic sampling with ``dynamic_sampling``.
+    worker's responses with ``async_rollout``, else GKD's mix of samples and the data's
+    completions (``lmbda``), else ``models`` sampling one response per sequence; inside
+    dynamic sampling with ``dynamic_sampling``.
 
     Args:
         models: the run's models and scorer.
@@ -96,6 +105,9 @@ def build_rollout_source(
         )
     elif config.async_rollout:
         source = AsyncRollout(models, worker, config.seed, config.rollout_batch_size)
+    elif takes_data_completions(config):
+        chat = chat_prompts(tokenizer, config.use_chat_template)
+        source = GKDRollouts(models, tokenizer, config.lmbda, config.seed, chat)
     if config.dynamic_sampling:
         source = DynamicSampling(
             source,

@@ -27,6 +27,7 @@ from base_setup import distributed as dist
 from base_setup.backend import run_blas_threads
 from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import AgentRun
+from ppo_trainer.gkd import check_completions
 from ppo_trainer.prompt_records import Columns, PromptInput
 from ppo_trainer.rollout import SamplingSettings
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
@@ -131,7 +132,8 @@ class RLStage:
         epochs = cfg.num_epochs if self.num_epochs is None else self.num_epochs
         if epochs < 1:
             raise ValueError(f"num_epochs must be >= 1, got {epochs}")
-        texts, _, _ = t._prepare_prompts(self.prompts, 0, len(self.prompts))
+        texts, _, columns = t._prepare_prompts(self.prompts, 0, len(self.prompts))
+        check_completions(cfg, columns)  # GKD's steps on the data need each prompt's completion
         if self.eval_prompts:
             t._prepare_prompts(self.eval_prompts, 0, len(self.eval_prompts))
         t._check_reward_call(self.prompts)  # after every column check: a trial call

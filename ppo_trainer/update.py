@@ -25,7 +25,13 @@ from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from finetune.sft_trainer import sft_loss
 from finetune.tokenize import SFTBatch
-from token_attribution.sequences import gather_positions, response_logprobs, response_positions
+from ppo_trainer.gkd import check_split_heads, gkd_policy_loss
+from token_attribution.sequences import (
+    ScoringModel,
+    gather_positions,
+    response_logprobs,
+    response_positions,
+)
 from token_attribution.token_weights import (
     has_think_tags,
     response_region_weights,
@@ -77,17 +83,24 @@ def think_tags_for(config: Any, tokenizer: Any) -> ThinkTags | None:
     return think_tag_ids(tokenizer)
 
 
-def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLossFn:
+def policy_loss_fn(
+    config: Any, think_tags: ThinkTags | None = None, teacher: ScoringModel | None = None
+) -> PolicyLossFn:
     """``loss(policy, minibatch) -> (loss, metrics)`` at the sampling temperature: the
     algorithm's ``policy_loss`` (:data:`algorithms.base.PolicyLoss`): the clipped surrogate on
     token advantages (PPO, REINFORCE++), GRPO's loss with its k3 KL term and its ``loss_type`` /
-    ``importance_sampling_level``, or RLOO's clipped sequence loss; each with the
+    ``importance_sampling_level``, RLOO's clipped sequence loss, or GKD's divergence to
+    ``teacher`` over the vocabulary (:func:`ppo_trainer.gkd.gkd_policy_loss`); each with the
     upper clip ``clip_epsilon_high`` when set, the per-token weights of the think / answer
     regions (``think_tags`` from :func:`think_tags_for`) and of ``top_entropy_quantile``, and the
     entropy bonus when ``entropy_coef`` > 0. An :class:`SFTBatch` (``sft_coef``) gets
     ``sft_coef * NLL`` of its completions (:func:`finetune.sft_trainer.sft_loss`, temperature
     1), with ``policy/sft_loss`` = NLL."""
     kind = get_algorithm(config.algorithm).policy_loss
+    if kind == "gkd":
+        if teacher is None:
+            raise ValueError("GKD's loss compares the student with its teacher: pass teacher=")
+        check_split_heads({"teacher": teacher})  # the student's, at its first update
 
     def loss(
         policy: nn.Module, mb: RolloutBatch | SFTBatch
@@ -96,6 +109,17 @@ def policy_loss_fn(config: Any, think_tags: ThinkTags | None = None) -> PolicyLo
             logits = policy(mb.input_ids[:, :-1])  # (b, L-1, V)
             nll, _ = sft_loss(logits, mb.input_ids[:, 1:], mb.loss_mask[:, 1:])
             return config.sft_coef * nll, {"sft_loss": nll}
+        if kind == "gkd":  # the models are called inside: the teacher's outputs are constants
+            assert teacher is not None
+            return gkd_policy_loss(
+                cast(ScoringModel, policy),
+                teacher,
+                mb,
+                beta=config.beta,
+                temperature=config.temperature,
+                cliprange=config.clip_epsilon,
+                cliprange_high=config.clip_epsilon_high,
+            )
         # The model call is inside the differentiated function; every mb.* array is a rollout
         # constant (old log-probs, reference log-probs, advantages): no gradient flows into them.
         positions = response_positions(mb.prompt_lengths, mb.responses.shape[1])  # (b, T)

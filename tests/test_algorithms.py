@@ -167,13 +167,14 @@ def test_every_algorithm_is_found_by_its_name_and_declares_config_fields() -> No
         "reinforce_pp",
         "reinforce_pp_baseline",
         "distill",
+        "gkd",
         "online_dpo",
     ]
     for name, algorithm in ALGORITHMS.items():
         assert get_algorithm(name) is algorithm and algorithm.name == name
         assert algorithm.keys <= FIELDS, name
         assert set(algorithm.defaults) <= FIELDS, name
-        assert algorithm.policy_loss in ("token", "grpo", "sequence")
+        assert algorithm.policy_loss in ("token", "grpo", "sequence", "gkd")
     assert [n for n, a in ALGORITHMS.items() if a.value_model] == ["ppo"]
     assert [n for n, a in ALGORITHMS.items() if not a.kl_in_reward] == ["grpo", "online_dpo"]
     assert [n for n, a in ALGORITHMS.items() if a.grouped] == [
@@ -268,6 +269,7 @@ def test_the_configuration_page_marks_each_algorithms_keys_and_defaults() -> Non
     assert keys["temperature"].algorithm_defaults == (
         ("grpo", "1.0"),
         ("distill", "1.0"),
+        ("gkd", "0.9"),
         ("online_dpo", "0.9"),
     )
     assert keys["kl_coef"].algorithms == (

@@ -734,7 +734,7 @@ def test_all_problems_reported_at_once(tmp_path: Path) -> None:
         (
             "algorithm: gpro",
             "algorithm must be one of 'ppo', 'grpo', 'rloo', 'reinforce_pp', "
-            "'reinforce_pp_baseline', 'distill', 'online_dpo', got 'gpro'",
+            "'reinforce_pp_baseline', 'distill', 'gkd', 'online_dpo', got 'gpro'",
         ),
         ("kl_estimator: K3", "kl_estimator must be one of 'k1', 'k2', 'k3'"),
         ("dtype: bf16", "dtype must be one of 'float32', 'bfloat16', 'float16'"),

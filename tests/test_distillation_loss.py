@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from tests import trl_gkd_reference as trl_ref
-from training.distillation_loss import generalized_jsd_loss
+from training.distillation_loss import chunked_generalized_jsd, generalized_jsd_loss
 
 TRL_NUMBERS = Path(__file__).parent / "data" / "trl_gkd_reference.json"
 
@@ -127,3 +129,113 @@ def test_bad_inputs_are_named() -> None:
         generalized_jsd_loss(s, s, reduction="avg")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="labels"):
         generalized_jsd_loss(s, s, mx.zeros((1, 3), dtype=mx.int32))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+def test_the_chunked_divergence_equals_the_unchunked_loss(
+    beta: float, chunk_size: int | None
+) -> None:
+    """On random logits (identity heads) the chunked per-position divergence, averaged over the
+    kept positions, is generalized_jsd_loss's batchmean, values and gradients; its chosen-token
+    log-probs are the student's log-softmax at the labels."""
+    rng = np.random.default_rng(0)
+    student = mx.array(rng.normal(size=(2, 5, 11)).astype(np.float32))  # (B, T, V)
+    teacher = mx.array(rng.normal(size=(2, 5, 11)).astype(np.float32))
+    labels = rng.integers(0, 11, (2, 5))
+    labels[0, 3:] = -100
+    rows = mx.array(np.flatnonzero(labels.reshape(-1) != -100))  # the kept positions
+
+    def unchunked(s: mx.array) -> mx.array:
+        return generalized_jsd_loss(s, teacher, mx.array(labels), beta=beta, temperature=0.7)
+
+    def chunked(s: mx.array) -> mx.array:
+        jsd, _ = chunked_generalized_jsd(
+            s.reshape(-1, 11)[rows],
+            teacher.reshape(-1, 11)[rows],
+            lambda h: h,
+            lambda h: h,
+            beta=beta,
+            temperature=0.7,
+            chunk_size=chunk_size,
+        )
+        return jsd.mean()
+
+    np.testing.assert_allclose(np.array(chunked(student)), np.array(unchunked(student)), rtol=1e-6)
+    want, got = mx.grad(unchunked)(student), mx.grad(chunked)(student)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-7)
+    assert np.abs(np.array(got)).max() > 1e-3
+    kept = mx.array(labels.reshape(-1)[np.array(rows)])
+    _, chosen = chunked_generalized_jsd(
+        student.reshape(-1, 11)[rows],
+        teacher.reshape(-1, 11)[rows],
+        lambda h: h,
+        lambda h: h,
+        kept,
+        beta=beta,
+        temperature=0.7,
+        chunk_size=chunk_size,
+    )
+    scaled = np.array(student).reshape(-1, 11)[np.array(rows)] / 0.7
+    log_softmax = scaled - np.log(np.exp(scaled).sum(-1, keepdims=True))
+    assert chosen is not None
+    np.testing.assert_allclose(
+        np.array(chosen), log_softmax[np.arange(len(kept)), np.array(kept)], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_trainable_head_gets_the_gradient_of_the_unchunked_loss(tied: bool) -> None:
+    """A student head with parameters (a linear layer, or a tied embedding's as_linear): the
+    chunked loss's gradient of its weight equals that of the loss on the full logits."""
+    rng = np.random.default_rng(1)
+    hidden = mx.array(rng.normal(size=(7, 4)).astype(np.float32))  # (N, D)
+    teacher_hidden = mx.array(rng.normal(size=(7, 4)).astype(np.float32))
+    teacher_head = nn.Linear(4, 11)
+    module: nn.Module = nn.Embedding(11, 4) if tied else nn.Linear(4, 11)
+    head = module.as_linear if isinstance(module, nn.Embedding) else module
+    labels = mx.array(rng.integers(0, 11, 7))
+
+    def unchunked(h: mx.array) -> mx.array:
+        logits = head(h)  # (N, V)
+        jsd = generalized_jsd_loss(logits[None], teacher_head(teacher_hidden)[None]) / 7
+        chosen = mx.take_along_axis(nn.log_softmax(logits), labels[:, None], axis=-1)
+        return jsd + chosen.mean()
+
+    def chunked(h: mx.array) -> mx.array:
+        jsd, chosen = chunked_generalized_jsd(
+            h, teacher_hidden, head, teacher_head, labels, chunk_size=2
+        )
+        assert chosen is not None
+        return jsd.mean() + chosen.mean()
+
+    want_loss, want = nn.value_and_grad(module, unchunked)(hidden)
+    got_loss, got = nn.value_and_grad(module, chunked)(hidden)
+    np.testing.assert_allclose(np.array(got_loss), np.array(want_loss), rtol=1e-5)
+    for key in want:
+        np.testing.assert_allclose(np.array(got[key]), np.array(want[key]), rtol=1e-4, atol=1e-6)
+
+
+def test_the_chunks_bound_the_peak_memory() -> None:
+    """The chunked loss and its gradient over 256 positions of a 32k vocabulary stay well under
+    the unchunked loss's (its (N, V) logits and their gradient): the chunks run one at a time."""
+    hidden = mx.random.normal((256, 64), key=mx.random.key(0))
+    teacher_hidden = mx.random.normal((256, 64), key=mx.random.key(1))
+    head, teacher_head = nn.Linear(64, 32_000, bias=False), nn.Linear(64, 32_000, bias=False)
+    head.freeze()
+    mx.eval(head.parameters(), teacher_head.parameters(), hidden, teacher_hidden)
+
+    def peak(loss: Callable[[mx.array], mx.array]) -> float:
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(mx.value_and_grad(loss)(hidden))
+        return float(mx.get_peak_memory() - base)
+
+    full = peak(lambda h: generalized_jsd_loss(head(h)[None], teacher_head(teacher_hidden)[None]))
+    chunks = peak(
+        lambda h: chunked_generalized_jsd(h, teacher_hidden, head, teacher_head, chunk_size=16)[
+            0
+        ].sum()
+    )
+    assert chunks < full / 4, (chunks, full)
