@@ -74,11 +74,7 @@ from ppo_trainer.components import (
 from ppo_trainer.experience import ExperienceSettings, experience_phase
 from ppo_trainer.memory_estimate import check_memory
 from ppo_trainer.metrics import iteration_metrics, rollout_metrics, step_timings
-from ppo_trainer.prompt_records import (
-    Columns,
-    Prompt,
-    PromptInput,
-)
+from ppo_trainer.prompt_records import Prompt, PromptInput
 from ppo_trainer.evaluation import evaluate_rollouts
 from ppo_trainer.rollout import (
     PromptBatch,
@@ -502,12 +498,6 @@ class PPOTrainer:
         self.scorer.warn_without_metrics(rollout.reward_metrics)
         return rollout
 
-    def _prepare_prompts(
-        self, prompts: Sequence[PromptInput], start: int, stop: int
-    ) -> tuple[list[str], list[list[int]], Columns]:
-        """Prompts ``start:stop`` formatted, encoded and checked (:meth:`PromptPreparation.prepare`)."""
-        return self.preparation.prepare(prompts, start, stop)
-
     @property
     def trained(self) -> Trained:
         """The models this trainer trains (the policy; the value model with PPO)."""
@@ -535,10 +525,6 @@ class PPOTrainer:
                 return [value]
             learners.insert(0, value)
         return learners
-
-    def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
-        """A trial call of the reward before any rollout (:meth:`PromptPreparation.check_reward_call`)."""
-        self.preparation.check_reward_call(prompts)
 
     @property
     def reward_model(self) -> RewardModel | None:
@@ -612,7 +598,7 @@ class PPOTrainer:
         )
 
         def roll_out(start: int, stop: int) -> tuple[list[str], Rollout]:
-            batch = PromptBatch(*self._prepare_prompts(prompts, start, stop))
+            batch = PromptBatch(*self.preparation.prepare(prompts, start, stop))
             return batch.texts, self.source.rollout(batch, sampling, None)
 
         return evaluate_rollouts(
