@@ -105,15 +105,7 @@ from ppo_trainer.run_state import (
     save_trainer_state,
 )
 from ppo_trainer.run_loop import RLStage
-from ppo_trainer.sft_mix import load_sft_mix
-from ppo_trainer.update import (
-    Learner,
-    policy_loss_fn,
-    policy_weighting,
-    ppo_epochs,
-    think_tags_for,
-    value_loss_fn,
-)
+from ppo_trainer.update import Updater
 from training.checkpoint import (
     CheckpointManager,
     check_save_target,
@@ -243,16 +235,8 @@ class PPOTrainer:
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", keep_last=config.keep_last_checkpoints
         )
-        # Before any rollout: the think tags the region weights need, the SFT data of sft_coef.
-        think_tags = think_tags_for(config, self.tokenizer)
-        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
-        self.sft_mix = load_sft_mix(config, self.tokenizer)
-        self._policy_grad = nn.value_and_grad(self.policy, policy_loss_fn(config, think_tags))
-        self._value_grad = (
-            nn.value_and_grad(self.value_model, value_loss_fn(config))
-            if self.value_model is not None
-            else None
-        )
+        #: Phase 5: the losses' gradients and the SFT data of sft_coef (checked before any rollout).
+        self.updater = Updater(config, self.policy, self.value_model, self.tokenizer)
         # What the run reads besides its settings, recorded in its checkpoints and compared on
         # resume (train() adds the prompts): the models, the reward, the reward functions'
         # source (edits to their files), the agents' import paths.
@@ -399,7 +383,7 @@ class PPOTrainer:
             cb.on_rollout_end(self, step, batch)
 
         # 5. PPO epochs over shuffled minibatches (the order is a function of seed and step).
-        update_metrics = self._update(batch, step)
+        update_metrics = self.updater.update(batch, self.run, step, self.group)
         t_update = time.perf_counter()
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
@@ -453,25 +437,6 @@ class PPOTrainer:
                 cfg.rollout_records_per_step,
             )
 
-    def _update(self, batch: RolloutBatch, step: int) -> list[dict[str, mx.array]]:
-        """Phase 5: the PPO epochs of the step's learners (:meth:`_learners`); the run counts as
-        updating meanwhile (a failure then does not save a half-updated state)."""
-        cfg = self.config
-        self.run.updating = True
-        update_metrics = ppo_epochs(
-            batch,
-            self._learners(),
-            num_ppo_epochs=cfg.num_ppo_epochs,
-            num_mini_batches=cfg.num_mini_batches,
-            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            max_grad_norm=cfg.max_grad_norm,
-            rng=np.random.default_rng([cfg.seed, self.global_step, 1]),
-            step=step,
-            group=self.group,
-        )
-        self.run.updating = False
-        return update_metrics
-
     def _step_sequences(self, prompts: Sequence[PromptInput]) -> tuple[PromptBatch, mx.array]:
         """This rank's share of a step's global batch of ``prompts``, each ``group_size`` times,
         and their PRNG keys: sequence ``k`` of the global batch samples from key ``k``."""
@@ -502,29 +467,6 @@ class PPOTrainer:
     def trained(self) -> Trained:
         """The models this trainer trains (the policy; the value model with PPO)."""
         return Trained(self.policy, self.value_model)
-
-    def _learners(self) -> list[Learner]:
-        """The value model (PPO), then the policy: the models are independent, and a value loss
-        that overflows (huge rewards) then stops the step before the policy has moved. During
-        the first ``value_warmup_steps`` steps, the value model alone."""
-        assert self.policy_optimizer is not None
-        learners = [
-            Learner(
-                self.policy,
-                self.policy_optimizer,
-                self._policy_grad,
-                "policy",
-                policy_weighting(self.config),
-                self.sft_mix.next_batch if self.sft_mix is not None else None,
-            )
-        ]
-        if self.value_model is not None:
-            assert self.value_optimizer is not None and self._value_grad is not None
-            value = Learner(self.value_model, self.value_optimizer, self._value_grad, "val")
-            if self.global_step < self.config.value_warmup_steps:
-                return [value]
-            learners.insert(0, value)
-        return learners
 
     @property
     def reward_model(self) -> RewardModel | None:
@@ -627,7 +569,7 @@ class PPOTrainer:
             config=self.config,
             world_size=self.world_size,
             inputs=self.inputs,
-            sft_cursor=self.sft_mix.cursor if self.sft_mix is not None else None,
+            sft_cursor=self.updater.sft_mix.cursor if self.updater.sft_mix is not None else None,
         )
         for cb in self.run.callbacks:
             cb.on_save(self, self.global_step, path)
@@ -649,8 +591,8 @@ class PPOTrainer:
             world_size=self.world_size,
             warn=self.is_main_process,
         )
-        if self.sft_mix is not None:  # sft_coef's data stream continues where it stopped
-            self.sft_mix.cursor = cursor or 0
+        if self.updater.sft_mix is not None:  # sft_coef's data stream continues where it stopped
+            self.updater.sft_mix.cursor = cursor or 0
 
     def save_model(self, path: str | Path, overwrite: bool = False) -> Path:
         """Save the trained policy (a directory mlx-lm loads; adapters only with LoRA) and, for

@@ -25,6 +25,8 @@ from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from finetune.sft_trainer import sft_loss
 from finetune.tokenize import SFTBatch
+from ppo_trainer.run_state import RunState
+from ppo_trainer.sft_mix import load_sft_mix
 from token_attribution.sequences import gather_positions, response_logprobs, response_positions
 from token_attribution.token_weights import (
     has_think_tags,
@@ -278,3 +280,72 @@ def ppo_epochs(
                     )
             step_metrics.append(metrics)
     return step_metrics
+
+
+class Updater:
+    """Phase 5 of a run, built once: the gradients of the policy's loss and (with a value model)
+    of the value loss, and the SFT examples mixed into the policy's updates (``sft_coef``).
+
+    Building it checks, before any rollout, the think tags the region weights need
+    (:func:`think_tags_for`) and loads the SFT data (:func:`~ppo_trainer.sft_mix.load_sft_mix`).
+    """
+
+    def __init__(
+        self, config: Any, policy: nn.Module, value_model: nn.Module | None, tokenizer: Any
+    ) -> None:
+        self.config = config
+        self.policy, self.value_model = policy, value_model
+        think_tags = think_tags_for(config, tokenizer)
+        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
+        self.sft_mix = load_sft_mix(config, tokenizer)
+        self.policy_grad = nn.value_and_grad(policy, policy_loss_fn(config, think_tags))
+        self.value_grad = (
+            nn.value_and_grad(value_model, value_loss_fn(config))
+            if value_model is not None
+            else None
+        )
+
+    def learners(self, run: RunState) -> list[Learner]:
+        """The value model (PPO), then the policy: the models are independent, and a value loss
+        that overflows (huge rewards) then stops the step before the policy has moved. During
+        the first ``value_warmup_steps`` steps, the value model alone."""
+        assert run.policy_optimizer is not None
+        learners = [
+            Learner(
+                self.policy,
+                run.policy_optimizer,
+                self.policy_grad,
+                "policy",
+                policy_weighting(self.config),
+                self.sft_mix.next_batch if self.sft_mix is not None else None,
+            )
+        ]
+        if self.value_model is not None:
+            assert run.value_optimizer is not None and self.value_grad is not None
+            value = Learner(self.value_model, run.value_optimizer, self.value_grad, "val")
+            if run.global_step < self.config.value_warmup_steps:
+                return [value]
+            learners.insert(0, value)
+        return learners
+
+    def update(
+        self, batch: RolloutBatch, run: RunState, step: int, group: Any = None
+    ) -> list[dict[str, mx.array]]:
+        """Phase 5 of step ``step``: the PPO epochs of its learners (:meth:`learners`), in an
+        order that is a function of seed and step; the run counts as updating meanwhile (a
+        failure then does not save a half-updated state)."""
+        cfg = self.config
+        run.updating = True
+        update_metrics = ppo_epochs(
+            batch,
+            self.learners(run),
+            num_ppo_epochs=cfg.num_ppo_epochs,
+            num_mini_batches=cfg.num_mini_batches,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            max_grad_norm=cfg.max_grad_norm,
+            rng=np.random.default_rng([cfg.seed, run.global_step, 1]),
+            step=step,
+            group=group,
+        )
+        run.updating = False
+        return update_metrics
