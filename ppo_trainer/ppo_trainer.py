@@ -43,13 +43,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
-import numpy as np
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
-from base_setup.backend import adapt_blas_threads, step_seed
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.tokenizer_setup import chat_template_text, encode_text
 from config.ppo_config import PPOConfig
@@ -73,7 +70,7 @@ from ppo_trainer.components import (
 )
 from ppo_trainer.experience import ExperienceSettings, experience_phase
 from ppo_trainer.memory_estimate import check_memory
-from ppo_trainer.metrics import iteration_metrics, rollout_metrics, step_timings
+from ppo_trainer.metrics import step_metrics, step_timings
 from ppo_trainer.prompt_records import Prompt, PromptInput
 from ppo_trainer.evaluation import evaluate_rollouts
 from ppo_trainer.rollout import (
@@ -96,8 +93,8 @@ from ppo_trainer.prompt_batches import PromptPreparation, chat_prompts
 from ppo_trainer.scorer import Scorer
 from ppo_trainer.run_state import (
     RunState,
+    begin_step,
     Trained,
-    ensure_optimizers,
     run_inputs,
     load_models,
     load_trainer_state,
@@ -358,7 +355,7 @@ class PPOTrainer:
         """
         cfg = self.config
         sequences, keys = self._step_sequences(prompts)
-        self._begin_step()
+        begin_step(self.run, cfg, self.value_model is not None)
         step = self.global_step + 1
         t0 = time.perf_counter()
 
@@ -387,42 +384,11 @@ class PPOTrainer:
         t_update = time.perf_counter()
 
         # 6. Metrics of the global batch; the adaptive KL coefficient follows the measured KL.
-        metrics = self._step_metrics(rollout, batch, stats, update_metrics)
-        metrics.update(step_timings(t0, t_rollout, t_advantages, t_update, metrics, self._lr()))
+        metrics = step_metrics(rollout, batch, stats, update_metrics, cfg, self.kl_ctl, self.group)
+        lr = self.run.learning_rate()
+        metrics.update(step_timings(t0, t_rollout, t_advantages, t_update, metrics, lr))
         self.global_step = step
         return metrics
-
-    def _begin_step(self) -> None:
-        """Before a step's rollout: the optimisers (built at the first step), the BLAS threads
-        (``PPO_MLX_ADAPTIVE_BLAS=step`` only; else fixed per run), the step's random seed."""
-        cfg = self.config
-        ensure_optimizers(self.run, cfg, self.value_model is not None, total_steps=None)
-        adapt_blas_threads()
-        mx.random.seed(step_seed(cfg.seed, self.global_step))
-
-    def _step_metrics(
-        self,
-        rollout: Rollout,
-        batch: RolloutBatch,
-        stats: dict[str, mx.array],
-        update_metrics: list[dict[str, mx.array]],
-    ) -> dict[str, float]:
-        """Phase 6: the global batch's metrics; the KL controller follows the measured KL where
-        the algorithm's KL is in the reward (else its weight is ``beta``, in its loss)."""
-        cfg = self.config
-        metrics = iteration_metrics(
-            rollout, batch, stats, update_metrics, self.group, cfg.group_size
-        )
-        metrics.update(rollout_metrics(rollout, self.group))
-        if cfg.algorithm_object.kl_in_reward:
-            self.kl_ctl.update(metrics["objective/kl"], cfg.rollout_batch_size)
-            metrics["objective/kl_coef"] = float(self.kl_ctl.value)
-        return metrics
-
-    def _lr(self) -> float:
-        """The policy's current learning rate."""
-        assert self.policy_optimizer is not None
-        return float(np.asarray(self.policy_optimizer.learning_rate))
 
     def _record_rollouts(
         self, rollout: Rollout, batch: RolloutBatch, stats: dict[str, mx.array], step: int

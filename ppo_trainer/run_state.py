@@ -13,7 +13,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from base_setup.backend import run_blas_threads
+from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
@@ -80,6 +80,11 @@ class RunState(LoopState):
         """The prompts' next pass starts (with no extra generation rounds drawn yet)."""
         super().next_epoch()
         self.extra_gen_batches = 0
+
+    def learning_rate(self) -> float:
+        """The policy's current learning rate."""
+        assert self.policy_optimizer is not None
+        return float(np.asarray(self.policy_optimizer.learning_rate))
 
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
@@ -231,6 +236,15 @@ def ensure_optimizers(
         return
     state.lr_plan = schedule_plan(config, total_steps)
     rebuild_optimizers(state, config, with_value, state.lr_plan.schedule())
+
+
+def begin_step(state: RunState, config: PPOConfig, with_value: bool) -> None:
+    """Before a step's rollout: the optimisers (built at the first step, :func:`ensure_optimizers`),
+    the BLAS threads (``PPO_MLX_ADAPTIVE_BLAS=step`` only; else fixed per run), the step's random
+    seed (a function of seed and step)."""
+    ensure_optimizers(state, config, with_value, total_steps=None)
+    adapt_blas_threads()
+    mx.random.seed(step_seed(config.seed, state.global_step))
 
 
 def rebuild_optimizers(
