@@ -92,6 +92,8 @@ class AdvantageSettings(Protocol):
 
     @property
     def loss_type(self) -> str: ...
+
+    @property
     def reward_coef(self) -> float: ...
 
 

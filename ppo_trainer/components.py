@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any, Callable, cast
 
 from base_setup import distributed as dist
+from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.lora_setup import LoraSettings
 from base_setup.tokenizer_setup import eos_token_ids
 from config._fields import divisors
@@ -287,6 +288,8 @@ def build_models(
 
     With ``share_reward_base`` the reward model's adapters and head go on the policy's base
     (:meth:`RewardModel.sharing_base`), after :func:`check_reward_adapters`, before any model loads.
+    With ``gradient_checkpointing`` the trained models' blocks are checkpointed (a given one, in
+    place).
 
     Raises:
         ValueError: no reward, a reward that is not callable, a quantized policy without LoRA,
@@ -321,7 +324,7 @@ def build_models(
         value_model = None
     elif value_model is None:
         value_model = _load_value_model(config, policy, fast)
-    return RunModels(
+    models = RunModels(
         policy=policy,
         ref_model=ref_model,
         reward_model=reward_model,
@@ -330,6 +333,11 @@ def build_models(
         tokenizer=tokenizer if tokenizer is not None else policy.tokenizer,
         reward_funcs=_reward_funcs(config, fast),
     )
+    if config.gradient_checkpointing:  # the two models trained
+        for trained in (models.policy, models.value_model):
+            if trained is not None:
+                checkpoint_blocks(trained)
+    return models
 
 
 def _load_reference(config: PPOConfig, policy: PolicyModel, fast: bool) -> ReferenceModel | None:

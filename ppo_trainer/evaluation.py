@@ -1,18 +1,21 @@
 """Evaluation: the training rollout (phases 1-3) on held-out prompts with the evaluation settings,
 reduced to the mean reward, the KL to the reference and sample completions
-(:meth:`ppo_trainer.ppo_trainer.PPOTrainer.evaluate`)."""
+(:meth:`ppo_trainer.ppo_trainer.PPOTrainer.evaluate`, through :class:`Evaluator`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import agent_count_sums, agent_metrics
 from ppo_trainer.experience import ExperienceSettings, kl_per_token
-from ppo_trainer.rollout import Rollout
+from ppo_trainer.prompt_batches import PromptPreparation
+from ppo_trainer.prompt_records import PromptInput
+from ppo_trainer.rollout import PromptBatch, Rollout, RolloutSource, SamplingSettings
 from ppo_trainer.rollout_records import (
     rollout_arrays,
     rollout_records,
@@ -89,3 +92,54 @@ def evaluate_rollouts(
         **(agent_metrics(agent, prefix="eval/agent/") if agent else {}),
         "samples": samples,
     }
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """A run's evaluation (:meth:`PPOTrainer.evaluate`), built once: its prompts prepared as
+    training's (``preparation``), rolled out by the run's ``source`` with the training's
+    ``sampling`` turned to the evaluation's, reduced by :func:`evaluate_rollouts` (the KL with
+    the training's estimator, ``experience``; records decoded by ``tokenizer``)."""
+
+    preparation: PromptPreparation
+    source: RolloutSource
+    sampling: SamplingSettings
+    experience: ExperienceSettings
+    tokenizer: Any
+    config: PPOConfig
+
+    def evaluate(
+        self,
+        prompts: Sequence[PromptInput],
+        max_new_tokens: int | None,
+        temperature: float | None,
+        num_samples: int,
+        records_at: tuple[Path, int] | None = None,
+    ) -> dict[str, Any]:
+        """``prompts`` evaluated: greedy when the temperature (default
+        ``config.eval_temperature``) is 0, at most ``max_new_tokens`` (default
+        ``config.eval_tokens``) per response, log-probs at the sampling temperature (1 when
+        greedy); see :func:`evaluate_rollouts` for the result and ``records_at``."""
+        cfg = self.config
+        if not prompts:
+            raise ValueError("evaluate() got an empty prompt list")
+        sampling = replace(
+            self.sampling,
+            max_new_tokens=max_new_tokens or cfg.eval_tokens,
+            temperature=cfg.eval_temperature if temperature is None else temperature,
+            logprobs_from="sampling",
+        )
+
+        def roll_out(start: int, stop: int) -> tuple[list[str], Rollout]:
+            batch = PromptBatch(*self.preparation.prepare(prompts, start, stop))
+            return batch.texts, self.source.rollout(batch, sampling, None)
+
+        return evaluate_rollouts(
+            roll_out,
+            len(prompts),
+            num_samples,
+            config=cfg,
+            experience=self.experience,
+            tokenizer=self.tokenizer,
+            records_at=records_at,
+        )

@@ -15,9 +15,11 @@ import numpy as np
 
 from advantage.whitening import masked_var
 from base_setup import distributed as dist
+from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from ppo_trainer.agent_rollout import agent_count_sums, agent_metrics
 from ppo_trainer.rollout import Rollout
+from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 
 
 def reduce_over_ranks(
@@ -138,6 +140,27 @@ def iteration_metrics(
         )
     result.update({k: float(np.asarray(v)) for k, v in spreads.items()})
     return result
+
+
+def step_metrics(
+    rollout: Rollout,
+    batch: RolloutBatch,
+    stats: dict[str, mx.array],
+    update_metrics: list[dict[str, mx.array]],
+    config: PPOConfig,
+    kl_ctl: FixedKLController | AdaptiveKLController,
+    group: Any = None,
+) -> dict[str, float]:
+    """Phase 6: the global batch's metrics (:func:`iteration_metrics`, :func:`rollout_metrics`).
+    Where the algorithm's KL is in the reward, the KL controller ``kl_ctl`` follows the measured
+    KL and its coefficient is logged (``objective/kl_coef``); else its weight is ``beta``, in
+    the loss."""
+    metrics = iteration_metrics(rollout, batch, stats, update_metrics, group, config.group_size)
+    metrics.update(rollout_metrics(rollout, group))
+    if config.algorithm_object.kl_in_reward:
+        kl_ctl.update(metrics["objective/kl"], config.rollout_batch_size)
+        metrics["objective/kl_coef"] = float(kl_ctl.value)
+    return metrics
 
 
 def step_timings(

@@ -10,6 +10,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import mlx.core as mx
+
+from base_setup.tokenizer_setup import chat_template_text
 from config.ppo_config import PPOConfig
 from ppo_trainer.chat import has_chat_template
 from ppo_trainer.gkd import split_completion, takes_data_completions
@@ -21,7 +24,7 @@ from ppo_trainer.prompt_records import (
     slice_columns,
     split_records,
 )
-from ppo_trainer.rollout import PromptBatch, check_prompts
+from ppo_trainer.rollout import PromptBatch, check_prompts, rollout_keys
 from ppo_trainer.scorer import Scorer
 
 logger = logging.getLogger("ppo_mlx")
@@ -55,6 +58,26 @@ def chat_prompts(tokenizer: Any, setting: bool | str, log: bool = False) -> bool
     return chat
 
 
+def format_chat_prompt(
+    prompt: Prompt,
+    tokenizer: Any,
+    chat: bool,
+    system_prompt: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The default ``format_prompt``: chat messages go through the tokenizer's chat template
+    with a generation prompt, ``system_prompt`` first when they have no system message and
+    ``template_kwargs`` as the template's variables; text too, as one user message, when
+    ``chat`` (:func:`chat_prompts`), else it is used as is."""
+    if isinstance(prompt, str):
+        if not chat:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    if system_prompt is not None and not (prompt and prompt[0].get("role") == "system"):
+        prompt = [{"role": "system", "content": system_prompt}, *prompt]
+    return chat_template_text(tokenizer, prompt, template_kwargs=template_kwargs)
+
+
 @dataclass(frozen=True)
 class PromptPreparation:
     """A run's prompts made sequences.
@@ -67,6 +90,9 @@ class PromptPreparation:
         max_new_tokens: the most tokens generated after a prompt, training's or evaluation's.
         context_length: the policy's context (None: unknown).
         group_size: samples per prompt, adjacent.
+        batch_size: prompts per step, the global batch.
+        seed: the run's seed (the PRNG keys of a step's sequences).
+        rank, world_size: this process's place among the data-parallel ranks.
         split_completions: chat messages that end with the assistant's turn are a prompt and
             its completion (GKD's data: :func:`ppo_trainer.gkd.split_completion`).
     """
@@ -78,6 +104,10 @@ class PromptPreparation:
     max_new_tokens: int
     context_length: int | None
     group_size: int
+    batch_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
     split_completions: bool = False
 
     @classmethod
@@ -88,6 +118,8 @@ class PromptPreparation:
         encode_prompt: Callable[[str], list[int]],
         scorer: Scorer,
         context_length: int | None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> PromptPreparation:
         """The preparation of a run with ``config`` and the trainer's seams."""
         return cls(
@@ -98,7 +130,11 @@ class PromptPreparation:
             max(config.max_new_tokens, config.eval_tokens),
             context_length,
             config.group_size,
-            takes_data_completions(config),
+            config.batch_size,
+            config.seed,
+            rank,
+            world_size,
+            split_completions=takes_data_completions(config),
         )
 
     def prepare(
@@ -129,6 +165,23 @@ class PromptPreparation:
         stop = len(prompts) if stop is None else stop
         texts, prompt_ids, columns = self.prepare(prompts, start, stop)
         return PromptBatch(texts, prompt_ids, columns).repeat(self.group_size)
+
+    def step_share(
+        self, prompts: Sequence[PromptInput], global_step: int
+    ) -> tuple[PromptBatch, mx.array]:
+        """This rank's contiguous share of a step's global batch of ``prompts``, each
+        ``group_size`` times, and their PRNG keys: sequence ``k`` of the global batch samples
+        from key ``k`` of the step after ``global_step`` (:func:`rollout_keys`), so that the
+        responses do not depend on the number of ranks."""
+        if len(prompts) != self.batch_size:
+            raise ValueError(
+                f"step() needs batch_size={self.batch_size} prompts, got {len(prompts)}"
+            )
+        local = self.batch_size // self.world_size
+        first = self.rank * local
+        sequences = self.batch(prompts, first, first + local)
+        keys = rollout_keys(self.seed, global_step, self.batch_size * self.group_size)
+        return sequences, keys[first * self.group_size : (first + local) * self.group_size]
 
     def check_reward_call(self, prompts: Sequence[PromptInput]) -> None:
         """Raise ``ValueError`` before any rollout when a reward function returns the wrong

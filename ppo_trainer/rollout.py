@@ -344,19 +344,7 @@ def collect_rollout(
     """
     # 1. Generate (batched, KV cache); the generator stops at the stop tokens and pads after.
     if generation is not None:
-        if generation.logprobs is None and sampling.logprobs_from != "forward":
-            raise ValueError(
-                "a generation without log-probs (the data's completions) is scored by a forward "
-                'pass: use logprobs_from "forward"'
-            )
-        if (
-            sampling.logprobs_from != "sampling"
-            and generation.action_mask is None
-            and generation.logprobs is not None
-        ):
-            raise ValueError(
-                'a generation made elsewhere brings its behaviour log-probs: use logprobs_from "sampling"'
-            )
+        check_given_generation(generation, sampling.logprobs_from)
         gen = generation
     else:
         gen = sample_responses(policy, prompt_ids, sampling, keys)
@@ -370,9 +358,7 @@ def collect_rollout(
     # 2. Log-probs under the rollout policy and the reference, and values: no gradients here.
     # The sampler's log-probs are log_softmax(logits / temperature) of the same weights (eval
     # mode, as here); "forward" recomputes them over whole sequences instead.
-    temperature = sampling.scoring_temperature
     positions = response_positions(prompt_lengths, num_tokens)  # (B, T)
-    forward = sampling.logprobs_from == "forward"
     completions = decode(gen)  # text without the stop token
     sequence_lengths = prompt_lengths + gen.lengths
     passes = model_passes(
@@ -381,14 +367,14 @@ def collect_rollout(
         value_model,
         query_responses,
         positions,
-        forward=forward,
+        forward=sampling.logprobs_from == "forward",
         reward=(
             (lambda: score(completions, query_responses, sequence_lengths))
             if model_reward
             else None
         ),
     )
-    logprobs, entropy, ref_logprobs = passes.logprobs(gen, temperature)
+    logprobs, entropy, ref_logprobs = passes.logprobs(gen, sampling.scoring_temperature)
     mx.async_eval(logprobs, entropy, ref_logprobs)
 
     # 3. Scores of the completions (a reward function runs while the heads' log-probs do).
@@ -418,6 +404,24 @@ def collect_rollout(
         reward_metrics,
         reward_details=details,
     )
+
+
+def check_given_generation(generation: GenerationOutput, logprobs_from: str) -> None:
+    """Raise ``ValueError`` unless a generation made elsewhere (:func:`collect_rollout`'s
+    ``generation``) and ``logprobs_from`` agree: one without log-probs (the data's completions)
+    needs a forward pass; one with its behaviour log-probs, and no action mask, is scored by them.
+    """
+    if generation.logprobs is None and logprobs_from != "forward":
+        raise ValueError(
+            "a generation without log-probs (the data's completions) is scored by a forward "
+            'pass: use logprobs_from "forward"'
+        )
+    if logprobs_from != "sampling" and generation.action_mask is None:
+        if generation.logprobs is not None:
+            raise ValueError(
+                "a generation made elsewhere brings its behaviour log-probs: use logprobs_from "
+                '"sampling"'
+            )
 
 
 class ModelPasses(NamedTuple):

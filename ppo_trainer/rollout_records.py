@@ -440,6 +440,26 @@ def log_rollouts(run_dir: str | Path, arrays: RolloutArrays, tokenizer: Any, lim
     return write_rollout_records(run_dir, arrays.step, records, arrays.source)
 
 
+def log_step_rollouts(
+    run_dir: str | Path,
+    rollout: Any,
+    batch: Any,
+    stats: Mapping[str, Any],
+    step: int,
+    last_step: int | None,
+    config: Any,
+    tokenizer: Any,
+) -> Path | None:
+    """A training step's records (:func:`rollout_arrays`, :func:`log_rollouts`) when
+    ``config.log_rollouts_every`` says so (:func:`rollouts_due`; ``last_step``: the run's last,
+    recorded too), at most ``config.rollout_records_per_step`` of them; returns the file's path,
+    None when none is due."""
+    if not rollouts_due(step, config.log_rollouts_every, last_step):
+        return None
+    arrays = rollout_arrays(rollout, batch, stats, step, config.algorithm, config.group_size)
+    return log_rollouts(run_dir, arrays, tokenizer, config.rollout_records_per_step)
+
+
 @dataclass
 class StepRecords:
     """The records of one file: ``step``, ``source`` ("train" or "eval") and the ``records``."""

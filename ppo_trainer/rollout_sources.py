@@ -1,12 +1,16 @@
 """Which rollout source a run has (:class:`~ppo_trainer.rollout.RolloutSource`), decided once
 when the trainer is built: single-turn sampling, agents' multi-turn episodes, the asynchronous
-worker or GKD's mix with the data's completions, each optionally wrapped in dynamic sampling;
-and which of those features a run cannot combine, refused here before anything loads.
+worker or GKD's mix with the data's completions, each optionally wrapped in dynamic sampling, and
+the source as a training step uses it (:class:`StepRollouts`); and which of those features a run
+cannot combine, refused here before anything loads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
+
+import mlx.core as mx
 
 from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import AgentEpisodes, AgentRun
@@ -14,8 +18,16 @@ from ppo_trainer.async_rollout import AsyncRollout
 from ppo_trainer.dynamic_sampling import DynamicSampling
 from ppo_trainer.gkd import GKDRollouts, takes_data_completions
 from ppo_trainer.prompt_batches import chat_prompts
-from ppo_trainer.rollout import RolloutSource
+from ppo_trainer.rollout import (
+    PromptBatch,
+    Rollout,
+    RolloutSource,
+    SamplingSettings,
+    StepPlan,
+    warn_if_ended_at_once,
+)
 from ppo_trainer.rollout_worker import RolloutWorker
+from ppo_trainer.scorer import Scorer
 from ppo_trainer.single_turn import SingleTurn
 
 
@@ -118,3 +130,34 @@ def build_rollout_source(
             rollout_batch_size=config.rollout_batch_size,
         )
     return source
+
+
+@dataclass(frozen=True)
+class StepRollouts:
+    """The run's rollout source as its steps use it: a training step's error names the step (a
+    reward that is NaN or not numbers), and its rollout warns when every response ended at once
+    or when several rewards' metrics went missing; an evaluation's (no ``plan``) passes
+    through."""
+
+    source: RolloutSource
+    scorer: Scorer
+    use_chat_template: Any
+
+    def rollout(
+        self,
+        batch: PromptBatch,
+        sampling: SamplingSettings,
+        keys: mx.array | None,
+        plan: StepPlan | None = None,
+    ) -> Rollout:
+        """The rollout of ``batch`` (:class:`~ppo_trainer.rollout.RolloutSource`)."""
+        if plan is None:
+            return self.source.rollout(batch, sampling, keys)
+        step = plan.step + 1
+        try:
+            rollout = self.source.rollout(batch, sampling, keys, plan)
+        except ValueError as err:
+            raise ValueError(f"step {step}: {err}") from err
+        warn_if_ended_at_once(rollout.generation, step, self.use_chat_template)
+        self.scorer.warn_without_metrics(rollout.reward_metrics)
+        return rollout

@@ -28,6 +28,7 @@ from base_setup.backend import run_blas_threads
 from config.ppo_config import PPOConfig
 from ppo_trainer.agent_rollout import AgentRun
 from ppo_trainer.gkd import check_completions
+from ppo_trainer.prompt_batches import PromptPreparation
 from ppo_trainer.prompt_records import Columns, PromptInput
 from ppo_trainer.rollout import SamplingSettings
 from ppo_trainer.rollout_worker import RolloutWorker, WorkerSpec, worker_blas_threads
@@ -45,7 +46,7 @@ class LoopTrainer(Protocol):
     """What :class:`RLStage` needs of the trainer it drives
     (:class:`~ppo_trainer.ppo_trainer.PPOTrainer`): its settings and run state, where it writes,
     and the methods a run calls. The loop changes the run state (``run``) and the recorded
-    ``inputs``, nothing else of the trainer."""
+    ``inputs``, nothing else of the trainer; ``preparation`` checks the prompts."""
 
     config: PPOConfig
     run: RunState
@@ -56,6 +57,7 @@ class LoopTrainer(Protocol):
     agent: AgentRun | None
     inputs: dict[str, str | None]
     sampling: SamplingSettings
+    preparation: PromptPreparation
 
     @property
     def trained(self) -> Trained: ...
@@ -72,12 +74,6 @@ class LoopTrainer(Protocol):
     def save_checkpoint(self) -> Path: ...
 
     def load_checkpoint(self, path: str | Path) -> None: ...
-
-    def _prepare_prompts(
-        self, prompts: Sequence[PromptInput], start: int, stop: int
-    ) -> tuple[list[str], list[list[int]], Columns]: ...
-
-    def _check_reward_call(self, prompts: Sequence[PromptInput]) -> None: ...
 
 
 class RLStage:
@@ -132,11 +128,11 @@ class RLStage:
         epochs = cfg.num_epochs if self.num_epochs is None else self.num_epochs
         if epochs < 1:
             raise ValueError(f"num_epochs must be >= 1, got {epochs}")
-        texts, _, columns = t._prepare_prompts(self.prompts, 0, len(self.prompts))
+        texts, _, columns = t.preparation.prepare(self.prompts, 0, len(self.prompts))
         check_completions(cfg, columns)  # GKD's steps on the data need each prompt's completion
         if self.eval_prompts:
-            t._prepare_prompts(self.eval_prompts, 0, len(self.eval_prompts))
-        t._check_reward_call(self.prompts)  # after every column check: a trial call
+            t.preparation.prepare(self.eval_prompts, 0, len(self.eval_prompts))
+        t.preparation.check_reward_call(self.prompts)  # after every column check: a trial call
         dist.check_same_on_all_ranks(
             json.dumps(texts).encode(),
             "the training prompts",

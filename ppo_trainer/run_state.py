@@ -13,11 +13,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from base_setup.backend import run_blas_threads
+from base_setup.backend import adapt_blas_threads, run_blas_threads, step_seed
 from config.loading import config_to_dict
 from config.ppo_config import PPOConfig
 from models.policy_model import PolicyModel
 from models.value_model import ValueModel
+from ppo_trainer.sft_mix import SFTMix
 from reward_kl.kl_divergence import AdaptiveKLController, FixedKLController
 from reward_kl.reward_normalization import RunningMoments
 from training.checkpoint import (
@@ -30,7 +31,7 @@ from training.checkpoint import (
 )
 from training.fingerprints import model_fingerprint
 from training.callbacks import TrainerCallback
-from training.loop import LoopState
+from training.loop import InRunState, LoopState
 from training.optimizer import SchedulePlan, make_adamw, resumed_plan
 
 if TYPE_CHECKING:
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
 class RunState(LoopState):
     """What an RL run changes: the trainer's ``run`` attribute, which the loop
     (:class:`training.loop.TrainingLoop`, through :class:`ppo_trainer.run_loop.RLStage`), the
-    trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and the checkpoint functions below
-    read and write (the trainer's ``global_step``, ``epoch``, ... are its fields). Besides the
+    trainer's :meth:`~ppo_trainer.ppo_trainer.PPOTrainer.step` and its checkpoints
+    (:class:`RunCheckpoints`) read and write (the trainer's ``global_step``, ``epoch``, ... are
+    its fields, :class:`RunAttributes`). Besides the
     loop's fields (:class:`~training.loop.LoopState`: counters, history, BLAS threads, stop
     request, callbacks), a checkpoint keeps the scores' statistics, the optimisers, their
     schedule and the KL controller; ``rollout_worker`` and ``record_eval`` belong to one call of
@@ -80,6 +82,31 @@ class RunState(LoopState):
         """The prompts' next pass starts (with no extra generation rounds drawn yet)."""
         super().next_epoch()
         self.extra_gen_batches = 0
+
+    def learning_rate(self) -> float:
+        """The policy's current learning rate."""
+        assert self.policy_optimizer is not None
+        return float(np.asarray(self.policy_optimizer.learning_rate))
+
+
+class RunAttributes:
+    """The fields of an RL trainer's run state (its ``run``, a :class:`RunState`) as attributes
+    of the trainer: ``trainer.global_step`` reads and writes ``trainer.run.global_step``, and so
+    on."""
+
+    run: RunState
+    global_step = InRunState[int]()
+    epoch = InRunState[int]()
+    step_in_epoch = InRunState[int]()
+    extra_gen_batches = InRunState[int]()
+    history = InRunState[list[dict[str, float]]]()
+    reward_moments = InRunState[RunningMoments]()
+    kl_ctl = InRunState[FixedKLController | AdaptiveKLController]()
+    policy_optimizer = InRunState[optim.Optimizer | None]()
+    value_optimizer = InRunState[optim.Optimizer | None]()
+    lr_plan = InRunState[SchedulePlan | None]()
+    blas_threads = InRunState[int | None]()
+    stop_reason = InRunState[str | None]()
 
 
 #: Settings a checkpoint must share with the run resuming it: the data order, the sampled
@@ -233,6 +260,15 @@ def ensure_optimizers(
     rebuild_optimizers(state, config, with_value, state.lr_plan.schedule())
 
 
+def begin_step(state: RunState, config: PPOConfig, with_value: bool) -> None:
+    """Before a step's rollout: the optimisers (built at the first step, :func:`ensure_optimizers`),
+    the BLAS threads (``PPO_MLX_ADAPTIVE_BLAS=step`` only; else fixed per run), the step's random
+    seed (a function of seed and step)."""
+    ensure_optimizers(state, config, with_value, total_steps=None)
+    adapt_blas_threads()
+    mx.random.seed(step_seed(config.seed, state.global_step))
+
+
 def rebuild_optimizers(
     state: RunState,
     config: PPOConfig,
@@ -278,78 +314,94 @@ def trained_tree(state: RunState, trained: Trained) -> dict[str, Any]:
     return tree
 
 
-def save_trainer_state(
-    state: RunState,
-    trained: Trained,
-    checkpoints: CheckpointManager,
-    *,
-    config: PPOConfig,
-    world_size: int,
-    inputs: Mapping[str, str | None],
-    sft_cursor: int | None,
-) -> Path:
-    """Write the run's checkpoint for its current step: trainable weights and optimiser states,
-    and the JSON state (counters and the data cursor, KL controller, history, config, number of
-    processes, schedule, BLAS threads, the run's ``inputs``, the scores' running statistics, the
-    SFT data cursor); returns its directory.
+@dataclass(frozen=True)
+class RunCheckpoints:
+    """How a run writes and restores its checkpoints, besides its state and trained models.
+
+    Attributes:
+        manager: the checkpoint folders (``<output_dir>/checkpoints``).
+        config: the run's settings (recorded; :data:`RESUME_KEYS` compared on resume).
+        world_size: the run's data-parallel processes (recorded; compared on resume).
+        inputs: the fingerprints of what the run reads (the trainer's ``inputs``, which
+            ``train()`` completes with the prompts'), recorded.
+        sft_mix: the SFT examples of ``sft_coef`` (None: none), whose cursor is recorded.
     """
-    plan = state.lr_plan
-    saved = {
-        "global_step": state.global_step,
-        "epoch": state.epoch,
-        "step_in_epoch": state.step_in_epoch,
-        "extra_gen_batches": state.extra_gen_batches,
-        "kl_controller": state.kl_ctl.state_dict(),
-        "history": state.history,
-        "config": config_to_dict(config),
-        "world_size": world_size,
-        "schedule": plan.to_dict() if plan else None,
-        "blas_threads": state.blas_threads,
-        "inputs": dict(inputs),
-        "reward_moments": state.reward_moments.to_dict(),
-        "sft_cursor": sft_cursor,
-    }
-    return save_training_state(checkpoints, state.global_step, *checkpointed(state, trained), saved)
 
+    manager: CheckpointManager
+    config: PPOConfig
+    world_size: int
+    inputs: Mapping[str, str | None]
+    sft_mix: SFTMix | None
 
-def load_trainer_state(
-    state: RunState,
-    trained: Trained,
-    path: str | Path,
-    *,
-    config: PPOConfig,
-    world_size: int,
-    warn: bool,
-) -> int | None:
-    """Restore what :func:`save_trainer_state` wrote, after checking that the checkpoint belongs
-    to this run (:func:`check_checkpoint`); returns the SFT data cursor it recorded. The resumed
-    run takes the checkpoint's BLAS thread count (its matmuls sum in the same order) and its
-    learning-rate schedule (continued, not restarted, when the run's length changed). ``warn``:
-    log the settings that changed (the main process)."""
-    saved = CheckpointManager.read_state(path)
-    check_checkpoint(path, saved, config, world_size)
-    load_training_state(path, *checkpointed(state, trained))
-    state.blas_threads = run_blas_threads(saved.get("blas_threads"))
-    kl_note = restore_kl_controller(state.kl_ctl, config, saved)
-    state.global_step = int(saved["global_step"])
-    state.epoch = int(saved["epoch"])
-    state.step_in_epoch = int(saved["step_in_epoch"])
-    state.extra_gen_batches = int(saved.get("extra_gen_batches", 0))
-    state.history = list(saved["history"])
-    moments = saved.get("reward_moments")  # normalize_reward's statistics (none: before them)
-    state.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
-    schedule_note = None
-    if state.lr_plan is not None and state.policy_optimizer is not None:
-        updates = int(np.asarray(state.policy_optimizer.step))
-        plan, schedule_note = resumed_plan(saved.get("schedule"), state.lr_plan, updates)
-        state.lr_plan = plan  # its checkpoints record the schedule it follows
-        rebuild_optimizers(state, config, trained.value_model is not None, plan.schedule())
-    if warn:
-        warn_changed_settings(
-            path, saved["config"], config_to_dict(config), [schedule_note, kl_note]
-        )
-    cursor = saved.get("sft_cursor")
-    return None if cursor is None else int(cursor)
+    @classmethod
+    def of(
+        cls,
+        config: PPOConfig,
+        world_size: int,
+        inputs: Mapping[str, str | None],
+        sft_mix: SFTMix | None,
+    ) -> RunCheckpoints:
+        """The checkpoints of a run with ``config``, under ``<output_dir>/checkpoints`` (the last
+        ``keep_last_checkpoints`` of them kept)."""
+        root = Path(config.output_dir) / "checkpoints"
+        manager = CheckpointManager(root, keep_last=config.keep_last_checkpoints)
+        return cls(manager, config, world_size, inputs, sft_mix)
+
+    def save(self, state: RunState, trained: Trained) -> Path:
+        """Write the run's checkpoint for its current step: trainable weights and optimiser
+        states, and the JSON state (counters and the data cursor, KL controller, history,
+        config, number of processes, schedule, BLAS threads, the run's ``inputs``, the scores'
+        running statistics, the SFT data cursor); returns its directory."""
+        plan = state.lr_plan
+        saved = {
+            "global_step": state.global_step,
+            "epoch": state.epoch,
+            "step_in_epoch": state.step_in_epoch,
+            "extra_gen_batches": state.extra_gen_batches,
+            "kl_controller": state.kl_ctl.state_dict(),
+            "history": state.history,
+            "config": config_to_dict(self.config),
+            "world_size": self.world_size,
+            "schedule": plan.to_dict() if plan else None,
+            "blas_threads": state.blas_threads,
+            "inputs": dict(self.inputs),
+            "reward_moments": state.reward_moments.to_dict(),
+            "sft_cursor": self.sft_mix.cursor if self.sft_mix is not None else None,
+        }
+        models, optimizers = checkpointed(state, trained)
+        return save_training_state(self.manager, state.global_step, models, optimizers, saved)
+
+    def load(self, state: RunState, trained: Trained, path: str | Path, warn: bool) -> None:
+        """Restore what :meth:`save` wrote, after checking that the checkpoint belongs to this
+        run (:func:`check_checkpoint`); the SFT data stream continues where it stopped. The
+        resumed run takes the checkpoint's BLAS thread count (its matmuls sum in the same
+        order) and its learning-rate schedule (continued, not restarted, when the run's length
+        changed). ``warn``: log the settings that changed (the main process)."""
+        config = self.config
+        saved = CheckpointManager.read_state(path)
+        check_checkpoint(path, saved, config, self.world_size)
+        load_training_state(path, *checkpointed(state, trained))
+        state.blas_threads = run_blas_threads(saved.get("blas_threads"))
+        kl_note = restore_kl_controller(state.kl_ctl, config, saved)
+        state.global_step = int(saved["global_step"])
+        state.epoch = int(saved["epoch"])
+        state.step_in_epoch = int(saved["step_in_epoch"])
+        state.extra_gen_batches = int(saved.get("extra_gen_batches", 0))
+        state.history = list(saved["history"])
+        moments = saved.get("reward_moments")  # normalize_reward's statistics (none: before them)
+        state.reward_moments = RunningMoments.from_dict(moments) if moments else RunningMoments()
+        schedule_note = None
+        if state.lr_plan is not None and state.policy_optimizer is not None:
+            updates = int(np.asarray(state.policy_optimizer.step))
+            plan, schedule_note = resumed_plan(saved.get("schedule"), state.lr_plan, updates)
+            state.lr_plan = plan  # its checkpoints record the schedule it follows
+            rebuild_optimizers(state, config, trained.value_model is not None, plan.schedule())
+        if warn:
+            warn_changed_settings(
+                path, saved["config"], config_to_dict(config), [schedule_note, kl_note]
+            )
+        if self.sft_mix is not None:
+            self.sft_mix.cursor = int(saved.get("sft_cursor") or 0)
 
 
 def restore_kl_controller(

@@ -20,12 +20,16 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from algorithms.base import PolicyLoss
 from algorithms.registry import get_algorithm
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
 from finetune.sft_trainer import sft_loss
 from finetune.tokenize import SFTBatch
+from ppo_trainer.components import RunModels
 from ppo_trainer.gkd import check_split_heads, gkd_policy_loss
+from ppo_trainer.run_state import RunState
+from ppo_trainer.sft_mix import load_sft_mix
 from token_attribution.sequences import (
     ScoringModel,
     gather_positions,
@@ -133,56 +137,40 @@ def policy_loss_fn(
             config.temperature,
             with_entropy=bonus or by_entropy,
         )
-        weights = None  # (b, T) per-token loss weights, constants; None = 1
-        if think_tags is not None:
-            weights = response_region_weights(
-                mb.query_responses,
-                mb.prompt_lengths,
-                mb.responses.shape[1],
-                think_tags,
-                config.think_loss_weight,
-                config.answer_loss_weight,
-            )
-        if by_entropy:
-            assert entropy is not None
-            keep = top_entropy_mask(entropy, mb.mask, config.top_entropy_quantile)  # (b, T)
-            weights = keep if weights is None else weights * keep
-        loss, metrics = algorithm_loss(logprobs, mb, weights)
+        weights = token_weights(config, think_tags, mb, entropy if by_entropy else None)
+        loss, metrics = algorithm_loss(config, kind, logprobs, mb, weights)
         if bonus:
             assert entropy is not None
             return entropy_bonus(loss, metrics, entropy, mb.mask, config.entropy_coef)
         return loss, metrics
 
-    def algorithm_loss(
-        logprobs: mx.array, mb: RolloutBatch, weights: mx.array | None
-    ) -> tuple[mx.array, dict[str, mx.array]]:
-        high = config.clip_epsilon_high
-        if kind == "grpo":
-            return grpo_policy_loss(
-                logprobs,
-                mb.logprobs,
-                mb.ref_logprobs,
-                mb.advantages,
-                mb.mask,
-                config.clip_epsilon,
-                config.beta,
-                cliprange_high=high,
-                loss_type=config.loss_type,
-                importance_sampling_level=config.importance_sampling_level,
-                max_completion_length=config.max_new_tokens,
-                weights=weights,
-            )
-        if kind == "sequence":
-            return rloo_policy_loss(
-                logprobs,
-                mb.logprobs,
-                mb.advantages,
-                mb.mask,
-                config.clip_epsilon,
-                cliprange_high=high,
-                weights=weights,
-            )
-        return ppo_policy_loss(
+    return loss
+
+
+def algorithm_loss(
+    config: Any, kind: PolicyLoss, logprobs: mx.array, mb: RolloutBatch, weights: mx.array | None
+) -> tuple[mx.array, dict[str, mx.array]]:
+    """The algorithm's policy loss (``kind``, :data:`algorithms.base.PolicyLoss`) of a
+    minibatch's ``logprobs`` (B, T), differentiated, against its rollout constants, with the
+    per-token ``weights`` (B, T) (None: 1)."""
+    high = config.clip_epsilon_high
+    if kind == "grpo":
+        return grpo_policy_loss(
+            logprobs,
+            mb.logprobs,
+            mb.ref_logprobs,
+            mb.advantages,
+            mb.mask,
+            config.clip_epsilon,
+            config.beta,
+            cliprange_high=high,
+            loss_type=config.loss_type,
+            importance_sampling_level=config.importance_sampling_level,
+            max_completion_length=config.max_new_tokens,
+            weights=weights,
+        )
+    if kind == "sequence":
+        return rloo_policy_loss(
             logprobs,
             mb.logprobs,
             mb.advantages,
@@ -191,8 +179,36 @@ def policy_loss_fn(
             cliprange_high=high,
             weights=weights,
         )
+    return ppo_policy_loss(
+        logprobs,
+        mb.logprobs,
+        mb.advantages,
+        mb.mask,
+        config.clip_epsilon,
+        cliprange_high=high,
+        weights=weights,
+    )
 
-    return loss
+
+def token_weights(
+    config: Any, think_tags: ThinkTags | None, mb: RolloutBatch, entropy: mx.array | None
+) -> mx.array | None:
+    """(B, T) per-token loss weights, constants: the think / answer regions' (``think_tags``)
+    times the ``top_entropy_quantile`` mask of ``entropy`` (None: not by entropy); None = 1."""
+    weights = None
+    if think_tags is not None:
+        weights = response_region_weights(
+            mb.query_responses,
+            mb.prompt_lengths,
+            mb.responses.shape[1],
+            think_tags,
+            config.think_loss_weight,
+            config.answer_loss_weight,
+        )
+    if entropy is not None:
+        keep = top_entropy_mask(entropy, mb.mask, config.top_entropy_quantile)  # (B, T)
+        weights = keep if weights is None else weights * keep
+    return weights
 
 
 def policy_weighting(config: Any) -> LossType:
@@ -302,3 +318,73 @@ def ppo_epochs(
                     )
             step_metrics.append(metrics)
     return step_metrics
+
+
+class Updater:
+    """Phase 5 of a run, built once: the gradients of the policy's loss and (with a value model)
+    of the value loss, and the SFT examples mixed into the policy's updates (``sft_coef``).
+
+    Building it checks, before any rollout, the think tags the region weights need
+    (:func:`think_tags_for`) and loads the SFT data (:func:`~ppo_trainer.sft_mix.load_sft_mix`).
+    """
+
+    def __init__(self, config: Any, models: RunModels) -> None:
+        self.config = config
+        policy, value_model = models.policy, models.value_model
+        self.policy, self.value_model = policy, value_model
+        think_tags = think_tags_for(config, models.tokenizer)
+        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
+        self.sft_mix = load_sft_mix(config, models.tokenizer)
+        # GKD's loss reads the teacher (the run's reference) inside the differentiated function.
+        loss = policy_loss_fn(config, think_tags, models.ref_model)
+        self.policy_grad = nn.value_and_grad(policy, loss)
+        self.value_grad = (
+            nn.value_and_grad(value_model, value_loss_fn(config))
+            if value_model is not None
+            else None
+        )
+
+    def learners(self, run: RunState) -> list[Learner]:
+        """The value model (PPO), then the policy: the models are independent, and a value loss
+        that overflows (huge rewards) then stops the step before the policy has moved. During
+        the first ``value_warmup_steps`` steps, the value model alone."""
+        assert run.policy_optimizer is not None
+        learners = [
+            Learner(
+                self.policy,
+                run.policy_optimizer,
+                self.policy_grad,
+                "policy",
+                policy_weighting(self.config),
+                self.sft_mix.next_batch if self.sft_mix is not None else None,
+            )
+        ]
+        if self.value_model is not None:
+            assert run.value_optimizer is not None and self.value_grad is not None
+            value = Learner(self.value_model, run.value_optimizer, self.value_grad, "val")
+            if run.global_step < self.config.value_warmup_steps:
+                return [value]
+            learners.insert(0, value)
+        return learners
+
+    def update(
+        self, batch: RolloutBatch, run: RunState, step: int, group: Any = None
+    ) -> list[dict[str, mx.array]]:
+        """Phase 5 of step ``step``: the PPO epochs of its learners (:meth:`learners`), in an
+        order that is a function of seed and step; the run counts as updating meanwhile (a
+        failure then does not save a half-updated state)."""
+        cfg = self.config
+        run.updating = True
+        update_metrics = ppo_epochs(
+            batch,
+            self.learners(run),
+            num_ppo_epochs=cfg.num_ppo_epochs,
+            num_mini_batches=cfg.num_mini_batches,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            max_grad_norm=cfg.max_grad_norm,
+            rng=np.random.default_rng([cfg.seed, run.global_step, 1]),
+            step=step,
+            group=group,
+        )
+        run.updating = False
+        return update_metrics

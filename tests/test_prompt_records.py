@@ -299,7 +299,7 @@ def test_a_reward_of_the_wrong_length_or_column_fails_before_any_rollout(
     with pytest.raises(ValueError, match="the reward scalar returned float 0.0, not a list"):
         trainer.train(records)
     trainer.rewards.fn = right
-    trainer._check_reward_call(records)  # a right one passes
+    trainer.preparation.check_reward_call(records)  # a right one passes
 
     def first_word(completions: list[str], **kwargs: Any) -> list[float]:
         return [float(len(c.split()[0])) for c in completions]  # fails on an empty completion

@@ -549,9 +549,10 @@ def test_grpo_with_sft_coef_learns_the_sft_data_and_resumes_its_cursor(
 
     mixed, before = one_step("mixed", **mix_settings)
     assert_all_changed(before, trainable(mixed.policy))
-    assert mixed.sft_mix is not None and mixed.sft_mix.cursor == 3  # 1 update of 3 examples
+    mix = mixed.updater.sft_mix
+    assert mix is not None and mix.cursor == 3  # 1 update of 3 examples
     plain, _ = one_step("plain")
-    sft = collate_sft(mixed.sft_mix.examples, 0)
+    sft = collate_sft(mix.examples, 0)
 
     def nll(trainer: PPOTrainer) -> float:
         logits = trainer.policy(sft.input_ids[:, :-1])
@@ -564,7 +565,7 @@ def test_grpo_with_sft_coef_learns_the_sft_data_and_resumes_its_cursor(
         reward_model=e_rate,
     )
     resumed.load_checkpoint(saved)
-    assert resumed.sft_mix is not None and resumed.sft_mix.cursor == 3
+    assert resumed.updater.sft_mix is not None and resumed.updater.sft_mix.cursor == 3
 
     def no_rollout(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a rollout ran")
