@@ -42,8 +42,20 @@ LOG_EXTRA = "log_extra"
 ``log_extra(column, values)`` records one value per completion beside the scores (a judge's
 prompt and verdict), in the rollout records' ``details`` (:class:`ExtraColumns`)."""
 
+LOG_METRIC = "log_metric"
+"""The other argument TRL adds: ``log_metric(name, value)`` logs a scalar of the step beside its
+metrics (values logged more than once in a step are averaged), under ``name`` as given."""
+
 RESERVED_COLUMNS = frozenset(
-    {"prompts", "completions", "query_responses", "sequence_lengths", COMPLETION_IDS, LOG_EXTRA}
+    {
+        "prompts",
+        "completions",
+        "query_responses",
+        "sequence_lengths",
+        COMPLETION_IDS,
+        LOG_EXTRA,
+        LOG_METRIC,
+    }
 )
 """Names of the arguments of rewards and ``compute_scores``: not usable as record fields."""
 
@@ -274,6 +286,7 @@ def check_reward_function(fn: Callable[..., Any], column_names: Sequence[str]) -
     columns: dict[str, list[Any]] = {name: [] for name in column_names}
     columns[COMPLETION_IDS] = []
     columns[LOG_EXTRA] = []
+    columns[LOG_METRIC] = []
     reward_arguments(fn, [], [], columns)
 
 
@@ -281,15 +294,31 @@ class ExtraColumns:
     """What the rewards of one scoring call logged with ``log_extra(column, values)`` (the
     object is that function: :meth:`log`): column
     name -> one value per completion (JSON-able: text, numbers, lists, dicts, None), in
-    ``columns``.
+    ``columns``; and with ``log_metric(name, value)`` (:meth:`metric`), scalars in ``metrics``.
 
-    Raises (from :meth:`log`):
-        ValueError: a column without a name, or not one value per completion.
+    Raises (from :meth:`log`, :meth:`metric`):
+        ValueError: a column without a name, or not one value per completion; a metric without
+            a name, or whose value is not a number.
     """
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.columns: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def metric(self, name: str, value: float) -> None:
+        """``log_metric``: record the scalar ``value`` under ``name`` (TRL's name, unprefixed)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"log_metric needs a metric name, got {name!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"log_metric({name!r}, ...) needs a number, got {value!r}") from err
+        self.metrics.setdefault(name, []).append(number)
+
+    def metric_means(self) -> dict[str, float]:
+        """Each logged metric's mean over the values logged in this call."""
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
 
     def log(self, column: str, values: Sequence[Any]) -> None:
         """Record ``values`` (one per completion) as ``column``; a column logged again is

@@ -16,6 +16,7 @@ from ppo_trainer.components import NamedReward
 from ppo_trainer.prompt_records import (
     COMPLETION_IDS,
     LOG_EXTRA,
+    LOG_METRIC,
     Columns,
     ExtraColumns,
     check_reward_function,
@@ -87,7 +88,7 @@ class Rewards:
 
         def for_reward(name: str) -> Columns:
             if not isinstance(extra, ExtraColumns):
-                return {k: v for k, v in columns.items() if k != LOG_EXTRA}
+                return {k: v for k, v in columns.items() if k not in (LOG_EXTRA, LOG_METRIC)}
             return {**columns, LOG_EXTRA: cast(Any, extra.prefixed(name))}
 
         if self.funcs:
@@ -124,6 +125,7 @@ class Rewards:
             **columns,
             COMPLETION_IDS: [[] for _ in range(n)],
             LOG_EXTRA: cast(Any, ExtraColumns(n)),
+            LOG_METRIC: cast(Any, ExtraColumns(n).metric),
         }
         functions: list[tuple[str, Any]] = [] if self.fn is None else [("", self.fn)]
         functions += [(name, r) for name, r in self.funcs if not isinstance(r, RewardModel)]

@@ -22,6 +22,7 @@ from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
 from ppo_trainer.prompt_records import (
     COMPLETION_IDS,
     LOG_EXTRA,
+    LOG_METRIC,
     Columns,
     ExtraColumns,
     columns_for,
@@ -110,7 +111,7 @@ class Scorer:
     def check_columns(self, columns: Columns) -> None:
         """Raise ``ValueError`` before any generation if the reward needs a column that the
         prompts do not carry."""
-        columns = {**columns, COMPLETION_IDS: [], LOG_EXTRA: []}
+        columns = {**columns, COMPLETION_IDS: [], LOG_EXTRA: [], LOG_METRIC: []}
         columns_for(self.compute_scores, columns, positional=4)
         self.rewards.check_columns(columns)
 
@@ -145,7 +146,12 @@ class Scorer:
         ends = np.asarray(sequence_lengths).tolist()
         ids = [row[len(p) : end] for row, p, end in zip(rows, prompt_ids, ends)]
         extra = ExtraColumns(len(completions))
-        all_columns: Columns = {**columns, COMPLETION_IDS: ids, LOG_EXTRA: cast(Any, extra)}
+        all_columns: Columns = {
+            **columns,
+            COMPLETION_IDS: ids,
+            LOG_EXTRA: cast(Any, extra),
+            LOG_METRIC: cast(Any, extra.metric),
+        }
         out = self.compute_scores(
             texts,
             completions,
@@ -153,9 +159,12 @@ class Scorer:
             sequence_lengths,
             **columns_for(self.compute_scores, all_columns, positional=4),
         )
-        if environment_scores is None:
+        if environment_scores is None and not extra.metrics:
             return Scored(out, extra.columns)
         raw, metrics = split_scores(out, self.source)
+        metrics = {**metrics, **{k: mx.array(v) for k, v in extra.metric_means().items()}}
+        if environment_scores is None:
+            return Scored((raw, metrics), extra.columns)
         base = check_scores(raw, len(completions), self.source)
         return Scored((base + environment_scores, metrics), extra.columns)
 

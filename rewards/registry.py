@@ -21,7 +21,7 @@ RewardFn = Callable[..., list[float | None]]
 """``fn(prompts, completions, **columns) -> list[float | None]``."""
 
 #: The parameters every reward receives from the trainer, never from the config.
-CALL_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "log_extra"})
+CALL_ARGUMENTS = frozenset({"prompts", "completions", "completion_ids", "log_extra", "log_metric"})
 
 
 @dataclass(frozen=True)

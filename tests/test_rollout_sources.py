@@ -23,6 +23,7 @@ from ppo_trainer.rollout import (
     Rollout,
     RolloutSource,
     SamplingSettings,
+    Scored,
     StepPlan,
     rollout_keys,
 )
@@ -115,6 +116,8 @@ LENGTHS = mx.array([4, 3])
 def score(scorer: Scorer, environment: list[float] | None = None) -> list[float]:
     env = None if environment is None else mx.array(environment)
     out = scorer.score(["p", "p"], PROMPT_IDS, {}, ["ab", "c"], QUERY_RESPONSES, LENGTHS, env)
+    if isinstance(out, Scored):  # with what the rewards logged
+        out = out.out
     scores = out[0] if isinstance(out, tuple) else out
     return np.asarray(scores).tolist()
 

@@ -10,11 +10,12 @@ and read the documented shapes (``completion[0]["content"]`` for a conversationa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from datasets import Dataset
@@ -133,13 +134,15 @@ def test_the_documented_rewards_on_a_standard_dataset(tiny_model_dir: Path, tmp_
     for name in ("reward_len_tokens", "reward_len_chars", "reward_boxed"):
         assert f"rewards/{name}/mean" in metrics[-1]
     # TRL's call: the prompts as the dataset gave them, text completions, completion_ids,
-    # trainer_state, and every column but prompt.
+    # trainer_state, the two logging functions, and every column but prompt.
     call = seen["chars"]
     assert set(call) == {
         "completions",
         "prompts",
         "completion_ids",
         "trainer_state",
+        "log_extra",
+        "log_metric",
         "ground_truth",
     }
     assert all(isinstance(c, str) for c in call["completions"])
@@ -272,6 +275,52 @@ def test_messages_records_train(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert_all_changed(before, trainable(trainer.policy.model))
     assert sorted(set(answers)) == ["1", "2"]
     assert evaluated == [1]  # the eval_dataset, at the end
+
+
+def test_a_rewards_log_metric_and_log_extra_reach_the_metrics_and_records(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """TRL's ``log_metric(name, value)`` (a scalar of the step, averaged when logged twice, under
+    its own name) and ``log_extra(column, values)`` (one value per completion, in the rollout
+    records' ``details`` under ``<reward>/<column>``); a value that is not a number is refused."""
+    from ppo_trainer.trl_names import GRPOConfig, GRPOTrainer
+
+    def length(completions: list[str], log_metric: Any, log_extra: Any, **kw: Any) -> list[float]:
+        lengths = [float(len(c)) for c in completions]
+        log_metric("length/max", max(lengths))
+        log_metric("length/max", max(lengths) + 2.0)  # twice in a step: the mean
+        log_extra("chars", [len(c) for c in completions])
+        return lengths
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        num_generations=2,
+        batch_size=2,
+        max_completion_length=8,
+        max_steps=1,
+        progress_bar=False,
+        log_rollouts_every=1,
+    )
+    prompts = [{"prompt": f"Count to {i}:"} for i in range(2)]
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=length, args=args, train_dataset=prompts
+    )
+    metrics = trainer.train()[-1]
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    ]
+    scores = [r["score"] for r in records]  # each completion's length in characters
+    assert metrics["length/max"] == pytest.approx(max(scores) + 1.0)
+    assert [r["details"]["length/chars"] for r in records] == scores
+
+    from ppo_trainer.prompt_records import ExtraColumns
+
+    extra = ExtraColumns(2)
+    with pytest.raises(ValueError, match="log_metric\\('x', ...\\) needs a number"):
+        extra.metric("x", cast(Any, "high"))
+    with pytest.raises(ValueError, match="needs a metric name"):
+        extra.metric("", 1.0)
 
 
 def test_trl_keys_are_translated_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
