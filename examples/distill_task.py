@@ -10,15 +10,19 @@ to the teacher are compared before and after.
 3. The student: a smaller model with the same tokenizer (:data:`STUDENT_SIZE`), given a short SFT
    on the same demonstrations, so that it knows the format and the outer words but often gets
    the middle one wrong.
-4. Distillation (``algorithm: distill``): the student samples its answers to training prompts
-   (no answers given), the frozen teacher scores every token, and the student moves toward it
-   by the per-token reverse KL.
+4. Distillation on-policy: the student samples its answers to training prompts (no answers
+   given) and moves toward the frozen teacher at every token, by one of two losses (``--loss``,
+   :data:`LOSSES`): ``reverse_kl`` (``algorithm: distill``: the sampled token's log-ratio
+   ``log pi_teacher - log pi`` as its advantage, the reverse KL's one-sample estimate) or ``gkd``
+   (``algorithm: gkd`` with ``lmbda`` 1: the generalized JSD between the two next-token
+   distributions over the whole vocabulary).
 5. On the held-out triples, for the student before and after and for the teacher: the task score
    (the share of exactly right answers) of samples at temperature 1 (the distribution the
-   distillation matches) and of greedy answers, and the mean per-token KL to the teacher.
+   distillation matches) and of greedy answers, the mean per-token KL to the teacher, and the
+   share of greedy answers right at each word.
 
-Run ``python -m examples.distill_task --seed 0``; ``--quick`` runs every stage at toy scale
-(tests).
+Run ``python -m examples.distill_task --seed 0 --loss gkd``; ``--quick`` runs every stage at toy
+scale (tests).
 """
 
 from __future__ import annotations
