@@ -10,15 +10,19 @@ to the teacher are compared before and after.
 3. The student: a smaller model with the same tokenizer (:data:`STUDENT_SIZE`), given a short SFT
    on the same demonstrations, so that it knows the format and the outer words but often gets
    the middle one wrong.
-4. Distillation (``algorithm: distill``): the student samples its answers to training prompts
-   (no answers given), the frozen teacher scores every token, and the student moves toward it
-   by the per-token reverse KL.
+4. Distillation on-policy: the student samples its answers to training prompts (no answers
+   given) and moves toward the frozen teacher at every token, by one of two losses (``--loss``,
+   :data:`LOSSES`): ``reverse_kl`` (``algorithm: distill``: the sampled token's log-ratio
+   ``log pi_teacher - log pi`` as its advantage, the reverse KL's one-sample estimate) or ``gkd``
+   (``algorithm: gkd`` with ``lmbda`` 1: the generalized JSD between the two next-token
+   distributions over the whole vocabulary).
 5. On the held-out triples, for the student before and after and for the teacher: the task score
    (the share of exactly right answers) of samples at temperature 1 (the distribution the
-   distillation matches) and of greedy answers, and the mean per-token KL to the teacher.
+   distillation matches) and of greedy answers, the mean per-token KL to the teacher, and the
+   share of greedy answers right at each word.
 
-Run ``python -m examples.distill_task --seed 0``; ``--quick`` runs every stage at toy scale
-(tests).
+Run ``python -m examples.distill_task --seed 0 --loss gkd``; ``--quick`` runs every stage at toy
+scale (tests).
 """
 
 from __future__ import annotations
@@ -82,8 +86,8 @@ SFT_SETTINGS: dict[str, Any] = dict(
 #: gets the outer words and about a third of the middle ones (greedy).
 TEACHER_STEPS = 300
 STUDENT_STEPS = 200
+#: The distillation for both losses: all the student's weights, 32 training prompts a step.
 DISTILL_SETTINGS: dict[str, Any] = dict(
-    algorithm="distill",  # kl_coef 1, temperature 1, one update per batch: its defaults
     use_lora=False,  # the student is small: all its weights train
     learning_rate=1e-3,
     batch_size=32,
@@ -94,6 +98,17 @@ DISTILL_SETTINGS: dict[str, Any] = dict(
     log_rollouts_every=0,
     progress_bar=False,
 )
+#: Each loss's own settings (``--loss``), beside :data:`DISTILL_SETTINGS`.
+LOSSES: dict[str, dict[str, Any]] = {
+    # kl_coef 1, temperature 1, one update per batch: the algorithm's defaults
+    "reverse_kl": dict(algorithm="distill"),
+    "gkd": dict(
+        algorithm="gkd",
+        lmbda=1.0,  # on-policy: the student's own samples only (the prompts carry no answers)
+        beta=0.5,
+        temperature=1.0,
+    ),
+}
 #: Toy scale: the test-size tokenizer and models, a few steps of each stage.
 QUICK: dict[str, Any] = dict(
     teacher=TINY_SIZES["test"],
@@ -133,6 +148,13 @@ def is_right(record: dict[str, str], completion: str) -> float:
     return float(completion.strip() == record["answer"])
 
 
+def words_right(record: dict[str, str], completion: str) -> list[float]:
+    """Per word of the answer (first, middle, last): 1.0 where the completion's word at that
+    place is right, else 0.0 (where the student goes wrong)."""
+    said = completion.split()
+    return [float(i < len(said) and said[i] == w) for i, w in enumerate(record["answer"].split())]
+
+
 def evaluate(trainer: PPOTrainer, records: Sequence[dict[str, str]]) -> dict[str, Any]:
     """The trainer's policy on ``records``: the sampled score (:data:`SAMPLES_PER_PROMPT`
     samples each at temperature 1; per record, the share right), the greedy score (per record),
@@ -158,6 +180,12 @@ def evaluate(trainer: PPOTrainer, records: Sequence[dict[str, str]]) -> dict[str
         # eval/kl is the mean over samples of each sample's summed KL: / the mean length = per token
         "kl_per_token": sampled["eval/kl"] / sampled["eval/response_length"],
         "greedy_samples": [s["completion"] for s in greedy["samples"]],
+        "greedy_words": [  # the share of greedy answers right at each word
+            mean(column)
+            for column in zip(
+                *(words_right(r, s["completion"]) for r, s in zip(records, greedy["samples"]))
+            )
+        ],
     }
 
 
@@ -180,12 +208,16 @@ def run(
     seed: int,
     *,
     quick: bool = False,
+    loss: str = "reverse_kl",
     steps: int | None = None,
     overrides: dict[str, Any] | None = None,
     fresh: bool = False,
 ) -> dict[str, Any]:
-    """The five stages under ``output_dir`` (the SFT stages cached there unless ``fresh``);
-    returns the evaluations of the teacher and of the student before and after."""
+    """The five stages under ``output_dir`` (the SFT stages cached there unless ``fresh``), the
+    distillation by ``loss`` (a key of :data:`LOSSES`); returns the evaluations of the teacher
+    and of the student before and after, and the stages' times in seconds."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
     start = time.perf_counter()
     output_dir.mkdir(parents=True, exist_ok=True)
     train, held_out = problems(seed, QUICK["held_out"] if quick else HELD_OUT)
@@ -216,7 +248,12 @@ def run(
     sft_done = time.perf_counter()
 
     # 4. Distillation on the training prompts alone.
-    settings = {**DISTILL_SETTINGS, **(QUICK["distill"] if quick else {}), **(overrides or {})}
+    settings = {
+        **DISTILL_SETTINGS,
+        **LOSSES[loss],
+        **(QUICK["distill"] if quick else {}),
+        **(overrides or {}),
+    }
     if steps is not None:
         settings["total_steps"] = steps
     config = PPOConfig(
@@ -224,14 +261,20 @@ def run(
         model_name=str(models["student"]),
         teacher_model_name=str(models["teacher"]),
         seed=seed,
-        output_dir=str(output_dir / "distill"),
+        output_dir=str(output_dir / loss),
         overwrite_output_dir=True,
     )
     trainer = PPOTrainer(config)
     before = evaluate(trainer, held_out)
+    terms = (
+        f"kl_coef {config.kl_coef}"
+        if config.algorithm == "distill"
+        else f"beta {config.beta}, lmbda {config.lmbda}"
+    )
     print(
-        f"[distill] {config.total_steps} steps of {config.batch_size} prompts (no answers), "
-        f"kl_coef {config.kl_coef}, learning rate {config.learning_rate}"
+        f"[{loss}] algorithm {config.algorithm}: {config.total_steps} steps of "
+        f"{config.batch_size} prompts (no answers), {terms}, temperature {config.temperature}, "
+        f"learning rate {config.learning_rate}"
     )
     distill_start = time.perf_counter()
     prompts = [r["prompt"] for r in train]
@@ -260,6 +303,8 @@ def run(
         rose, change, error = clearly_rose(before[metric], after[metric])
         verdict = "clearly rose" if rose else "did NOT clearly rise"
         print(f"{metric} score {verdict}: change {change:+.3f} +- {error:.3f}")
+    places = zip(("first", "middle", "last"), before["greedy_words"], after["greedy_words"])
+    print("greedy words right: " + ", ".join(f"{w} {b:.2f} -> {a:.2f}" for w, b, a in places))
     fell = "fell" if after["kl_per_token"] < before["kl_per_token"] else "did NOT fall"
     print(f"KL per token {fell}: {before['kl_per_token']:.3f} -> {after['kl_per_token']:.3f}")
     for record, completion in list(zip(held_out, after["greedy_samples"]))[:3]:
@@ -270,7 +315,8 @@ def run(
         f"time: SFT {sft_done - start:.0f} s, distillation {distill_done - distill_start:.0f} s, "
         f"total {end - start:.0f} s"
     )
-    return {"before": before, "after": after, "teacher": teacher}
+    times = {"sft": sft_done - start, "distill": distill_done - distill_start, "total": end - start}
+    return {"before": before, "after": after, "teacher": teacher, "seconds": times}
 
 
 def mean(values: Sequence[float]) -> float:
@@ -280,6 +326,13 @@ def mean(values: Sequence[float]) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="the task's shuffle and the run's seed")
+    parser.add_argument(
+        "--loss",
+        choices=sorted(LOSSES),
+        default="reverse_kl",
+        help="reverse_kl: algorithm distill (the sampled token's log-ratio as its advantage); "
+        "gkd: algorithm gkd on-policy (the generalized JSD over the vocabulary at every token)",
+    )
     parser.add_argument(
         "--steps", type=int, help=f"distillation steps (default {DISTILL_SETTINGS['total_steps']})"
     )
@@ -311,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.output_dir),
         args.seed,
         quick=args.quick,
+        loss=args.loss,
         steps=args.steps,
         overrides=overrides,
         fresh=args.fresh,

@@ -784,26 +784,35 @@ def test_tool_use_example_runs_every_stage(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_distill_task_example_runs_every_stage(tmp_path: Path) -> None:
-    """``python -m examples.distill_task --quick``: the teacher's and the student's SFT, on-policy
-    distillation on prompts alone, and the table of task scores and per-token KL to the teacher
-    (student before and after, teacher); the student's KL to the teacher falls."""
-    cmd = [sys.executable, "-m", "examples.distill_task", "--quick", "--output-dir", str(tmp_path)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = {}
-    for label in ("student before", "student after", "teacher"):
-        match = re.search(
-            rf"^\| {label} \| (\d\.\d{{3}}) \| (\d\.\d{{3}}) \| (-?\d+\.\d{{3}}) \|$",
-            result.stdout,
-            re.M,
-        )
-        assert match, label
-        rows[label] = [float(x) for x in match.groups()]
-    for metric in ("sampled", "greedy"):
-        assert re.search(
-            rf"^{metric} score (clearly rose|did NOT clearly rise): change ", result.stdout, re.M
-        )
-    assert abs(rows["teacher"][2]) < 1e-3  # the teacher's KL to itself
-    assert rows["student after"][2] < rows["student before"][2], rows
-    assert "KL per token fell" in result.stdout
-    assert (tmp_path / "distill" / "metrics.jsonl").is_file()
+    """``python -m examples.distill_task --quick`` with each loss (``reverse_kl``: algorithm
+    distill; ``gkd``: algorithm gkd on-policy): the teacher's and the student's SFT (the second
+    run reuses the first's), distillation on prompts alone, and the table of task scores and
+    per-token KL to the teacher (student before and after, teacher); the student's KL to the
+    teacher falls."""
+    for loss in ("reverse_kl", "gkd"):
+        cmd = [sys.executable, "-m", "examples.distill_task", "--quick", "--loss", loss]
+        cmd += ["--output-dir", str(tmp_path)]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        algorithm = {"reverse_kl": "distill", "gkd": "gkd"}[loss]
+        assert f"[{loss}] algorithm {algorithm}: " in result.stdout
+        rows = {}
+        for label in ("student before", "student after", "teacher"):
+            match = re.search(
+                rf"^\| {label} \| (\d\.\d{{3}}) \| (\d\.\d{{3}}) \| (-?\d+\.\d{{3}}) \|$",
+                result.stdout,
+                re.M,
+            )
+            assert match, (loss, label)
+            rows[label] = [float(x) for x in match.groups()]
+        for metric in ("sampled", "greedy"):
+            assert re.search(
+                rf"^{metric} score (clearly rose|did NOT clearly rise): change ",
+                result.stdout,
+                re.M,
+            )
+        assert abs(rows["teacher"][2]) < 1e-3  # the teacher's KL to itself
+        assert rows["student after"][2] < rows["student before"][2], (loss, rows)
+        assert "KL per token fell" in result.stdout
+        assert (tmp_path / loss / "metrics.jsonl").is_file()
+    assert "[SFT] reusing the cached result" in result.stdout  # the gkd run reused the SFT stages
