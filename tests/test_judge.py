@@ -188,3 +188,36 @@ def test_grpo_trains_the_tiny_model_on_a_judges_scores(
             assert (prompt is None) == (number != 1)
             if number == 1:
                 assert record["prompt"] in prompt and "Response 4:\n" in prompt
+
+
+@pytest.mark.slow
+def test_a_resumed_group_judge_run_equals_the_straight_run(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GRPO scored by ``group_judge`` on the 0-10 scale, stopped after its first step and
+    resumed: the same metrics and weights as straight through (the judge is loaded again by the
+    resumed trainer and reads the same probabilities)."""
+    from fixtures.tiny_corpus import review_prompts
+    from ppo_trainer.ppo_trainer import PPOTrainer
+    from tests.resume_checks import assert_resume_equals_straight
+
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")
+    judge_spec = [{"name": "group_judge", "model": str(tiny_model_dir), "scale": "0-10"}]
+    trainers: dict[str, PPOTrainer] = {}
+
+    def trainer_in(name: str) -> PPOTrainer:
+        config = make_config(
+            tiny_model_dir,
+            tmp_path / name,
+            algorithm="grpo",
+            group_size=2,
+            batch_size=2,
+            reward_funcs=judge_spec,
+            save_every=100,
+        )
+        trainers[name] = PPOTrainer(config)
+        return trainers[name]
+
+    assert_resume_equals_straight(trainer_in, review_prompts(2, seed=0))
+    fresh = trainable(trainer_in("fresh").policy.model)
+    assert_all_changed(fresh, trainable(trainers["a"].policy.model))  # the judge's scores moved it
