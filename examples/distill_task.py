@@ -288,7 +288,25 @@ def run(
     )
     teacher = evaluate(PPOTrainer(teacher_config), held_out)
 
-    # 5. Before and after.
+    report(held_out, before, after, teacher)  # 5. Before and after.
+    end = time.perf_counter()
+    print(
+        f"time: SFT {sft_done - start:.0f} s, distillation {distill_done - distill_start:.0f} s, "
+        f"total {end - start:.0f} s"
+    )
+    times = {"sft": sft_done - start, "distill": distill_done - distill_start, "total": end - start}
+    return {"before": before, "after": after, "teacher": teacher, "seconds": times}
+
+
+def report(
+    held_out: Sequence[dict[str, str]],
+    before: Mapping[str, Any],
+    after: Mapping[str, Any],
+    teacher: Mapping[str, Any],
+) -> None:
+    """Print the held-out table (the student before and after, the teacher), whether each score
+    clearly rose, the greedy answers' share right at each word, the KL's change and three
+    greedy answers."""
     n = len(held_out)
     print(f"\nheld-out triples: {n} ({SAMPLES_PER_PROMPT} samples each at temperature 1)")
     print("| model | sampled score | greedy score | KL per token to the teacher |")
@@ -310,13 +328,6 @@ def run(
     for record, completion in list(zip(held_out, after["greedy_samples"]))[:3]:
         mark = "right" if is_right(record, completion) else "wrong"
         print(f"  [{mark}] {record['prompt'].strip()} -> {completion!r}")
-    end = time.perf_counter()
-    print(
-        f"time: SFT {sft_done - start:.0f} s, distillation {distill_done - distill_start:.0f} s, "
-        f"total {end - start:.0f} s"
-    )
-    times = {"sft": sft_done - start, "distill": distill_done - distill_start, "total": end - start}
-    return {"before": before, "after": after, "teacher": teacher, "seconds": times}
 
 
 def mean(values: Sequence[float]) -> float:
