@@ -38,6 +38,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from benchmarks.throughput_spec import (
+    GRPO_BETA,
     CpuMonitor,
     RunResult,
     RunSpec,
@@ -59,14 +60,16 @@ FLOOR_PROMPT_TOKENS = 14
 
 def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
     """The ``PPOTrainer`` of ``spec``: full weights or the spec's LoRA, float32, no stop tokens."""
-    lora: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     if spec.uses_lora:
-        lora = {
+        settings = {
             "lora_r": spec.lora_rank,
             "lora_alpha": spec.lora_alpha,
             "lora_dropout": 0.0,
             "lora_keys": list(spec.lora_modules),
         }
+    if spec.algorithm == "grpo":  # TRL's beta, not GRPO's default 0: the same reference pass
+        settings["beta"] = GRPO_BETA
     config = PPOConfig(
         model_name=spec.policy_dir,
         reward_model_name=spec.reward_dir if spec.reward_function is None else None,
@@ -75,7 +78,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
         share_reward_base=spec.share_reward_base,
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,
-        **lora,
+        **settings,
         dtype="float32",
         batch_size=spec.batch_size,
         group_size=spec.group_size,

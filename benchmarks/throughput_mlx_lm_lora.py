@@ -75,6 +75,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from benchmarks.throughput_spec import (
+    GRPO_BETA,
     SPLIT_KEYS,
     CpuMonitor,
     RunResult,
@@ -86,8 +87,6 @@ from models.reward_model import RewardModel
 
 #: The mlx-lm-lora release this worker was written against (it calls private functions).
 MLX_LM_LORA_REQUIREMENT = "mlx-lm-lora==5.10.2"
-#: GRPO's KL weight on every side (the MLX side's ``PPOConfig.beta``).
-GRPO_BETA = 0.04
 LEARNING_RATE = 1e-6
 
 

@@ -302,6 +302,9 @@ def reset_peak_rss() -> bool:
 
 
 #: The environment variable naming the file a worker of :func:`run_module_worker` writes.
+#: GRPO's KL weight (k3, to the reference) on every side: TRL's GRPOConfig and the MLX peers are
+#: given it, and so is ours (``PPOConfig.beta``; GRPO's own default is TRL's 0.0, no reference).
+GRPO_BETA = 0.04
 WORKER_RESULT_ENV = "PPO_MLX_WORKER_RESULT"
 
 

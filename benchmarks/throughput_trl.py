@@ -36,10 +36,8 @@ import tempfile
 import time
 from typing import Any, Callable, cast
 
-from benchmarks.throughput_spec import CpuMonitor, RunResult, RunSpec, peak_rss_mb
+from benchmarks.throughput_spec import GRPO_BETA, CpuMonitor, RunResult, RunSpec, peak_rss_mb
 
-#: GRPO's KL weight on both sides (PPOConfig.beta's default).
-GRPO_BETA = 0.04
 LEARNING_RATE = 1e-6
 
 
