@@ -931,3 +931,14 @@ def test_async_rollout_benchmark_smoke(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["async"] for r in results] == [False, True]
     assert results[0]["scores"][0] == results[1]["scores"][0]  # step 1: the same, synchronous
+
+
+def test_step_files_traces_one_step_through_the_library() -> None:
+    """benchmarks/step_files: the files one PPO step enters, the trainer and the losses among
+    them, the script's own reward not."""
+    from benchmarks.step_files import traced_step
+
+    entered = traced_step("ppo")
+    assert {"ppo_trainer/ppo_trainer.py", "training/policy_loss.py"} <= set(entered)
+    assert "step" in entered["ppo_trainer/ppo_trainer.py"]
+    assert not any(path.startswith(("benchmarks/", "tests/")) for path in entered)
