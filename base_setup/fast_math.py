@@ -40,7 +40,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Callable, cast
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, cast
 
 import mlx.core as mx
 import numpy as np
@@ -500,12 +501,30 @@ def _float_dtype(x: mx.array) -> mx.Dtype:
 _STATE: dict[str, bool | None] = {"enabled": None}
 
 
+#: How many :func:`mlx_math_scope` blocks are open (nesting counts).
+_MLX_MATH_DEPTH = [0]
+
+
+@contextmanager
+def mlx_math_scope(enabled: bool = True) -> Iterator[None]:
+    """Within the block (when ``enabled``), MLX's own functions replace the fast ones: where the
+    fast functions, traced for a gradient, cost more than they save (a training step)."""
+    if not enabled:
+        yield
+        return
+    _MLX_MATH_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _MLX_MATH_DEPTH[0] -= 1
+
+
 def fast_math_enabled() -> bool:
     """Whether the fast functions replace MLX's: on the CPU device, unless ``PPO_MLX_FAST_MATH=0``
-    or plain MLX is asked for (:mod:`base_setup.plain`), and only if MLX can compile them here
-    (checked once: ``mx.compile`` on the CPU builds its kernels with the system C++ compiler,
-    and a machine without one gets MLX's functions)."""
-    if os.environ.get(_ENV, "1") == "0" or not speed_tricks():
+    or plain MLX is asked for (:mod:`base_setup.plain`) or within :func:`mlx_math_scope`, and
+    only if MLX can compile them here (checked once: ``mx.compile`` on the CPU builds its kernels
+    with the system C++ compiler, and a machine without one gets MLX's functions)."""
+    if _MLX_MATH_DEPTH[0] or os.environ.get(_ENV, "1") == "0" or not speed_tricks():
         return False
     if _STATE["enabled"] is None:
         _STATE["enabled"] = _probe()

@@ -15,6 +15,9 @@ update). The modes:
   length reward): what the student itself costs;
 * ``teacher-4bit``: the teacher as mlx-lm's 4-bit copy (group size 64), the student float32;
 * ``teacher-float32``: the teacher float32 beside the float32 student;
+* ``gkd-float32``: the same pair with GKD's loss (``algorithm: gkd``, ``lmbda: 1``: the
+  student's samples; the generalized JSD over the whole vocabulary, the teacher's pass inside
+  the update);
 * ``bfloat16``: teacher and student in bfloat16 (``dtype: bfloat16``, which applies to every
   model of a run).
 
@@ -55,7 +58,7 @@ QWEN3_1_7B = replace(
     hidden_size=2048,
     intermediate_size=6144,
 )
-MODES = ("student", "teacher-4bit", "teacher-float32", "bfloat16")
+MODES = ("student", "teacher-4bit", "teacher-float32", "gkd-float32", "bfloat16")
 
 
 def _length_reward(prompts: list[str], completions: list[str]) -> list[float]:
@@ -86,7 +89,10 @@ def _worker(mode: str, dirs: dict[str, str], batch: int, new_tokens: int) -> dic
         settings.update(algorithm="grpo", group_size=batch, batch_size=1, beta=0.0)
     else:
         teacher = dirs["teacher_q4"] if mode == "teacher-4bit" else dirs["teacher"]
-        settings.update(algorithm="distill", teacher_model_name=teacher)
+        algorithm = "gkd" if mode == "gkd-float32" else "distill"
+        settings.update(algorithm=algorithm, teacher_model_name=teacher)
+        if algorithm == "gkd":
+            settings.update(lmbda=1.0)
         if mode == "bfloat16":
             settings.update(dtype="bfloat16")
     config = PPOConfig(**settings)

@@ -11,6 +11,7 @@ loss is ``sft_coef * NLL``).
 
 from __future__ import annotations
 
+
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, cast
@@ -21,6 +22,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from algorithms.base import PolicyLoss
+from base_setup import fast_math
 from algorithms.registry import get_algorithm
 from base_setup import distributed as dist
 from experience_buffer.buffer import RolloutBatch, iterate_minibatches, split_micro_batches
@@ -375,7 +377,19 @@ class Updater:
         failure then does not save a half-updated state)."""
         cfg = self.config
         run.updating = True
-        update_metrics = ppo_epochs(
+        # MLX's own functions: traced for the gradient, the fast ones cost more than they save
+        # (docs/performance.md, "The update with MLX's own functions").
+        with fast_math.mlx_math_scope():
+            update_metrics = self._epochs(batch, run, step, group)
+        run.updating = False
+        return update_metrics
+
+    def _epochs(
+        self, batch: RolloutBatch, run: RunState, step: int, group: Any
+    ) -> list[dict[str, mx.array]]:
+        """:func:`ppo_epochs` over ``batch`` with the run's learners and settings."""
+        cfg = self.config
+        return ppo_epochs(
             batch,
             self.learners(run),
             num_ppo_epochs=cfg.num_ppo_epochs,
@@ -386,5 +400,3 @@ class Updater:
             step=step,
             group=group,
         )
-        run.updating = False
-        return update_metrics

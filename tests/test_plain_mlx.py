@@ -20,6 +20,7 @@ from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
 from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.ppo_trainer import PPOTrainer
+from tests.test_ppo_trainer import make_config
 
 PROMPTS = review_prompts(8, seed=0)
 
@@ -214,3 +215,31 @@ def test_off_the_cpu_no_trick_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plain.speed_tricks() == (mx.default_device().type == mx.DeviceType.cpu)
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
     assert not plain.speed_tricks() and not fast_math.fast_math_enabled()
+
+
+def test_the_update_runs_mlx_math_and_the_rollout_the_fast_functions(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fast_math.mlx_math_scope turns the fast functions off within it (nesting counts, undone
+    on exit); a PPO step's update runs inside one, its rollout outside."""
+    from ppo_trainer import update
+
+    if not fast_math.fast_math_enabled():
+        pytest.skip("the fast functions are off on this machine (no CPU device or no compiler)")
+    with fast_math.mlx_math_scope():
+        with fast_math.mlx_math_scope():
+            assert not fast_math.fast_math_enabled()
+        assert not fast_math.fast_math_enabled()
+    assert fast_math.fast_math_enabled()
+
+    seen: list[bool] = []
+    epochs = update.ppo_epochs
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(fast_math.fast_math_enabled())
+        return epochs(*args, **kwargs)
+
+    monkeypatch.setattr(update, "ppo_epochs", spy)
+    trainer = PPOTrainer(make_config(tiny_model_dir, tmp_path), reward_model=e_rate)
+    trainer.step(PROMPTS[:4])
+    assert seen == [False] and fast_math.fast_math_enabled()
