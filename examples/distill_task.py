@@ -42,10 +42,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from config.ppo_config import PPOConfig
-from examples.task_common import clearly_rose, sft_stage
+from examples.task_common import clearly_rose, epochs_for_steps, set_values, sft_stage
 from fixtures.tiny_model import TINY_SIZES, TinyModelSpec, build_checkpoint
 from ppo_trainer.ppo_trainer import PPOTrainer
 
@@ -278,8 +277,7 @@ def run(
     )
     distill_start = time.perf_counter()
     prompts = [r["prompt"] for r in train]
-    epochs = -(-(config.total_steps or 1) * config.batch_size // len(prompts))  # ceil
-    trainer.train(prompts, num_epochs=epochs)
+    trainer.train(prompts, num_epochs=epochs_for_steps(config, len(prompts)))
     distill_done = time.perf_counter()
     after = evaluate(trainer, held_out)
     # The teacher measured the same way (its KL to itself is 0: a check of the measurement).
@@ -359,18 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        parsed = yaml.safe_load(value)
-        if isinstance(parsed, str):  # YAML reads 3e-3 (no dot) as a string
-            try:
-                parsed = float(parsed)
-            except ValueError:
-                pass
-        overrides[key.strip()] = parsed
+    overrides = set_values(parser, args.set)
     run(
         Path(args.output_dir),
         args.seed,

@@ -32,11 +32,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from config.ppo_config import PPOConfig
 from fixtures.tiny_model import build_tiny_checkpoint
-from examples.task_common import clearly_rose, sft_stage
+from examples.task_common import clearly_rose, set_values, sft_stage
 from ppo_trainer.ppo_trainer import PPOTrainer
 from rewards import resolve_reward
 
@@ -205,18 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set takes KEY=VALUE, got {item!r}")
-        parsed = yaml.safe_load(value)
-        if isinstance(parsed, str):  # YAML reads 3e-3 (no dot) as a string
-            try:
-                parsed = float(parsed)
-            except ValueError:
-                pass
-        overrides[key.strip()] = parsed
+    overrides = set_values(parser, args.set)
     run(
         Path(args.output_dir),
         args.seed,

@@ -32,6 +32,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
+import yaml
 
 from config.loading import load_config
 from config.ppo_config import PPOConfig
@@ -317,6 +318,25 @@ def task_argument_parser(description: str, default_data: Path) -> argparse.Argum
         help="override a config field, e.g. --set kl_coef=0.1 (repeatable)",
     )
     return parser
+
+
+def set_values(parser: argparse.ArgumentParser, items: Sequence[str]) -> dict[str, Any]:
+    """An example's ``--set KEY=VALUE`` items as ``{key: value}``, each value read as YAML (a
+    number YAML leaves a string, such as ``3e-3``, as a float); a malformed item ends the
+    program with ``parser``'s usage."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set takes KEY=VALUE, got {item!r}")
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML reads 3e-3 (no dot) as a string
+            try:
+                parsed = float(parsed)
+            except ValueError:
+                pass
+        values[key.strip()] = parsed
+    return values
 
 
 def uses_embedded_model(args: argparse.Namespace) -> bool:
