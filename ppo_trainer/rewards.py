@@ -121,11 +121,12 @@ class Rewards:
         values of empty completions mean nothing."""
         n = len(prompts)
         completions = [""] * n
+        trial = ExtraColumns(n)  # what the trial call logs is dropped
         columns = {
             **columns,
             COMPLETION_IDS: [[] for _ in range(n)],
-            LOG_EXTRA: cast(Any, ExtraColumns(n)),
-            LOG_METRIC: cast(Any, ExtraColumns(n).metric),
+            LOG_EXTRA: cast(Any, trial),
+            LOG_METRIC: cast(Any, trial.metric),
         }
         functions: list[tuple[str, Any]] = [] if self.fn is None else [("", self.fn)]
         functions += [(name, r) for name, r in self.funcs if not isinstance(r, RewardModel)]
