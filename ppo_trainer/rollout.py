@@ -385,7 +385,7 @@ def collect_rollout(
     if isinstance(raw, Scored):
         raw, details = raw
     raw, reward_metrics = split_scores(raw, score_source)
-    mx.eval(logprobs, entropy, ref_logprobs, raw if isinstance(raw, mx.array) else [])
+    mx.eval(logprobs, entropy, ref_logprobs, arrays_in(raw))
     scores = check_scores(raw, len(texts), score_source)
     release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
     return Rollout(
@@ -504,9 +504,16 @@ def model_passes(
             [] if ref_inputs is None else ref_inputs.states,
             [] if policy_inputs is None else policy_inputs.states,
             values,
-            raw if isinstance(raw, mx.array) else [],
+            arrays_in(raw),  # the scores inside a Scored or (scores, metrics): run in the lane
         )
     return ModelPasses(ref_inputs, policy_inputs, values, raw, reward_in_lane)
+
+
+def arrays_in(tree: Any) -> list[mx.array]:
+    """The MLX arrays among the leaves of ``tree`` (lists, tuples, named tuples such as
+    :class:`Scored`, dicts): what a score function returned, for ``mx.eval``, which refuses
+    other leaves (a judge's logged prompts are strings)."""
+    return [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
 
 
 #: Token-parameters (the sequences' tokens times the reference model's parameters) below which

@@ -291,6 +291,43 @@ def test_scoring_side_by_side_equals_one_stream(
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
 
 
+def test_a_reward_model_beside_the_reference_runs_in_its_lane(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no value model, the reward model's pass runs beside the reference's: the scores a
+    scorer returns inside a ``Scored`` (with its logged columns) are evaluated by the lanes'
+    ``mx.eval``, not later on one stream (a judge's columns once hid them, and GRPO's scoring
+    took 1.5x as long at SmolLM2-135M's shape: issue #49)."""
+    from ppo_trainer import rollout
+
+    monkeypatch.setattr(rollout, "MIN_SIDE_BY_SIDE_WORK", 0)
+    config = make_config(tiny_model_dir, tmp_path, algorithm="grpo", group_size=2, beta=0.04)
+    trainer = PPOTrainer(config, reward_model=e_rate)
+    assert trainer.ref_model is not None
+    query_responses = mx.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    positions = mx.array([[2, 3, 4], [2, 3, 4]])
+    scores = mx.array([1.0, 2.0]) * 3  # unevaluated until someone evaluates it
+    evaluated: list[mx.array] = []
+    real_eval = mx.eval
+
+    def spy(*args: Any) -> None:
+        evaluated.extend(rollout.arrays_in(list(args)))
+        real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", spy)
+    passes = rollout.model_passes(
+        trainer.policy,
+        trainer.ref_model,
+        None,
+        query_responses,
+        positions,
+        forward=False,
+        reward=lambda: rollout.Scored(scores, {"judge/prompt": ["a", "b"]}),
+    )
+    assert passes.reward_in_lane
+    assert any(a is scores for a in evaluated)
+
+
 def brevity(prompts: list[str], completions: list[str]) -> list[float]:
     """A reward the random tiny model can learn in a few steps: end the response early."""
     return [-len(c) / 50 for c in completions]
