@@ -513,7 +513,8 @@ def arrays_in(tree: Any) -> list[mx.array]:
     """The MLX arrays among the leaves of ``tree`` (lists, tuples, named tuples such as
     :class:`Scored`, dicts): what a score function returned, for ``mx.eval``, which refuses
     other leaves (a judge's logged prompts are strings)."""
-    return [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
+    leaves = cast(list[tuple[str, Any]], tree_flatten(tree))
+    return [leaf for _, leaf in leaves if isinstance(leaf, mx.array)]
 
 
 #: Token-parameters (the sequences' tokens times the reference model's parameters) below which
