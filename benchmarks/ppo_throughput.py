@@ -85,6 +85,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence, cast
 
+from benchmarks.phase_floors import (
+    floor_lines,
+    floor_rows,
+    growth_lines,
+    limits_line,
+    markdown_table,
+    write_doc,
+)
 from benchmarks.throughput_models import RealShape
 from benchmarks.throughput_spec import (
     FLOOR_KEYS,
@@ -596,6 +604,7 @@ def _spec(
         gradient_checkpointing=config.model in CHECKPOINTED_SHAPES,
         device=plan.device,
         tf32=plan.tf32,
+        measure_limits=real and system == "mlx",
     )
 
 
@@ -1010,6 +1019,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-sweep", action="store_true", help="skip the scaling sweep")
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="the run to compare with: every phase that grew by more than 10%% is reported "
+        "(default: --out's results.json from the last run, when there is one)",
+    )
+    parser.add_argument(
+        "--floors-doc",
+        type=Path,
+        metavar="MARKDOWN",
+        help="rewrite the table of phases beside their floors in this file (between its "
+        "phase-floors markers), e.g. docs/performance.md",
+    )
+    parser.add_argument(
         "--quiet-wait",
         type=float,
         default=60.0,
@@ -1050,6 +1073,7 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
         args.out.mkdir(parents=True, exist_ok=True)
         print("\n".join(report_lines(saved, any(r.spec.system == "trl" for r in saved))))
         print(f"chart: {write_chart(saved, args.out / 'ppo_throughput.png')}")
+        write_floors_doc(args.floors_doc, saved)
         return saved
     plan = build_plan(args)
     compare = bool({"trl", "all"} & set(args.compare))
@@ -1087,6 +1111,8 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
                 )
     machine = ["== Machine ==", *machine_lines(compare, peers, args.device, args.tf32)]
     print("\n".join([*machine, *notes]))
+    baseline_path = args.baseline or args.out / "results.json"
+    baseline = load_results(baseline_path) if baseline_path.exists() else None
 
     results: list[RunResult] = []
     unmeasured: list[str] = []
@@ -1111,13 +1137,38 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     report = report_lines(results, compare)
     if unmeasured:
         report += ["\n== Not measured ==", *unmeasured]
+    if baseline is not None:
+        grew = growth_lines(results, baseline)
+        report += [
+            f"\n== Against the baseline ({baseline_path}; a phase that grew by more than 10%) ==",
+            *(grew or ["nothing grew by more than 10%"]),
+        ]
     print("\n".join(report))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.txt").write_text("\n".join([*machine, *report]) + "\n", encoding="utf-8")
     chart = write_chart(results, args.out / "ppo_throughput.png")
     save_results(results, args.out / "results.json")
     print(f"\nchart: {chart}\nresults: {args.out / 'results.json'}")
+    write_floors_doc(args.floors_doc, results)
     return results
+
+
+def write_floors_doc(path: Path | None, results: Sequence[RunResult]) -> None:
+    """With ``--floors-doc``, rewrite its table of the phases beside their floors.
+
+    Raises:
+        SystemExit: no result at a real shape measured the machine's limits.
+    """
+    if path is None:
+        return
+    rows = floor_rows(results, MODEL_SHAPES)
+    if not rows:
+        raise SystemExit(
+            f"--floors-doc: no MLX result at a real shape measured the machine's limits; run "
+            f"the real shapes ({', '.join(REAL_MODELS)}) first"
+        )
+    write_doc(path, markdown_table(rows, _cpu_name()))
+    print(f"the phases beside their floors: {path}")
 
 
 def save_results(results: Sequence[RunResult], path: Path) -> None:
@@ -1250,6 +1301,15 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
         "forward, one training step per model)"
     )
     out.extend(floor_table(results))
+    rows = floor_rows(results, MODEL_SHAPES)
+    if rows:
+        out.append("\n== Phases beside the machine's floor (MLX; benchmarks/phase_floors.py) ==")
+        out.append(
+            "floor = what the phase must do (FLOPs, bytes) at this machine's matmul peak and "
+            "memory bandwidth, measured in the same worker; ratio = measured / floor"
+        )
+        out.append(limits_line(rows))
+        out.extend(floor_lines(rows))
     for kind in SWEEP_KINDS:
         if scaling_points(results, kind):
             title = "response length" if kind == "tokens" else "batch size"

@@ -45,6 +45,7 @@ from benchmarks.throughput_spec import (
     package_versions,
     peak_rss_mb,
 )
+from benchmarks.phase_floors import measure_limits
 from base_setup import fast_math
 from config.model_config import ValueInit
 from config.ppo_config import PPOConfig
@@ -236,6 +237,8 @@ def run_mlx(spec: RunSpec) -> RunResult:
             )
             floor = measure_floor(trainer, spec) if spec.measure_floor else None
             other_load = monitor.other_cores()  # over the timed iterations and the floor
+            limits = measure_limits() if spec.measure_limits else None
+            prompt_tokens = [len(ids) for ids in trainer.preparation.batch(prompts).prompt_ids]
     finally:
         rollout_module.generate = original_generate
     return RunResult(
@@ -248,6 +251,8 @@ def run_mlx(spec: RunSpec) -> RunResult:
         trainable_millions=sum(v.size for _, v in trainable) / 1e6,
         floor=floor,
         other_load=other_load,
+        limits=limits,
+        prompt_tokens=prompt_tokens,
         versions={
             **package_versions("mlx", "mlx-lm"),
             "device": f"{mx.default_device()}: {mx.device_info().get('device_name', '?')}",

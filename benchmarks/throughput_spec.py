@@ -83,6 +83,8 @@ class RunSpec:
             ``reward_dir``, which is then not loaded; None = the reward model.
         share_reward_base: the MLX worker's ``share_reward_base``: ``reward_dir`` is then a
             reward adapter checkpoint on ``policy_dir``'s base, put on the LoRA policy's base.
+        measure_limits: the MLX worker also measures the machine's memory bandwidth and matmul
+            peak after its iterations (``benchmarks.phase_floors.measure_limits``).
     """
 
     system: System
@@ -110,6 +112,7 @@ class RunSpec:
     value_init: str = "reward"
     reward_function: str | None = None
     share_reward_base: bool = False
+    measure_limits: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -207,6 +210,9 @@ class RunResult:
         versions: library versions of the worker.
         torch_peak_mb: PyTorch's peak CUDA memory allocated over the timed iterations (the TRL
             worker on a GPU), the counterpart of ``mlx_peak_mb``.
+        limits: the machine's memory bandwidth and matmul peak measured in the worker
+            (``benchmarks.phase_floors.measure_limits``), when the spec asked for them.
+        prompt_tokens: the rollout's prompt lengths in tokens, one per sequence (MLX worker).
     """
 
     spec: RunSpec
@@ -220,6 +226,8 @@ class RunResult:
     other_load: float | None = None
     versions: dict[str, str] = field(default_factory=dict)
     torch_peak_mb: float | None = None
+    limits: dict[str, float] | None = None
+    prompt_tokens: list[int] | None = None
 
     @property
     def median(self) -> float:

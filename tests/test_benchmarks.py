@@ -83,7 +83,12 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         return real_version(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    results = main(["--smoke", "--compare", "trl", "--out", str(tmp_path)])
+    from benchmarks.phase_floors import DOC_BEGIN, DOC_END
+
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# Performance\n{DOC_BEGIN}\n{DOC_END}\n", encoding="utf-8")
+    smoke = ["--smoke", "--compare", "trl", "--out", str(tmp_path), "--floors-doc", str(doc)]
+    results = main(smoke)
     out = capsys.readouterr().out
 
     skipped = next(line for line in out.splitlines() if line.startswith("--compare trl skipped"))
@@ -95,8 +100,19 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         "== Floor (MLX",
         "== Scaling with response length (PPO) ==",
         "== Scaling with batch size (PPO) ==",
+        "== Phases beside the machine's floor",
     ):
         assert section in out
+    # The real shapes' path measured the machine's limits; the doc's table has their phases.
+    assert all((r.limits is not None) == (r.spec.label == "toy-llama") for r in results)
+    floors_table = doc.read_text(encoding="utf-8")
+    for algorithm in ("ppo", "grpo"):
+        for phase in ("generation", "scoring", "update"):
+            assert f"| toy-llama | {algorithm} | {phase} |" in floors_table
+    # A second run compares itself with the first (its results.json): the growth section.
+    baseline = str(tmp_path / "results.json")
+    main(["--smoke", "--no-real", "--out", str(tmp_path / "second"), "--baseline", baseline])
+    assert f"== Against the baseline ({baseline}" in capsys.readouterr().out
     assert "== MLX / TRL" not in out
     # The real shapes' path at toy sizes (toy-llama, LoRA), the two main configurations (PPO,
     # GRPO) and the two sweep points, MLX only, 2 timed iterations.

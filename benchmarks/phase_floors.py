@@ -1,0 +1,389 @@
+"""How far each phase of an iteration is from what this machine can do: its floor from memory
+bandwidth and matmul peak, measured in the same process as the iteration.
+
+Usage (``benchmarks.ppo_throughput`` prints the table after every run at the real shapes)::
+
+    python -m benchmarks.ppo_throughput --no-medium --no-sweep --floors-doc docs/performance.md
+    python -m benchmarks.ppo_throughput --chart-from runs/benchmarks/results.json \
+        --floors-doc docs/performance.md
+
+The first runs the benchmark (the real shapes measure the machine's limits) and rewrites the table
+in docs/performance.md between its markers; the second does it from a saved run.
+
+**The machine's limits** (:func:`measure_limits`, in the MLX worker, after its iterations): the
+memory bandwidth, the best of a large array's copy (read + write counted) and of a matrix-vector
+product over a large float32 matrix (the weights read once, as a decode step reads them); and the
+matmul peak, a 2048 x 2048 float32 product. Each is the best of a few repeats.
+
+**What each phase must do** (:func:`phase_work`), counted from the model's shape (a decoder:
+attention with grouped KV heads, a gated MLP, an LM head of ``vocab x hidden``; norms and
+element-wise work are not counted, so the floor is below what any implementation reaches):
+
+* generation: a prefill over the prompts, then one decode step per new token that reads every
+  weight once (float32) and the KV cache so far, and multiplies the batch's tokens through them.
+  Each step's floor is the larger of its bytes / bandwidth and its FLOPs / peak (a roofline);
+  the prefill's is its FLOPs / peak.
+* scoring: the passes this design runs over the sequences (prompt + response) without gradients:
+  the reference's (its body, and its LM head at the response positions), the reward model's
+  (none with a reward function), and with PPO the value model's (bodies only: their heads are one
+  scalar). With GRPO's ``beta`` 0 there is no reference pass. The policy's log-probs come from
+  sampling: no pass.
+* update: one forward and backward pass per model per minibatch: the policy's body forward, its
+  LM head at the response positions (logits and their input gradient), the backward through the
+  body (with LoRA, the input gradients only, about one forward's FLOPs; with full training, input
+  and weight gradients, two forwards'), one more forward under gradient checkpointing, and with
+  PPO the value model's forward and backward (full, or with ``value_init: shared`` adapters on
+  the policy's base: input gradients only). Compute-bound: FLOPs / peak.
+
+A phase's ratio is its measured median over its floor: 1 would be the machine's limit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol, Sequence
+
+from benchmarks.throughput_spec import RunResult, RunSpec
+
+#: Bytes of a float32 value: the benchmark's weights, caches and activations.
+FLOAT32 = 4
+#: The phases of an iteration that have a floor (``RunResult.split``'s keys).
+PHASES = ("generation", "scoring", "update")
+#: The markers between which docs/performance.md holds the table (:func:`write_doc`).
+DOC_BEGIN = "<!-- phase-floors:begin (python -m benchmarks.ppo_throughput --floors-doc) -->"
+DOC_END = "<!-- phase-floors:end -->"
+#: A phase that grew by more than this fraction since the baseline run is reported.
+GROWTH_REPORTED = 0.10
+
+
+class DecoderShape(Protocol):
+    """The sizes of a decoder that its work is counted from (``RealShape`` has them)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a phase must do: FLOPs and bytes moved, and the seconds they take at the limits."""
+
+    flops: float
+    bytes: float
+    seconds: float  # the floor
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.flops + other.flops, self.bytes + other.bytes, self.seconds + other.seconds
+        )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The machine's measured limits: bytes per second and float32 matmul FLOPs per second."""
+
+    bandwidth: float
+    peak_flops: float
+
+    def roofline(self, flops: float, nbytes: float) -> Work:
+        """The work of ``flops`` over ``nbytes`` (its floor: the slower of the two)."""
+        return Work(flops, nbytes, max(flops / self.peak_flops, nbytes / self.bandwidth))
+
+
+def body_parameters(shape: DecoderShape) -> int:
+    """The parameters every token multiplies through, the LM head and embedding left out:
+    per layer the attention's q, k, v, o and the gated MLP's three matrices (norms: none)."""
+    d, hd = shape.hidden_size, shape.head_dim
+    attention = d * hd * (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads)
+    mlp = 3 * d * shape.intermediate_size
+    return shape.num_hidden_layers * (attention + mlp)
+
+
+def head_parameters(shape: DecoderShape) -> int:
+    """The LM head's parameters (vocabulary x hidden; tied or not, a decode step reads it)."""
+    return shape.vocab_size * shape.hidden_size
+
+
+def attention_flops(shape: DecoderShape, queries: int, context: int) -> float:
+    """FLOPs of the scores and the weighted values of ``queries`` positions that each attend
+    to ``context`` positions, over every layer (``2 * 2 * context * heads * head_dim`` each)."""
+    per_query = 4 * context * shape.num_attention_heads * shape.head_dim
+    return float(shape.num_hidden_layers * queries * per_query)
+
+
+def causal_attention_flops(shape: DecoderShape, length: int) -> float:
+    """FLOPs of causal attention over one sequence of ``length`` (position i sees i + 1)."""
+    return attention_flops(shape, 1, length * (length + 1) // 2)
+
+
+def kv_bytes(shape: DecoderShape, context: int) -> float:
+    """Bytes of one sequence's float32 KV cache over ``context`` positions, every layer."""
+    per_position = 2 * shape.num_key_value_heads * shape.head_dim * FLOAT32
+    return float(shape.num_hidden_layers * context * per_position)
+
+
+def generation_work(
+    shape: DecoderShape, prompt_tokens: Sequence[int], new_tokens: int, limits: Limits
+) -> Work:
+    """Prefill over the prompts, then ``new_tokens`` decode steps for the batch (one sequence
+    per entry of ``prompt_tokens``), each reading every weight and the KV cache so far."""
+    body, head = body_parameters(shape), head_parameters(shape)
+    batch = len(prompt_tokens)
+    prefill_flops = sum(
+        2 * body * p + causal_attention_flops(shape, p) + 2 * head for p in prompt_tokens
+    )
+    work = Work(prefill_flops, 0.0, prefill_flops / limits.peak_flops)
+    for step in range(1, new_tokens):  # the prefill gave the first token's logits
+        contexts = [p + step for p in prompt_tokens]
+        flops = batch * 2 * (body + head) + sum(attention_flops(shape, 1, c) for c in contexts)
+        nbytes = (body + head) * FLOAT32 + sum(kv_bytes(shape, c) for c in contexts)
+        work = work + limits.roofline(flops, nbytes)
+    return work
+
+
+def body_pass_flops(shape: DecoderShape, lengths: Sequence[int]) -> float:
+    """FLOPs of one pass of a model's body over sequences of ``lengths`` (no head)."""
+    body = body_parameters(shape)
+    return sum(2 * body * n + causal_attention_flops(shape, n) for n in lengths)
+
+
+def scoring_work(
+    shape: DecoderShape, spec: RunSpec, prompt_tokens: Sequence[int], limits: Limits
+) -> Work:
+    """The no-gradient passes: the reference (body and LM head at the response positions), the
+    reward model, and PPO's value model (bodies: their heads are a scalar)."""
+    from benchmarks.throughput_spec import GRPO_BETA
+
+    lengths = [p + spec.max_new_tokens for p in prompt_tokens]
+    responses = len(prompt_tokens) * spec.max_new_tokens
+    body = body_pass_flops(shape, lengths)
+    has_reference = spec.algorithm != "grpo" or GRPO_BETA > 0
+    has_reward_model = spec.reward_function is None
+    bodies = has_reward_model + (spec.algorithm == "ppo") + has_reference
+    flops = bodies * body + has_reference * 2 * head_parameters(shape) * responses
+    weights = (bodies * body_parameters(shape) + head_parameters(shape)) * FLOAT32
+    return limits.roofline(flops, weights)
+
+
+def update_work(
+    shape: DecoderShape, spec: RunSpec, prompt_tokens: Sequence[int], limits: Limits
+) -> Work:
+    """One forward and backward per model (one epoch of one minibatch, the benchmark's): the
+    policy's body (backward: input gradients with LoRA, input and weight gradients without; one
+    more forward with gradient checkpointing), its LM head's logits and input gradient at the
+    response positions; PPO's value model, fully trained."""
+    lengths = [p + spec.max_new_tokens for p in prompt_tokens]
+    responses = len(prompt_tokens) * spec.max_new_tokens
+    forward = body_pass_flops(shape, lengths)
+    backward = (1 if spec.uses_lora else 2) * forward
+    recompute = forward if spec.gradient_checkpointing else 0.0
+    policy = forward + backward + recompute + 2 * 2 * head_parameters(shape) * responses
+    value = 0.0
+    if spec.algorithm == "ppo":  # a full value model, or adapters on the policy's base
+        value = forward + (forward if spec.value_init == "shared" else 2 * forward) + recompute
+    models = 2 if spec.algorithm == "ppo" else 1
+    weights = models * 2 * body_parameters(shape) * FLOAT32  # read forward and backward
+    return limits.roofline(policy + value, weights)
+
+
+def phase_work(
+    shape: DecoderShape, spec: RunSpec, prompt_tokens: Sequence[int], limits: Limits
+) -> dict[str, Work]:
+    """Each phase's floor (:data:`PHASES`) for ``spec`` at ``shape``, with the rollout's
+    prompts of ``prompt_tokens`` tokens (one entry per sequence)."""
+    return {
+        "generation": generation_work(shape, prompt_tokens, spec.max_new_tokens, limits),
+        "scoring": scoring_work(shape, spec, prompt_tokens, limits),
+        "update": update_work(shape, spec, prompt_tokens, limits),
+    }
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _best_seconds(run: object, repeats: int) -> float:
+    assert callable(run)
+    run()  # warm-up: allocation, page faults
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_limits(megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
+    """This process's memory bandwidth and matmul peak (bytes and FLOPs per second), on MLX's
+    default device: ``copy_bandwidth`` (an array of ``megabytes`` copied: read + write),
+    ``gemv_bandwidth`` (a float32 matrix of ``megabytes`` times a vector: the matrix read once),
+    ``bandwidth`` (the larger), ``matmul_flops`` (2048 x 2048 float32)."""
+    import mlx.core as mx
+
+    n = megabytes * 2**20 // FLOAT32
+    source = mx.random.uniform(shape=(n,))
+    cols = 4096
+    matrix = mx.random.uniform(shape=(n // cols, cols))
+    vector = mx.random.uniform(shape=(cols, 1))
+    a = mx.random.uniform(shape=(2048, 2048))
+    b = mx.random.uniform(shape=(2048, 2048))
+    mx.eval(source, matrix, vector, a, b)
+    copy = _best_seconds(lambda: mx.eval(source + 0.0), repeats)
+    gemv = _best_seconds(lambda: mx.eval(matrix @ vector), repeats)
+    matmul = _best_seconds(lambda: mx.eval(a @ b), repeats)
+    limits = {
+        "copy_bandwidth": 2 * n * FLOAT32 / copy,
+        "gemv_bandwidth": matrix.size * FLOAT32 / gemv,
+        "matmul_flops": 2 * 2048**3 / matmul,
+    }
+    limits["bandwidth"] = max(limits["copy_bandwidth"], limits["gemv_bandwidth"])
+    return limits
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+FloorRow = tuple[RunResult, dict[str, Work], Limits]
+
+
+def floor_rows(results: Sequence[RunResult], shapes: Mapping[str, object]) -> list[FloorRow]:
+    """The MLX results whose model is a real shape (``shapes[spec.model]`` a ``RealShape``) and
+    that carry the machine's limits and their prompts' lengths, with each phase's floor."""
+    from benchmarks.throughput_models import RealShape
+
+    rows = []
+    for result in results:
+        shape = shapes.get(result.spec.model)
+        if result.spec.system != "mlx" or not isinstance(shape, RealShape):
+            continue
+        if result.limits is None or result.prompt_tokens is None:
+            continue
+        limits = Limits(result.limits["bandwidth"], result.limits["matmul_flops"])
+        rows.append((result, phase_work(shape, result.spec, result.prompt_tokens, limits), limits))
+    return rows
+
+
+def floor_lines(rows: Sequence[FloorRow]) -> list[str]:
+    """The printed table of :func:`floor_rows`: per configuration and phase, the measured
+    median, the floor, the ratio, and what bounds the floor."""
+    head = (
+        f"{'config':<12} {'algo':<5} {'phase':<10} {'time s':>8} {'floor s':>8} {'ratio':>6} "
+        f"{'GFLOP':>8} {'GB':>7}  bound"
+    )
+    lines = [head, "-" * len(head)]
+    for result, work, limits in rows:
+        for phase in PHASES:
+            w = work[phase]
+            measured = result.split_median(phase)
+            lines.append(
+                f"{result.spec.label:<12} {result.spec.algorithm:<5} {phase:<10} "
+                f"{measured:>8.2f} {w.seconds:>8.2f} {measured / w.seconds:>6.1f} "
+                f"{w.flops / 1e9:>8.0f} {w.bytes / 1e9:>7.1f}  {_bound(w, limits)}"
+            )
+    return lines
+
+
+def _bound(work: Work, limits: Limits) -> str:
+    memory = work.bytes / limits.bandwidth
+    compute = work.flops / limits.peak_flops
+    return "memory" if memory > compute else "compute"
+
+
+def limits_line(rows: Sequence[FloorRow]) -> str:
+    """The limits each worker measured (they should agree on a quiet machine)."""
+    parts = []
+    for result, _, _ in rows:
+        assert result.limits is not None
+        lim = result.limits
+        parts.append(
+            f"{result.spec.label} {result.spec.algorithm}: copy {lim['copy_bandwidth'] / 1e9:.1f}"
+            f" GB/s, gemv {lim['gemv_bandwidth'] / 1e9:.1f} GB/s, matmul "
+            f"{lim['matmul_flops'] / 1e9:.0f} GFLOP/s"
+        )
+    return "limits measured by each worker: " + "; ".join(parts)
+
+
+def markdown_table(rows: Sequence[FloorRow], machine: str) -> list[str]:
+    """The table of docs/performance.md (between :data:`DOC_BEGIN` and :data:`DOC_END`)."""
+    lines = [
+        DOC_BEGIN,
+        f"Measured on {machine}; {limits_line(rows)}.",
+        "",
+        "| shape | algorithm | phase | measured s | floor s | measured / floor | floor bound by |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result, work, limits in rows:
+        for phase in PHASES:
+            w = work[phase]
+            measured = result.split_median(phase)
+            lines.append(
+                f"| {result.spec.label} | {result.spec.algorithm} | {phase} | {measured:.1f} | "
+                f"{w.seconds:.1f} | {measured / w.seconds:.1f} | {_bound(w, limits)} |"
+            )
+    return [*lines, DOC_END]
+
+
+def write_doc(path: Path, table: Sequence[str]) -> None:
+    """Replace the text between the markers in ``path`` with ``table`` (markers included).
+
+    Raises:
+        ValueError: ``path`` lacks the markers (say where the table goes by adding them).
+    """
+    text = path.read_text(encoding="utf-8")
+    begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    if begin < 0 or end < begin:
+        raise ValueError(
+            f"{path} has no {DOC_BEGIN!r} ... {DOC_END!r} markers: add them where the table goes"
+        )
+    updated = text[:begin] + "\n".join(table) + text[end + len(DOC_END) :]
+    path.write_text(updated, encoding="utf-8")
+
+
+def growth_lines(results: Sequence[RunResult], baseline: Sequence[RunResult]) -> list[str]:
+    """Each phase (and iteration) of ``results`` that grew by more than
+    :data:`GROWTH_REPORTED` against the same configuration and system in ``baseline``."""
+    lines = []
+    for result in results:
+        spec = result.spec
+        before = next(
+            (
+                b
+                for b in baseline
+                if (b.spec.label, b.spec.algorithm, b.spec.system)
+                == (spec.label, spec.algorithm, spec.system)
+            ),
+            None,
+        )
+        if before is None:
+            continue
+        pairs = [("iteration", before.median, result.median)] + [
+            (phase, statistics.median(before.split[phase]), result.split_median(phase))
+            for phase in PHASES
+            if before.split.get(phase) and result.split.get(phase)
+        ]
+        for name, was, now in pairs:
+            if was > 0 and now > was * (1 + GROWTH_REPORTED):
+                lines.append(
+                    f"GREW: {spec.label} {spec.algorithm} {spec.system} {name}: {was:.2f} s -> "
+                    f"{now:.2f} s ({now / was:.2f}x)"
+                )
+    return lines
