@@ -1054,6 +1054,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tf32 and args.device != "gpu":
         parser.error("--tf32 is a GPU setting: it needs --device gpu")
+    if args.baseline is not None and not args.baseline.is_file():
+        parser.error(f"--baseline {args.baseline}: no such results.json")
     if (
         min(args.warmup, args.medium_warmup, args.real_warmup, args.retries) < 0
         or min(args.iterations, args.medium_iterations, args.real_iterations) < 1

@@ -71,6 +71,11 @@ def _result(
     return RunResult(spec, seconds, split, 100.0, 10.0, 1.0, floor=floor)
 
 
+def test_a_missing_baseline_is_refused_before_any_run(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--baseline", str(tmp_path / "none.json")])
+
+
 @pytest.mark.slow
 def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
