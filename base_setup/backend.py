@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from base_setup.plain import plain_mlx, plain_mlx_scope
+from base_setup.scipy_blas import route_to_scipy_openblas
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -140,6 +141,34 @@ def _numpy_version() -> str:
 
 
 def _load_openblas() -> BlasInfo:
+    """OpenBLAS for MLX: scipy-openblas32 through trampolines (its kernels fit any x86-64 CPU:
+    :mod:`base_setup.scipy_blas`), else the ``cmeel-openblas`` wheel (one CPU family), else the
+    reference BLAS; ``PPO_MLX_BLAS=cmeel`` skips the first."""
+    if os.environ.get("PPO_MLX_BLAS", "").lower() == "cmeel":
+        return _load_cmeel_openblas("PPO_MLX_BLAS=cmeel")
+    lib_path = _find_one("scipy_openblas32/lib/libscipy_openblas.so")
+    if lib_path is None:
+        return _load_cmeel_openblas("scipy-openblas32 is not installed")
+    try:
+        lib, trampolines = route_to_scipy_openblas(lib_path)
+    except OSError as err:
+        return _load_cmeel_openblas(f"scipy-openblas32 not used: {err}")
+    threads = lib.openblas_get_num_threads()
+    _OPENBLAS["lib"], _OPENBLAS["max_threads"] = lib, threads
+    return BlasInfo(
+        "openblas",
+        f"{lib.config()} ({lib.corename()} kernels, {threads} threads) from {lib_path} through "
+        f"{trampolines}",
+    )
+
+
+def _load_cmeel_openblas(why: str) -> BlasInfo:
+    """The ``cmeel-openblas`` wheel's OpenBLAS (``why``: the reason scipy-openblas32 was not)."""
+    info = _load_cmeel_wheel()
+    return BlasInfo(info.name, f"{info.detail}; {why}")
+
+
+def _load_cmeel_wheel() -> BlasInfo:
     lib_path = _find_one("cmeel.prefix/lib/libopenblas.so.0")
     if lib_path is None:
         return BlasInfo(

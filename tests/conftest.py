@@ -1,6 +1,17 @@
-"""Shared test set-up: MLX's fast BLAS (base_setup.setup_blas) before any test imports mlx."""
+"""Shared test set-up: MLX's fast BLAS (base_setup.setup_blas) before any test imports mlx.
 
-from base_setup import setup_blas
+The suite runs on the ``cmeel-openblas`` wheel's OpenBLAS (``PPO_MLX_BLAS=cmeel``, unless the
+environment names another): its kernels are built for one CPU family, so every x86-64 machine with
+AVX2 sums a matmul in the same order, and the golden runs (tests/golden) compare across machines.
+scipy-openblas32, the default outside the tests, picks the kernels of each CPU;
+tests/test_scipy_blas.py checks it in fresh processes.
+"""
+
+import os
+
+os.environ.setdefault("PPO_MLX_BLAS", "cmeel")
+
+from base_setup import setup_blas  # noqa: E402
 
 setup_blas()  # pytest imports this file before the test modules, so before every mlx import
 

@@ -30,14 +30,29 @@ def _loaded_libraries() -> str:
 
 @pytest.mark.skipif(not LINUX_X86, reason="OpenBLAS is loaded on Linux x86_64 only")
 def test_openblas_is_loaded_and_bound() -> None:
+    """MLX's ``cblas_sgemm`` resolves, in the global scope, to scipy-openblas32's through its
+    trampoline (the default), or to the cmeel wheel's OpenBLAS (its fallback)."""
+    from base_setup import scipy_blas
+
     info = blas_info()
     assert info.name == "openblas", info.detail
-    assert "libopenblas" in _loaded_libraries()
-    # The symbol MLX calls resolves, in the global scope, to OpenBLAS's definition.
     handle = ctypes.CDLL(None)
     sgemm = ctypes.cast(handle.cblas_sgemm, ctypes.c_void_p).value
-    openblas = ctypes.CDLL(info.detail.split(" from ")[1].split(",")[0])
-    assert sgemm == ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p).value
+    if " through " in info.detail:  # scipy-openblas32: the trampoline jumps to its function
+        library, trampolines = info.detail.split(" from ")[1].split(" through ")
+        loaded = ctypes.CDLL(trampolines.split(";")[0])
+        assert sgemm == ctypes.cast(loaded.cblas_sgemm, ctypes.c_void_p).value
+        table = (ctypes.c_void_p * len(scipy_blas.MLX_SYMBOLS)).in_dll(
+            loaded, scipy_blas.TABLE_SYMBOL
+        )
+        target = ctypes.CDLL(library).scipy_cblas_sgemm
+        slot = scipy_blas.MLX_SYMBOLS.index("cblas_sgemm")
+        assert table[slot] == ctypes.cast(target, ctypes.c_void_p).value
+        assert "libscipy_openblas" in _loaded_libraries()
+    else:
+        assert "libopenblas" in _loaded_libraries()
+        openblas = ctypes.CDLL(info.detail.split(" from ")[1].split(",")[0].split(";")[0])
+        assert sgemm == ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p).value
 
 
 _MATMUL_RATE = """
@@ -159,7 +174,7 @@ def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyP
         "_find_one",
         lambda pattern: (Path("/x/libopenblas.so.0") if "openblas" in pattern else None),
     )
-    info = backend._load_openblas()
+    info = backend._load_openblas()  # scipy-openblas32's load fails too: cmeel's, then none
     assert info.name == "reference"
     assert "apt install libgfortran5" in info.detail and "numpy<2.5" in info.detail
 
@@ -177,7 +192,7 @@ def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
         raise AssertionError("NumPy's libgfortran was loaded although OpenBLAS loaded on its own")
 
     monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", never)
-    assert "libgfortran from" not in backend._load_openblas().detail
+    assert "libgfortran from" not in backend._load_cmeel_wheel().detail
 
     real_cdll, failures = backend.ctypes.CDLL, [1]
 
@@ -189,7 +204,7 @@ def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
 
     monkeypatch.setattr(backend.ctypes, "CDLL", cdll_without_gfortran)
     monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", lambda: "/numpy.libs/gf.so")
-    assert "libgfortran from /numpy.libs/gf.so" in backend._load_openblas().detail
+    assert "libgfortran from /numpy.libs/gf.so" in backend._load_cmeel_wheel().detail
 
 
 def test_blas_info_is_a_dataclass() -> None:
