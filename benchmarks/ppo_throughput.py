@@ -483,6 +483,10 @@ def machine_lines(
         f"MLX {_version('mlx')} ({mlx_backend(device)}), mlx-lm {_version('mlx-lm')}; "
         f"math threads: {cpu_threads()}"
     )
+    if device == "cpu":  # the workers load the same BLAS (the same environment)
+        from base_setup import blas_info
+
+        lines.append(blas_info().describe())
     if compare:
         torch_device = "CUDA" if device == "gpu" else f"torch.set_num_threads({cpu_threads()})"
         lines.append(

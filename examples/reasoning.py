@@ -22,7 +22,6 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
     setup_blas()
 
 import argparse
-import json
 import logging
 import math
 import random
