@@ -267,19 +267,28 @@ FloorRow = tuple[RunResult, dict[str, Work], Limits]
 
 def floor_rows(results: Sequence[RunResult], shapes: Mapping[str, object]) -> list[FloorRow]:
     """The MLX results whose model is a real shape (``shapes[spec.model]`` a ``RealShape``) and
-    that carry the machine's limits and their prompts' lengths, with each phase's floor."""
+    that carry the machine's limits and their prompts' lengths, with each phase's floor. The
+    limits are the best each worker of the run measured (one machine: a lower measurement is
+    the noise of its moment, and the floor is what the machine can do)."""
     from benchmarks.throughput_models import RealShape
 
-    rows = []
-    for result in results:
-        shape = shapes.get(result.spec.model)
-        if result.spec.system != "mlx" or not isinstance(shape, RealShape):
-            continue
-        if result.limits is None or result.prompt_tokens is None:
-            continue
-        limits = Limits(result.limits["bandwidth"], result.limits["matmul_flops"])
-        rows.append((result, phase_work(shape, result.spec, result.prompt_tokens, limits), limits))
-    return rows
+    kept = [
+        (result, shape)
+        for result in results
+        for shape in [shapes.get(result.spec.model)]
+        if result.spec.system == "mlx"
+        and isinstance(shape, RealShape)
+        and result.limits is not None
+        and result.prompt_tokens is not None
+    ]
+    if not kept:
+        return []
+    measured = [r.limits for r, _ in kept if r.limits is not None]
+    limits = Limits(max(m["bandwidth"] for m in measured), max(m["matmul_flops"] for m in measured))
+    return [
+        (result, phase_work(shape, result.spec, result.prompt_tokens or [], limits), limits)
+        for result, shape in kept
+    ]
 
 
 def floor_lines(rows: Sequence[FloorRow]) -> list[str]:
@@ -309,7 +318,11 @@ def _bound(work: Work, limits: Limits) -> str:
 
 
 def limits_line(rows: Sequence[FloorRow]) -> str:
-    """The limits each worker measured (they should agree on a quiet machine)."""
+    """The limits each worker measured (they should agree on a quiet machine), and the best,
+    which the floors use."""
+    if not rows:
+        return "no worker measured the machine's limits"
+    best = rows[0][2]
     parts = []
     for result, _, _ in rows:
         assert result.limits is not None
@@ -319,7 +332,10 @@ def limits_line(rows: Sequence[FloorRow]) -> str:
             f" GB/s, gemv {lim['gemv_bandwidth'] / 1e9:.1f} GB/s, matmul "
             f"{lim['matmul_flops'] / 1e9:.0f} GFLOP/s"
         )
-    return "limits measured by each worker: " + "; ".join(parts)
+    return (
+        f"floors at the best limits the workers measured: {best.bandwidth / 1e9:.1f} GB/s, "
+        f"{best.peak_flops / 1e9:.0f} GFLOP/s (each worker: " + "; ".join(parts) + ")"
+    )
 
 
 def markdown_table(rows: Sequence[FloorRow], machine: str) -> list[str]:

@@ -1312,7 +1312,8 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
         out.append("\n== Phases beside the machine's floor (MLX; benchmarks/phase_floors.py) ==")
         out.append(
             "floor = what the phase must do (FLOPs, bytes) at this machine's matmul peak and "
-            "memory bandwidth, measured in the same worker; ratio = measured / floor"
+            "memory bandwidth (the best the run's workers measured after their iterations); "
+            "ratio = measured / floor"
         )
         out.append(limits_line(rows))
         out.extend(floor_lines(rows))

@@ -181,6 +181,16 @@ def test_the_doc_table_replaces_only_the_text_between_its_markers(tmp_path: Path
         pf.write_doc(doc, ["x"])
 
 
+def test_floor_rows_use_the_best_limits_any_worker_measured() -> None:
+    fast = _result(_spec(), 3.0, {"generation": 1.0})
+    slow = _result(_spec(algorithm="grpo", group_size=2), 3.0, {"generation": 1.0})
+    assert slow.limits is not None
+    slow.limits = {**slow.limits, "bandwidth": 1e9, "matmul_flops": 2e11}
+    rows = pf.floor_rows([fast, slow], MODEL_SHAPES)
+    assert {(r[2].bandwidth, r[2].peak_flops) for r in rows} == {(1e10, 2e11)}
+    assert "10.0 GB/s, 200 GFLOP/s" in pf.limits_line(rows)
+
+
 def test_floor_rows_skip_results_without_limits_or_a_real_shape() -> None:
     with_limits = _result(_spec(), 3.0, {"generation": 1.0})
     tiny = _result(_spec(model="toy", label="toy", lora_rank=0, lora_alpha=0.0), 3.0, {})
