@@ -44,9 +44,9 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
-from benchmarks.throughput_spec import RunResult, RunSpec
+from benchmarks.throughput_spec import GRPO_BETA, RunResult, RunSpec
 
 #: Bytes of a float32 value: the benchmark's weights, caches and activations.
 FLOAT32 = 4
@@ -172,8 +172,6 @@ def scoring_work(
 ) -> Work:
     """The no-gradient passes: the reference (body and LM head at the response positions), the
     reward model, and PPO's value model (bodies: their heads are a scalar)."""
-    from benchmarks.throughput_spec import GRPO_BETA
-
     lengths = [p + spec.max_new_tokens for p in prompt_tokens]
     responses = len(prompt_tokens) * spec.max_new_tokens
     body = body_pass_flops(shape, lengths)
@@ -221,8 +219,7 @@ def phase_work(
 # ---------------------------------------------------------------------------- measuring
 
 
-def _best_seconds(run: object, repeats: int) -> float:
-    assert callable(run)
+def _best_seconds(run: Callable[[], None], repeats: int) -> float:
     run()  # warm-up: allocation, page faults
     times = []
     for _ in range(repeats):
@@ -272,23 +269,32 @@ def floor_rows(results: Sequence[RunResult], shapes: Mapping[str, object]) -> li
     the noise of its moment, and the floor is what the machine can do)."""
     from benchmarks.throughput_models import RealShape
 
-    kept = [
-        (result, shape)
-        for result in results
-        for shape in [shapes.get(result.spec.model)]
-        if result.spec.system == "mlx"
-        and isinstance(shape, RealShape)
-        and result.limits is not None
-        and result.prompt_tokens is not None
-    ]
+    kept: list[tuple[RunResult, RealShape, dict[str, float], list[int]]] = []
+    for result in results:
+        shape = shapes.get(result.spec.model)
+        if result.spec.system != "mlx" or not isinstance(shape, RealShape):
+            continue
+        if result.limits is not None and result.prompt_tokens is not None:
+            kept.append((result, shape, result.limits, result.prompt_tokens))
     if not kept:
         return []
-    measured = [r.limits for r, _ in kept if r.limits is not None]
-    limits = Limits(max(m["bandwidth"] for m in measured), max(m["matmul_flops"] for m in measured))
+    limits = Limits(
+        max(m["bandwidth"] for _, _, m, _ in kept), max(m["matmul_flops"] for _, _, m, _ in kept)
+    )
     return [
-        (result, phase_work(shape, result.spec, result.prompt_tokens or [], limits), limits)
-        for result, shape in kept
+        (result, phase_work(shape, result.spec, prompts, limits), limits)
+        for result, shape, _, prompts in kept
     ]
+
+
+def _phase_cells(rows: Sequence[FloorRow]) -> Iterator[tuple[RunResult, str, float, Work, str]]:
+    """Per row of :func:`floor_rows` and phase: the result, the phase, its measured median,
+    its floor's work and what bounds that floor (the cells of both tables)."""
+    for result, work, limits in rows:
+        for phase in PHASES:
+            yield result, phase, result.split_median(phase), work[phase], _bound(
+                work[phase], limits
+            )
 
 
 def floor_lines(rows: Sequence[FloorRow]) -> list[str]:
@@ -299,15 +305,12 @@ def floor_lines(rows: Sequence[FloorRow]) -> list[str]:
         f"{'GFLOP':>8} {'GB':>7}  bound"
     )
     lines = [head, "-" * len(head)]
-    for result, work, limits in rows:
-        for phase in PHASES:
-            w = work[phase]
-            measured = result.split_median(phase)
-            lines.append(
-                f"{result.spec.label:<12} {result.spec.algorithm:<5} {phase:<10} "
-                f"{measured:>8.2f} {w.seconds:>8.2f} {measured / w.seconds:>6.1f} "
-                f"{w.flops / 1e9:>8.0f} {w.bytes / 1e9:>7.1f}  {_bound(w, limits)}"
-            )
+    for result, phase, measured, w, bound in _phase_cells(rows):
+        lines.append(
+            f"{result.spec.label:<12} {result.spec.algorithm:<5} {phase:<10} "
+            f"{measured:>8.2f} {w.seconds:>8.2f} {measured / w.seconds:>6.1f} "
+            f"{w.flops / 1e9:>8.0f} {w.bytes / 1e9:>7.1f}  {bound}"
+        )
     return lines
 
 
@@ -347,14 +350,11 @@ def markdown_table(rows: Sequence[FloorRow], machine: str) -> list[str]:
         "| shape | algorithm | phase | measured s | floor s | measured / floor | floor bound by |",
         "|---|---|---|---|---|---|---|",
     ]
-    for result, work, limits in rows:
-        for phase in PHASES:
-            w = work[phase]
-            measured = result.split_median(phase)
-            lines.append(
-                f"| {result.spec.label} | {result.spec.algorithm} | {phase} | {measured:.1f} | "
-                f"{w.seconds:.1f} | {measured / w.seconds:.1f} | {_bound(w, limits)} |"
-            )
+    for result, phase, measured, w, bound in _phase_cells(rows):
+        lines.append(
+            f"| {result.spec.label} | {result.spec.algorithm} | {phase} | {measured:.1f} | "
+            f"{w.seconds:.1f} | {measured / w.seconds:.1f} | {bound} |"
+        )
     return [*lines, DOC_END]
 
 
