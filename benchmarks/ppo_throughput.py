@@ -229,6 +229,8 @@ class Config:
     group_size: int
     max_new_tokens: int
     kind: Literal["main", "tokens", "batch"] = "main"
+    #: A real shape trained in full (every weight of the policy) instead of with LoRA.
+    full_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,10 +290,12 @@ def build_plan(args: argparse.Namespace) -> Plan:
         )
     main_list: list[Config] = []
     if args.real:
+        full = args.real_full
         for model in args.real_models:
+            label = f"{model} full" if full else model
             main_list += [
-                Config(model, model, "ppo", 16, 1, 128),
-                Config(model, model, "grpo", 4, 4, 128),
+                Config(label, model, "ppo", 16, 1, 128, full_weights=full),
+                Config(label, model, "grpo", 4, 4, 128, full_weights=full),
             ]
     main_list += [
         Config("tiny", "tiny", "ppo", 16, 1, 32),
@@ -580,6 +584,7 @@ def _spec(
 ) -> RunSpec:
     policy_dir, reward_dir, prompts = dirs[config.model]
     real = is_real(config.model)
+    lora = real and not config.full_weights
     if real:
         warmup, iterations = plan.real_warmup, plan.real_iterations
     elif config.model == "medium":
@@ -602,9 +607,9 @@ def _spec(
         threads=cpu_threads(),
         measure_floor=measure_floor and system == "mlx" and (plan.real_floor or not real),
         floor_repeats=plan.floor_repeats,
-        lora_rank=REAL_LORA_RANK if real else 0,
-        lora_alpha=REAL_LORA_ALPHA if real else 0.0,
-        lora_modules=REAL_LORA_MODULES if real else (),
+        lora_rank=REAL_LORA_RANK if lora else 0,
+        lora_alpha=REAL_LORA_ALPHA if lora else 0.0,
+        lora_modules=REAL_LORA_MODULES if lora else (),
         gradient_checkpointing=config.model in CHECKPOINTED_SHAPES,
         device=plan.device,
         tf32=plan.tf32,
@@ -1002,6 +1007,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--real-warmup", type=int, default=1, help="untimed iterations (real)")
     parser.add_argument("--real-iterations", type=int, default=2, help="timed iterations (real)")
+    parser.add_argument(
+        "--real-full",
+        action="store_true",
+        help="train the real shapes' policies in full (every weight, as TRL's scripts do without "
+        "peft) instead of with LoRA r16",
+    )
     parser.add_argument(
         "--real-floor",
         action="store_true",

@@ -269,6 +269,15 @@ def test_full_plan_leads_with_the_real_shapes_with_lora_and_fewer_iterations(
     assert {c.label for c in floor_plan.main} == {"qwen3-0.6b", "tiny", "medium"}
     spec = ppo_throughput._spec(floor_plan.main[0], "mlx", floor_plan, dirs, measure_floor=True)
     assert spec.measure_floor
+    full_plan = build_plan(parse_args(["--real-full", "--real-models", "smollm2-135m"]))
+    assert [(c.label, c.algorithm) for c in full_plan.main[:2]] == [
+        ("smollm2-135m full", "ppo"),
+        ("smollm2-135m full", "grpo"),
+    ]
+    for system in systems:  # every weight of the policy, on both sides
+        spec = ppo_throughput._spec(full_plan.main[0], system, full_plan, dirs, measure_floor=True)
+        assert not spec.uses_lora and spec.model == "smollm2-135m"
+        assert (spec.warmup, spec.iterations) == (1, 2)
     no_real = build_plan(parse_args(["--no-real"]))
     assert {c.label for c in no_real.main} == {"tiny", "medium"}
     assert [c.label for c in build_plan(parse_args(["--smoke", "--no-real"])).main] == [
