@@ -378,7 +378,8 @@ class Updater:
         cfg = self.config
         run.updating = True
         # MLX's own functions: traced for the gradient, the fast ones cost more than they save
-        # (docs/performance.md, "The update with MLX's own functions").
+        # (MLX runs a compiled function's original graph on tracer inputs: ~20 element-wise
+        # passes; docs/performance.md, "What stands in the way").
         with fast_math.mlx_math_scope():
             update_metrics = self._epochs(batch, run, step, group)
         run.updating = False
