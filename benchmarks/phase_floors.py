@@ -40,7 +40,6 @@ A phase's ratio is its measured median over its floor: 1 would be the machine's 
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -392,7 +391,7 @@ def growth_lines(results: Sequence[RunResult], baseline: Sequence[RunResult]) ->
         if before is None:
             continue
         pairs = [("iteration", before.median, result.median)] + [
-            (phase, statistics.median(before.split[phase]), result.split_median(phase))
+            (phase, before.split_median(phase), result.split_median(phase))
             for phase in PHASES
             if before.split.get(phase) and result.split.get(phase)
         ]

@@ -13,21 +13,17 @@ from benchmarks import phase_floors as pf
 from benchmarks.ppo_throughput import MODEL_SHAPES
 from benchmarks.throughput_models import RealShape
 from benchmarks.throughput_spec import SPLIT_KEYS, RunResult, RunSpec
+from tests.test_benchmarks import _spec as benchmark_spec
 
 TOY = cast(RealShape, MODEL_SHAPES["toy-llama"])
 
 
 def _spec(**overrides: object) -> RunSpec:
-    fields: dict = dict(
-        system="mlx",
-        algorithm="ppo",
+    """tests/test_benchmarks' spec at the toy-llama shape, LoRA as the real shapes train."""
+    toy_lora: dict = dict(
         label="toy-llama",
         model="toy-llama",
-        policy_dir="/p",
-        reward_dir="/r",
-        prompts=("a", "b", "c", "d"),
         batch_size=2,
-        group_size=1,
         max_new_tokens=5,
         warmup=0,
         iterations=1,
@@ -35,8 +31,7 @@ def _spec(**overrides: object) -> RunSpec:
         lora_alpha=8.0,
         lora_modules=("self_attn.q_proj",),
     )
-    fields.update(overrides)
-    return RunSpec(**fields)
+    return benchmark_spec(**{**toy_lora, **overrides})
 
 
 def _matrices(shape: RealShape) -> list[tuple[int, int]]:
