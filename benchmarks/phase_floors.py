@@ -218,14 +218,16 @@ def phase_work(
 # ---------------------------------------------------------------------------- measuring
 
 
-def _best_seconds(run: Callable[[], None], repeats: int) -> float:
-    run()  # warm-up: allocation, page faults
+def timings(run: Callable[[], None], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``run``, after one untimed call (allocation,
+    page faults)."""
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
 def measure_limits(megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
@@ -243,9 +245,9 @@ def measure_limits(megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
     a = mx.random.uniform(shape=(2048, 2048))
     b = mx.random.uniform(shape=(2048, 2048))
     mx.eval(source, matrix, vector, a, b)
-    copy = _best_seconds(lambda: mx.eval(source + 0.0), repeats)
-    gemv = _best_seconds(lambda: mx.eval(matrix @ vector), repeats)
-    matmul = _best_seconds(lambda: mx.eval(a @ b), repeats)
+    copy = min(timings(lambda: mx.eval(source + 0.0), repeats))
+    gemv = min(timings(lambda: mx.eval(matrix @ vector), repeats))
+    matmul = min(timings(lambda: mx.eval(a @ b), repeats))
     limits = {
         "copy_bandwidth": 2 * n * FLOAT32 / copy,
         "gemv_bandwidth": matrix.size * FLOAT32 / gemv,

@@ -45,7 +45,7 @@ from benchmarks.throughput_spec import (
     package_versions,
     peak_rss_mb,
 )
-from benchmarks.phase_floors import measure_limits
+from benchmarks.phase_floors import measure_limits, timings
 from base_setup import fast_math
 from config.model_config import ValueInit
 from config.ppo_config import PPOConfig
@@ -101,13 +101,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timings(fn, repeats))
 
 
 def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
