@@ -95,6 +95,12 @@ def cache_dir() -> Path:
     return Path(base) / "ppo_mlx"
 
 
+def c_compiler() -> str | None:
+    """The C compiler that assembles the trampolines: ``$CC``, else ``cc``, else ``gcc`` (None:
+    none found)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build_trampolines(symbols: tuple[str, ...], directory: Path) -> Path:
     """The shared library of :func:`trampolines_source`, assembled once per source into
     ``directory`` (a temporary file renamed into place, so that processes building it at the
@@ -108,7 +114,7 @@ def build_trampolines(symbols: tuple[str, ...], directory: Path) -> Path:
     target = directory / f"mlx_blas_trampolines_{digest}.so"
     if target.is_file():
         return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         raise OSError("no C compiler ($CC, cc or gcc) to assemble the BLAS trampolines")
     directory.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ calls in a fresh process."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from base_setup.backend import _find_one
 ROOT = Path(__file__).resolve().parent.parent
 LINUX_X86 = sys.platform.startswith("linux") and os.uname().machine == "x86_64"
 SCIPY_LIB = _find_one("scipy_openblas32/lib/libscipy_openblas.so") if LINUX_X86 else None
-COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+COMPILER = scipy_blas.c_compiler()
 needs_scipy = pytest.mark.skipif(
     SCIPY_LIB is None or COMPILER is None,
     reason="scipy-openblas32 (Linux x86_64) and a C compiler to build the trampolines",
