@@ -377,6 +377,10 @@ class BigramLM(Bigram):
         return self.table[input_ids]  # (B, L, V)
 
 
+#: The SFT batches' padding: a token of test_update's V = 6 vocabulary (pad == a real token, as
+#: when pad is EOS), so that the bigram table has a row for it; the mask keeps it out of the loss.
+#: An id outside the vocabulary made the table lookup read past its end (a NaN, now and then).
+SFT_PAD = 0
 SFT_EXAMPLES = [
     SFTExample([1, 2, 3, 4], [0, 0, 1, 1]),
     SFTExample([5, 0, 2], [0, 1, 1]),
@@ -399,7 +403,7 @@ def test_sft_batch_loss_is_coef_times_the_naive_nll() -> None:
     from tests.test_update import TABLE
 
     cfg = config("grpo", sft_coef=0.3)
-    loss, metrics = policy_loss_fn(cfg)(BigramLM(TABLE), collate_sft(SFT_EXAMPLES, 9))
+    loss, metrics = policy_loss_fn(cfg)(BigramLM(TABLE), collate_sft(SFT_EXAMPLES, SFT_PAD))
     assert float(metrics["sft_loss"]) == pytest.approx(naive_nll(TABLE, SFT_EXAMPLES), rel=1e-5)
     assert float(loss) == pytest.approx(0.3 * naive_nll(TABLE, SFT_EXAMPLES), rel=1e-5)
 
@@ -410,7 +414,7 @@ def test_update_with_sft_steps_on_policy_loss_plus_coef_times_nll() -> None:
     from tests.test_update import TABLE, naive_policy_loss
 
     cfg = config("grpo", sft_coef=0.3, loss_type="grpo")  # a sequence mean: any split of rows
-    mix = SFTMix(SFT_EXAMPLES, batch_size=2, seed=0, pad_token_id=9)
+    mix = SFTMix(SFT_EXAMPLES, batch_size=2, seed=0, pad_token_id=SFT_PAD)
     policy = BigramLM(TABLE)
     learner = Learner(policy, optim.SGD(0.1), nn.value_and_grad(policy, policy_loss_fn(cfg)),
                       "policy", "grpo", mix.next_batch)  # fmt: skip
@@ -430,7 +434,7 @@ def test_update_with_sft_steps_on_policy_loss_plus_coef_times_nll() -> None:
     reference = BigramLM(TABLE)
     grad_fn = nn.value_and_grad(reference, policy_loss_fn(cfg))
     grads = [grad_fn(reference, mb)[1]["table"] for mb in (batch(True)[0:2], batch(True)[2:4])]
-    sft_grad = grad_fn(reference, collate_sft(taken, 9))[1]["table"]
+    sft_grad = grad_fn(reference, collate_sft(taken, SFT_PAD))[1]["table"]
     expected = TABLE - 0.1 * np.array(0.5 * grads[0] + 0.5 * grads[1] + sft_grad)
     np.testing.assert_allclose(np.array(policy.table), expected, rtol=1e-5, atol=1e-6)
 
@@ -458,9 +462,9 @@ def test_sft_stream_edges_and_refusals() -> None:
             f"{cursor}"
         )
     with pytest.raises(ValueError) as err:
-        SFTMix([], batch_size=2, seed=0, pad_token_id=9)
+        SFTMix([], batch_size=2, seed=0, pad_token_id=SFT_PAD)
     assert str(err.value) == "sft_data holds no examples"
-    mix = SFTMix(SFT_EXAMPLES, batch_size=2, seed=0, pad_token_id=9)
+    mix = SFTMix(SFT_EXAMPLES, batch_size=2, seed=0, pad_token_id=SFT_PAD)
     mix.next_batch()
     mix.next_batch()
     assert mix.cursor == 4  # examples taken so far
