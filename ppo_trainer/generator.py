@@ -13,6 +13,11 @@ ids, log-probs of the sampled tokens, and few host syncs. Here the only host syn
 "has every sequence stopped?" check, overlapped with the next step's forward pass (the next step
 is queued with ``mx.async_eval`` before the check blocks), plus one at the end.
 
+The loop itself, :func:`decode_loop`, is shared with multi-turn episodes
+(:func:`ppo_trainer.multi_turn.generate_turns`): what each row feeds next and when a row ends is
+its rows object's (:class:`DecodeRows`; :class:`ResponseRows` here), so a tool's turn is tokens
+forced into the same loop.
+
 Prompts that occur several times in a batch (GRPO's and RLOO's ``group_size`` samples of each
 prompt) are prefilled once: the distinct prompts run through the model, then their caches' rows
 and last logits are repeated to the full batch (mlx-lm's ``filter`` with repeated indices) before
@@ -30,10 +35,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence, cast
+from functools import partial
+from typing import Any, Callable, Iterator, Protocol, Sequence, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from base_setup import fast_math
 from base_setup.plain import speed_tricks
@@ -369,41 +376,146 @@ def generate(
         stop_strings=stop_strings,
         decode=decode,
     )
-    stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
-    pad = mx.array(pad_token_id, dtype=mx.int32)
-
-    step_keys = per_step_keys(keys, temperature, max_new_tokens)
+    sample = partial(
+        _sample, temperature=temperature, top_p=top_p, top_k=top_k, with_entropy=return_logprobs
+    )
+    watch = StopStringWatch(len(prompts), stop_strings, decode) if stop_strings else None
+    rows = ResponseRows(
+        len(prompts),
+        max_new_tokens=max_new_tokens,
+        step_keys=per_step_keys(keys, temperature, max_new_tokens),
+        stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+        watch=watch,
+    )
     with eval_mode(lm):
         logits, cache = prefill(lm, prompts, pad_token_id, prefill_once)  # (B, V)
-        done = mx.zeros((len(prompts),), dtype=mx.bool_)  # stopped before this step
-        steps = DecodedSteps()
-        watch = StopStringWatch(len(prompts), stop_strings, decode) if stop_strings else None
-        for t in range(max_new_tokens):
-            tokens, token_logprobs, entropy = _sample(
-                logits,
-                temperature,
-                top_p,
-                top_k,
-                None if step_keys is None else step_keys[:, t],
-                with_entropy=return_logprobs,
-            )
-            alive = mx.logical_not(done)  # this step's token belongs to the response
-            tokens = mx.where(alive, tokens, pad)
-            done = mx.logical_or(done, (tokens[:, None] == stop_ids[None, :]).any(axis=1))
-            steps.add(alive, tokens, token_logprobs, entropy)
-            last = t == max_new_tokens - 1
-            if not last:
-                logits = lm(tokens[:, None], cache=cache)[:, -1, :]  # (B, V), queued
-                # The step's entropy too: left lazy, each step's would hold its (B, V)
-                # probabilities until the end (two (B, T, V) arrays' worth at the last step).
-                mx.async_eval(logits, done, tokens, token_logprobs, *steps.entropy[-1:])
-            if watch is not None:  # read while the next forward runs
-                done = watch.update(alive, tokens, done)
-            if last:
-                break
-            if (stop_ids.size or stop_strings) and done.all().item():  # the step's host sync
-                break
-    return steps.output(done, return_logprobs, None if watch is None else watch.by_string)
+        decode_loop(lm, logits, cache, rows, sample)
+    return rows.output(return_logprobs)
+
+
+#: ``sample(logits (B, V), keys (B, 2) | None) -> (tokens, log-probs, entropy | None)``, each
+#: ``(B,)``: :func:`_sample` with a generation's temperature, top-p and top-k.
+SampleFn = Callable[..., tuple[mx.array, mx.array, "mx.array | None"]]
+
+
+class DecodeRows(Protocol):
+    """What :func:`decode_loop` asks of the rows it decodes: single responses
+    (:class:`ResponseRows`) or multi-turn episodes (:class:`ppo_trainer.multi_turn.TurnRows`,
+    whose tool and environment turns are tokens forced into the same loop)."""
+
+    def context(self) -> np.ndarray | None:
+        """``(B, k)`` tokens to feed as one chunk, without sampling, when every running row has
+        context pending (a prefill of ``k`` tokens, not ``k`` decoding steps); else None."""
+
+    def step_keys(self) -> mx.array | None:
+        """``(B, 2)``: each row's PRNG key for this step's sample; None: the global state."""
+
+    def feed(
+        self, sampled: mx.array, logprobs: mx.array, entropy: mx.array | None
+    ) -> mx.array | None:
+        """Take this step's samples (lazy ``(B,)`` arrays) and return the ``(B,)`` tokens the
+        next forward pass feeds (a sample, a forced context token, or pad after a row's end);
+        None when no further pass is needed (the budget's last step)."""
+
+    def queued(self) -> tuple[mx.array, ...]:
+        """This step's arrays to compute along with the next forward pass."""
+
+    def settle(self) -> bool:
+        """The host's part of the step, run while the next forward pass computes: which rows
+        ended; whether every row has (the loop then stops)."""
+
+
+def decode_loop(
+    lm: nn.Module, logits: mx.array, cache: list[Any], rows: DecodeRows, sample: SampleFn
+) -> None:
+    """Decode ``rows`` from the prompts' last ``logits`` ``(B, V)`` and their batched ``cache``
+    (:func:`prefill`), one token per row and step, until ``rows.settle()`` says every row ended.
+
+    Each step samples from the logits, asks the rows what to feed, queues the next forward pass
+    (``mx.async_eval``), and only then lets the rows read on the host what they need, so that
+    the host's work and its one sync overlap the pass.
+    """
+    while True:
+        chunk = rows.context()
+        if chunk is not None:
+            logits = lm(mx.array(chunk), cache=cache)[:, -1, :]  # (B, V)
+            continue
+        sampled, logprobs, entropy = sample(logits, keys=rows.step_keys())
+        inputs = rows.feed(sampled, logprobs, entropy)
+        if inputs is not None:
+            logits = lm(inputs[:, None], cache=cache)[:, -1, :]  # (B, V), queued
+            mx.async_eval(logits, *rows.queued())
+        if rows.settle():
+            return
+
+
+class ResponseRows:
+    """:func:`generate`'s rows: one response each, ended by a stop token, a stop string or the
+    budget. The steps stay on the device (:class:`DecodedSteps`); the host reads, per step,
+    whether every row has stopped (and, with stop strings, the step's tokens)."""
+
+    def __init__(
+        self,
+        rows: int,
+        *,
+        max_new_tokens: int,
+        step_keys: mx.array | None,
+        stop_token_ids: Sequence[int],
+        pad_token_id: int,
+        watch: StopStringWatch | None,
+    ) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.keys = step_keys  # (B, max_new_tokens, 2) or None
+        self.stop_ids = mx.array(list(stop_token_ids), dtype=mx.int32)
+        self.pad = mx.array(pad_token_id, dtype=mx.int32)
+        self.watch = watch
+        self.t = 0  # the step being decoded
+        self.done = mx.zeros((rows,), dtype=mx.bool_)  # stopped before this step
+        self.steps = DecodedSteps()
+        self.alive = self.done
+        self.tokens = self.done
+        self.logprobs = self.done
+
+    def context(self) -> np.ndarray | None:
+        """A single response takes no context."""
+        return None
+
+    def step_keys(self) -> mx.array | None:
+        """Row ``b``'s key for step ``t``: ``keys[b, t]``."""
+        return None if self.keys is None else self.keys[:, self.t]
+
+    def feed(
+        self, sampled: mx.array, logprobs: mx.array, entropy: mx.array | None
+    ) -> mx.array | None:
+        """The samples of running rows, pad in stopped ones; None at the budget's last step."""
+        self.alive = mx.logical_not(self.done)  # this step's token belongs to the response
+        self.tokens = mx.where(self.alive, sampled, self.pad)
+        self.logprobs = logprobs
+        stopped = (self.tokens[:, None] == self.stop_ids[None, :]).any(axis=1)
+        self.done = mx.logical_or(self.done, stopped)
+        self.steps.add(self.alive, self.tokens, logprobs, entropy)
+        return None if self.t == self.max_new_tokens - 1 else self.tokens
+
+    def queued(self) -> tuple[mx.array, ...]:
+        """The step's state, and its entropy: left lazy, each step's would hold its ``(B, V)``
+        probabilities until the end (two ``(B, T, V)`` arrays' worth at the last step)."""
+        return (self.done, self.tokens, self.logprobs, *self.steps.entropy[-1:])
+
+    def settle(self) -> bool:
+        """Stop strings read (while the next forward runs); every row stopped or the budget
+        spent: the step's one host sync."""
+        if self.watch is not None:
+            self.done = self.watch.update(self.alive, self.tokens, self.done)
+        if self.t == self.max_new_tokens - 1:
+            return True
+        self.t += 1
+        return bool((self.stop_ids.size or self.watch is not None) and self.done.all().item())
+
+    def output(self, with_logprobs: bool) -> GenerationOutput:
+        """The responses, cut to the longest."""
+        by_string = None if self.watch is None else self.watch.by_string
+        return self.steps.output(self.done, with_logprobs, by_string)
 
 
 class StopStringWatch:

@@ -6,12 +6,13 @@ the chat template, ending with the next assistant prompt). When a sequence sampl
 row's* cache and the row samples again after them. Nothing is re-prefilled: the history stays in
 the cache, and a turn costs only its own tokens.
 
-How, with one batched cache (mlx-lm's ``BatchKVCache``, as :func:`ppo_trainer.generator.generate`):
-every row advances one position per decoding step. A row with context pending feeds its next
-context token instead of a sampled one (its sample is discarded); a row that is done feeds pad.
-So each row's positions are those it would have alone, and the attention never sees a gap. When
-*every* live row has context pending, the shortest pending run of ``k`` tokens is fed as one
-``(B, k)`` chunk (a prefill, not ``k`` decoding steps). The host learns each step's tokens (one
+How: single responses' decoding loop (:func:`ppo_trainer.generator.decode_loop`, one batched
+mlx-lm ``BatchKVCache``), with :class:`TurnRows` deciding what each row feeds. Every row advances
+one position per decoding step. A row with context pending feeds its next context token instead
+of a sampled one (its sample is discarded); a row that is done feeds pad. So each row's
+positions are those it would have alone, and the attention never sees a gap. When *every* live
+row has context pending, the shortest pending run of ``k`` tokens is fed as one ``(B, k)`` chunk
+(a prefill, not ``k`` decoding steps). The host learns each step's tokens (one
 sync per step, overlapped with the next step's forward pass, which is queued first): it has to,
 since ``continue_fn`` runs on the host.
 
@@ -23,6 +24,7 @@ the episode there, as cut by the budget (``ended_with_stop`` False).
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -33,6 +35,7 @@ from ppo_trainer.generator import (
     GenerationOutput,
     _sample,
     check_generation,
+    decode_loop,
     ends_in_stop_string,
     eval_mode,
     per_step_keys,
@@ -107,58 +110,47 @@ def generate_turns(
         stop_strings=stop_strings,
         decode=decode,
     )
-    B = len(prompts)
-    step_keys = per_step_keys(keys, temperature, max_new_tokens)
-    sample_top_p = top_p if temperature > 0 else 1.0
-    sample_top_k = top_k if temperature > 0 else 0
-    rows = TurnRows(B, continue_fn, max_new_tokens, stop_token_ids, max_turns, stop_strings, decode)
+    rows = TurnRows(
+        len(prompts),
+        continue_fn,
+        max_new_tokens=max_new_tokens,
+        step_keys=per_step_keys(keys, temperature, max_new_tokens),
+        stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+        max_turns=max_turns,
+        stop_strings=stop_strings,
+        decode=decode,
+    )
+    sample = partial(_sample, temperature=temperature, top_p=top_p, top_k=top_k, with_entropy=True)
     with eval_mode(lm):
         logits, cache = prefill(lm, prompts, pad_token_id, prefill_once)  # (B, V)
-        while not all(rows.done):
-            live = [i for i in range(B) if not rows.done[i]]
-            if all(rows.pending[i] for i in live):
-                # Every live row feeds context: the shortest pending run as one chunk.
-                chunk = rows.context_chunk(live, pad_token_id)  # (B, k)
-                logits = lm(mx.array(chunk), cache=cache)[:, -1, :]  # (B, V)
-                continue
-            step_key = None
-            if step_keys is not None:
-                columns = mx.array([min(len(t), max_new_tokens - 1) for t in rows.tokens])
-                step_key = step_keys[mx.arange(B), columns]  # (B, 2)
-            sampled, token_logprobs, token_entropy = _sample(
-                logits, temperature, sample_top_p, sample_top_k, step_key, with_entropy=True
-            )
-            forced = [rows.pending[i][0] if rows.pending[i] else pad_token_id for i in range(B)]
-            use_forced = mx.array([rows.done[i] or bool(rows.pending[i]) for i in range(B)])
-            inputs = mx.where(use_forced, mx.array(forced, dtype=mx.int32), sampled)  # (B,)
-            logits = lm(inputs[:, None], cache=cache)[:, -1, :]  # (B, V), queued
-            mx.async_eval(logits)
-            assert token_entropy is not None
-            host_tokens = np.asarray(sampled).tolist()  # the step's one sync
-            host_logprobs = np.asarray(token_logprobs).tolist()
-            host_entropy = np.asarray(token_entropy).tolist()
-            for i in live:
-                rows.advance(i, int(host_tokens[i]), host_logprobs[i], host_entropy[i])
-    return rows.output(pad_token_id)
+        decode_loop(lm, logits, cache, rows, sample)
+    return rows.output()
 
 
 class TurnRows:
-    """:func:`generate_turns`'s rows on the host: per row, its tokens after the prompt (the
-    policy's and the context's), which are the policy's, their log-probs and entropies, the
-    context still to feed, its turns, and whether it is done."""
+    """:func:`generate_turns`'s rows (a :class:`~ppo_trainer.generator.DecodeRows`) on the host:
+    per row, its tokens after the prompt (the policy's and the context's), which are the
+    policy's, their log-probs and entropies, the context still to feed, its turns, and whether
+    it is done. A row with context pending feeds it instead of its sample; a done row feeds pad."""
 
     def __init__(
         self,
         rows: int,
         continue_fn: ContinueFn,
+        *,
         max_new_tokens: int,
+        step_keys: mx.array | None,
         stop_token_ids: Sequence[int],
+        pad_token_id: int,
         max_turns: int | None,
         stop_strings: Sequence[str],
         decode: Callable[[list[int]], str] | None,
     ) -> None:
         self.continue_fn = continue_fn
         self.max_new_tokens = max_new_tokens
+        self.keys = step_keys  # (B, max_new_tokens, 2) or None
+        self.pad_token_id = pad_token_id
         self.stops = set(int(t) for t in stop_token_ids)
         self.max_turns = max_turns
         self.stop_strings = stop_strings
@@ -174,17 +166,59 @@ class TurnRows:
         self.done = [False] * rows
         self.ended = [False] * rows
         self.by_string = [False] * rows  # the row's last turn ended at a stop string
+        self.step: tuple[mx.array, mx.array, mx.array] | None = None  # the step's samples
 
-    def context_chunk(self, live: list[int], pad_token_id: int) -> np.ndarray:
-        """``(B, k)``: the next ``k`` context tokens of every ``live`` row (each has some; ``k``
-        the fewest pending), taken from their queues; pad in the other rows."""
+    def live(self) -> list[int]:
+        """The rows not done."""
+        return [i for i, done in enumerate(self.done) if not done]
+
+    def context(self) -> np.ndarray | None:
+        """``(B, k)`` when every live row has context pending: the next ``k`` (the fewest
+        pending) of each, taken from their queues, pad in the other rows; else None."""
+        live = self.live()
+        if not all(self.pending[i] for i in live):
+            return None
         k = min(len(self.pending[i]) for i in live)
-        chunk = np.full((len(self.tokens), k), pad_token_id, dtype=np.int32)  # (B, k)
+        chunk = np.full((len(self.tokens), k), self.pad_token_id, dtype=np.int32)  # (B, k)
         for i in live:
             for j in range(k):
                 chunk[i, j] = self.pending[i].popleft()
                 self.emit_context(i, int(chunk[i, j]))
         return chunk
+
+    def step_keys(self) -> mx.array | None:
+        """Row ``b``'s key for the token at its column ``t``: ``keys[b, t]``, whatever the other
+        rows do (a done row's column is capped; its sample is discarded)."""
+        if self.keys is None:
+            return None
+        columns = mx.array([min(len(t), self.max_new_tokens - 1) for t in self.tokens])
+        return self.keys[mx.arange(len(self.tokens)), columns]  # (B, 2)
+
+    def feed(
+        self, sampled: mx.array, logprobs: mx.array, entropy: mx.array | None
+    ) -> mx.array | None:
+        """Each row's next context token where it has one pending, pad where it is done, else
+        its sample."""
+        assert entropy is not None, "generate_turns samples with the entropy"
+        self.step = (sampled, logprobs, entropy)
+        B = len(self.tokens)
+        forced = [self.pending[i][0] if self.pending[i] else self.pad_token_id for i in range(B)]
+        use_forced = mx.array([self.done[i] or bool(self.pending[i]) for i in range(B)])
+        return mx.where(use_forced, mx.array(forced, dtype=mx.int32), sampled)  # (B,)
+
+    def queued(self) -> tuple[mx.array, ...]:
+        """The step's samples, which :meth:`settle` reads."""
+        assert self.step is not None
+        return self.step
+
+    def settle(self) -> bool:
+        """The step's samples read (the step's one sync) and each live row advanced; whether
+        every row is done."""
+        assert self.step is not None
+        tokens, logprobs, entropy = (np.asarray(a).tolist() for a in self.step)
+        for i in self.live():
+            self.advance(i, int(tokens[i]), logprobs[i], entropy[i])
+        return all(self.done)
 
     def advance(self, i: int, token: int, logprob: float, entropy: float) -> None:
         """Row ``i`` (live) after a decoding step: its next context token when it has one
@@ -241,11 +275,11 @@ class TurnRows:
         self.pending[i].extend(int(t) for t in ctx)
         self.turn_start[i] = end + len(ctx)
 
-    def output(self, pad_token_id: int) -> GenerationOutput:
+    def output(self) -> GenerationOutput:
         """The episodes as one generation, right-padded to the longest (``T``)."""
         B = len(self.tokens)
         width = max(len(t) for t in self.tokens)  # T
-        responses = np.full((B, width), pad_token_id, dtype=np.int32)
+        responses = np.full((B, width), self.pad_token_id, dtype=np.int32)
         mask = np.zeros((B, width), dtype=np.float32)
         lp = np.zeros((B, width), dtype=np.float32)
         ent = np.zeros((B, width), dtype=np.float32)

@@ -220,3 +220,52 @@ def test_one_episode_alone_prefills_its_context_as_a_chunk(
     tokens, action, _ = _reference(policy, prompts[2], 2, stops, None)
     assert 0 in action
     assert np.array(out.responses)[0].tolist() == tokens
+
+
+@pytest.mark.parametrize("stop_strings", [(), STOP_STRINGS])
+def test_one_turn_episodes_are_single_responses_bit_for_bit(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int], stop_strings: Sequence[str]
+) -> None:
+    """Episodes that end after their first turn are :func:`generate`'s sampled responses: one
+    decoding loop, the same PRNG key per row and column, the same log-probs and entropies."""
+    keys = mx.random.split(mx.random.key(5), len(prompts))
+    common = dict(
+        max_new_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+        keys=keys,
+        stop_strings=stop_strings,
+        decode=_decode(policy),
+    )
+    single = generate(policy, prompts, return_logprobs=True, **common)  # type: ignore[arg-type]
+    episodes = generate_turns(
+        policy, prompts, continue_fn=lambda i, toks: None, **common  # type: ignore[arg-type]
+    )
+    lengths = np.array(single.lengths)
+    assert np.array(episodes.lengths).tolist() == lengths.tolist()
+    assert lengths.min() < 12 and lengths.max() > 1  # some rows stop, some run on
+    assert np.array(episodes.ended_with_stop).tolist() == np.array(single.ended_with_stop).tolist()
+    assert single.logprobs is not None and single.entropy is not None
+    assert episodes.logprobs is not None and episodes.entropy is not None
+    width = int(lengths.max())
+    for b, n in enumerate(lengths.tolist()):
+        for name in ("responses", "logprobs", "entropy"):
+            ours = np.array(getattr(episodes, name))[b, :n]
+            theirs = np.array(getattr(single, name))[b, :n]
+            assert ours.tobytes() == theirs.tobytes(), (name, b)
+    assert np.array(episodes.responses).shape[1] == width
+    if stop_strings:
+        # A last token that is a stop token and also completes a stop string counts as the
+        # stop string's in a single response, as the stop token's in an episode's turn.
+        assert episodes.stopped_by_string is not None and single.stopped_by_string is not None
+        responses = np.array(single.responses)
+        by_token = [int(responses[b, n - 1]) in stops for b, n in enumerate(lengths.tolist())]
+        ours = np.array(episodes.stopped_by_string).tolist()
+        theirs = np.array(single.stopped_by_string).tolist()
+        assert [o for o, t in zip(ours, by_token) if not t] == [
+            o for o, t in zip(theirs, by_token) if not t
+        ]
+        assert any(t for t, token in zip(theirs, by_token) if not token)
