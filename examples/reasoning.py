@@ -23,7 +23,6 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 
 import argparse
 import logging
-import math
 import random
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 from config.ppo_config import PPOConfig
 from fixtures.tiny_model import build_tiny_checkpoint
-from examples.task_common import clearly_rose, set_values, sft_stage
+from examples.task_common import clearly_rose, epochs_for_steps, set_values, sft_stage
 from ppo_trainer.ppo_trainer import PPOTrainer
 from rewards import resolve_reward
 
@@ -164,7 +163,7 @@ def run(
         f"[GRPO] {config.total_steps} steps of {config.batch_size} problems x "
         f"{config.group_size} samples (no reference model: beta 0)"
     )
-    epochs = math.ceil((config.total_steps or 1) * config.batch_size / len(train))
+    epochs = epochs_for_steps(config, len(train))
     trainer.train(train, num_epochs=epochs)
     after = {"training": evaluate(trainer, train), "held-out": evaluate(trainer, held_out)}
 

@@ -35,7 +35,6 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 import argparse
 import json
 import logging
-import math
 import re
 import sys
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from config.ppo_config import PPOConfig
-from examples.task_common import clearly_rose, sft_stage
+from examples.task_common import clearly_rose, epochs_for_steps, sft_stage
 from examples.tool_use_task import (
     answer_reward,
     calculator,
@@ -274,7 +273,7 @@ def run(
             f"[{name.upper()}] {config.total_steps} steps of {config.batch_size} problems"
             + (f" x {config.group_size} samples" if config.group_size > 1 else "")
         )
-        epochs = math.ceil((config.total_steps or 1) * config.batch_size / len(train))
+        epochs = epochs_for_steps(config, len(train))
         trainer.train(train, num_epochs=epochs)
         after = evaluate(trainer, held_out)
         for metric, label in METRICS.items():
