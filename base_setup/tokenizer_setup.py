@@ -160,6 +160,22 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def vocabulary_difference(ours: Any, theirs: Any) -> str | None:
+    """None when both tokenizers map every string to the same id; else how their vocabularies
+    differ (sizes, a few strings only each has, a few strings with other ids), for an error
+    message about two models that must score the same token ids."""
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    if mine == other:
+        return None
+    only_ours = sorted(set(mine) - set(other))[:3]
+    only_theirs = sorted(set(other) - set(mine))[:3]
+    moved = sorted(k for k in set(mine) & set(other) if mine[k] != other[k])[:3]
+    return (
+        f"{len(other)} tokens against {len(mine)}; only the first's: {only_ours}, only the "
+        f"second's: {only_theirs}, other ids: {moved}"
+    )
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """Load the tokenizer of the model at ``path`` (a local directory), ready for training.
 

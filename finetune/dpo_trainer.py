@@ -35,6 +35,7 @@ import numpy as np
 
 from base_setup import distributed as dist
 from base_setup import seed_everything
+from base_setup.tokenizer_setup import vocabulary_difference
 from config.dpo_config import DPOConfig
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
@@ -58,11 +59,13 @@ REFERENCE_CACHE = "reference_logps"
 def check_same_tokenizer(policy_tokenizer: Any, reference_tokenizer: Any, reference: str) -> None:
     """Raise ``ValueError`` unless both tokenizers map the same strings to the same ids (the same
     vocabulary, special tokens and EOS): the loss compares log-probs of one token sequence."""
-    if policy_tokenizer.get_vocab() != reference_tokenizer.get_vocab():
+    difference = vocabulary_difference(policy_tokenizer, reference_tokenizer)
+    if difference is not None:
         raise ValueError(
-            f"the reference model {reference} uses another tokenizer than the policy (their "
-            "vocabularies differ), so it cannot score the policy's token ids: use a reference "
-            "trained with the policy's tokenizer, or ref_model_name: null (the policy's start)"
+            f"the reference model {reference} uses another tokenizer than the policy (the "
+            f"policy first: {difference}), so it cannot score the policy's token ids: use a "
+            "reference trained with the policy's tokenizer, or ref_model_name: null (the "
+            "policy's start)"
         )
     if policy_tokenizer.eos_token_id != reference_tokenizer.eos_token_id:
         raise ValueError(

@@ -245,21 +245,17 @@ def check_teacher_tokenizer(student_tokenizer: Any, student: str, teacher: str) 
     """Raise ``ValueError`` before the teacher's weights load unless its tokenizer maps every
     string to the student's ids: distillation compares both models' log-probs of the student's
     token ids, which another vocabulary would silently misalign."""
-    from base_setup.tokenizer_setup import load_tokenizer
+    from base_setup.tokenizer_setup import load_tokenizer, vocabulary_difference
     from models.policy_model import resolve_model_path
 
     teacher_tokenizer = load_tokenizer(resolve_model_path(teacher))
-    ours, theirs = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
-    if ours != theirs:
-        only_ours = sorted(set(ours) - set(theirs))[:3]
-        only_theirs = sorted(set(theirs) - set(ours))[:3]
-        moved = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])[:3]
+    difference = vocabulary_difference(student_tokenizer, teacher_tokenizer)
+    if difference is not None:
         raise ValueError(
             f"the teacher {teacher} has another vocabulary than the student {student} "
-            f"({len(theirs)} tokens against {len(ours)}; only the student's: {only_ours}, only "
-            f"the teacher's: {only_theirs}, other ids: {moved}): distillation compares the "
-            "two models' log-probs of the same token ids, so the teacher must use the "
-            "student's tokenizer (a model of the same family)"
+            f"(the student first: {difference}): distillation compares the two models' "
+            "log-probs of the same token ids, so the teacher must use the student's tokenizer "
+            "(a model of the same family)"
         )
 
 

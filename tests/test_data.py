@@ -320,3 +320,21 @@ def test_demo_preference_data_is_checkably_positive(tmp_path: Path) -> None:
     path = write_preference_data(tmp_path / "prefs.jsonl", 90, seed=5)
     loaded = load_preference_data(path)
     assert [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in loaded] == records
+
+
+def test_vocabulary_difference_names_what_differs() -> None:
+    from base_setup.tokenizer_setup import vocabulary_difference
+
+    class Vocab:
+        def __init__(self, vocab: dict[str, int]) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+    ours = Vocab({"a": 0, "b": 1, "c": 2})
+    assert vocabulary_difference(ours, Vocab({"c": 2, "b": 1, "a": 0})) is None
+    difference = vocabulary_difference(ours, Vocab({"a": 0, "b": 2, "d": 1}))
+    assert difference == (
+        "3 tokens against 3; only the first's: ['c'], only the second's: ['d'], other ids: ['b']"
+    )
