@@ -40,13 +40,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, cast
+from contextlib import AbstractContextManager
+from typing import Any, Callable, cast
 
 import mlx.core as mx
 import numpy as np
 
-from base_setup.plain import speed_tricks
+from base_setup.plain import counted_scope, speed_tricks
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -505,18 +505,10 @@ _STATE: dict[str, bool | None] = {"enabled": None}
 _MLX_MATH_DEPTH = [0]
 
 
-@contextmanager
-def mlx_math_scope(enabled: bool = True) -> Iterator[None]:
+def mlx_math_scope(enabled: bool = True) -> AbstractContextManager[None]:
     """Within the block (when ``enabled``), MLX's own functions replace the fast ones: where the
     fast functions, traced for a gradient, cost more than they save (a training step)."""
-    if not enabled:
-        yield
-        return
-    _MLX_MATH_DEPTH[0] += 1
-    try:
-        yield
-    finally:
-        _MLX_MATH_DEPTH[0] -= 1
+    return counted_scope(_MLX_MATH_DEPTH, enabled)
 
 
 def fast_math_enabled() -> bool:

@@ -23,7 +23,7 @@ This module imports no mlx at import time (``base_setup.setup_blas`` must run be
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator
 
 ENV = "PPO_MLX_PLAIN"
@@ -47,17 +47,23 @@ def plain_mlx() -> bool:
 
 
 @contextmanager
-def plain_mlx_scope(enabled: bool = True) -> Iterator[None]:
-    """Within the block, :func:`plain_mlx` is True when ``enabled`` (a no-op otherwise); undone
-    on exit, also on an exception. Blocks nest; the trainers hold one while they work."""
+def counted_scope(depth: list[int], enabled: bool = True) -> Iterator[None]:
+    """A switch's block: ``depth[0]`` (how many of its blocks are open) one higher within it
+    when ``enabled`` (a no-op otherwise), undone on exit, also on an exception; blocks nest."""
     if not enabled:
         yield
         return
-    _DEPTH[0] += 1
+    depth[0] += 1
     try:
         yield
     finally:
-        _DEPTH[0] -= 1
+        depth[0] -= 1
+
+
+def plain_mlx_scope(enabled: bool = True) -> AbstractContextManager[None]:
+    """Within the block, :func:`plain_mlx` is True when ``enabled`` (a no-op otherwise); undone
+    on exit, also on an exception. Blocks nest; the trainers hold one while they work."""
+    return counted_scope(_DEPTH, enabled)
 
 
 def speed_tricks() -> bool:
