@@ -44,6 +44,7 @@ from token_attribution.token_weights import (
     think_tag_ids,
     top_entropy_mask,
 )
+from training.compiled_gradient import CompiledGradient, training_gradient
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
@@ -339,12 +340,21 @@ class Updater:
         self.sft_mix = load_sft_mix(config, models.tokenizer)
         # GKD's loss reads the teacher (the run's reference) inside the differentiated function.
         loss = policy_loss_fn(config, think_tags, models.ref_model)
-        self.policy_grad = nn.value_and_grad(policy, loss)
+        # Each gradient compiled whole for a large model on the CPU, else eager with MLX's
+        # own functions (training/compiled_gradient.py).
+        self.policy_grad = training_gradient(policy, loss)
         self.value_grad = (
-            nn.value_and_grad(value_model, value_loss_fn(config))
+            training_gradient(value_model, value_loss_fn(config))
             if value_model is not None
             else None
         )
+        #: Whether a gradient is compiled: the update then runs outside MLX's-math scope, so
+        #: that the compiled trace fuses the fast functions (an eager one enters it itself).
+        self.compiled = any(
+            isinstance(g, CompiledGradient) for g in (self.policy_grad, self.value_grad)
+        )
+        if isinstance(self.policy_grad, CompiledGradient) and hasattr(policy, "output_head"):
+            policy.output_head()  # its one-time check evaluates arrays: not inside a trace
 
     def learners(self, run: RunState) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
@@ -379,8 +389,9 @@ class Updater:
         run.updating = True
         # MLX's own functions: traced for the gradient, the fast ones cost more than they save
         # (MLX runs a compiled function's original graph on tracer inputs: ~20 element-wise
-        # passes; docs/performance.md, "What stands in the way").
-        with fast_math.mlx_math_scope():
+        # passes; docs/performance.md, "What stands in the way"), unless a gradient is
+        # compiled whole (training/compiled_gradient.py).
+        with fast_math.mlx_math_scope(not self.compiled):
             update_metrics = self._epochs(batch, run, step, group)
         run.updating = False
         return update_metrics

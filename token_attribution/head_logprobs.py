@@ -33,8 +33,9 @@ through ``mx.quantized_matmul``; the chosen rows ``W[y_t]`` are dequantized alon
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Iterator, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,10 +154,31 @@ class FrozenHead:
         ).astype(mx.float32)
 
 
+#: Vocabulary rows per block set by :func:`fixed_block_rows` (0: none, the default rule).
+_FIXED_ROWS = [0]
+
+
 def default_block_rows(vocab: int, positions: int) -> int:
     """Vocabulary rows per block: :data:`BLOCK_ELEMENTS` logits over ``positions`` rows, at least
-    :data:`MIN_BLOCK_ROWS`, at most ``vocab``."""
+    :data:`MIN_BLOCK_ROWS`, at most ``vocab``; within :func:`fixed_block_rows`, its rows (at most
+    ``vocab``) whatever the positions."""
+    if _FIXED_ROWS[0]:
+        return min(vocab, _FIXED_ROWS[0])
     return min(vocab, max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(positions, 1)))
+
+
+@contextmanager
+def fixed_block_rows(rows: int) -> Iterator[None]:
+    """Within the block, every block of the vocabulary has ``rows`` rows whatever the number of
+    positions: a compiled gradient (``training.compiled_gradient``) then traces the same block
+    bounds, so the same kernels, for every batch shape."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    previous, _FIXED_ROWS[0] = _FIXED_ROWS[0], rows
+    try:
+        yield
+    finally:
+        _FIXED_ROWS[0] = previous
 
 
 def _online_softmax(

@@ -1,0 +1,140 @@
+"""The compiled training gradient (training/compiled_gradient.py): when it is chosen, and that it
+is the eager gradient within float32 rounding on a LoRA policy, for several batch shapes, with
+dropout drawing new masks each call, and that a trainer using it trains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from base_setup import fast_math
+from config.ppo_config import PPOConfig
+from experience_buffer.buffer import RolloutBatch
+from fixtures.tiny_corpus import review_prompts
+from models.policy_model import PolicyModel
+from ppo_trainer.ppo_trainer import PPOTrainer
+from ppo_trainer.update import Updater
+from token_attribution.head_logprobs import default_block_rows, fixed_block_rows
+from training.compiled_gradient import (
+    CompiledGradient,
+    EagerGradient,
+    compiled_gradient_mode,
+    is_array_batch,
+    use_compiled_gradient,
+)
+
+
+def _e_rate(prompts: list[str], completions: list[str]) -> list[float]:
+    return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def test_the_mode_and_who_gets_a_compiled_gradient(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = PolicyModel.from_pretrained(tiny_model_dir)
+    monkeypatch.delenv("PPO_MLX_COMPILED_GRADIENT", raising=False)
+    assert compiled_gradient_mode() == "auto"
+    assert not use_compiled_gradient(policy.model)  # a few million parameters: eager
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "1")
+    assert use_compiled_gradient(policy.model) == fast_math.fast_math_enabled()
+    monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")  # no fast math: nothing to fuse
+    assert not use_compiled_gradient(policy.model)
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "0")
+    assert not use_compiled_gradient(policy.model)
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "sometimes")
+    with pytest.raises(ValueError, match="PPO_MLX_COMPILED_GRADIENT='sometimes'"):
+        compiled_gradient_mode()
+
+
+def test_fixed_block_rows_and_array_batches() -> None:
+    assert default_block_rows(49152, 2048) == 1024 and default_block_rows(49152, 512) == 4096
+    with fixed_block_rows(1024):
+        assert default_block_rows(49152, 512) == 1024 and default_block_rows(300, 512) == 300
+    assert default_block_rows(49152, 512) == 4096
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        with fixed_block_rows(0):
+            pass
+    rows = mx.zeros((2, 3))
+    batch = RolloutBatch(
+        mx.zeros((2, 5), dtype=mx.int32), mx.array([2, 2]), rows, rows, rows, rows, rows[:, 0], rows
+    )
+    assert is_array_batch(batch) and not is_array_batch(RolloutBatch)
+    assert not is_array_batch({"mask": rows})
+
+
+def _flat(tree: Any) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in cast(list[tuple[str, mx.array]], tree_flatten(tree))}
+
+
+@pytest.mark.slow
+def test_compiled_gradient_is_the_eager_one_and_trains(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced on for the tiny model (its kernels are built the first time: tens of seconds)."""
+    if not fast_math.fast_math_enabled():
+        pytest.skip("the compiled gradient needs the fast CPU math (a C++ compiler, the CPU)")
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "1")
+    captured: list[RolloutBatch] = []
+    update = Updater.update
+
+    def capture(self: Updater, batch: RolloutBatch, *args: Any, **kwargs: Any) -> Any:
+        captured.append(batch)
+        return update(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Updater, "update", capture)
+    config = PPOConfig(
+        model_name=str(tiny_model_dir),
+        algorithm="grpo",
+        group_size=4,
+        batch_size=2,
+        max_new_tokens=12,
+        beta=0.04,
+        lora_dropout=0.2,
+        output_dir=str(tmp_path / "run"),
+        progress_bar=False,
+        seed=0,
+    )
+    trainer = PPOTrainer(config, reward_model=_e_rate)
+    before = _flat(trainer.policy.trainable_parameters())
+    trainer.step(review_prompts(2, seed=1))
+    after = _flat(trainer.policy.trainable_parameters())
+    assert any(not np.array_equal(before[k], after[k]) for k in before)  # it trained
+
+    updater = trainer.updater
+    compiled = updater.policy_grad
+    assert isinstance(compiled, CompiledGradient) and updater.compiled
+    eager = EagerGradient(compiled.value_and_grad)
+    policy = trainer.policy
+    batch = captured[0]
+    rows: dict[str, Any] = {k: None if v is None else v[:3] for k, v in vars(batch).items()}
+    half = RolloutBatch(**rows)
+    for mb in (batch, half):  # two batch shapes: two traces of one compiled function
+        for train_mode in (False, True):  # without dropout, then with it
+            policy.train(train_mode)
+            state = cast(list[mx.array], mx.random.state)[0]
+            (loss_c, metrics_c), grads_c = compiled(policy, mb)
+            mx.eval(loss_c, metrics_c, grads_c)
+            if train_mode:  # the random state is the compiled function's input and output
+                now = cast(list[mx.array], mx.random.state)[0]
+                assert not np.array_equal(np.array(state), np.array(now))
+                continue
+            (loss_e, metrics_e), grads_e = eager(policy, mb)
+            assert np.allclose(loss_c.item(), loss_e.item(), rtol=1e-4, atol=1e-6)
+            assert set(metrics_c) == set(metrics_e)
+            flat_c, flat_e = _flat(grads_c), _flat(grads_e)
+            assert set(flat_c) == set(flat_e)
+            for key, value in flat_e.items():
+                scale = max(float(np.abs(value).max()), 1e-8)
+                assert np.abs(flat_c[key] - value).max() <= 1e-3 * scale, key
+    policy.train(False)
+    # Dropout draws: two calls in train mode give two gradients.
+    policy.train(True)
+    first = _flat(compiled(policy, batch)[1])
+    second = _flat(compiled(policy, batch)[1])
+    assert any(not np.array_equal(first[k], second[k]) for k in first)
+    policy.train(False)

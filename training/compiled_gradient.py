@@ -1,0 +1,149 @@
+"""A training step's loss and gradient as one compiled function, on the CPU, for large models.
+
+Why: under ``nn.value_and_grad`` every activation is a tracer, and MLX runs a compiled function
+on tracer inputs as its original graph. So inside a gradient the fast CPU functions
+(``base_setup/fast_math.py``) run as many separate element-wise passes, and the updates run
+MLX's own functions instead (``fast_math.mlx_math_scope``). MLX's ``exp``, ``sigmoid`` and
+softmax on Linux run element by element through scalar library calls on one thread, and at real
+shapes they are most of a training step's time (docs/performance.md). Compiling the whole loss and gradient (``mx.compile`` with the model's
+state and the random state as implicit inputs and outputs) fuses them: the fast functions'
+arithmetic becomes kernels the system compiler vectorizes.
+
+What it costs:
+
+* A trace for each new batch shape.
+* The kernels, built once per machine by the system C++ compiler the first time a model's
+  graph is compiled (a few dozen, one compiler run each). MLX keeps them in its cache folder
+  under the temporary directory.
+* Inside the trace, the frozen LM head's vocabulary blocks have :data:`BLOCK_ROWS` rows whatever
+  the batch shape (``token_attribution.head_logprobs.fixed_block_rows``), so the kernels' sources
+  do not depend on it.
+
+Results agree with the eager gradient's within float32 rounding: the fast ``exp`` is not MLX's,
+and the head's blocks split the vocabulary differently. A batch that is not a dataclass of
+arrays (the SFT mix's batch) takes the eager gradient.
+
+When (:func:`use_compiled_gradient`), set by ``PPO_MLX_COMPILED_GRADIENT``:
+
+* ``auto`` (the default): the fast CPU math is on (``fast_math.fast_math_enabled``: MLX's CPU
+  device, a C++ compiler, no plain MLX), and the model has at least :data:`MIN_PARAMETERS`
+  parameters. Small models, this project's test and golden models among them, keep the eager
+  gradient: there the kernels' one-time build costs more than the run saves.
+* ``1``: whenever the fast CPU math is on.
+* ``0``: never.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from base_setup import fast_math
+from token_attribution.head_logprobs import fixed_block_rows
+
+ENV = "PPO_MLX_COMPILED_GRADIENT"
+_MODES = {"auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
+#: Parameters from which ``auto`` compiles a model's gradient: SmolLM2-135M's size is well
+#: above; the test models (a few million) are below.
+MIN_PARAMETERS = 50_000_000
+#: Vocabulary rows per LM-head block inside a compiled gradient.
+BLOCK_ROWS = 1024
+
+#: ``value_and_grad(model, batch) -> ((loss, metrics), gradients)``, as
+#: ``training.optimizer.optimizer_step`` calls it.
+GradientFn = Callable[[nn.Module, Any], Any]
+
+
+def compiled_gradient_mode() -> str:
+    """``PPO_MLX_COMPILED_GRADIENT``: "auto" (the default), "on" ("1") or "off" ("0")."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in _MODES:
+        raise ValueError(
+            f"{ENV}={value!r} is not a setting: use auto, 1 or 0 (docs/environment.md)"
+        )
+    return _MODES[value]
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The number of values in ``model``'s parameters (a quantized weight counts its packed
+    values)."""
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(int(v.size) for _, v in leaves)
+
+
+def use_compiled_gradient(model: nn.Module) -> bool:
+    """Whether ``model``'s training steps take the compiled gradient (the module doc's rule)."""
+    mode = compiled_gradient_mode()
+    if mode == "off" or not fast_math.fast_math_enabled():
+        return False
+    return mode == "on" or parameter_count(model) >= MIN_PARAMETERS
+
+
+def is_array_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a dataclass instance whose fields are arrays or None."""
+    if not is_dataclass(batch) or isinstance(batch, type):
+        return False
+    return all(
+        value is None or isinstance(value, mx.array)
+        for value in (getattr(batch, f.name) for f in fields(batch))
+    )
+
+
+class EagerGradient:
+    """A model's gradient as ``nn.value_and_grad`` traces it, with MLX's own functions (the
+    fast ones, traced, cost more than they save)."""
+
+    def __init__(self, value_and_grad: GradientFn) -> None:
+        self.value_and_grad = value_and_grad
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        """``((loss, metrics), gradients)`` of ``batch``."""
+        with fast_math.mlx_math_scope():
+            return self.value_and_grad(model, batch)
+
+
+class CompiledGradient:
+    """``model``'s gradient (``value_and_grad``, from ``nn.value_and_grad``) compiled whole,
+    one compiled function per batch class and training mode; the fast CPU functions run fused
+    inside (outside any ``fast_math.mlx_math_scope``). Another model, or a batch that is not a
+    dataclass of arrays, gets the :class:`EagerGradient`."""
+
+    def __init__(self, model: nn.Module, value_and_grad: GradientFn) -> None:
+        self.model = model
+        self.eager = EagerGradient(value_and_grad)
+        self.value_and_grad = value_and_grad
+        self._compiled: dict[tuple[type, bool], Callable[[dict[str, mx.array]], Any]] = {}
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        """``((loss, metrics), gradients)`` of ``batch``."""
+        if model is not self.model or not is_array_batch(batch):
+            return self.eager(model, batch)
+        key = (type(batch), bool(model.training))
+        if key not in self._compiled:
+            self._compiled[key] = self._compile(type(batch))
+        arrays = {f.name: getattr(batch, f.name) for f in fields(batch)}
+        return self._compiled[key]({k: v for k, v in arrays.items() if v is not None})
+
+    def _compile(self, kind: type) -> Callable[[dict[str, mx.array]], Any]:
+        """The compiled gradient of batches of class ``kind``, from their arrays by field."""
+
+        def traced(arrays: dict[str, mx.array]) -> Any:
+            with fixed_block_rows(BLOCK_ROWS):
+                return self.value_and_grad(self.model, kind(**arrays))
+
+        state = [self.model.state, mx.random.state]
+        return mx.compile(traced, inputs=state, outputs=state)
+
+
+def training_gradient(model: nn.Module, loss: Callable[..., Any]) -> GradientFn:
+    """``model``'s gradient of ``loss(model, batch)`` for the optimiser step: compiled when
+    :func:`use_compiled_gradient` says so, else eager."""
+    value_and_grad = nn.value_and_grad(model, loss)
+    if use_compiled_gradient(model):
+        return CompiledGradient(model, value_and_grad)
+    return EagerGradient(value_and_grad)
