@@ -4,6 +4,7 @@ dropout drawing new masks each call, and that a trainer using it trains."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -138,3 +139,8 @@ def test_compiled_gradient_is_the_eager_one_and_trains(
     second = _flat(compiled(policy, batch)[1])
     assert any(not np.array_equal(first[k], second[k]) for k in first)
     policy.train(False)
+    # A fully fine-tuned policy (its LM head trained) keeps the eager gradient, forced or not.
+    full = PPOTrainer(
+        replace(config, use_lora=False, output_dir=str(tmp_path / "full")), reward_model=_e_rate
+    )
+    assert isinstance(full.updater.policy_grad, EagerGradient) and not full.updater.compiled
