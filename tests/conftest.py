@@ -10,6 +10,10 @@ tests/test_scipy_blas.py checks it in fresh processes.
 import os
 
 os.environ.setdefault("PPO_MLX_BLAS", "cmeel")
+# Eager training gradients: a compiled one builds its kernels with the system compiler the first
+# time each model's graph is seen (minutes on a fresh CI machine); the tests that are about it
+# (tests/test_compiled_gradient.py, the real checkpoint's GRPO step) turn it on themselves.
+os.environ.setdefault("PPO_MLX_COMPILED_GRADIENT", "0")
 
 from base_setup import setup_blas  # noqa: E402
 

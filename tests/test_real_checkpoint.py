@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from base_setup import fast_math
 from config.ppo_config import PPOConfig
 from fixtures.real_checkpoint import RealCheckpointUnavailable, reverse_permute, smollm2_checkpoint
 from ppo_trainer.callbacks import TrainerCallback
@@ -155,11 +156,12 @@ def test_generate_stops_at_the_end_of_turn_and_greedy_matches_the_training_sampl
 
 
 def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
-    smollm2_dir: Path, tmp_path: Path
+    smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One GRPO step at its defaults (two updates) on the checkpoint as shipped (LoRA, chat
-    template by default, a reward users write): every adapter weight moves, the metrics are
-    finite."""
+    template by default, a reward users write; the compiled training gradient, as ``auto``
+    gives a model of this size): every adapter weight moves, the metrics are finite."""
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "auto")
     config = PPOConfig(
         model_name=str(smollm2_dir),
         algorithm="grpo",
@@ -173,6 +175,7 @@ def test_a_grpo_step_trains_every_adapter_on_the_real_checkpoint(
     )
     trainer = PPOTrainer(config, reward_model=brevity)
     assert trainer.chat_prompts
+    assert trainer.updater.compiled == fast_math.fast_math_enabled()
     before = trainable(trainer.policy)
     metrics = trainer.step(PROMPTS[:2])
     assert_all_changed(before, trainable(trainer.policy))
