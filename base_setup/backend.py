@@ -39,7 +39,7 @@ import time
 from contextlib import nullcontext, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, cast
 
 from base_setup.plain import plain_mlx, plain_mlx_scope
 from base_setup.scipy_blas import route_to_scipy_openblas
@@ -343,7 +343,16 @@ def _running_descendants_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
+def parameter_count(model: Any) -> int:
+    """The number of values in ``model``'s (an ``nn.Module``'s) parameters (a quantized weight
+    counts its packed values)."""
+    from mlx.utils import tree_flatten  # not at import: setup_blas runs before mlx loads
+
+    leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(int(v.size) for _, v in leaves)
+
+
+def env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
     """The setting environment variable ``name`` names, through ``aliases`` (the first entry's
     value is the default); ``ValueError`` naming ``choices`` for anything else."""
     value = os.environ.get(name, next(iter(aliases))).strip().lower()
@@ -355,7 +364,7 @@ def _env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
 def blas_mode() -> str:
     """``PPO_MLX_ADAPTIVE_BLAS``: "run" (default; also "1"), "step", or "off" (also "0")."""
     aliases = {"run": "run", "1": "run", "step": "step", "0": "off", "off": "off"}
-    return _env_mode(_ADAPT_ENV, aliases, "run (the default), step or off")
+    return env_mode(_ADAPT_ENV, aliases, "run (the default), step or off")
 
 
 def run_blas_threads(saved: int | None = None) -> int | None:
@@ -459,7 +468,7 @@ _STREAMS_ENV = "PPO_MLX_CPU_STREAMS"
 def cpu_streams_mode() -> str:
     """``PPO_MLX_CPU_STREAMS``: "on" (default; also "1") or "off" (also "0")."""
     aliases = {"on": "on", "1": "on", "0": "off", "off": "off"}
-    return _env_mode(_STREAMS_ENV, aliases, "on (the default) or off")
+    return env_mode(_STREAMS_ENV, aliases, "on (the default) or off")
 
 
 @contextmanager

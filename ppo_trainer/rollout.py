@@ -28,7 +28,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from base_setup.backend import generation_buffer_cache, release_cached_buffers, side_by_side
+from base_setup.backend import (
+    generation_buffer_cache,
+    parameter_count,
+    release_cached_buffers,
+    side_by_side,
+)
 from base_setup.lora_setup import (
     MergeSetting,
     adapters_merged,
@@ -529,8 +534,7 @@ def side_by_side_pays(ref_model: ReferenceModel | PolicyModel, query_responses: 
     """Whether a rollout's scoring passes over ``query_responses`` with the reference model's
     (or, without one, the policy's) size are big enough to run on two CPU streams
     (:data:`MIN_SIDE_BY_SIDE_WORK`)."""
-    flat = cast(list[tuple[str, mx.array]], tree_flatten(ref_model.model.parameters()))
-    return query_responses.size * sum(v.size for _, v in flat) >= MIN_SIDE_BY_SIDE_WORK
+    return query_responses.size * parameter_count(ref_model.model) >= MIN_SIDE_BY_SIDE_WORK
 
 
 def rollout_keys(seed: int, step: int, n: int, extra_round: int = 0) -> mx.array:

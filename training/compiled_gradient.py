@@ -38,15 +38,14 @@ When (:func:`use_compiled_gradient`), set by ``PPO_MLX_COMPILED_GRADIENT``:
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields, is_dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from base_setup import fast_math
+from base_setup.backend import env_mode, parameter_count
 from token_attribution.head_logprobs import fixed_block_rows
 
 ENV = "PPO_MLX_COMPILED_GRADIENT"
@@ -64,19 +63,7 @@ GradientFn = Callable[[nn.Module, Any], Any]
 
 def compiled_gradient_mode() -> str:
     """``PPO_MLX_COMPILED_GRADIENT``: "auto" (the default), "on" ("1") or "off" ("0")."""
-    value = os.environ.get(ENV, "auto").strip().lower()
-    if value not in _MODES:
-        raise ValueError(
-            f"{ENV}={value!r} is not a setting: use auto, 1 or 0 (docs/environment.md)"
-        )
-    return _MODES[value]
-
-
-def parameter_count(model: nn.Module) -> int:
-    """The number of values in ``model``'s parameters (a quantized weight counts its packed
-    values)."""
-    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    return sum(int(v.size) for _, v in leaves)
+    return env_mode(ENV, _MODES, "auto, 1 or 0")
 
 
 def use_compiled_gradient(model: nn.Module) -> bool:
