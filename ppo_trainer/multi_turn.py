@@ -12,9 +12,9 @@ one position per decoding step. A row with context pending feeds its next contex
 of a sampled one (its sample is discarded); a row that is done feeds pad. So each row's
 positions are those it would have alone, and the attention never sees a gap. When *every* live
 row has context pending, the shortest pending run of ``k`` tokens is fed as one ``(B, k)`` chunk
-(a prefill, not ``k`` decoding steps). The host learns each step's tokens (one
-sync per step, overlapped with the next step's forward pass, which is queued first): it has to,
-since ``continue_fn`` runs on the host.
+(a prefill, not ``k`` decoding steps). The host learns each step's tokens (one sync per step,
+overlapped with the next step's forward pass, which is queued first): it has to, since
+``continue_fn`` runs on the host.
 
 ``max_new_tokens`` bounds everything after the prompt, the policy's and the context's tokens
 alike (TRL's ``max_completion_length``). Context that would leave no room for a policy token ends

@@ -343,20 +343,19 @@ class Updater:
         # Each gradient compiled whole for a large model on the CPU, else eager with MLX's
         # own functions (training/compiled_gradient.py). Not a fully fine-tuned policy's: with
         # its LM head trained, compiling was measured no faster and held more memory.
-        lora = getattr(policy, "lora", None) is not None
-        self.policy_grad = training_gradient(policy, loss, compiled=lora)
+        self.policy_grad = training_gradient(policy, loss, compiled=policy.lora is not None)
         self.value_grad = (
             training_gradient(value_model, value_loss_fn(config))
             if value_model is not None
             else None
         )
-        #: Whether a gradient is compiled: the update then runs outside MLX's-math scope, so
-        #: that the compiled trace fuses the fast functions (an eager one enters it itself).
-        self.compiled = any(
-            isinstance(g, CompiledGradient) for g in (self.policy_grad, self.value_grad)
-        )
-        if isinstance(self.policy_grad, CompiledGradient) and hasattr(policy, "output_head"):
+        if isinstance(self.policy_grad, CompiledGradient):
             policy.output_head()  # its one-time check evaluates arrays: not inside a trace
+
+    @property
+    def compiled(self) -> bool:
+        """Whether a gradient of the update is compiled whole."""
+        return any(isinstance(g, CompiledGradient) for g in (self.policy_grad, self.value_grad))
 
     def learners(self, run: RunState) -> list[Learner]:
         """The value model (PPO), then the policy: the models are independent, and a value loss
@@ -387,7 +386,6 @@ class Updater:
         """Phase 5 of step ``step``: the PPO epochs of its learners (:meth:`learners`), in an
         order that is a function of seed and step; the run counts as updating meanwhile (a
         failure then does not save a half-updated state)."""
-        cfg = self.config
         run.updating = True
         # MLX's own functions: traced for the gradient, the fast ones cost more than they save
         # (MLX runs a compiled function's original graph on tracer inputs: ~20 element-wise
