@@ -14,12 +14,12 @@ import pytest
 from mlx.utils import tree_flatten
 
 from base_setup import fast_math
-from config.ppo_config import PPOConfig
 from experience_buffer.buffer import RolloutBatch
 from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
 from ppo_trainer.ppo_trainer import PPOTrainer
 from ppo_trainer.update import Updater
+from tests.test_ppo_trainer import make_config
 from token_attribution.head_logprobs import default_block_rows, fixed_block_rows
 from training.compiled_gradient import (
     CompiledGradient,
@@ -88,17 +88,15 @@ def test_compiled_gradient_is_the_eager_one_and_trains(
         return update(self, batch, *args, **kwargs)
 
     monkeypatch.setattr(Updater, "update", capture)
-    config = PPOConfig(
-        model_name=str(tiny_model_dir),
+    config = make_config(
+        tiny_model_dir,
+        tmp_path,
         algorithm="grpo",
         group_size=4,
         batch_size=2,
         max_new_tokens=12,
         beta=0.04,
         lora_dropout=0.2,
-        output_dir=str(tmp_path / "run"),
-        progress_bar=False,
-        seed=0,
     )
     trainer = PPOTrainer(config, reward_model=_e_rate)
     before = _flat(trainer.policy.trainable_parameters())
