@@ -62,10 +62,11 @@ class GenerationOutput:
             top-k / top-p filtering; 0 after the end. ``None`` unless requested.
         entropy: ``(B, T)`` float32 entropy (nats) of that distribution at each step; 0 after
             the end. ``None`` unless log-probs are requested.
-        stopped_by_string: ``(B,)`` bool, ``True`` where a stop string ended the response (its
-            last token completes the string; ``ended_with_stop`` is then ``True`` too; for a
-            multi-turn episode, its last turn, ``ended_with_stop`` true unless the episode was
-            then cut by the budget). ``None`` when generation had no stop strings.
+        stopped_by_string: ``(B,)`` bool, ``True`` where a stop string ended the response:
+            its last token completes the string, even if that token is also a stop token
+            (``ended_with_stop`` is then ``True`` too); for a multi-turn episode, its last
+            turn (``ended_with_stop`` true unless the episode was then cut by the budget).
+            ``None`` when generation had no stop strings.
         action_mask: ``(B, T)`` float32, multi-turn episodes only
             (:func:`ppo_trainer.multi_turn.generate_turns`): 1 on the tokens the policy sampled,
             0 on the tools' and environment's context tokens and after the end. ``None``: every

@@ -231,8 +231,11 @@ class TurnRows:
         self.action[i].append(1)
         self.logprobs[i].append(float(logprob))
         self.entropy[i].append(float(entropy))
-        if token in self.stops or self.completes_stop_string(i):
-            self.by_string[i] = token not in self.stops
+        # A stop string's end wins over a stop token's, as in a single response: its text is
+        # decoded whole and cut after the string (ppo_trainer.rollout.decode_completions).
+        by_string = self.completes_stop_string(i)
+        if token in self.stops or by_string:
+            self.by_string[i] = by_string
             self.end_turn(i)
         elif len(self.tokens[i]) >= self.max_new_tokens:  # cut by the budget mid-turn
             self.spans[i].append((self.turn_start[i], len(self.tokens[i])))

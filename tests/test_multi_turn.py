@@ -222,6 +222,33 @@ def test_one_episode_alone_prefills_its_context_as_a_chunk(
     assert np.array(out.responses)[0].tolist() == tokens
 
 
+def test_a_stop_token_that_completes_a_stop_string_counts_as_the_string_in_both(
+    policy: PolicyModel, prompts: list[list[int]], stops: list[int]
+) -> None:
+    """Where a row's last token is a stop token whose text completes a stop string, a single
+    response and a one-turn episode both say the string ended it (its text is then kept)."""
+    # Every token decodes to "x" but the stop tokens, which decode to the stop string "|".
+    decode = lambda ids: "".join("|" if t in stops else "x" for t in ids)  # noqa: E731
+    common = dict(
+        max_new_tokens=12,
+        temperature=0.9,
+        stop_token_ids=stops,
+        pad_token_id=PAD,
+        keys=mx.random.split(mx.random.key(3), len(prompts)),
+        stop_strings=("|",),
+        decode=decode,
+    )
+    single = generate(policy, prompts, **common)  # type: ignore[arg-type]
+    episodes = generate_turns(
+        policy, prompts, continue_fn=lambda i, toks: None, **common  # type: ignore[arg-type]
+    )
+    ended = np.array(single.ended_with_stop).tolist()
+    assert any(ended), "no row sampled the stop token: pick another seed"
+    assert single.stopped_by_string is not None and episodes.stopped_by_string is not None
+    assert np.array(single.stopped_by_string).tolist() == ended
+    assert np.array(episodes.stopped_by_string).tolist() == ended
+
+
 @pytest.mark.parametrize("stop_strings", [(), STOP_STRINGS])
 def test_one_turn_episodes_are_single_responses_bit_for_bit(
     policy: PolicyModel, prompts: list[list[int]], stops: list[int], stop_strings: Sequence[str]
@@ -258,14 +285,11 @@ def test_one_turn_episodes_are_single_responses_bit_for_bit(
             assert ours.tobytes() == theirs.tobytes(), (name, b)
     assert np.array(episodes.responses).shape[1] == width
     if stop_strings:
-        # A last token that is a stop token and also completes a stop string counts as the
-        # stop string's in a single response, as the stop token's in an episode's turn.
+        # One rule for both: a last token that is a stop token and also completes a stop
+        # string counts as the stop string's.
         assert episodes.stopped_by_string is not None and single.stopped_by_string is not None
+        ours = np.array(episodes.stopped_by_string).tolist()
+        assert ours == np.array(single.stopped_by_string).tolist()
         responses = np.array(single.responses)
         by_token = [int(responses[b, n - 1]) in stops for b, n in enumerate(lengths.tolist())]
-        ours = np.array(episodes.stopped_by_string).tolist()
-        theirs = np.array(single.stopped_by_string).tolist()
-        assert [o for o, t in zip(ours, by_token) if not t] == [
-            o for o, t in zip(theirs, by_token) if not t
-        ]
-        assert any(t for t, token in zip(theirs, by_token) if not token)
+        assert any(o for o, token in zip(ours, by_token) if not token)
