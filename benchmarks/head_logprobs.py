@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from benchmarks.ppo_throughput import MODEL_SHAPES
 from benchmarks.throughput_models import RealShape
-from token_attribution.head_logprobs import FrozenHead, default_block_rows, head_token_logprobs
+from token_attribution.head_logprobs import LinearHead, default_block_rows, head_token_logprobs
 from token_attribution.sequences import token_logprobs
 
 Piece = Callable[[], Any]
@@ -49,7 +49,7 @@ def build_pieces(
     embedding = nn.Embedding(vocab, dims)
     embedding.freeze()
     head = embedding.as_linear
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     hidden = mx.random.normal((1, rows, dims)) * 0.5  # (1, N, D)
     tokens = mx.random.randint(0, vocab, (1, rows))  # (1, N)
@@ -75,14 +75,14 @@ def build_pieces(
     return pieces
 
 
-def _blockwise_scoring(hidden: mx.array, head: FrozenHead, tokens: mx.array, block: int) -> Piece:
+def _blockwise_scoring(hidden: mx.array, head: LinearHead, tokens: mx.array, block: int) -> Piece:
     return lambda: head_token_logprobs(
         hidden, head, tokens, differentiable=False, block_rows=block
     )[0]
 
 
 def _blockwise_training(
-    hidden: mx.array, head: FrozenHead, tokens: mx.array, cotangent: mx.array, block: int
+    hidden: mx.array, head: LinearHead, tokens: mx.array, cotangent: mx.array, block: int
 ) -> Piece:
     def loss(h: mx.array) -> mx.array:
         return (cotangent * head_token_logprobs(h, head, tokens, block_rows=block)[0]).sum()

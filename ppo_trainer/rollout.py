@@ -489,15 +489,11 @@ def model_passes(
     with side_by_side(2 if two else 1) as lanes:
         with lanes[0]:
             ref_inputs = (
-                scoring_inputs(ref_model, query_responses, positions, differentiable=False)
+                scoring_inputs(ref_model, query_responses, positions)
                 if ref_model is not None
                 else None
             )
-            policy_inputs = (
-                scoring_inputs(policy, query_responses, positions, differentiable=False)
-                if forward
-                else None
-            )
+            policy_inputs = scoring_inputs(policy, query_responses, positions) if forward else None
         values = raw = None
         with lanes[-1]:
             if value_model is not None:

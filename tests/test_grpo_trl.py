@@ -193,7 +193,13 @@ def test_the_thinking_family_keeps_its_think_tags_when_decoding(tmp_path: Path) 
     assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>hm</think> 4"
 
 
-def test_entropy_coef_trains_on_entropy_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_entropy_coef_trains_on_entropy_alone(
+    tiny_model_dir: Path, tmp_path: Path, use_lora: bool
+) -> None:
+    """The entropy bonus alone moves the policy, fully fine-tuned or LoRA (whose frozen head's
+    blockwise log-probs once returned the entropy as a constant: the bonus trained nothing)."""
+
     def constant(prompts: list[str], completions: list[str]) -> list[float]:
         return [1.0] * len(completions)  # every group the same: advantages 0
 
@@ -205,7 +211,7 @@ def test_entropy_coef_trains_on_entropy_alone(tiny_model_dir: Path, tmp_path: Pa
             algorithm="grpo",
             group_size=2,
             beta=0.0,
-            use_lora=False,
+            use_lora=use_lora,
             entropy_coef=coef,
         )
         trainer = PPOTrainer(cfg, reward_model=constant)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from token_attribution.extractor import (
     check_ndim,
@@ -19,7 +20,7 @@ from token_attribution.extractor import (
 from token_attribution.head_logprobs import (
     BLOCK_ELEMENTS,
     MIN_BLOCK_ROWS,
-    FrozenHead,
+    LinearHead,
     default_block_rows,
     head_token_logprobs,
 )
@@ -242,7 +243,7 @@ def test_mask_truncated_completions(dtype):
 
 
 def _heads(dims: int, vocab: int) -> dict[str, tuple[nn.Module, Any]]:
-    """Each head layout FrozenHead takes: (module, head callable), frozen."""
+    """Each head layout LinearHead takes: (module, head callable), frozen."""
     linear = nn.Linear(dims, vocab, bias=False)
     with_bias = nn.Linear(dims, vocab)
     embedding = nn.Embedding(vocab, dims)
@@ -277,7 +278,7 @@ def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_rows
     mx.random.seed(0)
     dims, vocab = 64, 50
     _, head = _heads(dims, vocab)[kind]
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     hidden = mx.random.normal((3, 7, dims))
     tokens = mx.random.randint(0, vocab, (3, 7))
@@ -311,6 +312,117 @@ def test_head_token_logprobs_match_the_logits_path(kind, temperature, block_rows
         assert entropy is not None and want_entropy is not None
         np.testing.assert_allclose(np.array(entropy), np.array(want_entropy), atol=1e-5)
 
+    # The entropy is differentiated too (an entropy bonus trains through it), unless
+    # entropy_gradient=False makes it a constant (a mask by entropy).
+    cot_h = mx.random.normal((3, 7))
+
+    def with_bonus(h: mx.array, entropy_gradient: bool = True) -> mx.array:
+        lp, ent = head_token_logprobs(
+            h,
+            frozen,
+            tokens,
+            temperature,
+            with_entropy=True,
+            entropy_gradient=entropy_gradient,
+            block_rows=block_rows,
+        )
+        assert ent is not None
+        return (cot * lp).sum() + (cot_h * ent).sum()
+
+    def naive_bonus(h: mx.array) -> mx.array:
+        lp, ent = token_logprobs(head(h), tokens, temperature, True)
+        assert ent is not None
+        return (cot * lp).sum() + (cot_h * ent).sum()
+
+    got, got_grad = mx.value_and_grad(with_bonus)(hidden)
+    want, want_grad = mx.value_and_grad(naive_bonus)(hidden)
+    np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(got_grad), np.array(want_grad), rtol=1e-4, atol=1e-5)
+    lp_only = mx.grad(fused)(hidden)
+    assert float(mx.abs(got_grad - lp_only).max()) > 1e-3  # the entropy's share is there
+    constant = mx.grad(lambda h: with_bonus(h, entropy_gradient=False))(hidden)
+    np.testing.assert_allclose(np.array(constant), np.array(lp_only), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear_bias", "tied"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("block_rows", [1, 7, None])
+def test_trained_head_token_logprobs_match_the_logits_path(kind, temperature, block_rows):
+    """A trained head (a fully fine-tuned policy's): the values and the gradients w.r.t. the
+    hidden states, the head's weight and its bias, of log-probs and entropy, equal autodiff's
+    through the full logits; with entropy_gradient=False the entropy is a constant."""
+    mx.random.seed(1)
+    dims, vocab = 64, 37  # _heads builds quantized heads too: D a multiple of 64
+    module, head = _heads(dims, vocab)[kind]
+    module.unfreeze()
+    hidden = mx.random.normal((2, 5, dims))
+    tokens = mx.random.randint(0, vocab, (2, 5))
+    cot, cot_h = mx.random.normal((2, 5)), mx.random.normal((2, 5))
+
+    def loss(params: Any, h: mx.array, blockwise: bool, entropy_gradient: bool = True) -> Any:
+        module.update(params)
+        if blockwise:
+            trained = LinearHead.of(head)
+            assert trained is not None and trained.trained
+            lp, ent = head_token_logprobs(
+                h,
+                trained,
+                tokens,
+                temperature,
+                with_entropy=True,
+                entropy_gradient=entropy_gradient,
+                block_rows=block_rows,
+            )
+        else:
+            lp, ent = token_logprobs(head(h), tokens, temperature, True)
+            if not entropy_gradient:
+                ent = mx.stop_gradient(ent)
+        assert ent is not None
+        return (cot * lp).sum() + (cot_h * ent).sum()
+
+    params = module.trainable_parameters()
+    assert sorted(params) == (["bias", "weight"] if kind == "linear_bias" else ["weight"])
+    for entropy_gradient in (True, False):
+        grad_fn = mx.value_and_grad(loss, argnums=(0, 1))
+        got, got_grads = grad_fn(params, hidden, True, entropy_gradient)
+        want, want_grads = grad_fn(params, hidden, False, entropy_gradient)
+        np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5, atol=1e-5)
+        got_flat, want_flat = tree_flatten(got_grads), tree_flatten(want_grads)
+        assert [k for k, _ in got_flat] == [k for k, _ in want_flat]
+        for (name, g), (_, w) in zip(got_flat, want_flat):
+            assert float(mx.abs(w).max()) > 0.0, name
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_trained_head_with_masked_vocabulary_rows():
+    """A trained head whose bias is -inf on some rows: finite log-probs, entropy and gradients
+    (the masked rows' weights get none), equal to the logits path's."""
+    head = nn.Linear(8, 30)
+    head.bias = mx.where(mx.arange(30) < 10, -mx.inf, 0.0)
+    hidden = mx.random.normal((2, 3, 8), key=mx.random.key(3))
+    tokens = mx.random.randint(10, 30, (2, 3), key=mx.random.key(4))
+
+    def loss(weight: mx.array, h: mx.array) -> mx.array:
+        head.weight = weight
+        trained = LinearHead.of(head)
+        assert trained is not None and trained.trained
+        lp, _ = head_token_logprobs(h, trained, tokens, block_rows=6)
+        return lp.sum()
+
+    def naive(weight: mx.array, h: mx.array) -> mx.array:
+        head.weight = weight
+        return token_logprobs(head(h), tokens)[0].sum()
+
+    weight = head.weight
+    got, got_grads = mx.value_and_grad(loss, argnums=(0, 1))(weight, hidden)
+    want, want_grads = mx.value_and_grad(naive, argnums=(0, 1))(weight, hidden)
+    assert np.isfinite(got.item())
+    np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        assert np.isfinite(np.array(g)).all()
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-6)
+    assert float(mx.abs(got_grads[0][:10]).max()) == 0.0
+
 
 @pytest.mark.parametrize("kind", ["quantized_bias_8bit", "mxfp4", "mxfp4_tied"])
 def test_head_token_logprobs_match_the_logits_path_of_other_quantized_heads(kind):
@@ -324,7 +436,7 @@ def test_head_token_logprobs_with_masked_vocabulary_rows():
     head = nn.Linear(8, 30)
     head.bias = mx.where(mx.arange(30) < 10, -mx.inf, 0.0)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     hidden = mx.random.normal((2, 3, 8), key=mx.random.key(3))
     tokens = mx.random.randint(10, 30, (2, 3), key=mx.random.key(4))
@@ -348,7 +460,7 @@ def test_head_token_logprobs_of_logits_in_the_hundreds():
     head = nn.Linear(4, 12, bias=False)
     head.weight = mx.array(weight)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     lp, entropy = head_token_logprobs(
         mx.array(hidden), frozen, mx.array(tokens), with_entropy=True, block_rows=5
@@ -370,7 +482,7 @@ def test_head_token_logprobs_after_a_masked_block_of_very_negative_logits():
     head.weight = mx.array(np.random.default_rng(10).normal(size=(12, 4)).astype(np.float32))
     head.bias = mx.where(mx.arange(12) < 5, -mx.inf, -200.0)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     hidden, tokens = mx.ones((1, 2, 4)), mx.array([[5, 11]])
     lp, _ = head_token_logprobs(hidden, frozen, tokens, block_rows=5)
@@ -387,7 +499,7 @@ def test_head_token_logprobs_defaults_and_temperature_half(monkeypatch):
 
     head = nn.Linear(4, 9, bias=False)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     hidden = mx.random.normal((2, 3, 4), key=mx.random.key(11))
     tokens = mx.array([[0, 4, 8], [1, 2, 3]])
@@ -417,7 +529,7 @@ def test_head_token_logprobs_against_numpy_in_bfloat16():
     head = nn.Linear(16, 40, bias=False)
     head.weight = mx.array(weight).astype(mx.bfloat16)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     h = mx.array(hidden).astype(mx.bfloat16)
     lp, _ = head_token_logprobs(h, frozen, mx.array(tokens), block_rows=16)
@@ -433,7 +545,7 @@ def test_head_token_logprobs_for_scoring_are_constants():
     exp would be wrong)."""
     head = nn.Linear(8, 20, bias=False)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     tokens = mx.zeros((1, 3), mx.int32)
 
@@ -446,29 +558,37 @@ def test_head_token_logprobs_for_scoring_are_constants():
     assert float(mx.abs(grad).max()) == 0.0
 
 
-def test_frozen_head_takes_only_frozen_linear_heads():
-    """A trainable head (its gradient would be lost), a LoRA-wrapped head or any other function
-    is refused (None), so callers take the logits path; for scoring, trainable is fine."""
+def test_linear_head_takes_linear_and_tied_heads_and_says_whether_they_train():
+    """A linear or tied head, frozen or trained (``trained`` says which); a trained quantized
+    head (autodiff's gradient), a LoRA-wrapped head or any other function is refused (None), so
+    callers take the logits path."""
     linear = nn.Linear(8, 20, bias=False)
-    assert FrozenHead.of(linear) is None
-    assert FrozenHead.of(linear, require_frozen=False) is not None
+    head = LinearHead.of(linear)
+    assert head is not None and head.trained
     embedding = nn.Embedding(20, 8)
-    assert FrozenHead.of(embedding.as_linear) is None
+    head = LinearHead.of(embedding.as_linear)
+    assert head is not None and head.trained
     embedding.freeze()
-    assert FrozenHead.of(embedding.as_linear) is not None
-    assert FrozenHead.of(lambda h: h) is None
+    head = LinearHead.of(embedding.as_linear)
+    assert head is not None and not head.trained
+    quantized = nn.QuantizedLinear(32, 20, bias=True, group_size=32, bits=4)
+    head = LinearHead.of(quantized)
+    assert head is not None and not head.trained
+    quantized.unfreeze(keys=["bias"], strict=True)
+    assert LinearHead.of(quantized) is None
+    assert LinearHead.of(lambda h: h) is None
 
     def as_linear(h: mx.array) -> mx.array:  # named as a tied head's method, but no method
         return h
 
-    assert FrozenHead.of(as_linear) is None
-    assert FrozenHead.of(nn.Sequential(nn.Linear(8, 20))) is None
+    assert LinearHead.of(as_linear) is None
+    assert LinearHead.of(nn.Sequential(nn.Linear(8, 20))) is None
 
 
 def test_head_token_logprobs_rejects_bad_input():
     head = nn.Linear(4, 6, bias=False)
     head.freeze()
-    frozen = FrozenHead.of(head)
+    frozen = LinearHead.of(head)
     assert frozen is not None
     tokens = mx.zeros((1, 2), mx.int32)
     with pytest.raises(ValueError, match=r"^temperature must be > 0 to score log-probs, got 0.0$"):
@@ -575,8 +695,8 @@ class _TableModel:
 def test_response_logprobs_take_the_blockwise_path_where_they_may(
     trainable_head, differentiable, plain
 ):
-    """The same log-probs and entropy as the logits path; the hidden states where the head is
-    frozen, or trainable but no gradient is asked for, and the speed tricks are on."""
+    """The same log-probs and entropy as the logits path; the hidden states wherever the speed
+    tricks are on (a frozen head, or a trained one, differentiated or not)."""
     model = _TableModel(trainable_head)
     seqs, lengths = build_query_responses([[1, 2], [3]], mx.array([[4, 5], [6, 0]]), 0)
     positions = response_positions(lengths, 2)
@@ -596,7 +716,7 @@ def test_response_logprobs_take_the_blockwise_path_where_they_may(
     assert ent is not None and want_ent is not None
     np.testing.assert_allclose(np.array(lp), np.array(want_lp), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array(ent), np.array(want_ent), rtol=1e-5, atol=1e-6)
-    blockwise = not plain and (not trainable_head or not differentiable)
+    blockwise = not plain
     assert model.calls == ["hidden_at" if blockwise else "logits_at"]
     # Scoring passes (differentiable=False) are constants on the blockwise path.
     if blockwise:
@@ -613,19 +733,33 @@ def test_response_logprobs_take_the_blockwise_path_where_they_may(
 
 
 def test_response_logprobs_defaults():
-    """Temperature 1, no entropy, differentiable: a trainable head goes through the logits."""
+    """Temperature 1, no entropy, differentiable: a trained head goes blockwise too, and its
+    weight gets the logits path's gradient."""
     seqs, lengths = build_query_responses([[1, 2], [3]], mx.array([[4, 5], [6, 0]]), 0)
     positions, responses = response_positions(lengths, 2), mx.array([[4, 5], [6, 0]])
     trainable = _TableModel(trainable_head=True)
     want, _ = token_logprobs(trainable.logits_at(seqs, positions), responses)
     trainable.calls.clear()
-    assert scoring_inputs(trainable, seqs, positions).head is None
-    lp, ent = response_logprobs(trainable, seqs, positions, responses)
-    assert ent is None and trainable.calls == ["logits_at", "logits_at"]
-    np.testing.assert_allclose(np.array(lp), np.array(want), rtol=1e-5, atol=1e-6)
-    trainable.head.freeze()  # the same head, frozen: the blockwise path
     inputs = scoring_inputs(trainable, seqs, positions)
-    assert inputs.head is not None
+    assert inputs.head is not None and inputs.head.trained
+    lp, ent = response_logprobs(trainable, seqs, positions, responses)
+    assert ent is None and trainable.calls == ["hidden_at", "hidden_at"]
+    np.testing.assert_allclose(np.array(lp), np.array(want), rtol=1e-5, atol=1e-6)
+
+    def total(weight: mx.array, blockwise: bool) -> mx.array:
+        trainable.head.weight = weight
+        if blockwise:
+            return response_logprobs(trainable, seqs, positions, responses)[0].sum()
+        return token_logprobs(trainable.logits_at(seqs, positions), responses)[0].sum()
+
+    weight = trainable.head.weight
+    got, want_grad = mx.grad(total)(weight, True), mx.grad(total)(weight, False)
+    assert float(mx.abs(want_grad).max()) > 0
+    np.testing.assert_allclose(np.array(got), np.array(want_grad), rtol=1e-4, atol=1e-6)
+    trainable.head.weight = weight
+    trainable.head.freeze()  # the same head, frozen: the blockwise path without its gradient
+    inputs = scoring_inputs(trainable, seqs, positions)
+    assert inputs.head is not None and not inputs.head.trained
     lp, ent = logprobs_from(inputs, responses)
     assert ent is None
     np.testing.assert_allclose(np.array(lp), np.array(want), rtol=1e-5, atol=1e-6)

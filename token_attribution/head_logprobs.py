@@ -1,5 +1,5 @@
-"""Log-probs of the chosen tokens straight from the last hidden states and a frozen LM head, a
-block of the vocabulary at a time, never holding the (B, T, V) logits.
+"""Log-probs of the chosen tokens straight from the last hidden states and the LM head, a block
+of the vocabulary at a time, never holding the (B, T, V) logits.
 
 At a real vocabulary (49k-152k) the LM head's output dwarfs the rest of a training step: 16 x 128
 positions x 49,152 is 100M float32 logits (three times as many at Qwen3's 151,936), and their
@@ -24,10 +24,17 @@ row max ``m``, the running sum ``s = s e^(m_old - m) + sum exp(x_b - m)`` and th
 (and in cache), and the work is the two matmuls autodiff's path does (logits, input gradient)
 with one ``exp`` pass instead of two and no one-hot put along the vocabulary.
 
-Only a frozen head: the head's weight gets no gradient here (a LoRA policy's head is frozen; a
-fully fine-tuned policy with a trainable head goes through autodiff, ``FrozenHead.of`` says
-which). Quantized heads (``QuantizedLinear``, a tied ``QuantizedEmbedding``) multiply each block
-through ``mx.quantized_matmul``; the chosen rows ``W[y_t]`` are dequantized alone.
+A trained head (a fully fine-tuned policy's, tied or not) needs the gradient of its weight as
+well, ``dW = sum_t c_t (onehot(y_t) - softmax(x_t)) h_t^T / tau``, which takes the cotangents:
+the forward pass keeps ``lse`` (and the entropy's mean logit) and the backward pass recomputes each
+block's logits, then takes its share of ``dh`` and ``dW`` (Liger-Kernel's and Cut Cross-Entropy's
+backward). That is one matmul more than autodiff's three, and no (N, V) array. The entropy, when
+asked for in a differentiated pass, is differentiated too (an entropy bonus trains through it):
+``dH/dx_j = -p_j (x_j - E_p[x])``, so the frozen head's pass accumulates ``exp(x - max) * x @ W``
+beside ``exp(x - max) @ W`` (one more matmul, only then).
+
+Quantized heads (``QuantizedLinear``, a tied ``QuantizedEmbedding``, always frozen) multiply
+each block through ``mx.quantized_matmul``; the chosen rows ``W[y_t]`` are dequantized alone.
 ``benchmarks/head_logprobs.py`` measures it against the logits path.
 """
 
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, cast
+from typing import Any, Iterator, NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,8 +58,8 @@ MIN_BLOCK_ROWS = 256
 
 
 @dataclass(frozen=True)
-class FrozenHead:
-    """A frozen LM head ``x = W h (+ bias)`` (D -> V), float or quantized, by blocks of its rows.
+class LinearHead:
+    """An LM head ``x = W h (+ bias)`` (D -> V), float or quantized, by blocks of its rows.
 
     Attributes:
         weight: (V, D) weight, or the packed quantized one (V, D * bits / 32).
@@ -62,6 +69,8 @@ class FrozenHead:
         group_size: quantization group size.
         bits: quantization bits.
         mode: quantization mode (``mx.quantize``'s).
+        trained: whether the head has trainable parameters (a fully fine-tuned policy's): a
+            differentiated pass then gives ``weight`` (and ``bias``) their gradient.
     """
 
     weight: mx.array
@@ -71,13 +80,14 @@ class FrozenHead:
     group_size: int = 0
     bits: int = 0
     mode: str = "affine"
+    trained: bool = False
 
     @classmethod
-    def of(cls, head: Any, *, require_frozen: bool = True) -> "FrozenHead | None":
-        """The :class:`FrozenHead` of an ``nn.Linear`` / ``nn.QuantizedLinear`` or a tied
+    def of(cls, head: Any) -> "LinearHead | None":
+        """The :class:`LinearHead` of an ``nn.Linear`` / ``nn.QuantizedLinear`` or a tied
         ``nn.Embedding`` / ``nn.QuantizedEmbedding``'s bound ``as_linear``; None for any other
-        head (a LoRA-wrapped or custom layer), or, with ``require_frozen``, for one that has
-        trainable parameters (its gradient would be lost)."""
+        head (a LoRA-wrapped or custom layer) and for a quantized head with trainable
+        parameters (its gradient is autodiff's)."""
         module = head
         if getattr(head, "__name__", None) == "as_linear":
             module = getattr(head, "__self__", None)
@@ -85,10 +95,11 @@ class FrozenHead:
                 return None
         elif not isinstance(head, (nn.Linear, nn.QuantizedLinear)):
             return None
-        if require_frozen and tree_flatten(module.trainable_parameters()):
-            return None
+        trained = bool(tree_flatten(module.trainable_parameters()))
         bias = module.get("bias") if isinstance(module, (nn.Linear, nn.QuantizedLinear)) else None
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if trained:
+                return None
             return cls(
                 module["weight"],
                 bias,
@@ -98,7 +109,7 @@ class FrozenHead:
                 module.bits,
                 getattr(module, "mode", "affine"),
             )
-        return cls(module["weight"], bias)
+        return cls(module["weight"], bias, trained=trained)
 
     @property
     def vocab_size(self) -> int:
@@ -181,28 +192,44 @@ def fixed_block_rows(rows: int) -> Iterator[None]:
         _FIXED_ROWS[0] = previous
 
 
+class _Pass(NamedTuple):
+    """What :func:`_online_softmax` computed of (N) positions; the optional parts are None
+    unless asked for."""
+
+    logprobs: mx.array  # (N,) log-prob of each chosen token
+    lse: mx.array  # (N, 1) logsumexp of each position's logits
+    mean: mx.array | None  # (N, 1) E_p[x], the mean logit under the softmax: H = lse - mean
+    jacobian: mx.array | None  # (N, D) d logprob / d h
+    entropy_jacobian: mx.array | None  # (N, D) d H / d h
+
+
 def _online_softmax(
-    head: FrozenHead,
+    head: LinearHead,
     hidden: mx.array,
     tokens: mx.array,
     inv_temperature: float,
-    with_entropy: bool,
-    with_jacobian: bool,
     block_rows: int,
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """(N, D) hidden, (N,) tokens -> (N,) log-probs, (N,) entropy or None, (N, D) Jacobian rows
-    or None, over blocks of the vocabulary (module docstring); every (N, V_b) array is local to
-    its block."""
+    *,
+    entropy: bool = False,
+    jacobian: bool = False,
+    entropy_jacobian: bool = False,
+) -> _Pass:
+    """(N, D) hidden, (N,) tokens -> the log-probs and what ``entropy``, ``jacobian`` and
+    ``entropy_jacobian`` ask for (:class:`_Pass`), over blocks of the vocabulary (module
+    docstring); every (N, V_b) array is local to its block."""
     vocab = head.vocab_size
     col = tokens[:, None]  # (N, 1)
-    n = hidden.shape[0]
-    # Running row max, sum of exp(x - max), chosen logit, sum of exp(x - max) * x, and
-    # exp(x - max) @ W; each block rescales them by exp(old max - new max) (0 at the start).
+    n, dims = hidden.shape
+    entropy = entropy or entropy_jacobian
+    # Running row max, sum of exp(x - max), chosen logit, sum of exp(x - max) * x,
+    # exp(x - max) @ W and (exp(x - max) * x) @ W; each block rescales them by
+    # exp(old max - new max) (0 at the start).
     m = mx.full((n, 1), -mx.inf)
     s = mx.zeros((n, 1))
     chosen = mx.zeros((n, 1))
     xsum = mx.zeros((n, 1))
-    acc = mx.zeros((n, hidden.shape[1]))
+    acc = mx.zeros((n, dims))
+    acc_x = mx.zeros((n, dims))
     for start in range(0, vocab, block_rows):
         stop = min(start + block_rows, vocab)
         x = head.logits(hidden, start, stop)  # (N, V_b)
@@ -218,30 +245,169 @@ def _online_softmax(
         here = (col >= start) & (col < stop)  # (N, 1): the chosen token is in this block
         picked = mx.take_along_axis(x, mx.clip(col - start, 0, stop - start - 1), axis=-1)
         chosen = mx.where(here, picked, chosen)
-        if with_entropy:
-            xsum = xsum * rescale + (e * x).sum(axis=-1, keepdims=True)
-        if with_jacobian:
+        if entropy:
+            ex = e * x  # (N, V_b)
+            xsum = xsum * rescale + ex.sum(axis=-1, keepdims=True)
+            if entropy_jacobian:
+                acc_x = acc_x * rescale + head.backward(ex, start, stop)  # (N, D)
+        if jacobian or entropy_jacobian:
             acc = acc * rescale + head.backward(e, start, stop)  # (N, D)
         m = new_m
     lse = m + mx.log(s)  # (N, 1)
-    logprobs = (chosen - lse)[:, 0]  # (N,)
-    entropy = (lse - xsum / s)[:, 0] if with_entropy else None
-    jacobian = None
-    if with_jacobian:
-        jacobian = head.rows(tokens) - acc / s  # (N, D)
-        if inv_temperature != 1.0:
-            jacobian = jacobian * inv_temperature
-    return logprobs, entropy, jacobian
+    mean = xsum / s if entropy else None  # (N, 1)
+    jac = jac_h = None
+    if jacobian or entropy_jacobian:
+        softmax_w = acc / s  # (N, D) E_p[W_j]
+    if jacobian:
+        jac = (head.rows(tokens) - softmax_w) * inv_temperature  # (N, D)
+    if entropy_jacobian:
+        assert mean is not None
+        # dH/dh = -sum_j p_j (x_j - E_p[x]) W_j / tau
+        jac_h = (mean * softmax_w - acc_x / s) * inv_temperature  # (N, D)
+    return _Pass((chosen - lse)[:, 0], lse, mean, jac, jac_h)
+
+
+def _frozen_head_logprobs(
+    head: LinearHead,
+    hidden: mx.array,
+    tokens: mx.array,
+    inv_temperature: float,
+    block_rows: int,
+    with_entropy: bool,
+    entropy_gradient: bool,
+) -> tuple[mx.array, mx.array | None]:
+    """(N,) log-probs (and entropy) of a frozen head, differentiated w.r.t. the (N, D) hidden
+    states through the Jacobian rows the forward pass computes."""
+    entropy_jacobian = with_entropy and entropy_gradient
+
+    @mx.custom_function
+    def fused(h: mx.array, t: mx.array) -> tuple[mx.array, ...]:
+        out = _online_softmax(
+            head,
+            h,
+            t,
+            inv_temperature,
+            block_rows,
+            entropy=with_entropy,
+            jacobian=True,
+            entropy_jacobian=entropy_jacobian,
+        )
+        assert out.jacobian is not None
+        if not with_entropy:
+            return out.logprobs, out.jacobian
+        assert out.mean is not None
+        entropy = (out.lse - out.mean)[:, 0]  # (N,)
+        if not entropy_jacobian:
+            return out.logprobs, out.jacobian, entropy
+        assert out.entropy_jacobian is not None
+        return out.logprobs, out.jacobian, entropy, out.entropy_jacobian
+
+    @fused.vjp
+    def fused_vjp(
+        primals: tuple[mx.array, mx.array],
+        cotangents: tuple[mx.array, ...],
+        outputs: tuple[mx.array, ...],
+    ) -> tuple[mx.array, mx.array]:
+        # d logprob_t / d h_t = J_t (and d H_t / d h_t = J^H_t); no other position's outputs
+        # depend on h_t.
+        h, t = primals
+        grad = cotangents[0].astype(mx.float32)[:, None] * outputs[1]  # (N, D)
+        if entropy_jacobian:
+            grad = grad + cotangents[2].astype(mx.float32)[:, None] * outputs[3]
+        return grad.astype(h.dtype), mx.zeros_like(t)
+
+    out = cast(tuple[mx.array, ...], fused(hidden, tokens))
+    if not with_entropy:
+        return out[0], None
+    return out[0], out[2] if entropy_jacobian else mx.stop_gradient(out[2])
+
+
+def _trained_head_logprobs(
+    head: LinearHead,
+    hidden: mx.array,
+    tokens: mx.array,
+    inv_temperature: float,
+    block_rows: int,
+    with_entropy: bool,
+) -> tuple[mx.array, mx.array | None]:
+    """(N,) log-probs (and entropy) of a trained float head, differentiated w.r.t. the (N, D)
+    hidden states, the head's weight and its bias: the forward pass keeps the logsumexp (and
+    the mean logit), the backward pass recomputes each block's logits (module docstring)."""
+    has_bias = head.bias is not None
+
+    def as_head(weight: mx.array, bias: mx.array | None) -> LinearHead:
+        return LinearHead(weight, bias, trained=True)
+
+    @mx.custom_function
+    def fused(h: mx.array, t: mx.array, weight: mx.array, *bias: mx.array) -> tuple[mx.array, ...]:
+        out = _online_softmax(
+            as_head(weight, bias[0] if bias else None),
+            h,
+            t,
+            inv_temperature,
+            block_rows,
+            entropy=with_entropy,
+        )
+        if not with_entropy:
+            return out.logprobs, out.lse
+        assert out.mean is not None
+        return out.logprobs, out.lse, (out.lse - out.mean)[:, 0], out.mean
+
+    @fused.vjp
+    def fused_vjp(
+        primals: tuple[mx.array, ...],
+        cotangents: tuple[mx.array, ...],
+        outputs: tuple[mx.array, ...],
+    ) -> tuple[mx.array, ...]:
+        h, t, weight = primals[:3]
+        bias = primals[3] if has_bias else None
+        trained = as_head(weight, bias)
+        lse = outputs[1]  # (N, 1)
+        c_lp = cotangents[0].astype(mx.float32)[:, None]  # (N, 1)
+        c_ent = cotangents[2].astype(mx.float32)[:, None] if with_entropy else None
+        mean = outputs[3] if with_entropy else None
+        grad_h = mx.zeros(h.shape, dtype=mx.float32)  # (N, D)
+        grad_w, grad_b = [], []
+        for start in range(0, trained.vocab_size, block_rows):
+            stop = min(start + block_rows, trained.vocab_size)
+            x = trained.logits(h, start, stop)  # (N, V_b)
+            if inv_temperature != 1.0:
+                x = x * inv_temperature
+            p = fast_math.exp(x - lse)  # (N, V_b) the softmax
+            # dL/dx_j = c_lp (onehot_j - p_j) - c_H p_j (x_j - E_p[x]); the one-hot part after
+            # the loop. A masked row (x = -inf) has p = 0 and no gradient.
+            g = c_lp * p
+            if c_ent is not None:
+                assert mean is not None
+                g = g + c_ent * p * mx.where(p > 0, x - mean, 0.0)
+            g = -g  # (N, V_b)
+            grad_h = grad_h + trained.backward(g, start, stop)
+            grad_w.append(g.T.astype(h.dtype) @ h)  # (V_b, D)
+            if bias is not None:
+                grad_b.append(g.sum(axis=0))  # (V_b,)
+        grad_h = (grad_h + c_lp * trained.rows(t)) * inv_temperature
+        dw = mx.concatenate(grad_w, axis=0).astype(mx.float32)
+        dw = dw.at[t].add(c_lp * h.astype(mx.float32)) * inv_temperature  # (V, D)
+        grads = [grad_h.astype(h.dtype), mx.zeros_like(t), dw.astype(weight.dtype)]
+        if bias is not None:
+            db = mx.concatenate(grad_b, axis=0).at[t].add(c_lp[:, 0]) * inv_temperature
+            grads.append(db.astype(bias.dtype))
+        return tuple(grads)
+
+    extra = [head.bias] if head.bias is not None else []
+    out = cast(tuple[mx.array, ...], fused(hidden, tokens, head.weight, *extra))
+    return out[0], out[2] if with_entropy else None
 
 
 def head_token_logprobs(
     hidden: mx.array,
-    head: FrozenHead,
+    head: LinearHead,
     tokens: mx.array,
     temperature: float = 1.0,
     *,
     with_entropy: bool = False,
     differentiable: bool = True,
+    entropy_gradient: bool = True,
     block_rows: int | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Log-probs of ``tokens`` under ``softmax(head(hidden) / temperature)``, by vocabulary blocks.
@@ -252,13 +418,16 @@ def head_token_logprobs(
 
     Args:
         hidden: (B, T, D) last hidden states at the positions that predict ``tokens``.
-        head: the frozen LM head (:meth:`FrozenHead.of`).
+        head: the LM head (:meth:`LinearHead.of`); a trained one's weight (and bias) get their
+            gradient in a differentiated pass.
         tokens: (B, T) integer ids, each in ``[0, V)``.
         temperature: the sampling temperature (> 0).
-        with_entropy: also return the (B, T) entropy of the scaled distribution, a constant.
-        differentiable: give the log-probs their gradient w.r.t. ``hidden`` (the Jacobian rows
-            cost the input gradient's matmul); False for scoring passes that need none (the
-            outputs are then constants).
+        with_entropy: also return the (B, T) entropy of the scaled distribution.
+        differentiable: give the log-probs (and the entropy) their gradient; False for scoring
+            passes that need none (the outputs are then constants).
+        entropy_gradient: with ``differentiable``, also differentiate the entropy (an entropy
+            bonus); False makes it a constant (a mask by entropy), which saves the frozen
+            head's pass one matmul.
         block_rows: vocabulary rows per block (default: :func:`default_block_rows`).
 
     Returns:
@@ -280,37 +449,33 @@ def head_token_logprobs(
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
 
+    entropy: mx.array | None
     if not differentiable:
         # Constants: autodiff through the fast exp would be wrong, and no one asked for it.
-        logprobs, entropy, _ = _online_softmax(
-            head, flat_hidden, flat_tokens, inv_temperature, with_entropy, False, block_rows
+        out = _online_softmax(
+            head, flat_hidden, flat_tokens, inv_temperature, block_rows, entropy=with_entropy
         )
-        logprobs = mx.stop_gradient(logprobs)
-        entropy = None if entropy is None else mx.stop_gradient(entropy)
+        logprobs = mx.stop_gradient(out.logprobs)
+        entropy = None
+        if with_entropy:
+            assert out.mean is not None
+            entropy = mx.stop_gradient((out.lse - out.mean)[:, 0])
+    elif head.trained:
+        logprobs, entropy = _trained_head_logprobs(
+            head, flat_hidden, flat_tokens, inv_temperature, block_rows, with_entropy
+        )
+        if entropy is not None and not entropy_gradient:
+            entropy = mx.stop_gradient(entropy)
     else:
-
-        @mx.custom_function
-        def fused(h: mx.array, t: mx.array) -> tuple[mx.array, ...]:
-            lp, ent, jac = _online_softmax(
-                head, h, t, inv_temperature, with_entropy, True, block_rows
-            )
-            assert jac is not None
-            return (lp, jac) if ent is None else (lp, jac, ent)
-
-        @fused.vjp
-        def fused_vjp(
-            primals: tuple[mx.array, mx.array],
-            cotangents: tuple[mx.array, ...],
-            outputs: tuple[mx.array, ...],
-        ) -> tuple[mx.array, mx.array]:
-            # d logprob_t / d h_t = J_t, and no other position's log-prob depends on h_t.
-            h, t = primals
-            grad = cotangents[0].astype(mx.float32)[:, None] * outputs[1]  # (N, D)
-            return grad.astype(h.dtype), mx.zeros_like(t)
-
-        out = cast(tuple[mx.array, ...], fused(flat_hidden, flat_tokens))
-        logprobs = out[0]
-        entropy = mx.stop_gradient(out[2]) if with_entropy else None
+        logprobs, entropy = _frozen_head_logprobs(
+            head,
+            flat_hidden,
+            flat_tokens,
+            inv_temperature,
+            block_rows,
+            with_entropy,
+            entropy_gradient,
+        )
     logprobs = logprobs.reshape(batch, num_tokens)
     if entropy is not None:
         entropy = entropy.reshape(batch, num_tokens)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from base_setup.plain import speed_tricks
-from token_attribution.head_logprobs import FrozenHead, head_token_logprobs
+from token_attribution.head_logprobs import LinearHead, head_token_logprobs
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 
@@ -102,30 +102,26 @@ class ScoringInputs:
     Attributes:
         states: (B, T, D) last hidden states where ``head`` is set (the blockwise path), else
             (B, T, V) logits.
-        head: the model's frozen LM head, or None (``states`` are logits).
+        head: the model's linear LM head (frozen or trained), or None (``states`` are logits).
     """
 
     states: mx.array
-    head: FrozenHead | None
+    head: LinearHead | None
 
 
 def scoring_inputs(
-    model: ScoringModel,
-    query_responses: mx.array,
-    positions: mx.array,
-    *,
-    differentiable: bool = True,
+    model: ScoringModel, query_responses: mx.array, positions: mx.array
 ) -> ScoringInputs:
     """The first half of :func:`response_logprobs`: the model's pass over the sequences, up to
-    the hidden states where its LM head is a frozen linear or tied-embedding layer (float or
-    quantized), else up to the logits (always under plain MLX and off the CPU:
-    :func:`base_setup.plain.speed_tricks`). A caller can evaluate it apart from the head's work
-    (the rollout runs it beside other models' passes)."""
+    the hidden states where its LM head is a linear or tied-embedding layer (float or
+    quantized; :meth:`LinearHead.of`), else up to the logits (always under plain MLX and off
+    the CPU: :func:`base_setup.plain.speed_tricks`). A caller can evaluate it apart from the
+    head's work (the rollout runs it beside other models' passes)."""
     head = model.output_head() if speed_tricks() else None  # plain MLX, a GPU: the logits
-    frozen = None if head is None else FrozenHead.of(head, require_frozen=differentiable)
-    if frozen is None:
+    linear = None if head is None else LinearHead.of(head)
+    if linear is None:
         return ScoringInputs(model.logits_at(query_responses, positions), None)
-    return ScoringInputs(model.hidden_at(query_responses, positions), frozen)
+    return ScoringInputs(model.hidden_at(query_responses, positions), linear)
 
 
 def logprobs_from(
@@ -135,12 +131,16 @@ def logprobs_from(
     *,
     with_entropy: bool = False,
     differentiable: bool = True,
+    entropy_gradient: bool = True,
 ) -> tuple[mx.array, mx.array | None]:
     """The second half of :func:`response_logprobs`: the log-probs (and entropy) of
     ``responses`` from :func:`scoring_inputs`' output, blockwise from the hidden states
     (:func:`token_attribution.head_logprobs.head_token_logprobs`) or from the logits."""
     if inputs.head is None:
-        return token_logprobs(inputs.states, responses, temperature, with_entropy)
+        logprobs, entropy = token_logprobs(inputs.states, responses, temperature, with_entropy)
+        if entropy is not None and not (differentiable and entropy_gradient):
+            entropy = mx.stop_gradient(entropy)
+        return logprobs, entropy
     return head_token_logprobs(
         inputs.states,
         inputs.head,
@@ -148,6 +148,7 @@ def logprobs_from(
         temperature,
         with_entropy=with_entropy,
         differentiable=differentiable,
+        entropy_gradient=entropy_gradient,
     )
 
 
@@ -160,15 +161,16 @@ def response_logprobs(
     *,
     with_entropy: bool = False,
     differentiable: bool = True,
+    entropy_gradient: bool = True,
 ) -> tuple[mx.array, mx.array | None]:
     """Per-token log-probs (and entropy) of the responses under ``model``, at ``temperature``.
 
     The same values as ``token_logprobs(model.logits_at(query_responses, positions), responses,
-    temperature, with_entropy)``. Where the model's LM head is a frozen linear or tied-embedding
-    layer (float or quantized), they come blockwise from the hidden states
+    temperature, with_entropy)``. Where the model's LM head is a linear or tied-embedding layer
+    (float or quantized, frozen or trained), they come blockwise from the hidden states
     (:func:`token_attribution.head_logprobs.head_token_logprobs`), without the (B, T, V)
-    logits; otherwise (a trainable head, a model with scaled or capped logits) through the logits.
-    (:func:`scoring_inputs` then :func:`logprobs_from`.)
+    logits; otherwise (a LoRA-adapted head, a model with scaled or capped logits) through the
+    logits. (:func:`scoring_inputs` then :func:`logprobs_from`.)
 
     Args:
         model: the policy or reference model.
@@ -176,14 +178,21 @@ def response_logprobs(
         positions: (B, T) positions that score the response tokens (:func:`response_positions`).
         responses: (B, T) response tokens.
         temperature: the sampling temperature.
-        with_entropy: also return the (B, T) entropy (a constant on the blockwise path).
+        with_entropy: also return the (B, T) entropy.
         differentiable: False for scoring passes that take no gradient (skips the blockwise
-            path's gradient work).
+            path's gradient work; the outputs are constants).
+        entropy_gradient: with ``differentiable``, differentiate the entropy too (an entropy
+            bonus); False: a constant (a mask by entropy), one matmul less on the blockwise path.
 
     Returns:
         ``(logprobs, entropy)``, (B, T) float32 each; ``entropy`` is None unless asked for.
     """
-    inputs = scoring_inputs(model, query_responses, positions, differentiable=differentiable)
+    inputs = scoring_inputs(model, query_responses, positions)
     return logprobs_from(
-        inputs, responses, temperature, with_entropy=with_entropy, differentiable=differentiable
+        inputs,
+        responses,
+        temperature,
+        with_entropy=with_entropy,
+        differentiable=differentiable,
+        entropy_gradient=entropy_gradient,
     )
