@@ -139,6 +139,7 @@ def policy_loss_fn(
             mb.responses,
             config.temperature,
             with_entropy=bonus or by_entropy,
+            entropy_gradient=bonus,  # the bonus trains through it; a mask by entropy does not
         )
         weights = token_weights(config, think_tags, mb, entropy if by_entropy else None)
         loss, metrics = algorithm_loss(config, kind, logprobs, mb, weights)
@@ -341,9 +342,8 @@ class Updater:
         # GKD's loss reads the teacher (the run's reference) inside the differentiated function.
         loss = policy_loss_fn(config, think_tags, models.ref_model)
         # Each gradient compiled whole for a large model on the CPU, else eager with MLX's
-        # own functions (training/compiled_gradient.py). Not a fully fine-tuned policy's: with
-        # its LM head trained, compiling was measured no faster and held more memory.
-        self.policy_grad = training_gradient(policy, loss, compiled=policy.lora is not None)
+        # own functions (training/compiled_gradient.py).
+        self.policy_grad = training_gradient(policy, loss)
         self.value_grad = (
             training_gradient(value_model, value_loss_fn(config))
             if value_model is not None

@@ -137,8 +137,19 @@ def test_compiled_gradient_is_the_eager_one_and_trains(
     second = _flat(compiled(policy, batch)[1])
     assert any(not np.array_equal(first[k], second[k]) for k in first)
     policy.train(False)
-    # A fully fine-tuned policy (its LM head trained) keeps the eager gradient, forced or not.
+    # A fully fine-tuned policy: its trained LM head's blockwise gradient compiled too, the
+    # head's (the tied embedding's) weight included.
     full = PPOTrainer(
         replace(config, use_lora=False, output_dir=str(tmp_path / "full")), reward_model=_e_rate
     )
-    assert isinstance(full.updater.policy_grad, EagerGradient) and not full.updater.compiled
+    compiled = full.updater.policy_grad
+    assert isinstance(compiled, CompiledGradient) and full.updater.compiled
+    eager = EagerGradient(compiled.value_and_grad)
+    (loss_c, _), grads_c = compiled(full.policy, batch)
+    (loss_e, _), grads_e = eager(full.policy, batch)
+    assert np.allclose(loss_c.item(), loss_e.item(), rtol=1e-4, atol=1e-6)
+    flat_c, flat_e = _flat(grads_c), _flat(grads_e)
+    assert set(flat_c) == set(flat_e) and "model.model.embed_tokens.weight" in flat_e
+    for key, value in flat_e.items():
+        scale = max(float(np.abs(value).max()), 1e-8)
+        assert np.abs(flat_c[key] - value).max() <= 1e-3 * scale, key

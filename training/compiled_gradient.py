@@ -28,10 +28,7 @@ When (:func:`use_compiled_gradient`), set by ``PPO_MLX_COMPILED_GRADIENT``:
 * ``auto`` (the default): the fast CPU math is on (``fast_math.fast_math_enabled``: MLX's CPU
   device, a C++ compiler, no plain MLX), and the model has at least :data:`MIN_PARAMETERS`
   parameters. Small models, this project's test and golden models among them, keep the eager
-  gradient: there the kernels' one-time build costs more than the run saves. The RL update
-  compiles a LoRA policy's gradient and a value model's, not a fully fine-tuned policy's
-  (``ppo_trainer.update.Updater``): with its LM head trained, compiling was measured no faster
-  and held more memory.
+  gradient: there the kernels' one-time build costs more than the run saves.
 * ``1``: whenever the fast CPU math is on.
 * ``0``: never.
 """
@@ -130,13 +127,10 @@ class CompiledGradient:
         return mx.compile(traced, inputs=state, outputs=state)
 
 
-def training_gradient(
-    model: nn.Module, loss: Callable[..., Any], *, compiled: bool = True
-) -> GradientFn:
-    """``model``'s gradient of ``loss(model, batch)`` for the optimiser step: compiled when
-    ``compiled`` allows it (the caller's knowledge of where it pays) and
+def training_gradient(model: nn.Module, loss: Callable[..., Any]) -> GradientFn:
+    """``model``'s gradient of ``loss(model, batch)`` for the optimiser step: compiled where
     :func:`use_compiled_gradient` says so, else eager."""
     value_and_grad = nn.value_and_grad(model, loss)
-    if compiled and use_compiled_gradient(model):
+    if use_compiled_gradient(model):
         return CompiledGradient(model, value_and_grad)
     return EagerGradient(value_and_grad)
