@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -375,6 +375,7 @@ def test_trained_head_token_logprobs_match_the_logits_path(kind, temperature, bl
             )
         else:
             lp, ent = token_logprobs(head(h), tokens, temperature, True)
+            assert ent is not None
             if not entropy_gradient:
                 ent = mx.stop_gradient(ent)
         assert ent is not None
@@ -387,7 +388,8 @@ def test_trained_head_token_logprobs_match_the_logits_path(kind, temperature, bl
         got, got_grads = grad_fn(params, hidden, True, entropy_gradient)
         want, want_grads = grad_fn(params, hidden, False, entropy_gradient)
         np.testing.assert_allclose(got.item(), want.item(), rtol=1e-5, atol=1e-5)
-        got_flat, want_flat = tree_flatten(got_grads), tree_flatten(want_grads)
+        got_flat = cast(list[tuple[str, mx.array]], tree_flatten(got_grads))
+        want_flat = cast(list[tuple[str, mx.array]], tree_flatten(want_grads))
         assert [k for k, _ in got_flat] == [k for k, _ in want_flat]
         for (name, g), (_, w) in zip(got_flat, want_flat):
             assert float(mx.abs(w).max()) > 0.0, name
