@@ -192,6 +192,11 @@ def fixed_block_rows(rows: int) -> Iterator[None]:
         _FIXED_ROWS[0] = previous
 
 
+def _scaled(a: mx.array, inv_temperature: float) -> mx.array:
+    """``a * inv_temperature``, without the pass at temperature 1."""
+    return a if inv_temperature == 1.0 else a * inv_temperature
+
+
 class _Pass(NamedTuple):
     """What :func:`_online_softmax` computed of (N) positions; the optional parts are None
     unless asked for."""
@@ -259,11 +264,11 @@ def _online_softmax(
     if jacobian or entropy_jacobian:
         softmax_w = acc / s  # (N, D) E_p[W_j]
     if jacobian:
-        jac = (head.rows(tokens) - softmax_w) * inv_temperature  # (N, D)
+        jac = _scaled(head.rows(tokens) - softmax_w, inv_temperature)  # (N, D)
     if entropy_jacobian:
         assert mean is not None
         # dH/dh = -sum_j p_j (x_j - E_p[x]) W_j / tau
-        jac_h = (mean * softmax_w - acc_x / s) * inv_temperature  # (N, D)
+        jac_h = _scaled(mean * softmax_w - acc_x / s, inv_temperature)  # (N, D)
     return _Pass((chosen - lse)[:, 0], lse, mean, jac, jac_h)
 
 
@@ -385,12 +390,12 @@ def _trained_head_logprobs(
             grad_w.append(g.T.astype(h.dtype) @ h)  # (V_b, D)
             if bias is not None:
                 grad_b.append(g.sum(axis=0))  # (V_b,)
-        grad_h = (grad_h + c_lp * trained.rows(t)) * inv_temperature
+        grad_h = _scaled(grad_h + c_lp * trained.rows(t), inv_temperature)
         dw = mx.concatenate(grad_w, axis=0).astype(mx.float32)
-        dw = dw.at[t].add(c_lp * h.astype(mx.float32)) * inv_temperature  # (V, D)
+        dw = _scaled(dw.at[t].add(c_lp * h.astype(mx.float32)), inv_temperature)  # (V, D)
         grads = [grad_h.astype(h.dtype), mx.zeros_like(t), dw.astype(weight.dtype)]
         if bias is not None:
-            db = mx.concatenate(grad_b, axis=0).at[t].add(c_lp[:, 0]) * inv_temperature
+            db = _scaled(mx.concatenate(grad_b, axis=0).at[t].add(c_lp[:, 0]), inv_temperature)
             grads.append(db.astype(bias.dtype))
         return tuple(grads)
 
