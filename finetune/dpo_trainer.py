@@ -43,8 +43,9 @@ from finetune.records import load_preference_data
 from finetune.sft_trainer import load_policy
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 from finetune.tokenize import DPOBatch, DPOExample, collate_dpo, tokenize_dpo_pairs
-from token_attribution.logprob_computer import selective_log_softmax
+from token_attribution.sequences import next_token_scores
 from training.callbacks import CallbackLike
+from training.compiled_gradient import gradient_arithmetic
 from training.fingerprints import model_fingerprint
 from training.run_control import in_run_scope
 from training.checkpoint import atomic_directory, check_save_target
@@ -75,12 +76,15 @@ def check_same_tokenizer(policy_tokenizer: Any, reference_tokenizer: Any, refere
         )
 
 
-def answer_token_logps(model: Any, batch: DPOBatch) -> tuple[mx.array, mx.array]:
+def answer_token_logps(
+    model: Any, batch: DPOBatch, *, differentiable: bool = True
+) -> tuple[mx.array, mx.array]:
     """``(token_logps, mask)``, each (2B, L-1): ``log p(token t+1 | tokens <= t)`` under
-    ``model`` (a callable ``input_ids -> logits``) and 1 where token t+1 is an answer token."""
-    logits = model(batch.input_ids[:, :-1])  # (2B, L-1, V)
-    token_logps = selective_log_softmax(logits, batch.input_ids[:, 1:])  # (2B, L-1)
-    return token_logps, batch.answer_mask[:, 1:]
+    ``model`` (:func:`token_attribution.sequences.next_token_scores`: blockwise from a policy's
+    or reference's hidden states, or through a callable's logits) and 1 where token t+1 is an
+    answer token; ``differentiable=False`` where no gradient is taken (constants)."""
+    scores = next_token_scores(model, batch.input_ids, differentiable=differentiable)
+    return scores.logprobs, batch.answer_mask[:, 1:]
 
 
 def dpo_batch_loss(
@@ -195,7 +199,9 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         for start in starts[self.rank :: self.world_size]:
             index = order[start : start + size]
             batch = collate_dpo([examples[i] for i in index], self.pad_token_id)
-            logps = answer_logps(*answer_token_logps(ref, batch))  # (2B,), a constant
+            # With the policy's arithmetic: at the start, policy and reference agree exactly.
+            with gradient_arithmetic(self._value_and_grad):
+                logps = answer_logps(*answer_token_logps(ref, batch, differentiable=False))
             mx.eval(logps)
             values = np.array(logps).reshape(2, len(index))  # (chosen, rejected) x B
             out[index] = values.T
@@ -272,7 +278,7 @@ class DPOTrainer(SupervisedTrainer[DPOExample, DPOBatch]):
         return self._with_reference(examples)
 
     def collate(self, examples: Sequence[DPOExample]) -> tuple[DPOBatch, int]:
-        return collate_dpo(examples, self.pad_token_id), len(examples)
+        return collate_dpo(examples, self.pad_token_id, self.pad_to_multiple_of), len(examples)
 
     def loss_fn(self, model: nn.Module, batch: DPOBatch) -> tuple[mx.array, dict[str, mx.array]]:
         return dpo_batch_loss(model, batch, self.config)

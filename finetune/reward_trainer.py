@@ -153,7 +153,9 @@ class RewardTrainer(SupervisedTrainer[PreferenceExample, PreferenceBatch]):
         return tokenize_preferences(data, self.tokenizer, self.config.max_length)
 
     def collate(self, examples: Sequence[PreferenceExample]) -> tuple[PreferenceBatch, int]:
-        batch = collate_preferences(examples, self.pad_token_id, self.config.margin)
+        batch = collate_preferences(
+            examples, self.pad_token_id, self.config.margin, self.pad_to_multiple_of
+        )
         return batch, batch.num_pairs
 
     def rewards(self, model: nn.Module, batch: PreferenceBatch) -> tuple[mx.array, mx.array]:

@@ -31,32 +31,32 @@ from config.sft_config import SFTConfig
 from models.policy_model import PolicyModel
 from finetune.records import load_sft_data
 from finetune.tokenize import SFTBatch, SFTExample, collate_sft, tokenize_sft
+from token_attribution.sequences import next_token_scores
 from training.checkpoint import atomic_directory, check_save_target
 from training.run_control import in_run_scope
 from finetune.supervised_trainer import SupervisedTrainer, run_stage
 
 
 def sft_loss(
-    logits: mx.array, targets: mx.array, mask: mx.array
+    logprobs: mx.array, top: mx.array, mask: mx.array
 ) -> tuple[mx.array, dict[str, mx.array]]:
     """Mean next-token cross-entropy over the target tokens.
 
-    ``loss = sum_{b,t} mask[b,t] * -log softmax(logits[b,t])[targets[b,t]] / sum_{b,t} mask[b,t]``
+    ``loss = sum_{b,t} mask[b,t] * -logprobs[b,t] / sum_{b,t} mask[b,t]``
 
     Args:
-        logits: (B, T, V) logits at positions 0..T-1 (the model's output for the input tokens
-            without the last).
-        targets: (B, T) the next tokens (the input tokens shifted left by one).
+        logprobs: (B, T) each target's log-prob, ``log softmax(logits[b,t])[targets[b,t]]``
+            (:func:`token_attribution.sequences.next_token_scores`).
+        top: (B, T) the highest log-prob at each position (a constant).
         mask: (B, T) 1 where the target is a completion token, 0 for prompt tokens and padding.
 
     Returns:
         ``(loss, metrics)``: ``sft/token_accuracy``, the fraction of targets that are the
-        argmax of the logits. Cross-entropy is computed in float32 whatever the logits' dtype.
+        model's most likely token (``logprobs >= top``).
     """
-    ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets)  # (B, T)
     num_targets = mx.maximum(mask.sum(), 1.0)
-    loss = (ce * mask).sum() / num_targets
-    correct = (mx.argmax(logits, axis=-1) == targets).astype(mx.float32)  # (B, T)
+    loss = -(logprobs * mask).sum() / num_targets
+    correct = (logprobs >= top).astype(mx.float32)  # (B, T)
     return loss, {"sft/token_accuracy": (correct * mask).sum() / num_targets}
 
 
@@ -125,12 +125,12 @@ class SFTTrainer(SupervisedTrainer[SFTExample, SFTBatch]):
         return tokenize_sft(data, self.tokenizer, self.config.max_length)
 
     def collate(self, examples: Sequence[SFTExample]) -> tuple[SFTBatch, int]:
-        batch = collate_sft(examples, self.pad_token_id)
+        batch = collate_sft(examples, self.pad_token_id, self.pad_to_multiple_of)
         return batch, batch.num_targets
 
     def loss_fn(self, model: nn.Module, batch: SFTBatch) -> tuple[mx.array, dict[str, mx.array]]:
-        logits = model(batch.input_ids[:, :-1])  # (B, L-1, V)
-        return sft_loss(logits, batch.input_ids[:, 1:], batch.loss_mask[:, 1:])
+        scores = next_token_scores(model, batch.input_ids)  # (B, L-1) each
+        return sft_loss(scores.logprobs, scores.top, batch.loss_mask[:, 1:])
 
     def step(self, examples: Sequence[SFTExample]) -> dict[str, float]:
         metrics = super().step(examples)

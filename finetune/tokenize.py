@@ -334,24 +334,42 @@ class SFTBatch:
     Attributes:
         input_ids: (B, L) int32 token ids, padded with the pad token.
         loss_mask: (B, L) float32, 1 where the token is a target (0 at padding).
-        num_targets: number of target tokens (``loss_mask[:, 1:].sum()``), as a Python int.
+
+    Only arrays, so that a compiled gradient (``training.compiled_gradient``) takes it whole.
     """
 
     input_ids: mx.array
     loss_mask: mx.array
-    num_targets: int
+
+    @property
+    def num_targets(self) -> int:
+        """The number of target tokens, ``loss_mask[:, 1:].sum()``."""
+        return int(np.asarray(self.loss_mask[:, 1:].sum()))
 
 
-def collate_sft(examples: Sequence[SFTExample], pad_token_id: int) -> SFTBatch:
-    """Pad SFT examples on the right into one :class:`SFTBatch`."""
-    width = max(len(e) for e in examples)
+def padded_width(width: int, pad_to_multiple_of: int | None) -> int:
+    """``width`` rounded up to a multiple of ``pad_to_multiple_of`` (None: ``width``), as
+    transformers' collators' ``pad_to_multiple_of`` does: a compiled gradient then meets a few
+    batch widths, not one per batch (each new width is a new trace)."""
+    if pad_to_multiple_of is None:
+        return width
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    return -(-width // pad_to_multiple_of) * pad_to_multiple_of
+
+
+def collate_sft(
+    examples: Sequence[SFTExample], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> SFTBatch:
+    """Pad SFT examples on the right into one :class:`SFTBatch` (its width a multiple of
+    ``pad_to_multiple_of`` when given: :func:`padded_width`)."""
+    width = padded_width(max(len(e) for e in examples), pad_to_multiple_of)
     ids = np.full((len(examples), width), pad_token_id, dtype=np.int32)  # (B, L)
     mask = np.zeros((len(examples), width), dtype=np.float32)  # (B, L)
     for row, example in enumerate(examples):
         ids[row, : len(example)] = example.input_ids
         mask[row, : len(example)] = example.loss_mask
-    num_targets = int(mask[:, 1:].sum())
-    return SFTBatch(mx.array(ids), mx.array(mask), num_targets)
+    return SFTBatch(mx.array(ids), mx.array(mask))
 
 
 @dataclass
@@ -363,22 +381,29 @@ class PreferenceBatch:
             ones of the same pairs, padded with the pad token.
         lengths: (2B,) int32 tokens per row (the reward is read at ``lengths - 1``).
         margins: (B,) float32 margin of each pair.
-        num_pairs: B.
     """
 
     input_ids: mx.array
     lengths: mx.array
     margins: mx.array
-    num_pairs: int
+
+    @property
+    def num_pairs(self) -> int:
+        """B, the number of pairs."""
+        return int(self.margins.shape[0])
 
 
 def collate_preferences(
-    examples: Sequence[PreferenceExample], pad_token_id: int, default_margin: float = 0.0
+    examples: Sequence[PreferenceExample],
+    pad_token_id: int,
+    default_margin: float = 0.0,
+    pad_to_multiple_of: int | None = None,
 ) -> PreferenceBatch:
-    """Pad preference pairs into one :class:`PreferenceBatch` (chosen rows, then rejected rows);
-    a pair without its own margin gets ``default_margin``."""
+    """Pad preference pairs into one :class:`PreferenceBatch` (chosen rows, then rejected rows;
+    the width a multiple of ``pad_to_multiple_of`` when given: :func:`padded_width`); a pair
+    without its own margin gets ``default_margin``."""
     rows = [e.chosen_ids for e in examples] + [e.rejected_ids for e in examples]
-    width = max(len(r) for r in rows)
+    width = padded_width(max(len(r) for r in rows), pad_to_multiple_of)
     ids = np.full((len(rows), width), pad_token_id, dtype=np.int32)  # (2B, L)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = row
@@ -386,7 +411,7 @@ def collate_preferences(
     margins = np.array(
         [default_margin if e.margin is None else e.margin for e in examples], dtype=np.float32
     )  # (B,)
-    return PreferenceBatch(mx.array(ids), mx.array(lengths), mx.array(margins), len(examples))
+    return PreferenceBatch(mx.array(ids), mx.array(lengths), mx.array(margins))
 
 
 # --------------------------------------------------------------------------- DPO pairs
@@ -496,21 +521,27 @@ class DPOBatch:
         answer_mask: (2B, L) float32, 1 at the answer's tokens (the log-prob's targets), 0 at
             the prompt and padding.
         ref_logps: (2B,) float32 reference log-probs (chosen, then rejected), or None.
-        num_pairs: B.
     """
 
     input_ids: mx.array
     answer_mask: mx.array
-    ref_logps: mx.array | None
-    num_pairs: int
+    ref_logps: mx.array | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        """B, the number of pairs."""
+        return int(self.input_ids.shape[0]) // 2
 
 
-def collate_dpo(examples: Sequence[DPOExample], pad_token_id: int) -> DPOBatch:
-    """Pad DPO pairs into one :class:`DPOBatch` (chosen rows, then rejected rows)."""
+def collate_dpo(
+    examples: Sequence[DPOExample], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> DPOBatch:
+    """Pad DPO pairs into one :class:`DPOBatch` (chosen rows, then rejected rows; the width a
+    multiple of ``pad_to_multiple_of`` when given: :func:`padded_width`)."""
     sides = [(e.chosen_ids, e.chosen_start) for e in examples] + [
         (e.rejected_ids, e.rejected_start) for e in examples
     ]
-    width = max(len(ids) for ids, _ in sides)
+    width = padded_width(max(len(ids) for ids, _ in sides), pad_to_multiple_of)
     ids = np.full((len(sides), width), pad_token_id, dtype=np.int32)  # (2B, L)
     mask = np.zeros((len(sides), width), dtype=np.float32)  # (2B, L)
     for row, (tokens, start) in enumerate(sides):
@@ -520,4 +551,4 @@ def collate_dpo(examples: Sequence[DPOExample], pad_token_id: int) -> DPOBatch:
     ref_logps = None
     if all(r is not None for r in refs):
         ref_logps = mx.array(np.array(refs, dtype=np.float32))  # (2B,)
-    return DPOBatch(mx.array(ids), mx.array(mask), ref_logps, len(examples))
+    return DPOBatch(mx.array(ids), mx.array(mask), ref_logps)

@@ -43,10 +43,17 @@ class SFTMix:
         batch_size: examples per batch.
         seed: the run's seed (the stream's order).
         pad_token_id: the padding of the batches.
+        pad_to_multiple_of: round the batches' widths up to a multiple of it (None: no
+            rounding), as a compiled gradient wants (``training.compiled_gradient``).
     """
 
     def __init__(
-        self, examples: Sequence[SFTExample], batch_size: int, seed: int, pad_token_id: int
+        self,
+        examples: Sequence[SFTExample],
+        batch_size: int,
+        seed: int,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
     ) -> None:
         if not examples:
             raise ValueError("sft_data holds no examples")
@@ -54,6 +61,7 @@ class SFTMix:
         self.batch_size = batch_size
         self.seed = seed
         self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
         #: Examples taken so far (checkpointed).
         self.cursor = 0
 
@@ -61,13 +69,17 @@ class SFTMix:
         """The next ``batch_size`` examples of the stream, right-padded; advances the cursor."""
         indices = sft_stream_indices(self.cursor, self.batch_size, len(self.examples), self.seed)
         self.cursor += self.batch_size
-        return collate_sft([self.examples[i] for i in indices], self.pad_token_id)
+        examples = [self.examples[i] for i in indices]
+        return collate_sft(examples, self.pad_token_id, self.pad_to_multiple_of)
 
 
-def load_sft_mix(config: Any, tokenizer: Any) -> SFTMix | None:
+def load_sft_mix(
+    config: Any, tokenizer: Any, pad_to_multiple_of: int | None = None
+) -> SFTMix | None:
     """The run's :class:`SFTMix` (None when ``sft_coef`` is 0): ``sft_data`` loaded and checked
     as the sft command reads it, tokenised to at most ``max_prompt_length + max_new_tokens``
-    tokens, in batches of ``sft_batch_size`` (None: ``micro_batch_size``).
+    tokens, in batches of ``sft_batch_size`` (None: ``micro_batch_size``), their widths rounded
+    up to a multiple of ``pad_to_multiple_of`` when given.
 
     Raises:
         FileNotFoundError, ValueError: missing or malformed data (before any rollout).
@@ -77,4 +89,4 @@ def load_sft_mix(config: Any, tokenizer: Any) -> SFTMix | None:
     records = load_sft_data(config.sft_data)
     examples = tokenize_sft(records, tokenizer, config.max_prompt_length + config.max_new_tokens)
     size = config.sft_batch_size or config.micro_batch_size
-    return SFTMix(examples, size, config.seed, int(tokenizer.pad_token_id))
+    return SFTMix(examples, size, config.seed, int(tokenizer.pad_token_id), pad_to_multiple_of)

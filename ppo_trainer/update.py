@@ -35,6 +35,7 @@ from ppo_trainer.sft_mix import load_sft_mix
 from token_attribution.sequences import (
     ScoringModel,
     gather_positions,
+    next_token_scores,
     response_logprobs,
     response_positions,
 )
@@ -44,7 +45,7 @@ from token_attribution.token_weights import (
     think_tag_ids,
     top_entropy_mask,
 )
-from training.compiled_gradient import CompiledGradient, training_gradient
+from training.compiled_gradient import WIDTH_MULTIPLE, CompiledGradient, training_gradient
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
@@ -113,8 +114,8 @@ def policy_loss_fn(
         policy: nn.Module, mb: RolloutBatch | SFTBatch
     ) -> tuple[mx.array, dict[str, mx.array]]:
         if isinstance(mb, SFTBatch):
-            logits = policy(mb.input_ids[:, :-1])  # (b, L-1, V)
-            nll, _ = sft_loss(logits, mb.input_ids[:, 1:], mb.loss_mask[:, 1:])
+            scores = next_token_scores(policy, mb.input_ids)  # (b, L-1) each
+            nll, _ = sft_loss(scores.logprobs, scores.top, mb.loss_mask[:, 1:])
             return config.sft_coef * nll, {"sft_loss": nll}
         if kind == "gkd":  # the models are called inside: the teacher's outputs are constants
             assert teacher is not None
@@ -337,20 +338,20 @@ class Updater:
         policy, value_model = models.policy, models.value_model
         self.policy, self.value_model = policy, value_model
         think_tags = think_tags_for(config, models.tokenizer)
-        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor.
-        self.sft_mix = load_sft_mix(config, models.tokenizer)
         # GKD's loss reads the teacher (the run's reference) inside the differentiated function.
         loss = policy_loss_fn(config, think_tags, models.ref_model)
         # Each gradient compiled whole for a large model on the CPU, else eager with MLX's
         # own functions (training/compiled_gradient.py).
         self.policy_grad = training_gradient(policy, loss)
+        compiled = isinstance(self.policy_grad, CompiledGradient)
+        #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor; in
+        #: a few widths when compiled (each new width is a new trace).
+        self.sft_mix = load_sft_mix(config, models.tokenizer, WIDTH_MULTIPLE if compiled else None)
         self.value_grad = (
             training_gradient(value_model, value_loss_fn(config))
             if value_model is not None
             else None
         )
-        if isinstance(self.policy_grad, CompiledGradient):
-            policy.output_head()  # its one-time check evaluates arrays: not inside a trace
 
     @property
     def compiled(self) -> bool:

@@ -14,7 +14,16 @@ import pytest
 from mlx.utils import tree_flatten
 
 from base_setup import fast_math
+from config.dpo_config import DPOConfig
+from config.reward_config import RewardConfig
+from config.sft_config import SFTConfig
 from experience_buffer.buffer import RolloutBatch
+from finetune.dpo_trainer import DPOTrainer
+from finetune.reward_trainer import RewardTrainer
+from finetune.sft_trainer import SFTTrainer
+from finetune.supervised_trainer import SupervisedTrainer
+from finetune.tokenize import padded_width
+from fixtures.demo_data import preference_records, sft_records
 from fixtures.tiny_corpus import review_prompts
 from models.policy_model import PolicyModel
 from ppo_trainer.ppo_trainer import PPOTrainer
@@ -22,6 +31,7 @@ from ppo_trainer.update import Updater
 from tests.test_ppo_trainer import make_config
 from token_attribution.head_logprobs import default_block_rows, fixed_block_rows
 from training.compiled_gradient import (
+    WIDTH_MULTIPLE,
     CompiledGradient,
     EagerGradient,
     compiled_gradient_mode,
@@ -153,3 +163,96 @@ def test_compiled_gradient_is_the_eager_one_and_trains(
     for key, value in flat_e.items():
         scale = max(float(np.abs(value).max()), 1e-8)
         assert np.abs(flat_c[key] - value).max() <= 1e-3 * scale, key
+
+
+def _supervised_trainers(
+    model_dir: Path, out: Path
+) -> list[tuple[SupervisedTrainer[Any, Any], Any]]:
+    """An SFT (full fine-tuning), a reward-model and a LoRA DPO trainer on ``model_dir``, each
+    with records for it."""
+    common: dict[str, Any] = dict(
+        model_name=str(model_dir),
+        learning_rate=1e-3,
+        batch_size=4,
+        lr_scheduler="constant",
+        progress_bar=False,
+        keep_last_checkpoints=0,
+        total_steps=1,
+    )
+    sft = SFTTrainer(SFTConfig(**common, output_dir=str(out / "sft"), use_lora=False))
+    reward = RewardTrainer(RewardConfig(**common, output_dir=str(out / "rm")))
+    dpo = DPOTrainer(DPOConfig(**common, output_dir=str(out / "dpo"), use_lora=True))
+    return [
+        (sft, sft_records(4, seed=2)),
+        (reward, preference_records(4, seed=2)),
+        (dpo, preference_records(4, seed=2)),
+    ]
+
+
+def test_padded_batches_give_the_supervised_losses_unchanged(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Rounding a batch's width up (pad_to_multiple_of, as a compiled gradient's batches are)
+    adds right padding, which no loss reads: SFT's, the reward model's and DPO's are unchanged."""
+    assert padded_width(33, None) == 33 and padded_width(33, 32) == 64
+    assert padded_width(64, 32) == 64 and padded_width(1, 1) == 1
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be >= 1, got 0"):
+        padded_width(3, 0)
+    for trainer, records in _supervised_trainers(tiny_model_dir, tmp_path):
+        assert trainer.pad_to_multiple_of is None  # eager: any width
+        examples = trainer.prepare(records)
+        if isinstance(trainer, DPOTrainer):
+            examples = trainer._with_reference(examples)
+        plain, n = trainer.collate(examples)
+        trainer.pad_to_multiple_of = WIDTH_MULTIPLE
+        padded, n_padded = trainer.collate(examples)
+        assert n == n_padded and padded.input_ids.shape[1] % WIDTH_MULTIPLE == 0
+        assert padded.input_ids.shape[1] > plain.input_ids.shape[1]
+        loss, metrics = trainer.loss_fn(trainer.model, plain)
+        loss_padded, metrics_padded = trainer.loss_fn(trainer.model, padded)
+        assert loss_padded.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-7), trainer.name
+        for key, value in metrics.items():
+            if key == "rewards/accuracies":
+                continue  # the signs of DPO's first rewards, 0 up to rounding: a coin toss
+            # abs: DPO's first rewards are 0 up to the rounding of log-probs of ~-100
+            assert metrics_padded[key].item() == pytest.approx(value.item(), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_supervised_stages_take_the_compiled_gradient(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forced on: SFT, the reward model and DPO take a compiled gradient equal to the eager one
+    within float32 rounding, pad their batches to a multiple of WIDTH_MULTIPLE, and train; DPO's
+    reference takes the compiled gradient's LM-head blocks (its first step's rewards are 0 up
+    to rounding: its batches are not padded)."""
+    if not fast_math.fast_math_enabled():
+        pytest.skip("the compiled gradient needs the fast CPU math (a C++ compiler, the CPU)")
+    monkeypatch.setenv("PPO_MLX_COMPILED_GRADIENT", "1")
+    for trainer, records in _supervised_trainers(tiny_model_dir, tmp_path):
+        compiled = trainer._value_and_grad
+        assert isinstance(compiled, CompiledGradient), trainer.name
+        assert trainer.pad_to_multiple_of == WIDTH_MULTIPLE
+        examples = trainer.prepare(records)
+        if isinstance(trainer, DPOTrainer):
+            examples = trainer._with_reference(examples)
+        batch, _ = trainer.collate(examples)
+        assert batch.input_ids.shape[1] % WIDTH_MULTIPLE == 0 and is_array_batch(batch)
+        trainer.model.train(False)
+        (loss_c, _), grads_c = compiled(trainer.model, batch)
+        (loss_e, _), grads_e = EagerGradient(compiled.value_and_grad)(trainer.model, batch)
+        assert np.allclose(loss_c.item(), loss_e.item(), rtol=1e-4, atol=1e-6), trainer.name
+        flat_c, flat_e = _flat(grads_c), _flat(grads_e)
+        assert set(flat_c) == set(flat_e)
+        for key, value in flat_e.items():
+            scale = max(float(np.abs(value).max()), 1e-8)
+            assert np.abs(flat_c[key] - value).max() <= 1e-3 * scale, (trainer.name, key)
+        before = _flat(trainer.model.trainable_parameters())
+        history = trainer.train(records)
+        after = _flat(trainer.model.trainable_parameters())
+        unchanged = [k for k in before if np.array_equal(before[k], after[k])]
+        # LoRA's A matrices get no gradient at the first step (B starts at 0); every B moves.
+        lora = isinstance(trainer, DPOTrainer)
+        assert [k for k in unchanged if not (lora and k.endswith("lora_a"))] == [], trainer.name
+        if isinstance(trainer, DPOTrainer):
+            assert history[-1]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)

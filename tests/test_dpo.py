@@ -234,7 +234,7 @@ def test_loss_rewards_and_gradients_equal_trls_dpo_trainer(loss_type: str) -> No
     case = json.loads(TRL_NUMBERS.read_text())["dpo"][loss_type]
     ids, mask = trl_ref.batch_arrays()
     policy, ref = TinyLM(trl_ref.tiny_weights(1)), TinyLM(trl_ref.tiny_weights(2))
-    batch = DPOBatch(mx.array(ids), mx.array(mask.astype(np.float32)), None, len(trl_ref.pairs()))
+    batch = DPOBatch(mx.array(ids), mx.array(mask.astype(np.float32)), None)
     # The reference's log-probs as DPOTrainer caches them, then the policy's loss.
     batch.ref_logps = answer_logps(*answer_token_logps(ref, batch))
     config = DPOConfig(
@@ -354,11 +354,12 @@ def test_a_step_moves_every_trainable_parameter(
     after = flat(trainer.model.trainable_parameters())
     assert [k for k in before if np.array_equal(before[k], after[k])] == []
     assert math.isfinite(history[-1]["loss/dpo"])
-    # At the first step the policy is the reference: every implicit reward is 0, sigmoid's
-    # loss is log 2 (ipo's and orpo's are not).
+    # At the first step the policy is the reference: every implicit reward is 0 (exactly: the
+    # reference's log-probs take the policy's arithmetic), sigmoid's loss is log 2 (ipo's and
+    # orpo's are not).
     if loss_type == "sigmoid":
         assert history[-1]["loss/dpo"] == pytest.approx(math.log(2), abs=1e-5)
-        assert history[-1]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+        assert history[-1]["rewards/margins"] == 0.0 and history[-1]["rewards/chosen"] == 0.0
 
 
 def test_lora_dpo_trains_only_adapters_against_the_adapters_off_reference(

@@ -530,6 +530,7 @@ def test_grpo_with_sft_coef_learns_the_sft_data_and_resumes_its_cursor(
     on a model with no think tag fail at construction, before any rollout."""
     from finetune.sft_trainer import sft_loss
     from ppo_trainer.ppo_trainer import PPOTrainer
+    from token_attribution.sequences import next_token_scores
     from tests.test_ppo_trainer import PROMPTS, assert_all_changed, e_rate, trainable
 
     data = tmp_path / "sft.jsonl"
@@ -559,8 +560,8 @@ def test_grpo_with_sft_coef_learns_the_sft_data_and_resumes_its_cursor(
     sft = collate_sft(mix.examples, 0)
 
     def nll(trainer: PPOTrainer) -> float:
-        logits = trainer.policy(sft.input_ids[:, :-1])
-        return float(sft_loss(logits, sft.input_ids[:, 1:], sft.loss_mask[:, 1:])[0])
+        scores = next_token_scores(trainer.policy, sft.input_ids)
+        return float(sft_loss(scores.logprobs, scores.top, sft.loss_mask[:, 1:])[0])
 
     assert nll(mixed) < nll(plain) - 0.5
     saved = mixed.save_checkpoint()

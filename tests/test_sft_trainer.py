@@ -21,6 +21,7 @@ from fixtures.demo_data import sft_records, write_sft_data
 from models.policy_model import PolicyModel
 from training.metrics_logger import METRICS_FILE, PLOT_FILE, read_metrics
 from finetune.sft_trainer import SFTTrainer, run_sft, sft_loss
+from token_attribution.sequences import next_token_scores
 from finetune.records import load_sft_data
 from training.optimizer import lr_schedule
 from finetune.supervised_trainer import load_run_data
@@ -59,9 +60,14 @@ def prompt_logits(model: PolicyModel) -> np.ndarray:
 
 
 def test_sft_loss_matches_a_naive_reference() -> None:
+    """The loss and token accuracy of next_token_scores' log-probs (here through a callable's
+    logits) against a float64 cross-entropy, and its gradient against central differences;
+    masked positions get no gradient."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
-    targets = rng.integers(0, 7, size=(2, 5))
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)  # at positions 0..4 of 6 tokens
+    ids = rng.integers(0, 7, size=(2, 6))
+    ids[0, 3], ids[1, 2] = logits[0, 2].argmax(), logits[1, 1].argmax()  # two argmax targets
+    targets = ids[:, 1:]
     mask = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=np.float32)
 
     def naive(lg: np.ndarray) -> float:
@@ -74,14 +80,17 @@ def test_sft_loss_matches_a_naive_reference() -> None:
                     count += 1
         return total / count
 
-    loss, metrics = sft_loss(mx.array(logits), mx.array(targets), mx.array(mask))
+    def loss_of(x: mx.array) -> tuple[mx.array, dict[str, mx.array]]:
+        scores = next_token_scores(lambda context: x, mx.array(ids))
+        return sft_loss(scores.logprobs, scores.top, mx.array(mask))
+
+    loss, metrics = loss_of(mx.array(logits))
     np.testing.assert_allclose(loss.item(), naive(logits), rtol=1e-5)
     hits = (logits.argmax(-1) == targets) * mask
+    assert 0 < hits.sum() < mask.sum()  # some targets are the argmax, some not
     np.testing.assert_allclose(metrics["sft/token_accuracy"].item(), hits.sum() / mask.sum())
     # Gradient against central differences of the naive loss; masked positions get none.
-    grad = np.array(
-        mx.grad(lambda x: sft_loss(x, mx.array(targets), mx.array(mask))[0])(mx.array(logits))
-    )
+    grad = np.array(mx.grad(lambda x: loss_of(x)[0])(mx.array(logits)))
     eps = 1e-3
     for b, t, v in [(0, 2, 3), (1, 1, 0), (0, 4, 6)]:
         up, down = logits.copy(), logits.copy()

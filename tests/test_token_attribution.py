@@ -26,6 +26,7 @@ from token_attribution.head_logprobs import (
 )
 from base_setup.plain import plain_mlx_scope
 from token_attribution.sequences import (
+    next_token_scores,
     ScoringInputs,
     build_query_responses,
     gather_positions,
@@ -769,3 +770,49 @@ def test_response_logprobs_defaults():
         inputs.states
     )
     assert float(mx.abs(grad).max()) > 0
+
+
+@pytest.mark.parametrize("model_kind", ["frozen_head", "trained_head", "plain_mlx", "callable"])
+def test_next_token_scores_match_a_naive_reference(model_kind):
+    """Each position's log-prob of the next token and its top log-prob equal NumPy's log-softmax
+    of the logits, on the blockwise path (frozen or trained head), on the logits path (plain
+    MLX) and through a callable's logits; the log-probs' gradient is the logits path's, the top
+    log-probs are constants, and differentiable=False gives constants."""
+    table_model = _TableModel(trainable_head=model_kind == "trained_head")
+    ids = mx.array([[1, 4, 2, 9, 3], [5, 5, 0, 7, 10]])  # (B, L)
+
+    def full_logits(table: mx.array) -> mx.array:
+        return table_model.head(table[ids])  # (B, L, V)
+
+    model: Any = table_model
+    if model_kind == "callable":
+        model = lambda context: table_model.head(table_model.table[context])  # noqa: E731
+    logp = np_log_softmax(np.array(full_logits(table_model.table))[:, :-1].astype(np.float64))
+    want = np.take_along_axis(logp, np.array(ids)[:, 1:, None], axis=-1)[..., 0]  # (B, L-1)
+    with plain_mlx_scope(model_kind == "plain_mlx"):
+        scores = next_token_scores(model, ids)
+        assert scores.entropy is None
+        np.testing.assert_allclose(np.array(scores.logprobs), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(scores.top), logp.max(-1), rtol=1e-5, atol=1e-6)
+        weights = mx.array(np.random.default_rng(3).normal(size=want.shape).astype(np.float32))
+
+        def total(table: mx.array, differentiable: bool = True, top: bool = False) -> mx.array:
+            table_model.table = table
+            got = next_token_scores(model, ids, differentiable=differentiable)
+            return ((got.top if top else got.logprobs) * weights).sum()
+
+        def naive(table: mx.array) -> mx.array:
+            logits = full_logits(table)[:, :-1]
+            chosen = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
+            return ((chosen - mx.logsumexp(logits, axis=-1)) * weights).sum()
+
+        table = table_model.table
+        grad = mx.grad(total)(table)
+        np.testing.assert_allclose(
+            np.array(grad), np.array(mx.grad(naive)(table)), rtol=1e-4, atol=1e-6
+        )
+        assert float(mx.abs(grad).max()) > 0
+        assert float(mx.abs(mx.grad(lambda t: total(t, top=True))(table)).max()) == 0
+        assert float(mx.abs(mx.grad(lambda t: total(t, False))(table)).max()) == 0
+    with pytest.raises(ValueError, match=r"L >= 2, got \(2, 1\)"):
+        next_token_scores(model, ids[:, :1])

@@ -197,11 +197,27 @@ def _scaled(a: mx.array, inv_temperature: float) -> mx.array:
     return a if inv_temperature == 1.0 else a * inv_temperature
 
 
+class HeadScores(NamedTuple):
+    """What :func:`head_token_scores` computes of each position, each (N,) or (B, T) float32.
+
+    Attributes:
+        logprobs: the chosen token's log-prob.
+        entropy: the entropy of the distribution, or None when not asked for.
+        top: the highest log-prob of the distribution (its argmax token's), a constant: the
+            chosen token is the most likely one where ``logprobs >= top`` (a token accuracy).
+    """
+
+    logprobs: mx.array
+    entropy: mx.array | None
+    top: mx.array
+
+
 class _Pass(NamedTuple):
     """What :func:`_online_softmax` computed of (N) positions; the optional parts are None
     unless asked for."""
 
     logprobs: mx.array  # (N,) log-prob of each chosen token
+    top: mx.array  # (N,) the highest log-prob of each position (its argmax token's)
     lse: mx.array  # (N, 1) logsumexp of each position's logits
     mean: mx.array | None  # (N, 1) E_p[x], the mean logit under the softmax: H = lse - mean
     jacobian: mx.array | None  # (N, D) d logprob / d h
@@ -269,7 +285,7 @@ def _online_softmax(
         assert mean is not None
         # dH/dh = -sum_j p_j (x_j - E_p[x]) W_j / tau
         jac_h = _scaled(mean * softmax_w - acc_x / s, inv_temperature)  # (N, D)
-    return _Pass((chosen - lse)[:, 0], lse, mean, jac, jac_h)
+    return _Pass((chosen - lse)[:, 0], (m - lse)[:, 0], lse, mean, jac, jac_h)
 
 
 def _frozen_head_logprobs(
@@ -280,9 +296,9 @@ def _frozen_head_logprobs(
     block_rows: int,
     with_entropy: bool,
     entropy_gradient: bool,
-) -> tuple[mx.array, mx.array | None]:
+) -> HeadScores:
     """(N,) log-probs (and entropy) of a frozen head, differentiated w.r.t. the (N, D) hidden
-    states through the Jacobian rows the forward pass computes."""
+    states through the Jacobian rows the forward pass computes; the top log-probs a constant."""
     entropy_jacobian = with_entropy and entropy_gradient
 
     @mx.custom_function
@@ -299,13 +315,13 @@ def _frozen_head_logprobs(
         )
         assert out.jacobian is not None
         if not with_entropy:
-            return out.logprobs, out.jacobian
+            return out.logprobs, out.jacobian, out.top
         assert out.mean is not None
         entropy = (out.lse - out.mean)[:, 0]  # (N,)
         if not entropy_jacobian:
-            return out.logprobs, out.jacobian, entropy
+            return out.logprobs, out.jacobian, out.top, entropy
         assert out.entropy_jacobian is not None
-        return out.logprobs, out.jacobian, entropy, out.entropy_jacobian
+        return out.logprobs, out.jacobian, out.top, entropy, out.entropy_jacobian
 
     @fused.vjp
     def fused_vjp(
@@ -314,17 +330,18 @@ def _frozen_head_logprobs(
         outputs: tuple[mx.array, ...],
     ) -> tuple[mx.array, mx.array]:
         # d logprob_t / d h_t = J_t (and d H_t / d h_t = J^H_t); no other position's outputs
-        # depend on h_t.
+        # depend on h_t. The top log-probs are constants.
         h, t = primals
         grad = cotangents[0].astype(mx.float32)[:, None] * outputs[1]  # (N, D)
         if entropy_jacobian:
-            grad = grad + cotangents[2].astype(mx.float32)[:, None] * outputs[3]
+            grad = grad + cotangents[3].astype(mx.float32)[:, None] * outputs[4]
         return grad.astype(h.dtype), mx.zeros_like(t)
 
     out = cast(tuple[mx.array, ...], fused(hidden, tokens))
+    top = mx.stop_gradient(out[2])
     if not with_entropy:
-        return out[0], None
-    return out[0], out[2] if entropy_jacobian else mx.stop_gradient(out[2])
+        return HeadScores(out[0], None, top)
+    return HeadScores(out[0], out[3] if entropy_jacobian else mx.stop_gradient(out[3]), top)
 
 
 def _trained_head_logprobs(
@@ -334,10 +351,11 @@ def _trained_head_logprobs(
     inv_temperature: float,
     block_rows: int,
     with_entropy: bool,
-) -> tuple[mx.array, mx.array | None]:
+) -> HeadScores:
     """(N,) log-probs (and entropy) of a trained float head, differentiated w.r.t. the (N, D)
     hidden states, the head's weight and its bias: the forward pass keeps the logsumexp (and
-    the mean logit), the backward pass recomputes each block's logits (module docstring)."""
+    the mean logit), the backward pass recomputes each block's logits (module docstring). The
+    top log-probs are constants."""
     has_bias = head.bias is not None
 
     def as_head(weight: mx.array, bias: mx.array | None) -> LinearHead:
@@ -354,9 +372,9 @@ def _trained_head_logprobs(
             entropy=with_entropy,
         )
         if not with_entropy:
-            return out.logprobs, out.lse
+            return out.logprobs, out.lse, out.top
         assert out.mean is not None
-        return out.logprobs, out.lse, (out.lse - out.mean)[:, 0], out.mean
+        return out.logprobs, out.lse, out.top, (out.lse - out.mean)[:, 0], out.mean
 
     @fused.vjp
     def fused_vjp(
@@ -369,8 +387,8 @@ def _trained_head_logprobs(
         trained = as_head(weight, bias)
         lse = outputs[1]  # (N, 1)
         c_lp = cotangents[0].astype(mx.float32)[:, None]  # (N, 1)
-        c_ent = cotangents[2].astype(mx.float32)[:, None] if with_entropy else None
-        mean = outputs[3] if with_entropy else None
+        c_ent = cotangents[3].astype(mx.float32)[:, None] if with_entropy else None
+        mean = outputs[4] if with_entropy else None
         grad_h = mx.zeros(h.shape, dtype=mx.float32)  # (N, D)
         grad_w, grad_b = [], []
         for start in range(0, trained.vocab_size, block_rows):
@@ -401,10 +419,10 @@ def _trained_head_logprobs(
 
     extra = [head.bias] if head.bias is not None else []
     out = cast(tuple[mx.array, ...], fused(hidden, tokens, head.weight, *extra))
-    return out[0], out[2] if with_entropy else None
+    return HeadScores(out[0], out[3] if with_entropy else None, mx.stop_gradient(out[2]))
 
 
-def head_token_logprobs(
+def head_token_scores(
     hidden: mx.array,
     head: LinearHead,
     tokens: mx.array,
@@ -414,8 +432,9 @@ def head_token_logprobs(
     differentiable: bool = True,
     entropy_gradient: bool = True,
     block_rows: int | None = None,
-) -> tuple[mx.array, mx.array | None]:
-    """Log-probs of ``tokens`` under ``softmax(head(hidden) / temperature)``, by vocabulary blocks.
+) -> HeadScores:
+    """Log-probs of ``tokens`` under ``softmax(head(hidden) / temperature)``, by vocabulary blocks,
+    with the entropy (when asked for) and the top log-prob of each position (:class:`HeadScores`).
 
     Naive equivalent (which holds the (B, T, V) logits and, for the gradient, their softmax)::
 
@@ -436,7 +455,7 @@ def head_token_logprobs(
         block_rows: vocabulary rows per block (default: :func:`default_block_rows`).
 
     Returns:
-        ``(logprobs, entropy)``: (B, T) float32 each; ``entropy`` is None unless asked for.
+        :class:`HeadScores`, each (B, T) float32.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}")
@@ -454,25 +473,24 @@ def head_token_logprobs(
     if block_rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
 
-    entropy: mx.array | None
     if not differentiable:
         # Constants: autodiff through the fast exp would be wrong, and no one asked for it.
         out = _online_softmax(
             head, flat_hidden, flat_tokens, inv_temperature, block_rows, entropy=with_entropy
         )
-        logprobs = mx.stop_gradient(out.logprobs)
         entropy = None
         if with_entropy:
             assert out.mean is not None
             entropy = mx.stop_gradient((out.lse - out.mean)[:, 0])
+        scores = HeadScores(mx.stop_gradient(out.logprobs), entropy, mx.stop_gradient(out.top))
     elif head.trained:
-        logprobs, entropy = _trained_head_logprobs(
+        scores = _trained_head_logprobs(
             head, flat_hidden, flat_tokens, inv_temperature, block_rows, with_entropy
         )
-        if entropy is not None and not entropy_gradient:
-            entropy = mx.stop_gradient(entropy)
+        if scores.entropy is not None and not entropy_gradient:
+            scores = scores._replace(entropy=mx.stop_gradient(scores.entropy))
     else:
-        logprobs, entropy = _frozen_head_logprobs(
+        scores = _frozen_head_logprobs(
             head,
             flat_hidden,
             flat_tokens,
@@ -481,7 +499,32 @@ def head_token_logprobs(
             with_entropy,
             entropy_gradient,
         )
-    logprobs = logprobs.reshape(batch, num_tokens)
-    if entropy is not None:
-        entropy = entropy.reshape(batch, num_tokens)
-    return logprobs, entropy
+    shape = (batch, num_tokens)
+    entropy = None if scores.entropy is None else scores.entropy.reshape(shape)
+    return HeadScores(scores.logprobs.reshape(shape), entropy, scores.top.reshape(shape))
+
+
+def head_token_logprobs(
+    hidden: mx.array,
+    head: LinearHead,
+    tokens: mx.array,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    differentiable: bool = True,
+    entropy_gradient: bool = True,
+    block_rows: int | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """``(logprobs, entropy)`` of :func:`head_token_scores` (the same arguments): (B, T) float32
+    each, ``entropy`` None unless asked for."""
+    scores = head_token_scores(
+        hidden,
+        head,
+        tokens,
+        temperature,
+        with_entropy=with_entropy,
+        differentiable=differentiable,
+        entropy_gradient=entropy_gradient,
+        block_rows=block_rows,
+    )
+    return scores.logprobs, scores.entropy

@@ -16,7 +16,12 @@ import mlx.core as mx
 import numpy as np
 
 from base_setup.plain import speed_tricks
-from token_attribution.head_logprobs import LinearHead, head_token_logprobs
+from token_attribution.head_logprobs import (
+    HeadScores,
+    LinearHead,
+    head_token_logprobs,
+    head_token_scores,
+)
 from token_attribution.logprob_computer import entropy_from_logits, selective_log_softmax
 
 
@@ -196,3 +201,46 @@ def response_logprobs(
         differentiable=differentiable,
         entropy_gradient=entropy_gradient,
     )
+
+
+def next_token_scores(
+    model: Any, input_ids: mx.array, *, differentiable: bool = True
+) -> HeadScores:
+    """Each position's log-prob of the token that follows it, under ``model`` at temperature 1:
+    what next-token cross-entropy (SFT) and sequence log-probs (DPO) are made of.
+
+    ``logprobs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1])``, (B, L-1) float32,
+    and ``top[b, t]`` the highest log-prob of that distribution, a constant (the next token is
+    the model's argmax where ``logprobs >= top``); ``entropy`` is None. A :class:`ScoringModel`
+    (``PolicyModel``, ``ReferenceModel``) with a linear LM head gets them blockwise from its last
+    hidden states (:func:`scoring_inputs`, :func:`token_attribution.head_logprobs.
+    head_token_scores`), never holding the (B, L-1, V) logits; any other model (a callable
+    ``input_ids -> logits``) through its logits.
+
+    Args:
+        model: the model, a :class:`ScoringModel` or a callable ``(B, L) ids -> (B, L, V)``.
+        input_ids: (B, L) token ids, L >= 2.
+        differentiable: False when no gradient is taken (the outputs are then constants).
+    """
+    if input_ids.ndim != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be (B, L) with L >= 2, got {tuple(input_ids.shape)}")
+    context, targets = input_ids[:, :-1], input_ids[:, 1:]  # (B, L-1) each
+    if hasattr(model, "output_head") and hasattr(model, "hidden_at"):
+        num_positions = context.shape[1]
+        positions = mx.broadcast_to(
+            mx.arange(num_positions, dtype=mx.int32)[None, :], context.shape
+        )  # (B, L-1): every position
+        inputs = scoring_inputs(model, context, positions)
+        if inputs.head is not None:
+            return head_token_scores(
+                inputs.states, inputs.head, targets, differentiable=differentiable
+            )
+        logits = inputs.states  # (B, L-1, V)
+    else:
+        logits = model(context)  # (B, L-1, V)
+    logits = logits.astype(mx.float32)
+    logprobs = selective_log_softmax(logits, targets)  # (B, L-1)
+    top = mx.stop_gradient(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))  # (B, L-1)
+    if not differentiable:
+        logprobs = mx.stop_gradient(logprobs)
+    return HeadScores(logprobs, None, top)

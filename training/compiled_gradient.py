@@ -21,7 +21,7 @@ What it costs:
 
 Results agree with the eager gradient's within float32 rounding: the fast ``exp`` is not MLX's,
 and the head's blocks split the vocabulary differently. A batch that is not a dataclass of
-arrays (the SFT mix's batch) takes the eager gradient.
+arrays takes the eager gradient.
 
 When (:func:`use_compiled_gradient`), set by ``PPO_MLX_COMPILED_GRADIENT``:
 
@@ -35,6 +35,7 @@ When (:func:`use_compiled_gradient`), set by ``PPO_MLX_COMPILED_GRADIENT``:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import fields, is_dataclass
 from typing import Any, Callable
 
@@ -52,6 +53,11 @@ _MODES = {"auto": "auto", "1": "on", "on": "on", "0": "off", "off": "off"}
 MIN_PARAMETERS = 50_000_000
 #: Vocabulary rows per LM-head block inside a compiled gradient.
 BLOCK_ROWS = 1024
+#: Token columns that the supervised stages round their batches' widths up to when their
+#: gradient is compiled (``pad_to_multiple_of``): every new batch shape is a new trace, which
+#: costs a fraction of a step and keeps its graph in memory (docs/performance.md), so an SFT run
+#: with max_length 1024 meets at most 32 of them, for at most 31 padding columns per batch.
+WIDTH_MULTIPLE = 32
 
 #: ``value_and_grad(model, batch) -> ((loss, metrics), gradients)``, as
 #: ``training.optimizer.optimizer_step`` calls it.
@@ -118,6 +124,9 @@ class CompiledGradient:
 
     def _compile(self, kind: type) -> Callable[[dict[str, mx.array]], Any]:
         """The compiled gradient of batches of class ``kind``, from their arrays by field."""
+        output_head = getattr(self.model, "output_head", None)
+        if callable(output_head):
+            output_head()  # its one-time check (models.policy_model.lm_head) evaluates arrays
 
         def traced(arrays: dict[str, mx.array]) -> Any:
             with fixed_block_rows(BLOCK_ROWS):
@@ -125,6 +134,18 @@ class CompiledGradient:
 
         state = [self.model.state, mx.random.state]
         return mx.compile(traced, inputs=state, outputs=state)
+
+
+def gradient_arithmetic(gradient: GradientFn) -> AbstractContextManager[None]:
+    """A scope for passes outside ``gradient`` whose results are compared with its (a DPO
+    reference's log-probs against the policy's): inside it they take the same functions (MLX's
+    own for an :class:`EagerGradient`) and the same LM-head blocks (:data:`BLOCK_ROWS` for a
+    :class:`CompiledGradient`), so that equal weights give equal log-probs."""
+    if isinstance(gradient, CompiledGradient):
+        return fixed_block_rows(BLOCK_ROWS)
+    if isinstance(gradient, EagerGradient):
+        return fast_math.mlx_math_scope()
+    return nullcontext()
 
 
 def training_gradient(model: nn.Module, loss: Callable[..., Any]) -> GradientFn:
