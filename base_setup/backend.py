@@ -153,8 +153,7 @@ def _load_openblas() -> BlasInfo:
         lib, trampolines = route_to_scipy_openblas(lib_path)
     except OSError as err:
         return _load_cmeel_openblas(f"scipy-openblas32 not used: {err}")
-    threads = lib.openblas_get_num_threads()
-    _OPENBLAS["lib"], _OPENBLAS["max_threads"] = lib, threads
+    threads = _record_openblas(lib)
     return BlasInfo(
         "openblas",
         f"{lib.config()} ({lib.corename()} kernels, {threads} threads) from {lib_path} through "
@@ -209,8 +208,7 @@ def _load_cmeel_wheel() -> BlasInfo:
     # Re-opening an already-loaded library with RTLD_GLOBAL promotes its symbols to the global scope,
     # where libmlx's cblas_* references will bind when mlx.core is imported.
     ctypes.CDLL(str(lib_path), os.RTLD_GLOBAL)
-    threads = lib.openblas_get_num_threads()
-    _OPENBLAS["lib"], _OPENBLAS["max_threads"] = lib, threads
+    threads = _record_openblas(lib)
     return BlasInfo("openblas", f"{config} ({threads} threads) from {lib_path}{gfortran_note}")
 
 
@@ -280,6 +278,17 @@ _ADAPT_ENV = "PPO_MLX_ADAPTIVE_BLAS"
 #: The loaded OpenBLAS ("lib"), its thread count at load ("max_threads"), and the last CPU-time
 #: sample of :func:`adapt_blas_threads` ("sample": machine busy seconds, own seconds, wall).
 _OPENBLAS: dict[str, Any] = {}
+
+
+def _record_openblas(lib: Any) -> int:
+    """Keep ``lib`` as the loaded OpenBLAS and its thread count at the first load in the process
+    as the most a run may use ("max_threads"); returns that count. Loaded again later (the
+    loaders are called again by tests and tools), OpenBLAS may have a run's lower count set
+    (:func:`run_blas_threads` under load), which must not become every later run's ceiling."""
+    _OPENBLAS["lib"] = lib
+    return int(_OPENBLAS.setdefault("max_threads", int(lib.openblas_get_num_threads())))
+
+
 #: Shortest time between two load samples that :func:`adapt_blas_threads` acts on.
 _MIN_SAMPLE_SECONDS = 0.2
 

@@ -192,7 +192,17 @@ def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
         raise AssertionError("NumPy's libgfortran was loaded although OpenBLAS loaded on its own")
 
     monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", never)
-    assert "libgfortran from" not in backend._load_cmeel_wheel().detail
+    lib = backend._OPENBLAS["lib"]
+    start, ceiling = int(lib.openblas_get_num_threads()), backend._OPENBLAS["max_threads"]
+    try:
+        # Loaded again while a run under load has one thread set: the ceiling stays the count
+        # OpenBLAS started with (it became 1, and every later run with adaptive BLAS off, the
+        # golden runs', took one thread: their near-zero KL then missed its recording).
+        lib.openblas_set_num_threads(1)
+        assert "libgfortran from" not in backend._load_cmeel_wheel().detail
+        assert backend._OPENBLAS["max_threads"] == ceiling
+    finally:
+        lib.openblas_set_num_threads(start)
 
     real_cdll, failures = backend.ctypes.CDLL, [1]
 

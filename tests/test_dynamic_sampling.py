@@ -379,8 +379,13 @@ def _assert_agent_rows_aligned(rollout: Rollout, metrics: dict[str, float]) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("agent", [False, True], ids=["single_turn", "agent"])
 def test_groups_are_refilled_from_the_next_prompts_and_resume_exactly(
-    tiny_model_dir: Path, tmp_path: Path, agent: bool, request: pytest.FixtureRequest
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    agent: bool,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # two fresh runs: the same BLAS threads
     records = _records(24)  # 8 informative prompts; 6 steps per epoch of 4 prompts
     model, settings, extra = _agent_settings(request) if agent else (tiny_model_dir, {}, {})
 
