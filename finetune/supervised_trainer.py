@@ -9,9 +9,9 @@
 3. each step (:meth:`SupervisedTrainer.step`): the epoch's next length-bucketed batch, split into
    micro-batches; per micro-batch the gradient of :meth:`~SupervisedTrainer.loss_fn` (which
    calls the model; compiled whole at real model sizes, ``training.compiled_gradient``, with the
-   batches' widths rounded up to a multiple of ``WIDTH_MULTIPLE``), the gradients weighted by the micro-batch's share of the batch's
-   targets (tokens or pairs), so accumulation gives the gradient of the whole batch; clipping,
-   one update, one ``mx.eval``;
+   batches' widths rounded up to a multiple of ``WIDTH_MULTIPLE``), the gradients weighted by
+   the micro-batch's share of the batch's targets (tokens or pairs), so accumulation gives the
+   gradient of the whole batch; clipping, one update, one ``mx.eval``;
 4. the loop's: evaluation on the held-out data (before the first step, every ``eval_every``
    steps, after the last), ``metrics.jsonl``, the progress bar, a checkpoint every
    ``save_every`` steps, signals, and the hooks of the run's
@@ -74,7 +74,7 @@ from finetune.records import train_eval_split
 from training.fingerprints import check_same_inputs, data_fingerprint, model_fingerprint
 from finetune.tokenize import length_bucketed_batches
 from training.loop import InRunState, LoopState, TrainingLoop
-from training.compiled_gradient import WIDTH_MULTIPLE, CompiledGradient, training_gradient
+from training.compiled_gradient import batch_width_multiple, training_gradient
 from training.optimizer import SchedulePlan, make_adamw, optimizer_step, resumed_plan
 from training.run_control import (
     TrainingStopped,
@@ -299,9 +299,7 @@ class SupervisedTrainer(Generic[E, B]):
         # Compiled at real model sizes (training.compiled_gradient); its batches then come in
         # widths that are multiples of WIDTH_MULTIPLE, each new width being a new trace.
         self._value_and_grad = training_gradient(self.model, self.loss_fn)
-        self.pad_to_multiple_of: int | None = (
-            WIDTH_MULTIPLE if isinstance(self._value_and_grad, CompiledGradient) else None
-        )
+        self.pad_to_multiple_of = batch_width_multiple(self._value_and_grad)
         # What the run reads besides its settings, recorded and compared on resume (train() adds
         # the data's).
         self.inputs: dict[str, str | None] = {"model": model_fingerprint(config.model_name)}

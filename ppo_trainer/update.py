@@ -45,7 +45,11 @@ from token_attribution.token_weights import (
     think_tag_ids,
     top_entropy_mask,
 )
-from training.compiled_gradient import WIDTH_MULTIPLE, CompiledGradient, training_gradient
+from training.compiled_gradient import (
+    CompiledGradient,
+    batch_width_multiple,
+    training_gradient,
+)
 from training.optimizer import ValueAndGrad, optimizer_step
 from config.ppo_config import LossType
 from training.policy_loss import (
@@ -343,10 +347,11 @@ class Updater:
         # Each gradient compiled whole for a large model on the CPU, else eager with MLX's
         # own functions (training/compiled_gradient.py).
         self.policy_grad = training_gradient(policy, loss)
-        compiled = isinstance(self.policy_grad, CompiledGradient)
         #: The SFT examples mixed into the policy's updates (sft_coef), with their cursor; in
         #: a few widths when compiled (each new width is a new trace).
-        self.sft_mix = load_sft_mix(config, models.tokenizer, WIDTH_MULTIPLE if compiled else None)
+        self.sft_mix = load_sft_mix(
+            config, models.tokenizer, batch_width_multiple(self.policy_grad)
+        )
         self.value_grad = (
             training_gradient(value_model, value_loss_fn(config))
             if value_model is not None

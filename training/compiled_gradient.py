@@ -136,6 +136,13 @@ class CompiledGradient:
         return mx.compile(traced, inputs=state, outputs=state)
 
 
+def batch_width_multiple(gradient: GradientFn) -> int | None:
+    """What a batch's width should be a multiple of for ``gradient`` (``pad_to_multiple_of``):
+    :data:`WIDTH_MULTIPLE` for a :class:`CompiledGradient` (each new width is a new trace),
+    None (any width) otherwise."""
+    return WIDTH_MULTIPLE if isinstance(gradient, CompiledGradient) else None
+
+
 def gradient_arithmetic(gradient: GradientFn) -> AbstractContextManager[None]:
     """A scope for passes outside ``gradient`` whose results are compared with its (a DPO
     reference's log-probs against the policy's): inside it they take the same functions (MLX's
