@@ -240,7 +240,10 @@ def next_token_scores(
         logits = model(context)  # (B, L-1, V)
     logits = logits.astype(mx.float32)
     logprobs = selective_log_softmax(logits, targets)  # (B, L-1)
-    top = mx.stop_gradient(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))  # (B, L-1)
+    # top = max - lse, with lse = chosen logit - log-prob: no second pass of exp over V, and
+    # exactly the log-prob where the target is the argmax.
+    chosen = mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, L-1)
+    top = mx.stop_gradient(logits.max(axis=-1) - chosen + logprobs)  # (B, L-1)
     if not differentiable:
         logprobs = mx.stop_gradient(logprobs)
     return HeadScores(logprobs, None, top)
