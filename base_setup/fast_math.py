@@ -65,6 +65,8 @@ _MIN_FAST_ATTENTION = 1 << 12
 # by the opposite angle); below (a decoding step, never differentiated) MLX differentiates the
 # compiled rotation.
 _MIN_ROPE_CUSTOM_GRAD = 1 << 16
+# What a masked attention score becomes, as in MLX: finite, so a fully masked row is uniform.
+_FLOAT32_MIN = float(np.finfo(np.float32).min)
 
 
 @mx.compile
@@ -280,27 +282,43 @@ def scaled_dot_product_attention(
     array (True: attend) or an additive float array, broadcastable to (B, H, L, S). Masked
     scores become float32's finite minimum, as in MLX, so a fully masked row (a left-padding
     position) averages the values instead of giving NaN. Returns (B, H, L, Dv).
+
+    In float32 the mask is added by the scores' matmul itself (``addmm``) and the softmax is
+    not normalised before the values' matmul, which sums the weights too (a column of ones
+    beside the values): :func:`_attention_fn`, fewer passes over the (L, S) scores.
     """
     b, h, length, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     if h % hkv:
         raise ValueError(f"{h} query heads is not a multiple of {hkv} key/value heads")
     rep = h // hkv
-    q = (queries * scale).reshape(b, hkv, rep, length, d)  # (B, Hkv, R, L, D)
-    scores = (q @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, R, L, S)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
         rows = mx.arange(length)[:, None] + (s - length)  # (L, 1)
         mask = rows >= mx.arange(s)[None, :]  # (L, S)
+    m = None
     if mask is not None:
         m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B|1, H|1, L|1, S)
         if m.shape[1] == 1:
             m = m[:, :, None]  # (B|1, 1, 1, L|1, S)
         else:
             m = m.reshape(m.shape[0], hkv, rep, *m.shape[2:])  # (B|1, Hkv, R, L|1, S)
+    if queries.dtype == keys.dtype == values.dtype == mx.float32:
+        if m is None:
+            bias = mx.zeros((1, 1, 1, 1, 1))
+        elif m.dtype == mx.bool_:
+            bias = mx.where(m, 0.0, _FLOAT32_MIN)
+        else:
+            bias = m.astype(mx.float32)
+        q = queries.reshape(b, hkv, rep, length, d)  # (B, Hkv, R, L, D)
+        out = _attention_fn(float(scale))(q, keys, values, bias)[0]  # (B, Hkv, R, L, Dv)
+        return cast(mx.array, out).reshape(b, h, length, values.shape[-1])
+    q = (queries * scale).reshape(b, hkv, rep, length, d)  # (B, Hkv, R, L, D)
+    scores = (q @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, R, L, S)
+    if m is not None:
         if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, float(np.finfo(np.float32).min))
+            scores = mx.where(m, scores, _FLOAT32_MIN)
         else:
             scores = scores + m.astype(mx.float32)
     weights = softmax(scores, axis=-1).astype(values.dtype)  # (B, Hkv, R, L, S)
@@ -308,12 +326,119 @@ def scaled_dot_product_attention(
     return out.reshape(b, h, length, values.shape[-1])
 
 
+@mx.compile
+def _shifted_exponent(x: mx.array, m: mx.array) -> mx.array:
+    """``y = max((x - m) log2(e), -127)``: the exponent of ``exp(x - m) = 2^y`` for ``x <= m``
+    (a row's max: no upper clamp), fused with the subtraction (one loop)."""
+    y = (x - m) * _LOG2E
+    return mx.where(y < -127.0, -127.0, y)
+
+
+@mx.compile
+def _exp2_fraction_times(y: mx.array, s: mx.array) -> mx.array:
+    """``2^f * s`` (:func:`_exp2_fraction` times the float ``2^n``): the polynomial and the
+    product in one loop."""
+    return _exp2_fraction(y) * s
+
+
+def _exp_shifted(x: mx.array, m: mx.array) -> mx.array:
+    """``exp(x - m)`` for float32 ``x <= m`` (``m`` broadcast: a row's max) in three loops, the
+    same polynomial as :func:`exp`."""
+    y = _shifted_exponent(x, m)
+    return _exp2_fraction_times(y, _exp2_bits(y).view(mx.float32))
+
+
+@mx.compile
+def _attention_scores_grad(
+    e: mx.array, d_weighted: mx.array, delta: mx.array, seen: mx.array
+) -> mx.array:
+    """``e * (d_weighted - delta) * seen``: the softmax's input gradient from unnormalised
+    weights ``e`` and the cotangent divided by their sum, 0 on rows not ``seen`` (one loop)."""
+    return e * (d_weighted - delta) * seen
+
+
+_ATTENTION_FNS: dict[float, Callable[..., Any]] = {}
+
+
+def _attention_fn(scale: float) -> Callable[..., Any]:
+    """The float32 attention core for ``scale`` (one custom function per scale):
+    ``(q, keys, values, bias) -> (out, e, 1 / total, row_max)``.
+
+    ``q`` (B, Hkv, R, L, D), ``keys`` (B, Hkv, S, D), ``values`` (B, Hkv, S, Dv), ``bias``
+    additive, broadcastable to (B, Hkv, R, L, S). Forward::
+
+        scores = addmm(bias, q, k^T, alpha=scale)       (B, Hkv, R, L, S)
+        e      = exp(scores - rowmax(scores))            unnormalised weights
+        [o | total] = e @ [v | 1]                         the values' sums and the weights' sum
+        out    = o * (1 / total)                         (B, Hkv, R, L, Dv)
+
+    The gradient flows through ``out`` only (the other outputs are what its vjp reads; the
+    bias is a constant), written out from ``e`` as flash attention's backward does::
+
+        d' = d_out / total,  w = d' v^T,  delta = rowsum(e * w) / total  (= rowsum(d' * out))
+        dv = e^T d',  d_scores = e * (w - delta),  dq = scale d_scores k,  dk = scale d_scores^T q
+
+    with the grouped heads ``R`` folded into the rows (so dk and dv sum over them), and
+    ``d_scores`` 0 on rows whose every score is masked (``row_max`` the mask's minimum), as
+    MLX's select-masked softmax gives. For its vjp it keeps ``e``, as a softmax keeps its
+    weights, and not ``out`` (``delta`` from ``out`` would save a pass over ``e``, but keep
+    ``out`` of every layer until the backward: 4% more memory at SmolLM2-135M's gradient).
+    """
+    if scale not in _ATTENTION_FNS:
+
+        @mx.custom_function
+        def fn(
+            q: mx.array, keys: mx.array, values: mx.array, bias: mx.array
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            scores = mx.addmm(bias, q, keys[:, :, None].swapaxes(-1, -2), alpha=scale)
+            row_max = mx.max(scores, axis=-1, keepdims=True)  # (B, Hkv, R, L, 1)
+            e = _exp_shifted(scores, row_max)  # (B, Hkv, R, L, S)
+            ones = mx.ones((*values.shape[:-1], 1), dtype=values.dtype)  # (B, Hkv, S, 1)
+            summed = e @ mx.concatenate([values, ones], axis=-1)[:, :, None]  # (B, Hkv, R, L, Dv+1)
+            # 1 / sum, a new array: a slice of ``summed`` would keep all of it for the vjp
+            inv_total = 1.0 / summed[..., -1:]  # (B, Hkv, R, L, 1)
+            return summed[..., :-1] * inv_total, e, inv_total, row_max
+
+        @fn.vjp
+        def fn_vjp(
+            primals: Any, cotangents: Any, outputs: Any
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            q, keys, values, bias = primals
+            _, e, inv_total, row_max = outputs
+            b, hkv, rep, length, s = e.shape
+            d, dv = q.shape[-1], values.shape[-1]
+            d_scaled = cotangents[0].astype(mx.float32) * inv_total  # (B, Hkv, R, L, Dv)
+            # A row whose every score was masked (its max is the mask's minimum) averages the
+            # values whatever the scores: no gradient reaches them, as with a select.
+            seen = (row_max > _FLOAT32_MIN).astype(mx.float32)  # (B, Hkv, R, L, 1)
+            rows = rep * length
+            e_rows = e.reshape(b, hkv, rows, s)
+            d_rows = d_scaled.reshape(b, hkv, rows, dv)
+            d_values = e_rows.swapaxes(-1, -2) @ d_rows  # (B, Hkv, S, Dv)
+            d_weighted = d_rows @ values.swapaxes(-1, -2)  # (B, Hkv, R*L, S)
+            # rowsum(d' * out) from e, so that out is not kept for the vjp (docstring)
+            delta = (e_rows * d_weighted).sum(axis=-1, keepdims=True) * inv_total.reshape(
+                b, hkv, rows, 1
+            )
+            # (B, Hkv, R*L, S), without the scale: it multiplies the smaller (., D) products
+            d_scores = _attention_scores_grad(
+                e_rows, d_weighted, delta, seen.reshape(b, hkv, rows, 1)
+            )
+            d_q = ((d_scores @ keys) * scale).reshape(b, hkv, rep, length, d)
+            q_rows = q.reshape(b, hkv, rows, d) * scale
+            d_keys = d_scores.swapaxes(-1, -2) @ q_rows  # (B, Hkv, S, D)
+            return d_q, d_keys, d_values, mx.zeros_like(bias)
+
+        _ATTENTION_FNS[scale] = fn
+    return _ATTENTION_FNS[scale]
+
+
 def _one_query_scores(q: mx.array, keys: mx.array, mask: mx.array, scale: mx.array) -> mx.array:
     """``q k^T * scale + mask``, float32 (B, Hkv, R, S), for grouped queries ``q`` (B, Hkv, R, D)
     and ``keys`` (B, Hkv, S, D); ``mask`` boolean (True: attend) or additive, broadcastable."""
     scores = ((q * scale) @ keys.swapaxes(-1, -2)).astype(mx.float32)  # (B, Hkv, R, S)
     if mask.dtype == mx.bool_:
-        return mx.where(mask, scores, float(np.finfo(np.float32).min))
+        return mx.where(mask, scores, _FLOAT32_MIN)
     return scores + mask.astype(mx.float32)
 
 

@@ -370,8 +370,10 @@ def test_fast_softmax_and_logsumexp_match_mlx_with_masked_entries() -> None:
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive", "per_head"])
-@pytest.mark.parametrize("length", [1, 5])
+@pytest.mark.parametrize("length", [1, 5, 7])
 def test_fast_attention_matches_mlx(mask_kind: str, length: int) -> None:
+    """Values and the gradients of queries, keys and values (eager and compiled) equal MLX's
+    own, with fewer queries than keys (a prefill after a cache) and as many."""
     rng = np.random.default_rng(3)
     b, h, hkv, s, d = 2, 4, 2, 7, 16
     q = mx.array(rng.normal(size=(b, h, length, d)).astype(np.float32))
@@ -389,13 +391,20 @@ def test_fast_attention_matches_mlx(mask_kind: str, length: int) -> None:
     got = fast_math.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
-    grad = mx.grad(
-        lambda a: fast_math.scaled_dot_product_attention(a, k, v, scale=0.25, mask=mask).sum()
-    )(q)
-    grad_want = mx.grad(
-        lambda a: mx.fast.scaled_dot_product_attention(a, k, v, scale=0.25, mask=mask).sum()
-    )(q)
-    np.testing.assert_allclose(np.array(grad), np.array(grad_want), atol=1e-5)
+    # A weighted sum, so that every output's cotangent differs (a plain sum would hide a
+    # gradient that mixes up the rows or the value columns).
+    cot = mx.array(rng.normal(size=got.shape).astype(np.float32))
+
+    def loss(fn: Any) -> Any:
+        return lambda a, kk, vv: (fn(a, kk, vv, scale=0.25, mask=mask) * cot).sum()
+
+    grads = mx.grad(loss(fast_math.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    grads_want = mx.grad(loss(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    for g, gw in zip(grads, grads_want):
+        np.testing.assert_allclose(np.array(g), np.array(gw), atol=1e-5)
+    compiled = mx.compile(mx.grad(loss(fast_math.scaled_dot_product_attention), argnums=(0, 1, 2)))
+    for g, gw in zip(compiled(q, k, v), grads_want):
+        np.testing.assert_allclose(np.array(g), np.array(gw), atol=1e-5)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per_head", "left_padding"])
@@ -442,6 +451,43 @@ def test_one_query_attention_rejects_several_queries() -> None:
     q, kv = mx.ones((1, 2, 3, 4)), mx.ones((1, 1, 3, 4))
     with pytest.raises(ValueError, match="one query position"):
         fast_math.one_query_attention(q, kv, kv, scale=1.0)
+
+
+def test_fast_attention_left_padding_rows_match_a_select_masked_softmax() -> None:
+    """Rows whose every key is masked (left padding's first positions): values the mean of the
+    values and no gradient to their queries or to the keys, as a select-masked softmax gives
+    (the fast attention adds the mask instead of selecting it)."""
+    from mlx_lm.models.base import create_causal_mask
+
+    rng = np.random.default_rng(5)
+    b, h, hkv, length, d = 3, 4, 2, 6, 8
+    q, k, v = (
+        mx.array(rng.normal(size=shape).astype(np.float32))
+        for shape in ((b, h, length, d), (b, hkv, length, d), (b, hkv, length, d))
+    )
+    mask = create_causal_mask(length, left_padding=mx.array([0, 2, 4]))  # (B, 1, L, S)
+    assert not bool(mask[2, 0, 1].any())  # row 1 of the third sequence sees nothing
+
+    def naive(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        grouped = mx.repeat(k, h // hkv, axis=1), mx.repeat(v, h // hkv, axis=1)
+        scores = mx.where(
+            mask, (q @ grouped[0].swapaxes(-1, -2)) * 0.5, float(np.finfo(np.float32).min)
+        )
+        return mx.softmax(scores, axis=-1, precise=True) @ grouped[1]
+
+    cot = mx.array(rng.normal(size=(b, h, length, d)).astype(np.float32))
+
+    def loss(fn: Any) -> Any:
+        return lambda a, kk, vv: (fn(a, kk, vv) * cot).sum()
+
+    def fast(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return fast_math.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mask)
+
+    np.testing.assert_allclose(np.array(fast(q, k, v)), np.array(naive(q, k, v)), atol=2e-6)
+    grads = mx.grad(loss(fast), argnums=(0, 1, 2))(q, k, v)
+    for g, gw in zip(grads, mx.grad(loss(naive), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.array(g), np.array(gw), atol=1e-5)
+    assert not np.array(grads[0])[2, :, :4].any()  # the padded rows' queries: exactly 0
 
 
 def test_fast_attention_fully_masked_row_is_finite() -> None:
