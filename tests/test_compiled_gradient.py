@@ -210,7 +210,10 @@ def test_padded_batches_give_the_supervised_losses_unchanged(
         assert padded.input_ids.shape[1] > plain.input_ids.shape[1]
         loss, metrics = trainer.loss_fn(trainer.model, plain)
         loss_padded, metrics_padded = trainer.loss_fn(trainer.model, padded)
-        assert loss_padded.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-7), trainer.name
+        # rel 1e-5: DPO's loss moves by beta times sums of log-probs of ~-100, whose float32
+        # rounding changes with the width (a kernel's tail, a matmul's blocking): 1.6e-6
+        # relative seen with one BLAS thread; padding that a loss read would move it by far more
+        assert loss_padded.item() == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), trainer.name
         for key, value in metrics.items():
             if key == "rewards/accuracies":
                 continue  # the signs of DPO's first rewards, 0 up to rounding: a coin toss
