@@ -145,6 +145,38 @@ def _fast_exp(x: mx.array) -> mx.array:
     return _exp_c(*_exp2_parts(x)).astype(_float_dtype(x))
 
 
+@mx.compile
+def _shifted_exponent(x: mx.array, m: mx.array) -> mx.array:
+    """``y = max((x - m) log2(e), -127)``: the exponent of ``exp(x - m) = 2^y`` for ``x <= m``
+    (a row's max or logsumexp: no upper clamp), fused with the subtraction (one loop)."""
+    y = (x - m) * _LOG2E
+    return mx.where(y < -127.0, -127.0, y)
+
+
+@mx.compile
+def _exp2_fraction_times(y: mx.array, s: mx.array) -> mx.array:
+    """``2^f * s`` (:func:`_exp2_fraction` times the float ``2^n``): the polynomial and the
+    product in one loop."""
+    return _exp2_fraction(y) * s
+
+
+def _exp_shifted(x: mx.array, m: mx.array) -> mx.array:
+    """``exp(x - m)`` for float32 ``x <= m`` (``m`` broadcast: a row's max) in three loops, the
+    same polynomial as :func:`exp`."""
+    y = _shifted_exponent(x, m)
+    return _exp2_fraction_times(y, _exp2_bits(y).view(mx.float32))
+
+
+def exp_shifted(x: mx.array, m: mx.array) -> mx.array:
+    """``exp(x - m)`` elementwise for ``x <= m`` (``m`` broadcast: a row's max or logsumexp),
+    float32 math, ``x``'s float dtype out: :func:`exp` of the difference bit for bit, one pass
+    fewer (the subtraction is fused into the exponent's loop). Where ``x - m`` is NaN (``m``
+    infinite) the result is NaN, as with :func:`exp`. Not differentiable (see :func:`exp`)."""
+    if not fast_math_enabled():
+        return exp(x - m)
+    return _exp_shifted(x, m).astype(_float_dtype(x))
+
+
 def sigmoid(x: mx.array) -> mx.array:
     """``1 / (1 + exp(-x))`` elementwise, float32. Not differentiable (see :func:`exp`)."""
     return _sigmoid_c(*_exp2_parts(-x.astype(mx.float32)))
@@ -172,7 +204,7 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def _softmax_impl(x: mx.array, axis: int) -> mx.array:
     x32 = x.astype(mx.float32)
-    e = exp(x32 - mx.max(x32, axis=axis, keepdims=True))
+    e = _exp_shifted(x32, mx.max(x32, axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
 
 
@@ -259,7 +291,7 @@ def _logsumexp_fn(axis: int) -> Callable[[mx.array], mx.array]:
         @fn.vjp
         def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
             x = _single(primals)
-            probs = exp(x.astype(mx.float32) - output)  # softmax(x)
+            probs = exp_shifted(x.astype(mx.float32), output)  # softmax(x)
             return (cotangent.astype(mx.float32) * probs).astype(_float_dtype(x))
 
         _LOGSUMEXP_FNS[axis] = cast(Callable[[mx.array], mx.array], fn)
@@ -324,28 +356,6 @@ def scaled_dot_product_attention(
     weights = softmax(scores, axis=-1).astype(values.dtype)  # (B, Hkv, R, L, S)
     out = weights @ values[:, :, None]  # (B, Hkv, R, L, Dv)
     return out.reshape(b, h, length, values.shape[-1])
-
-
-@mx.compile
-def _shifted_exponent(x: mx.array, m: mx.array) -> mx.array:
-    """``y = max((x - m) log2(e), -127)``: the exponent of ``exp(x - m) = 2^y`` for ``x <= m``
-    (a row's max: no upper clamp), fused with the subtraction (one loop)."""
-    y = (x - m) * _LOG2E
-    return mx.where(y < -127.0, -127.0, y)
-
-
-@mx.compile
-def _exp2_fraction_times(y: mx.array, s: mx.array) -> mx.array:
-    """``2^f * s`` (:func:`_exp2_fraction` times the float ``2^n``): the polynomial and the
-    product in one loop."""
-    return _exp2_fraction(y) * s
-
-
-def _exp_shifted(x: mx.array, m: mx.array) -> mx.array:
-    """``exp(x - m)`` for float32 ``x <= m`` (``m`` broadcast: a row's max) in three loops, the
-    same polynomial as :func:`exp`."""
-    y = _shifted_exponent(x, m)
-    return _exp2_fraction_times(y, _exp2_bits(y).view(mx.float32))
 
 
 @mx.compile
@@ -449,7 +459,7 @@ def _one_query_core(
     """``softmax(scores) v`` (B, Hkv, R, Dv) with :func:`softmax`'s arithmetic, fused; values
     (B, Hkv, S, Dv)."""
     scores = _one_query_scores(q, keys, mask, scale)  # (B, Hkv, R, S)
-    e = _exp_c(*_exp2_parts(scores - mx.max(scores, axis=-1, keepdims=True)))
+    e = _exp_shifted(scores, mx.max(scores, axis=-1, keepdims=True))
     weights = (e / e.sum(axis=-1, keepdims=True)).astype(values.dtype)  # (B, Hkv, R, S)
     return weights @ values  # (B, Hkv, R, Dv)
 

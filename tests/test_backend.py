@@ -272,11 +272,30 @@ def test_fast_exp_matches_float64() -> None:
     assert half.dtype == mx.bfloat16
 
 
+def test_exp_shifted_is_exp_of_the_difference_bit_for_bit() -> None:
+    """exp(x - m) with the subtraction fused: the same bits as exp of the difference for x <= m,
+    masked (-inf, float32's minimum) entries, whole rows of -inf (NaN, as exp gives) and a
+    bfloat16 input, whose dtype it keeps."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(0, 30, (64, 257)).astype(np.float32)
+    x[rng.uniform(size=x.shape) < 0.1] = np.finfo(np.float32).min
+    x[rng.uniform(size=x.shape) < 0.05] = -np.inf
+    x[3] = -np.inf
+    xs = mx.array(x)
+    m = mx.max(xs, axis=-1, keepdims=True)
+    got, want = fast_math.exp_shifted(xs, m), fast_math.exp(xs - m)
+    assert mx.array_equal(got, want, equal_nan=True).item()
+    assert np.isnan(np.array(got[3])).all() and not np.isnan(np.array(got[:3])).any()
+    half = mx.array(x[:4, :8]).astype(mx.bfloat16)
+    assert fast_math.exp_shifted(half, half.max(axis=-1, keepdims=True)).dtype == mx.bfloat16
+
+
 def test_exp_is_mlx_exp_when_fast_math_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PPO_MLX_FAST_MATH", "0")
     x = mx.array(np.random.default_rng(2).uniform(-80, 80, 1000).astype(np.float32))
     assert mx.array_equal(fast_math.exp(x), mx.exp(x)).item()
     assert fast_math.exp(mx.array([0.5], dtype=mx.bfloat16)).dtype == mx.bfloat16
+    assert mx.array_equal(fast_math.exp_shifted(x, x.max()), mx.exp(x - x.max())).item()
 
 
 def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:

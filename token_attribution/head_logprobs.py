@@ -396,7 +396,7 @@ def _trained_head_logprobs(
             x = trained.logits(h, start, stop)  # (N, V_b)
             if inv_temperature != 1.0:
                 x = x * inv_temperature
-            p = fast_math.exp(x - lse)  # (N, V_b) the softmax
+            p = fast_math.exp_shifted(x, lse)  # (N, V_b) the softmax
             # dL/dx_j = c_lp (onehot_j - p_j) - c_H p_j (x_j - E_p[x]); the one-hot part after
             # the loop. A masked row (x = -inf) has p = 0 and no gradient.
             g = c_lp * p

@@ -53,7 +53,7 @@ def _log_softmax_gather_vjp(
     index = tokens[..., None]  # (..., 1)
     lse = mx.take_along_axis(x, index, axis=-1) - output[..., None]  # (..., 1)
     cot = cotangent.astype(mx.float32)[..., None]  # (..., 1)
-    grad = -cot * fast_math.exp(x - lse)  # (..., V): -cot * softmax
+    grad = -cot * fast_math.exp_shifted(x, lse)  # (..., V): -cot * softmax
     grad = mx.put_along_axis(grad, index, mx.take_along_axis(grad, index, axis=-1) + cot, axis=-1)
     return grad.astype(logits.dtype), mx.zeros_like(tokens)
 
