@@ -56,6 +56,8 @@ DOC_BEGIN = "<!-- phase-floors:begin (python -m benchmarks.ppo_throughput --floo
 DOC_END = "<!-- phase-floors:end -->"
 #: A phase that grew by more than this fraction since the baseline run is reported.
 GROWTH_REPORTED = 0.10
+#: A best matmul peak that moved by more than this fraction between two runs: the machine changed.
+MACHINE_CHANGE = 0.25
 
 
 class DecoderShape(Protocol):
@@ -375,32 +377,83 @@ def write_doc(path: Path, table: Sequence[str]) -> None:
     path.write_text(updated, encoding="utf-8")
 
 
+def _matching(result: RunResult, runs: Sequence[RunResult], system: str) -> RunResult | None:
+    """The run of ``runs`` with ``result``'s configuration on ``system``, if any."""
+    spec = result.spec
+    key = (spec.label, spec.algorithm, system)
+    return next((r for r in runs if (r.spec.label, r.spec.algorithm, r.spec.system) == key), None)
+
+
+def _phase_seconds(result: RunResult) -> list[tuple[str, float]]:
+    """The iteration's median seconds and each measured phase's."""
+    return [("iteration", result.median)] + [
+        (phase, result.split_median(phase)) for phase in PHASES if result.split.get(phase)
+    ]
+
+
+def machine_change(results: Sequence[RunResult], baseline: Sequence[RunResult]) -> str | None:
+    """Why a growth against ``baseline`` may be the machine's rather than the code's: the workers
+    ran on another CPU, or measured a matmul peak more than :data:`MACHINE_CHANGE` away; None when
+    neither (or when the runs did not record it)."""
+
+    def devices(runs: Sequence[RunResult]) -> set[str]:
+        return {r.versions["device"] for r in runs if r.versions.get("device")}
+
+    def peak(runs: Sequence[RunResult]) -> float | None:
+        peaks = [r.limits["matmul_flops"] for r in runs if r.limits and "matmul_flops" in r.limits]
+        return max(peaks, default=None)
+
+    reasons = []
+    was, now = devices(baseline), devices(results)
+    if was and now and was != now:
+        reasons.append(
+            f"the baseline ran on {', '.join(sorted(was))}, this run on {', '.join(sorted(now))}"
+        )
+    peak_was, peak_now = peak(baseline), peak(results)
+    if peak_was and peak_now and abs(peak_now / peak_was - 1) > MACHINE_CHANGE:
+        reasons.append(f"matmul peak {peak_was / 1e9:.0f} -> {peak_now / 1e9:.0f} GFLOP/s")
+    if not reasons:
+        return None
+    return (
+        f"NOTE: the machine changed ({'; '.join(reasons)}): where TRL's same phase grew as much, "
+        "the growth is the machine's"
+    )
+
+
 def growth_lines(results: Sequence[RunResult], baseline: Sequence[RunResult]) -> list[str]:
     """Each phase (and iteration) of ``results`` that grew by more than
-    :data:`GROWTH_REPORTED` against the same configuration and system in ``baseline``."""
+    :data:`GROWTH_REPORTED` against the same configuration and system in ``baseline``.
+
+    A line of ours says how much TRL's same phase grew where both runs measured TRL (the
+    control: a slower machine slows both), and a first line says so when the machine changed
+    (:func:`machine_change`)."""
     lines = []
     for result in results:
-        spec = result.spec
-        before = next(
-            (
-                b
-                for b in baseline
-                if (b.spec.label, b.spec.algorithm, b.spec.system)
-                == (spec.label, spec.algorithm, spec.system)
-            ),
-            None,
-        )
+        before = _matching(result, baseline, result.spec.system)
         if before is None:
             continue
-        pairs = [("iteration", before.median, result.median)] + [
-            (phase, before.split_median(phase), result.split_median(phase))
-            for phase in PHASES
-            if before.split.get(phase) and result.split.get(phase)
-        ]
-        for name, was, now in pairs:
+        control: dict[str, float] = {}
+        if result.spec.system != "trl":
+            trl_now = _matching(result, results, "trl")
+            trl_was = _matching(result, baseline, "trl")
+            if trl_now is not None and trl_was is not None:
+                was_trl = dict(_phase_seconds(trl_was))
+                control = {
+                    name: now / was_trl[name]
+                    for name, now in _phase_seconds(trl_now)
+                    if was_trl.get(name, 0.0) > 0
+                }
+        was_seconds = dict(_phase_seconds(before))
+        for name, now in _phase_seconds(result):
+            was = was_seconds.get(name, 0.0)
             if was > 0 and now > was * (1 + GROWTH_REPORTED):
-                lines.append(
+                spec = result.spec
+                line = (
                     f"GREW: {spec.label} {spec.algorithm} {spec.system} {name}: {was:.2f} s -> "
                     f"{now:.2f} s ({now / was:.2f}x)"
                 )
-    return lines
+                if name in control:
+                    line += f"; TRL's {name}: {control[name]:.2f}x"
+                lines.append(line)
+    note = machine_change(results, baseline)
+    return [note, *lines] if lines and note else lines

@@ -160,6 +160,37 @@ def test_growth_reports_only_phases_past_ten_percent() -> None:
     assert pf.growth_lines([before], [now]) == []
 
 
+def test_growth_beside_trl_and_a_changed_machine_is_said() -> None:
+    """A slower machine slows both systems: our grown phase carries TRL's growth of the same
+    phase, and a first line says the machine changed (another CPU, another matmul peak)."""
+    ours, trl = _spec(), _spec(system="trl")
+    before = [
+        _result(ours, 10.0, {"generation": 4.0, "update": 4.0}),
+        _result(trl, 12.0, {"generation": 5.0, "update": 6.0}),
+    ]
+    now = [
+        _result(ours, 13.0, {"generation": 6.0, "update": 4.0}),
+        _result(trl, 19.0, {"generation": 9.0, "update": 6.0}),
+    ]
+    lines = pf.growth_lines(now, before)
+    assert lines[0] == (
+        "GREW: toy-llama ppo mlx iteration: 10.00 s -> 13.00 s (1.30x); TRL's iteration: 1.58x"
+    )
+    assert lines[1].endswith("4.00 s -> 6.00 s (1.50x); TRL's generation: 1.80x")
+    assert lines[2] == "GREW: toy-llama ppo trl iteration: 12.00 s -> 19.00 s (1.58x)"
+    assert pf.machine_change(now, before) is None  # same device, same peak
+    for run in before:
+        run.versions["device"] = "Device(cpu, 0): Intel Xeon"
+    for run in now:
+        run.versions["device"] = "Device(cpu, 0): AMD EPYC"
+        assert run.limits is not None
+        run.limits["matmul_flops"] = 0.5e11
+    note = pf.growth_lines(now, before)[0]
+    assert note.startswith("NOTE: the machine changed (the baseline ran on Device(cpu, 0): Intel")
+    assert "this run on Device(cpu, 0): AMD EPYC; matmul peak 100 -> 50 GFLOP/s" in note
+    assert pf.growth_lines(before, before) == []  # nothing grew: no note either
+
+
 def test_the_doc_table_replaces_only_the_text_between_its_markers(tmp_path: Path) -> None:
     doc = tmp_path / "performance.md"
     doc.write_text(f"before\n{pf.DOC_BEGIN}\nold table\n{pf.DOC_END}\nafter\n", encoding="utf-8")
