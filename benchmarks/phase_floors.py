@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
-from benchmarks.throughput_spec import GRPO_BETA, RunResult, RunSpec
+from benchmarks.throughput_spec import GRPO_BETA, RunResult, RunSpec, find_result
 
 #: Bytes of a float32 value: the benchmark's weights, caches and activations.
 FLOAT32 = 4
@@ -377,13 +377,6 @@ def write_doc(path: Path, table: Sequence[str]) -> None:
     path.write_text(updated, encoding="utf-8")
 
 
-def _matching(result: RunResult, runs: Sequence[RunResult], system: str) -> RunResult | None:
-    """The run of ``runs`` with ``result``'s configuration on ``system``, if any."""
-    spec = result.spec
-    key = (spec.label, spec.algorithm, system)
-    return next((r for r in runs if (r.spec.label, r.spec.algorithm, r.spec.system) == key), None)
-
-
 def _phase_seconds(result: RunResult) -> list[tuple[str, float]]:
     """The iteration's median seconds and each measured phase's."""
     return [("iteration", result.median)] + [
@@ -429,13 +422,14 @@ def growth_lines(results: Sequence[RunResult], baseline: Sequence[RunResult]) ->
     (:func:`machine_change`)."""
     lines = []
     for result in results:
-        before = _matching(result, baseline, result.spec.system)
+        spec = result.spec
+        before = find_result(baseline, spec.label, spec.algorithm, spec.system)
         if before is None:
             continue
         control: dict[str, float] = {}
-        if result.spec.system != "trl":
-            trl_now = _matching(result, results, "trl")
-            trl_was = _matching(result, baseline, "trl")
+        if spec.system != "trl":
+            trl_now = find_result(results, spec.label, spec.algorithm, "trl")
+            trl_was = find_result(baseline, spec.label, spec.algorithm, "trl")
             if trl_now is not None and trl_was is not None:
                 was_trl = dict(_phase_seconds(trl_was))
                 control = {
@@ -447,7 +441,6 @@ def growth_lines(results: Sequence[RunResult], baseline: Sequence[RunResult]) ->
         for name, now in _phase_seconds(result):
             was = was_seconds.get(name, 0.0)
             if was > 0 and now > was * (1 + GROWTH_REPORTED):
-                spec = result.spec
                 line = (
                     f"GREW: {spec.label} {spec.algorithm} {spec.system} {name}: {was:.2f} s -> "
                     f"{now:.2f} s ({now / was:.2f}x)"

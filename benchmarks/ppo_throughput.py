@@ -102,6 +102,7 @@ from benchmarks.throughput_spec import (
     RunResult,
     RunSpec,
     System,
+    find_result,
     package_version,
 )
 from benchmarks.throughput_worker import NO_MLX_GPU, PARENT_ENV
@@ -824,7 +825,7 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
     for j, system in enumerate(systems):
         xs, ys, lo, hi = [], [], [], []
         for i, (label, algo) in enumerate(configs):
-            r = _find(main, label, algo, system)
+            r = find_result(main, label, algo, system)
             if r is not None:
                 xs.append(i + j * width)
                 ys.append(r.median)
@@ -833,8 +834,8 @@ def write_chart(results: Sequence[RunResult], path: Path) -> Path:
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=system, color=colors[system])
     floor_labelled = False
     for i, (label, algo) in enumerate(configs):
-        ours = _find(main, label, algo, "mlx")
-        theirs = _find(main, label, algo, "trl")
+        ours = find_result(main, label, algo, "mlx")
+        theirs = find_result(main, label, algo, "trl")
         if ours is not None and ours.floor is not None:
             ax.hlines(
                 design_floor(ours)[1],
@@ -955,13 +956,6 @@ def _config_order(key: tuple[str, str]) -> tuple[int, str, int]:
 
 def _label_order(label: str) -> tuple[int, str, int]:
     return _config_order((label, "ppo"))
-
-
-def _find(results: Sequence[RunResult], label: str, algo: str, system: str) -> RunResult | None:
-    for r in results:
-        if (r.spec.label, r.spec.algorithm, r.spec.system) == (label, algo, system):
-            return r
-    return None
 
 
 # ---------------------------------------------------------------------------------- main
@@ -1305,7 +1299,7 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
     for other in others:
         pairs = []
         for ours in main:
-            theirs = _find(results, ours.spec.label, ours.spec.algorithm, other)
+            theirs = find_result(results, ours.spec.label, ours.spec.algorithm, other)
             if ours.spec.system == "mlx" and theirs is not None:
                 pairs.append((ours, theirs))
         title = _SYSTEM_TITLES[other]

@@ -12,7 +12,7 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Sequence, cast
 
 System = Literal["mlx", "trl", "mlx-lm-lora", "textpolicy"]
 
@@ -258,6 +258,16 @@ class RunResult:
     @classmethod
     def load(cls, path: Path) -> RunResult:
         return cls.from_json(path.read_text(encoding="utf-8"))
+
+
+def find_result(
+    results: Sequence[RunResult], label: str, algorithm: str, system: str
+) -> RunResult | None:
+    """The result of ``results`` for configuration ``label`` / ``algorithm`` on ``system``."""
+    key = (label, algorithm, system)
+    return next(
+        (r for r in results if (r.spec.label, r.spec.algorithm, r.spec.system) == key), None
+    )
 
 
 def package_version(name: str) -> str | None:
