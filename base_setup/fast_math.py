@@ -315,9 +315,10 @@ def scaled_dot_product_attention(
     scores become float32's finite minimum, as in MLX, so a fully masked row (a left-padding
     position) averages the values instead of giving NaN. Returns (B, H, L, Dv).
 
-    In float32 the mask is added by the scores' matmul itself (``addmm``) and the softmax is
-    not normalised before the values' matmul, which sums the weights too (a column of ones
-    beside the values): :func:`_attention_fn`, fewer passes over the (L, S) scores.
+    In float32 with the fast math on, the mask is added by the scores' matmul itself
+    (``addmm``) and the softmax is not normalised before the values' matmul, which sums the
+    weights too (a column of ones beside the values): :func:`_attention_fn`, fewer passes over
+    the (L, S) scores. With it off, MLX's own softmax (as :func:`softmax`).
     """
     b, h, length, d = queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
@@ -336,7 +337,7 @@ def scaled_dot_product_attention(
             m = m[:, :, None]  # (B|1, 1, 1, L|1, S)
         else:
             m = m.reshape(m.shape[0], hkv, rep, *m.shape[2:])  # (B|1, Hkv, R, L|1, S)
-    if queries.dtype == keys.dtype == values.dtype == mx.float32:
+    if fast_math_enabled() and queries.dtype == keys.dtype == values.dtype == mx.float32:
         if m is None:
             bias = mx.zeros((1, 1, 1, 1, 1))
         elif m.dtype == mx.bool_:

@@ -296,6 +296,15 @@ def test_exp_is_mlx_exp_when_fast_math_is_off(monkeypatch: pytest.MonkeyPatch) -
     assert mx.array_equal(fast_math.exp(x), mx.exp(x)).item()
     assert fast_math.exp(mx.array([0.5], dtype=mx.bfloat16)).dtype == mx.bfloat16
     assert mx.array_equal(fast_math.exp_shifted(x, x.max()), mx.exp(x - x.max())).item()
+    # the attention too: MLX's exp, not the fused fast core
+    rng = np.random.default_rng(7)
+    q, k, v = (mx.array(rng.normal(size=(1, 2, 5, 4)).astype(np.float32)) for _ in range(3))
+    got = fast_math.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
+    scores = mx.where(
+        mx.tril(mx.ones((5, 5), dtype=mx.bool_)), (q * 0.5) @ k.swapaxes(-1, -2), -1e30
+    )
+    want = mx.softmax(scores, axis=-1) @ v
+    assert mx.array_equal(got, want).item()
 
 
 def test_fast_sigmoid_and_swiglu_values_and_gradients() -> None:
