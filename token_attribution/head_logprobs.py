@@ -240,6 +240,12 @@ def _online_softmax(
     docstring); every (N, V_b) array is local to its block."""
     vocab = head.vocab_size
     col = tokens[:, None]  # (N, 1)
+    # The chosen token's column in every block at once, the blocks' starts an array: inside
+    # ``mx.compile`` (the compiled gradient) a start written as a number is a constant of its
+    # block's clip and mask, which makes them a kernel of their own per block, each built with the
+    # system compiler at the first step (about a second each: 48 blocks at SmolLM2's vocabulary,
+    # 149 at Qwen3's); as an input, every block but the last shares one.
+    local = col - mx.arange(0, vocab, block_rows, dtype=col.dtype)[None, :]  # (N, blocks)
     n, dims = hidden.shape
     entropy = entropy or entropy_jacobian
     # Running row max, sum of exp(x - max), chosen logit, sum of exp(x - max) * x,
@@ -251,7 +257,7 @@ def _online_softmax(
     xsum = mx.zeros((n, 1))
     acc = mx.zeros((n, dims))
     acc_x = mx.zeros((n, dims))
-    for start in range(0, vocab, block_rows):
+    for block, start in enumerate(range(0, vocab, block_rows)):
         stop = min(start + block_rows, vocab)
         x = head.logits(hidden, start, stop)  # (N, V_b)
         if inv_temperature != 1.0:
@@ -263,8 +269,9 @@ def _online_softmax(
         rescale = fast_math.exp(m - ref)  # (N, 1)
         e = fast_math.exp(x - ref)  # (N, V_b)
         s = s * rescale + e.sum(axis=-1, keepdims=True)
-        here = (col >= start) & (col < stop)  # (N, 1): the chosen token is in this block
-        picked = mx.take_along_axis(x, mx.clip(col - start, 0, stop - start - 1), axis=-1)
+        at = local[:, block : block + 1]  # (N, 1): col - start
+        here = (at >= 0) & (at < stop - start)  # (N, 1): the chosen token is in this block
+        picked = mx.take_along_axis(x, mx.clip(at, 0, stop - start - 1), axis=-1)
         chosen = mx.where(here, picked, chosen)
         if entropy:
             ex = e * x  # (N, V_b)
