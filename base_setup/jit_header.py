@@ -5,15 +5,16 @@ On the CPU, MLX builds every fused element-wise kernel of an ``mx.compile``'d fu
 compiled training gradient, this project's fast math, mlx-lm's activations) into a shared library
 with ``g++`` the first time it sees it, and keeps it in ``<temp dir>/mlx/<version>/cpu``. Each
 kernel's source starts with ``#include "mlx/backend/cpu/compiled_preamble.h"``: about 69,000
-lines of MLX's headers, which take g++ about 0.85 s of each 1.1 s build (a 2-core AMD EPYC). A
-fresh machine's first compiled step on SmolLM2-135M builds about 80 kernels: 80-90 s before the
-step does any work, again after every reboot that empties ``/tmp``.
+lines of MLX's headers, whose parsing is most of each build. A fresh machine's first compiled
+step on a real model builds dozens of kernels before it does any work, and again after every
+reboot that empties ``/tmp`` (docs/performance.md, "The compiled training gradient", has the
+figures).
 
 GCC looks for a precompiled header, ``<header>.gch``, in each directory it searches for an
 include, the including file's own directory first. :func:`prepare_jit_header` builds one there
-(``<temp dir>/mlx/<version>/cpu/mlx/backend/cpu/compiled_preamble.h.gch``, about 50 MB) with
-the flags of MLX's own compile command, read from ``libmlx.so``; g++ then loads it instead of
-parsing the headers, about 0.25 s a kernel.
+(``<temp dir>/mlx/<version>/cpu/mlx/backend/cpu/compiled_preamble.h.gch``) with the flags of
+MLX's own compile command, read from ``libmlx.so``; g++ then loads it instead of parsing the
+headers.
 
 GCC does not check every flag a precompiled header was built with: one built at another ``-O``
 level was loaded, and g++ crashed. So the header is used only where MLX's command has exactly the
