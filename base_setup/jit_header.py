@@ -146,11 +146,14 @@ def prepare_jit_header(wait: bool = False) -> Path | None:
     include, libmlx, version = found
     target = header_path(version)
     stamp_file = target.with_name(target.name + ".stamp")
+    failed_file = target.with_name(target.name + ".failed")
     lock = target.with_name(target.name + ".lock")
     try:
         stamp = _stamp(include, libmlx, Path(compiler).resolve())
         if target.is_file() and stamp_file.is_file() and stamp_file.read_text() == stamp:
             return target
+        if not wait and failed_file.is_file() and failed_file.read_text() == stamp:
+            return None  # it failed with this MLX and g++: not again at every start
         command_format = mlx_command_format(libmlx)
         if command_format is None or compile_flags(command_format) is None:
             return None
@@ -188,7 +191,9 @@ def prepare_jit_header(wait: bool = False) -> Path | None:
 def build_header(include: str, command_format: str, target: str, stamp: str) -> None:
     """Build the header for MLX's ``command_format`` in a folder of its own, check that the
     command, word for word, builds a probe kernel with it, then rename it to ``target`` and write
-    ``stamp`` beside it. Releases the build lock (``<target>.lock``) whatever happens.
+    ``stamp`` beside it. Releases the build lock (``<target>.lock``) whatever happens; a failure
+    leaves ``<target>.failed`` holding ``stamp``, so that programs do not try again until MLX or
+    g++ changes (``prepare_jit_header(wait=True)`` still does).
 
     Raises:
         OSError: g++ failed, or did not load the header for the probe.
@@ -214,6 +219,10 @@ def build_header(include: str, command_format: str, target: str, stamp: str) -> 
             raise OSError(f"g++ built the probe without loading {header}")
         os.replace(header, final)
         final.with_name(final.name + ".stamp").write_text(stamp)
+        final.with_name(final.name + ".failed").unlink(missing_ok=True)
+    except OSError:
+        final.with_name(final.name + ".failed").write_text(stamp)
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
         lock.unlink(missing_ok=True)

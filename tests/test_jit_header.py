@@ -78,7 +78,12 @@ def test_a_failed_build_raises_when_waited_for_and_leaves_nothing_behind(
     with pytest.raises(OSError, match="failed: .*no-such-flag"):
         prepare_jit_header(wait=True)
     folder = next((tmp_path / "mlx").rglob("cpu/mlx/backend/cpu"))
-    assert list(folder.iterdir()) == []  # no lock, no half-written header, no stamp
+    # No lock, no half-written header, no stamp: only the note that it failed with this g++ and
+    # MLX, so that the next programs do not start the same build again.
+    assert [p.name for p in folder.iterdir()] == ["compiled_preamble.h.gch.failed"]
+    assert prepare_jit_header() is None
+    assert [p.name for p in folder.iterdir()] == ["compiled_preamble.h.gch.failed"]
+    assert not list(folder.parents[2].glob("jit-header-build-*"))
 
 
 @needs_gcc
