@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, cast
 
-from base_setup.jit_header import prepare_jit_header
 from base_setup.plain import plain_mlx, plain_mlx_scope
 from base_setup.scipy_blas import route_to_scipy_openblas
 
@@ -253,6 +252,8 @@ def setup_blas() -> BlasInfo:
             level = logging.WARNING
     _BLAS_INFO = info
     logger.log(level, info.describe())
+    from base_setup.jit_header import prepare_jit_header  # it reads its switch with env_mode
+
     prepare_jit_header()
     return info
 

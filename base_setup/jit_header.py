@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from base_setup.backend import env_mode
+
 logger = logging.getLogger("ppo_mlx")
 
 #: The header every kernel source of MLX's CPU compiler includes first.
@@ -120,6 +122,11 @@ def _stamp(include: Path, libmlx: Path, compiler: Path) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _beside(target: Path, suffix: str) -> Path:
+    """The header's stamp, failure note or build lock: ``<target><suffix>``."""
+    return target.with_name(target.name + suffix)
+
+
 def header_path(version: str) -> Path:
     """Where g++ finds the precompiled header for MLX ``version``'s kernel sources."""
     return temp_directory() / "mlx" / version / "cpu" / (PREAMBLE + ".gch")
@@ -131,11 +138,14 @@ def prepare_jit_header(wait: bool = False) -> Path | None:
     MLX without its headers or with another command, ``PPO_MLX_JIT_HEADER=0``) or another process
     is building it.
 
+    ``ValueError`` for a ``PPO_MLX_JIT_HEADER`` other than 1, on, 0 or off.
+
     ``wait=True`` builds it in this process and raises ``OSError`` if that fails (tests, and a
     machine image prepared ahead). By default the build runs detached in the background, and
-    nothing here raises: a failure only costs the speed-up.
+    its failure raises nothing: it only costs the speed-up.
     """
-    if os.environ.get("PPO_MLX_JIT_HEADER", "1").strip().lower() in ("0", "off", "false", "no"):
+    aliases = {"1": "on", "on": "on", "0": "off", "off": "off"}
+    if env_mode("PPO_MLX_JIT_HEADER", aliases, "1 (the default) or 0") == "off":
         return None
     if not sys.platform.startswith("linux"):
         return None
@@ -145,9 +155,9 @@ def prepare_jit_header(wait: bool = False) -> Path | None:
         return None
     include, libmlx, version = found
     target = header_path(version)
-    stamp_file = target.with_name(target.name + ".stamp")
-    failed_file = target.with_name(target.name + ".failed")
-    lock = target.with_name(target.name + ".lock")
+    stamp_file = _beside(target, ".stamp")
+    failed_file = _beside(target, ".failed")
+    lock = _beside(target, ".lock")
     try:
         stamp = _stamp(include, libmlx, Path(compiler).resolve())
         if target.is_file() and stamp_file.is_file() and stamp_file.read_text() == stamp:
@@ -199,7 +209,7 @@ def build_header(include: str, command_format: str, target: str, stamp: str) -> 
         OSError: g++ failed, or did not load the header for the probe.
     """
     final = Path(target)
-    lock = final.with_name(final.name + ".lock")
+    lock = _beside(final, ".lock")
     work = final.parents[3] / f"jit-header-build-{os.getpid()}"
     try:
         flags = compile_flags(command_format)
@@ -218,10 +228,10 @@ def build_header(include: str, command_format: str, target: str, stamp: str) -> 
         if f"! {header}" not in output:
             raise OSError(f"g++ built the probe without loading {header}")
         os.replace(header, final)
-        final.with_name(final.name + ".stamp").write_text(stamp)
-        final.with_name(final.name + ".failed").unlink(missing_ok=True)
+        _beside(final, ".stamp").write_text(stamp)
+        _beside(final, ".failed").unlink(missing_ok=True)
     except OSError:
-        final.with_name(final.name + ".failed").write_text(stamp)
+        _beside(final, ".failed").write_text(stamp)
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)

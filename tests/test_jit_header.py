@@ -57,6 +57,9 @@ def test_turned_off_or_being_built_elsewhere_it_does_nothing(
     monkeypatch.setenv("PPO_MLX_JIT_HEADER", "0")
     assert prepare_jit_header() is None
     assert not (tmp_path / "mlx").exists()
+    monkeypatch.setenv("PPO_MLX_JIT_HEADER", "maybe")
+    with pytest.raises(ValueError, match="PPO_MLX_JIT_HEADER='maybe' is not a setting"):
+        prepare_jit_header()
     monkeypatch.delenv("PPO_MLX_JIT_HEADER")
     found = jit_header._mlx_paths()
     assert found is not None
