@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, cast
 
-from base_setup.plain import plain_mlx, plain_mlx_scope
+from base_setup.jit_header import prepare_jit_header
+from base_setup.plain import env_mode, plain_mlx, plain_mlx_scope
 from base_setup.scipy_blas import route_to_scipy_openblas
 
 logger = logging.getLogger("ppo_mlx")
@@ -252,8 +253,6 @@ def setup_blas() -> BlasInfo:
             level = logging.WARNING
     _BLAS_INFO = info
     logger.log(level, info.describe())
-    from base_setup.jit_header import prepare_jit_header  # it reads its switch with env_mode
-
     prepare_jit_header()
     return info
 
@@ -366,15 +365,6 @@ def parameter_count(model: Any) -> int:
 
     leaves = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
     return sum(int(v.size) for _, v in leaves)
-
-
-def env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
-    """The setting environment variable ``name`` names, through ``aliases`` (the first entry's
-    value is the default); ``ValueError`` naming ``choices`` for anything else."""
-    value = os.environ.get(name, next(iter(aliases))).strip().lower()
-    if value not in aliases:
-        raise ValueError(f"{name}={value!r} is not a setting: use {choices} (docs/environment.md)")
-    return aliases[value]
 
 
 def blas_mode() -> str:

@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from base_setup.backend import env_mode
+from base_setup.plain import env_mode
 
 logger = logging.getLogger("ppo_mlx")
 

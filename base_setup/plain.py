@@ -18,6 +18,8 @@ The tricks were measured to pay on MLX's CPU device only, so off the CPU (a GPU)
 :func:`speed_tricks` is False whatever the switch says: the GPU path is the plain one.
 
 This module imports no mlx at import time (``base_setup.setup_blas`` must run before mlx loads).
+It also holds :func:`env_mode`, which reads every other ``PPO_MLX_`` switch with a choice of
+values, for modules that ``base_setup.backend`` itself imports.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ ENV = "PPO_MLX_PLAIN"
 _ON = {"1": True, "on": True, "true": True, "0": False, "off": False, "false": False, "": False}
 #: How many :func:`plain_mlx_scope` blocks with ``enabled=True`` are open (nesting counts).
 _DEPTH = [0]
+
+
+def env_mode(name: str, aliases: dict[str, str], choices: str) -> str:
+    """The setting environment variable ``name`` names, through ``aliases`` (the first entry's
+    value is the default); ``ValueError`` naming ``choices`` for anything else."""
+    value = os.environ.get(name, next(iter(aliases))).strip().lower()
+    if value not in aliases:
+        raise ValueError(f"{name}={value!r} is not a setting: use {choices} (docs/environment.md)")
+    return aliases[value]
 
 
 def plain_env() -> bool:

@@ -43,7 +43,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from base_setup import fast_math
-from base_setup.backend import env_mode, parameter_count
+from base_setup.backend import parameter_count
+from base_setup.plain import env_mode
 from token_attribution.head_logprobs import fixed_block_rows
 
 ENV = "PPO_MLX_COMPILED_GRADIENT"
