@@ -561,6 +561,45 @@ def test_head_token_logprobs_for_scoring_are_constants():
     assert float(mx.abs(grad).max()) == 0.0
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_head_blocks_run_one_after_the_other(trained: bool, compiled: bool) -> None:
+    """A pass and its gradient hold a few vocabulary blocks at a time, whatever the vocabulary:
+    doubling it adds only the trained head's weight gradient. (MLX computes independent blocks
+    side by side: before the blocks were ordered, the memory held was 2.5-3x the whole (N, V)
+    logits', and doubling the vocabulary added 36-93 blocks.)"""
+    n, dims, rows = 512, 64, 1024
+    block = 4 * n * rows  # bytes of one block's (N, rows) logits
+
+    def held(vocab: int) -> int:
+        linear = nn.Linear(dims, vocab, bias=False)
+        hidden = mx.random.normal((1, n, dims), key=mx.random.key(0))
+        tokens = mx.random.randint(0, vocab, (1, n), key=mx.random.key(1))
+        mx.eval(linear.parameters(), hidden, tokens)
+
+        def loss(h: mx.array, weight: mx.array) -> mx.array:
+            head = LinearHead(weight, trained=trained)  # the weight an input, as compiling asks
+            lp, ent = head_token_logprobs(h, head, tokens, with_entropy=True, block_rows=rows)
+            assert ent is not None
+            return lp.sum() + ent.sum()
+
+        gradient = mx.value_and_grad(loss, argnums=[0, 1] if trained else 0)
+        if compiled:
+            gradient = mx.compile(gradient)
+        mx.eval(gradient(hidden, linear.weight))  # a compiled function's trace outside the count
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(gradient(hidden, linear.weight))
+        return mx.get_peak_memory() - base
+
+    small, large = held(32 * rows), held(64 * rows)
+    weight_gradient = 4 * 32 * rows * dims if trained else 0  # what doubling adds to it, bytes
+    assert large - small < 4 * weight_gradient + 4 * block, ((large - small) / block, small / block)
+    if not trained:
+        assert small < 24 * block, small / block  # the 32 blocks' logits: 32
+
+
 def test_linear_head_takes_linear_and_tied_heads_and_says_whether_they_train():
     """A linear or tied head, frozen or trained (``trained`` says which); a trained quantized
     head (autodiff's gradient), a LoRA-wrapped head or any other function is refused (None), so

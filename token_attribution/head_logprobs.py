@@ -22,7 +22,10 @@ row max ``m``, the running sum ``s = s e^(m_old - m) + sum exp(x_b - m)`` and th
 ``A = A e^(m_old - m) + exp(x_b - m) @ W_b`` (N, D), so that at the end ``lse = m + log s`` and
 ``softmax @ W = A / s``. The head's weight is read once, each block's (N, V_b) arrays stay small
 (and in cache), and the work is the two matmuls autodiff's path does (logits, input gradient)
-with one ``exp`` pass instead of two and no one-hot put along the vocabulary.
+with one ``exp`` pass instead of two and no one-hot put along the vocabulary. The blocks are
+ordered (``mx.depends``: a block's logits wait for the block before to be folded in), since MLX
+evaluates independent parts of a graph side by side and would otherwise hold most blocks' arrays
+at once, more than the whole logits.
 
 A trained head (a fully fine-tuned policy's, tied or not) needs the gradient of its weight as
 well, ``dW = sum_t c_t (onehot(y_t) - softmax(x_t)) h_t^T / tau``, which takes the cotangents:
@@ -259,7 +262,10 @@ def _online_softmax(
     acc_x = mx.zeros((n, dims))
     for block, start in enumerate(range(0, vocab, block_rows)):
         stop = min(start + block_rows, vocab)
-        x = head.logits(hidden, start, stop)  # (N, V_b)
+        # Each block's logits wait for the block before to be folded in, or MLX would compute
+        # the blocks side by side and hold the logits of most of the vocabulary at once.
+        h_in = mx.depends(hidden, [m, s, chosen, xsum, acc, acc_x]) if block else hidden
+        x = head.logits(cast(mx.array, h_in), start, stop)  # (N, V_b)
         if inv_temperature != 1.0:
             x = x * inv_temperature
         new_m = mx.maximum(m, x.max(axis=-1, keepdims=True))  # (N, 1)
@@ -397,10 +403,13 @@ def _trained_head_logprobs(
         c_ent = cotangents[3].astype(mx.float32)[:, None] if with_entropy else None
         mean = outputs[4] if with_entropy else None
         grad_h = mx.zeros(h.shape, dtype=mx.float32)  # (N, D)
-        grad_w, grad_b = [], []
+        grad_w: list[mx.array] = []
+        grad_b: list[mx.array] = []
         for start in range(0, trained.vocab_size, block_rows):
             stop = min(start + block_rows, trained.vocab_size)
-            x = trained.logits(h, start, stop)  # (N, V_b)
+            # One block after the other, as in the forward pass (_online_softmax).
+            h_in = mx.depends(h, [grad_h, *grad_w[-1:], *grad_b[-1:]]) if grad_w else h
+            x = trained.logits(cast(mx.array, h_in), start, stop)  # (N, V_b)
             if inv_temperature != 1.0:
                 x = x * inv_temperature
             p = fast_math.exp_shifted(x, lse)  # (N, V_b) the softmax
