@@ -7,8 +7,10 @@ From the run's sizes and the policy's ``config.json`` and weight files (local fo
 * weights: the policy's files, twice without LoRA (the frozen reference is a second copy);
 * KV cache of one rollout: ``2 * L * B * T_new * H_kv * d_head`` values in the weights' dtype
   (``B`` sequences of this process, ``T_new = max_new_tokens``: prompts only add to it);
-* logits of one micro-batch: ``b * T_new * V`` float32 values (the log-softmax over the
-  vocabulary of every response token).
+* the LM head's log-probs of one micro-batch: on plain MLX and on a GPU their logits,
+  ``b * T_new * V`` float32 values (the log-softmax over the vocabulary of every response
+  token); with the CPU's speed tricks, which take them a vocabulary block at a time
+  (:mod:`token_attribution.head_logprobs`), one block of at least ``MIN_BLOCK_ROWS`` rows.
 
 Each part is what the run holds at once at least, so a configuration whose bound exceeds the
 machine's memory cannot run: it is refused with the figures, instead of growing until the
@@ -22,7 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from base_setup.plain import speed_tricks
 from config.ppo_config import PPOConfig
+from token_attribution.head_logprobs import MIN_BLOCK_ROWS
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GB = 2**30
@@ -76,6 +80,10 @@ def memory_lower_bound(config: PPOConfig, world_size: int = 1) -> list[tuple[str
         return parts
     value_bytes = _DTYPE_BYTES.get(str(config.dtype), 2)
     copies = 1 if config.use_lora else 2
+    rows = shape["vocab"]
+    head = "logits"
+    if speed_tricks() and not config.plain_mlx:  # the head's log-probs by vocabulary blocks
+        rows, head = min(rows, MIN_BLOCK_ROWS), "logits of a vocabulary block"
     return parts + [
         (
             f"weights ({copies} x {shape['weight_bytes'] / GB:.2f} GB)",
@@ -87,9 +95,9 @@ def memory_lower_bound(config: PPOConfig, world_size: int = 1) -> list[tuple[str
             2 * shape["layers"] * local * config.max_new_tokens * shape["kv_dim"] * value_bytes,
         ),
         (
-            f"logits ({micro} sequences x {config.max_new_tokens} tokens x {shape['vocab']} "
+            f"{head} ({micro} sequences x {config.max_new_tokens} tokens x {rows} rows of the "
             "vocabulary, float32)",
-            micro * config.max_new_tokens * shape["vocab"] * 4,
+            micro * config.max_new_tokens * rows * 4,
         ),
     ]
 

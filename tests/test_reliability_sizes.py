@@ -16,9 +16,15 @@ def length_reward(prompts: list[str], completions: list[str]) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
-def test_the_bound_counts_weights_kv_cache_and_logits_by_hand(tiny_model_dir: Path) -> None:
-    """The tiny model: 2 layers, 2 KV heads of 16 dims, 512 ids, float32 weights."""
+@pytest.mark.parametrize("plain", [False, True], ids=["speed tricks", "plain"])
+def test_the_bound_counts_weights_kv_cache_and_logits_by_hand(
+    tiny_model_dir: Path, plain: bool
+) -> None:
+    """The tiny model: 2 layers, 2 KV heads of 16 dims, 512 ids, float32 weights. With the CPU's
+    speed tricks the head's log-probs hold a vocabulary block (256 rows at the least), on plain
+    MLX (and a GPU) the logits."""
     config = PPOConfig(
+        plain_mlx=plain,
         model_name=str(tiny_model_dir),
         batch_size=4,
         group_size=2,
@@ -33,7 +39,7 @@ def test_the_bound_counts_weights_kv_cache_and_logits_by_hand(tiny_model_dir: Pa
         5 * 8 * 10 * 4,  # ids, mask, 3 log-probs of 4 x 2 sequences, 10 tokens, 4 bytes
         2 * weights,  # policy and a frozen reference copy
         2 * 2 * 8 * 10 * (2 * 16) * 4,  # K and V, layers, sequences, tokens, kv dims, bytes
-        4 * 10 * 512 * 4,  # a micro-batch of 8 / 2 sequences, tokens, vocabulary, float32
+        4 * 10 * (512 if plain else 256) * 4,  # 8 / 2 sequences, tokens, vocabulary rows, float32
     ]
     hub = PPOConfig(model_name="Qwen/Qwen3-0.6B", batch_size=10**9)  # not local: no model part
     assert [what for what, _ in memory_lower_bound(hub)] == [
