@@ -568,7 +568,7 @@ def test_head_blocks_run_one_after_the_other(trained: bool, compiled: bool) -> N
     doubling it adds only the trained head's weight gradient. (MLX computes independent blocks
     side by side: before the blocks were ordered, the memory held was 2.5-3x the whole (N, V)
     logits', and doubling the vocabulary added 36-93 blocks.)"""
-    n, dims, rows = 512, 64, 1024
+    n, dims, rows = 128, 16, 256
     block = 4 * n * rows  # bytes of one block's (N, rows) logits
 
     def held(vocab: int) -> int:
