@@ -232,11 +232,16 @@ def timings(run: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-def measure_limits(megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
+#: :func:`measure_limits` on small arrays, once: ``--smoke``'s (its code path in milliseconds;
+#: the real runs' 256 MB arrays, five times, take seconds).
+QUICK_LIMITS: dict[str, int] = {"megabytes": 8, "repeats": 1, "matmul": 512}
+
+
+def measure_limits(megabytes: int = 256, repeats: int = 5, matmul: int = 2048) -> dict[str, float]:
     """This process's memory bandwidth and matmul peak (bytes and FLOPs per second), on MLX's
     default device: ``copy_bandwidth`` (an array of ``megabytes`` copied: read + write),
     ``gemv_bandwidth`` (a float32 matrix of ``megabytes`` times a vector: the matrix read once),
-    ``bandwidth`` (the larger), ``matmul_flops`` (2048 x 2048 float32)."""
+    ``bandwidth`` (the larger), ``matmul_flops`` (``matmul`` x ``matmul`` float32)."""
     import mlx.core as mx
 
     n = megabytes * 2**20 // FLOAT32
@@ -244,16 +249,16 @@ def measure_limits(megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
     cols = 4096
     matrix = mx.random.uniform(shape=(n // cols, cols))
     vector = mx.random.uniform(shape=(cols, 1))
-    a = mx.random.uniform(shape=(2048, 2048))
-    b = mx.random.uniform(shape=(2048, 2048))
+    a = mx.random.uniform(shape=(matmul, matmul))
+    b = mx.random.uniform(shape=(matmul, matmul))
     mx.eval(source, matrix, vector, a, b)
     copy = min(timings(lambda: mx.eval(source + 0.0), repeats))
     gemv = min(timings(lambda: mx.eval(matrix @ vector), repeats))
-    matmul = min(timings(lambda: mx.eval(a @ b), repeats))
+    product = min(timings(lambda: mx.eval(a @ b), repeats))
     limits = {
         "copy_bandwidth": 2 * n * FLOAT32 / copy,
         "gemv_bandwidth": matrix.size * FLOAT32 / gemv,
-        "matmul_flops": 2 * 2048**3 / matmul,
+        "matmul_flops": 2 * matmul**3 / product,
     }
     limits["bandwidth"] = max(limits["copy_bandwidth"], limits["gemv_bandwidth"])
     return limits

@@ -252,6 +252,7 @@ class Plan:
     real_floor: bool = False
     device: Device = "cpu"
     tf32: bool = False
+    quick_limits: bool = False  # the machine's limits on small arrays, once (``--smoke``)
 
 
 def is_real(model: str) -> bool:
@@ -288,6 +289,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             real_floor=True,
             device=args.device,
             tf32=args.tf32,
+            quick_limits=True,
         )
     main_list: list[Config] = []
     if args.real:
@@ -615,6 +617,7 @@ def _spec(
         device=plan.device,
         tf32=plan.tf32,
         measure_limits=real and system == "mlx",
+        quick_limits=plan.quick_limits,
     )
 
 

@@ -45,7 +45,7 @@ from benchmarks.throughput_spec import (
     package_versions,
     peak_rss_mb,
 )
-from benchmarks.phase_floors import measure_limits, timings
+from benchmarks.phase_floors import QUICK_LIMITS, measure_limits, timings
 from base_setup import fast_math
 from config.model_config import ValueInit
 from config.ppo_config import PPOConfig
@@ -231,7 +231,9 @@ def run_mlx(spec: RunSpec) -> RunResult:
             )
             floor = measure_floor(trainer, spec) if spec.measure_floor else None
             other_load = monitor.other_cores()  # over the timed iterations and the floor
-            limits = measure_limits() if spec.measure_limits else None
+            limits = None
+            if spec.measure_limits:
+                limits = measure_limits(**(QUICK_LIMITS if spec.quick_limits else {}))
             prompt_tokens = [len(ids) for ids in trainer.preparation.batch(prompts).prompt_ids]
     finally:
         rollout_module.generate = original_generate

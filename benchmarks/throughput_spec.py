@@ -85,6 +85,8 @@ class RunSpec:
             reward adapter checkpoint on ``policy_dir``'s base, put on the LoRA policy's base.
         measure_limits: the MLX worker also measures the machine's memory bandwidth and matmul
             peak after its iterations (``benchmarks.phase_floors.measure_limits``).
+        quick_limits: that measurement on small arrays, once (``phase_floors.QUICK_LIMITS``:
+            ``--smoke``'s, its code path in milliseconds).
     """
 
     system: System
@@ -113,6 +115,7 @@ class RunSpec:
     reward_function: str | None = None
     share_reward_base: bool = False
     measure_limits: bool = False
+    quick_limits: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):

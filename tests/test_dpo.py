@@ -556,6 +556,7 @@ def test_callbacks_see_steps_evaluations_saves_and_can_stop_the_run(
         trainer.request_stop()
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_run_dpo_writes_metrics_curves_and_a_model_that_generates_chats_and_exports(
     tiny_model_dir: Path,

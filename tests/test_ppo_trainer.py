@@ -425,6 +425,7 @@ def test_callbacks_are_called_with_the_right_arguments(
     assert all(math.isfinite(r) for _, r in epoch_calls)
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",

@@ -244,6 +244,7 @@ def test_overflowing_rewards_stop_the_run_before_any_update(
     assert ours.keys() == dict(trainer.policy.trainable_parameters()).keys()
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_a_full_disk_stops_with_one_message_and_the_run_resumes(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any

@@ -104,6 +104,7 @@ def test_bradley_terry_loss_is_stable_for_large_gaps() -> None:
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_reward_model_learns_the_preference_and_loads_for_ppo(
     tiny_model_dir: Path, tmp_path: Path

@@ -115,6 +115,7 @@ def test_lr_schedule_warmup_then_decay() -> None:
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.plots
 @pytest.mark.slow
 def test_full_sft_learns_and_loads_as_the_ppo_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = write_sft_data(tmp_path / "sft.jsonl", 20, seed=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,7 +19,7 @@ from base_setup import distributed as dist
 from training.callbacks import TrainerCallback
 from training.checkpoint import CheckpointManager
 from training.loop import LoopState, TrainingLoop
-from training.metrics_logger import METRICS_FILE, read_metrics
+from training.metrics_logger import METRICS_FILE, plot_series, read_metrics
 
 
 @dataclass
@@ -215,3 +216,47 @@ def test_a_stop_saves_and_the_resumed_run_ends_as_the_uninterrupted_one(tmp_path
     other = Counting(Settings(str(tmp_path / "run"), total_steps=8), DATA + [6], 2)
     with pytest.raises(ValueError, match="trained on other inputs than this run"):
         TrainingLoop(other, []).run("latest")
+
+
+def test_the_plot_draws_the_logged_panels_with_nulls_as_gaps() -> None:
+    records: list[dict[str, Any]] = [
+        {"step": 0, "eval/loss": 2.0},
+        {"step": 1, "loss/sft": 1.5, "eval/loss": None, "epoch": 0},
+        {"step": 2, "loss/sft": 1.0, "sft/token_accuracy": 0.5},
+    ]
+    panels = plot_series(records)
+    assert [title for title, _ in panels] == ["loss", "next-token accuracy"]  # PLOT_PANELS' order
+    loss = {key: (steps, values) for key, steps, values in panels[0][1]}
+    assert loss["loss/sft"] == ([1.0, 2.0], [1.5, 1.0])
+    steps, values = loss["eval/loss"]
+    assert steps == [0.0, 1.0] and values[0] == 2.0 and math.isnan(values[1])
+    with pytest.raises(ValueError, match=r"cannot plot loss/sft = 'high' at step 3: not a number"):
+        plot_series([*records, {"step": 3, "loss/sft": "high"}])
+    with pytest.raises(ValueError, match="no known metrics to plot"):
+        plot_series([{"step": 1, "custom/score": 1.0}])
+
+
+@pytest.mark.plots
+def test_a_run_draws_its_curves_and_one_it_cannot_draw_is_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from PIL import Image
+
+    from training.metrics_logger import PLOT_FILE
+    from training.run_control import RunLog
+
+    def run(name: str, record: dict[str, Any]) -> Path:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        with RunLog(run_dir, Settings(str(run_dir), 2), total=2, initial=0, desc=name) as log:
+            for step in (1, 2):
+                log.log(step, record, {})
+        return run_dir / PLOT_FILE
+
+    plot = run("drawn", {"loss/sft": 1.0, "sft/token_accuracy": 0.5})
+    with Image.open(plot) as image:  # two panels: one row of three, at 110 dpi
+        assert image.size == (round(3 * 4.2 * 110), round(3.0 * 110))
+    with caplog.at_level("WARNING", logger="ppo_mlx"):
+        plot = run("undrawable", {"custom/score": 1.0})  # no error at the end of a good run
+    assert not plot.exists() and "could not draw" in caplog.text
+    assert "no known metrics to plot" in caplog.text

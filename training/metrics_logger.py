@@ -156,21 +156,66 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+#: One curve of the plot: (metric key, steps, values).
+Curve = tuple[str, list[float], list[float]]
+
+
+def plot_series(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[Curve]]]:
+    """What :func:`plot_metrics` draws: ``(title, curves)`` for each panel of
+    :data:`PLOT_PANELS` that has data, each curve a metric's steps and values.
+
+    A null value is a gap in its curve (NaN, as matplotlib draws it).
+
+    Raises:
+        ValueError: no record holds a metric of the plot, or a plotted value or step is neither
+            a number nor null (it would fail inside matplotlib as the run ends).
+    """
+    panels: list[tuple[str, list[Curve]]] = []
+    for title, keys in PLOT_PANELS:
+        curves = []
+        for key in keys:
+            steps: list[float] = []
+            values: list[float] = []
+            for record in records:
+                if key not in record:
+                    continue
+                step, value = _as_number(record.get("step")), record[key]
+                number = math.nan if value is None else _as_number(value)
+                if step is None or number is None:
+                    raise ValueError(
+                        f"cannot plot {key} = {value!r} at step {record.get('step')!r}: "
+                        "not a number"
+                    )
+                steps.append(step)
+                values.append(number)
+            if steps:
+                curves.append((key, steps, values))
+        if curves:
+            panels.append((title, curves))
+    if not panels:
+        raise ValueError("no known metrics to plot: no record holds a key of PLOT_PANELS")
+    return panels
+
+
+def _as_number(x: Any) -> float | None:
+    """``x`` as a float if it is a real number (an int or a float, NaN and infinities
+    included; not a bool), else None."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    return None
+
+
 def plot_metrics(records: Sequence[dict[str, Any]], out_path: str | Path) -> Path:
     """Draw the panels of :data:`PLOT_PANELS` that have data (PPO: reward, KL, losses, entropy,
-    clip fractions; SFT and reward-model runs: losses and accuracies) over steps into a PNG.
+    clip fractions; SFT and reward-model runs: losses and accuracies) over steps into a PNG
+    (:func:`plot_series` says what, and raises on records it cannot draw).
 
     Drawn on a bare ``Figure`` (no pyplot: nothing global, no GUI backend) with margins fixed in
     inches rather than ``tight_layout``, which measured every text twice and took half the time
     of a plot every run draws when it ends."""
     from matplotlib.figure import Figure
 
-    panels = [
-        (title, [k for k in keys if any(k in r for r in records)]) for title, keys in PLOT_PANELS
-    ]
-    panels = [(title, keys) for title, keys in panels if keys]
-    if not panels:
-        raise ValueError("no known metrics to plot: the run logged no steps")
+    panels = plot_series(records)
     cols = 3
     rows = math.ceil(len(panels) / cols)
     width, height = _PANEL_INCHES[0] * cols, _PANEL_INCHES[1] * rows
@@ -187,10 +232,9 @@ def plot_metrics(records: Sequence[dict[str, Any]], out_path: str | Path) -> Pat
         hspace=between_rows / axes_height,
     )
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, (title, keys) in zip(axes.flat, panels):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if key in r]
-            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, ms=3, label=key)
+    for ax, (title, curves) in zip(axes.flat, panels):
+        for key, steps, values in curves:
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3, label=key)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -630,7 +630,7 @@ class RunLog:
                 if records and not isinstance(exc[1], CheckpointWriteError):
                     try:
                         plot_metrics(records, self.run_dir / PLOT_FILE)
-                    except OSError as err:
+                    except (OSError, ValueError) as err:  # a full disk; records it cannot draw
                         logger.warning("could not draw %s: %s", self.run_dir / PLOT_FILE, err)
         finally:
             self._output.__exit__(*exc)
