@@ -4,12 +4,13 @@
 
 1. An uninterrupted reference run (``python main.py train``, a LoRA policy and a value model on
    the tiny model, a checkpoint every step, the last two kept, so every save also prunes).
-2. The same run, killed ``--kills`` times with SIGKILL: half at random moments, half exactly inside
-   the writes that matter (a checkpoint's files, the rename that publishes it, the deletion of a
-   pruned one, the final model's files, the metrics file), by a child process that kills itself at
-   the n-th call of that function. After every kill every listed checkpoint must be complete
-   (each file's size and checksum against its manifest); the run then resumes from ``latest``
-   (or starts afresh with ``--overwrite`` when no checkpoint exists yet).
+2. The same run, killed ``--kills`` times with SIGKILL: half at random moments of its training
+   (after the start-up: the imports and loading write nothing), half exactly inside the writes
+   that matter (a checkpoint's files, the rename that publishes it, the deletion of a pruned
+   one, the final model's files, the metrics file), by a child process that kills itself at the
+   n-th call of that function. After every kill every listed checkpoint must be complete (each
+   file's size and checksum against its manifest); the run then resumes from ``latest`` (or
+   starts afresh with ``--overwrite`` when no checkpoint exists yet).
 3. Every time a run finishes (the last one, and any that ends before its kill came), its final
    weights must equal the reference's, bit for bit, and its metrics must hold each step once.
 
@@ -117,6 +118,26 @@ def _run(args: list[str], env: dict[str, str], kill_after: float | None) -> int:
     return process.returncode
 
 
+def _reference_run(args: list[str], env: dict[str, str], run: Path) -> tuple[float, float]:
+    """Run to the end; returns the seconds until it began to train (its metrics file appeared)
+    and in all: the random kills land in between, not in the imports and loading before."""
+    command = [sys.executable, "-c", "import tests.kill_loop as k; k.child_main()", "--", *args]
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    training_from: float | None = None
+    while process.poll() is None:
+        if training_from is None and (run / "metrics.jsonl").exists():
+            training_from = time.perf_counter() - start
+        time.sleep(0.02)
+    duration = time.perf_counter() - start
+    _, err = process.communicate(timeout=600)
+    if process.returncode != 0 or training_from is None:
+        raise RuntimeError(f"the reference run failed (exit {process.returncode}):\n{err[-3000:]}")
+    return training_from, duration
+
+
 def check_complete(run: Path) -> int:
     """Every listed checkpoint complete, checksums included; returns how many there are."""
     from training.checkpoint import CheckpointManager, verify_checkpoint
@@ -159,9 +180,7 @@ def kill_loop(out: Path, kills: int, seed: int, random_kills: int | None = None)
 
     reference = out / "reference"
     shutil.rmtree(reference, ignore_errors=True)
-    start = time.perf_counter()
-    _run(_train_args(reference, model, prompts), env, None)
-    duration = time.perf_counter() - start
+    training_from, duration = _reference_run(_train_args(reference, model, prompts), env, reference)
 
     rng = random.Random(seed)
     run = out / "run"
@@ -177,7 +196,7 @@ def kill_loop(out: Path, kills: int, seed: int, random_kills: int | None = None)
             inside_done = done - random_done
             at_random_now = random_done <= inside_done or inside_done >= kills - at_random
             if random_done < at_random and at_random_now:
-                kill_after = rng.uniform(0.2, duration)
+                kill_after = rng.uniform(training_from, duration)
                 how = f"at {kill_after:.1f} s"
             else:
                 # Each crash point in turn; the final model is written once per run.
