@@ -102,10 +102,18 @@ def child_main() -> None:
     sys.exit(main.main(sys.argv[sys.argv.index("--") + 1 :]))
 
 
+def _child_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-c", "import tests.kill_loop as k; k.child_main()", "--", *args]
+
+
 def _run(args: list[str], env: dict[str, str], kill_after: float | None) -> int:
-    command = [sys.executable, "-c", "import tests.kill_loop as k; k.child_main()", "--", *args]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _child_command(args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if kill_after is not None:
         try:
@@ -121,20 +129,23 @@ def _run(args: list[str], env: dict[str, str], kill_after: float | None) -> int:
 def _reference_run(args: list[str], env: dict[str, str], run: Path) -> tuple[float, float]:
     """Run to the end; returns the seconds until it began to train (its metrics file appeared)
     and in all: the random kills land in between, not in the imports and loading before."""
-    command = [sys.executable, "-c", "import tests.kill_loop as k; k.child_main()", "--", *args]
+    log = run.with_name(f"{run.name}.stderr")  # a file, not a pipe: polling never drains one
     start = time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    training_from: float | None = None
-    while process.poll() is None:
-        if training_from is None and (run / "metrics.jsonl").exists():
-            training_from = time.perf_counter() - start
-        time.sleep(0.02)
+    with open(log, "w") as err:
+        process = subprocess.Popen(
+            _child_command(args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+        training_from: float | None = None
+        while process.poll() is None:
+            if training_from is None and (run / "metrics.jsonl").exists():
+                training_from = time.perf_counter() - start
+            time.sleep(0.02)
     duration = time.perf_counter() - start
-    _, err = process.communicate(timeout=600)
+    if training_from is None and (run / "metrics.jsonl").exists():
+        training_from = duration  # it trained between the last two polls
     if process.returncode != 0 or training_from is None:
-        raise RuntimeError(f"the reference run failed (exit {process.returncode}):\n{err[-3000:]}")
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"the reference run failed (exit {process.returncode}):\n{tail}")
     return training_from, duration
 
 
