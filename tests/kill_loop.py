@@ -136,13 +136,14 @@ def _reference_run(args: list[str], env: dict[str, str], run: Path) -> tuple[flo
             _child_command(args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err
         )
         training_from: float | None = None
-        while process.poll() is None:
+        while True:
+            ended = process.poll() is not None  # looked at once more after it ended
             if training_from is None and (run / "metrics.jsonl").exists():
                 training_from = time.perf_counter() - start
+            if ended:
+                break
             time.sleep(0.02)
     duration = time.perf_counter() - start
-    if training_from is None and (run / "metrics.jsonl").exists():
-        training_from = duration  # it trained between the last two polls
     if process.returncode != 0 or training_from is None:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"the reference run failed (exit {process.returncode}):\n{tail}")
