@@ -30,7 +30,7 @@ class SandboxLimits:
             allowlisted root in its own mount, PID, IPC and network namespaces (Linux, as root or
             with user namespaces), and raises otherwise; ``"weak"`` also runs without them
             (macOS, user namespaces disabled), after a warning of what is then not protected
-            (see docs/reliability.md, "Code sandbox").
+            (see docs/reliability.md, "The code sandbox: modes and guarantees").
     """
 
     timeout_s: float = 5.0
