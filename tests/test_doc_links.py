@@ -4,6 +4,7 @@ makes anchors from headings). A section moved or renamed without its links fails
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -16,14 +17,13 @@ HEADING = re.compile(r"#{1,6}\s+(.*?)\s*#*\s*$")
 
 
 def markdown_pages(root: Path) -> list[Path]:
-    """The ``.md`` files under ``root``, outside :data:`SKIPPED` and hidden folders."""
-    return sorted(
-        path
-        for path in root.rglob("*.md")
-        if not any(
-            part in SKIPPED or part.startswith(".") for part in path.relative_to(root).parts[:-1]
-        )
-    )
+    """The ``.md`` files under ``root``, outside :data:`SKIPPED` and hidden folders (which are
+    not walked)."""
+    pages: list[Path] = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in SKIPPED and not d.startswith(".")]
+        pages.extend(Path(folder) / name for name in files if name.endswith(".md"))
+    return sorted(pages)
 
 
 def prose_lines(text: str) -> list[tuple[int, str]]:
