@@ -58,6 +58,7 @@ def broken_links(root: Path) -> list[str]:
     """``"page:line: target (why)"`` for every relative link of :func:`markdown_pages` whose file
     does not exist, or whose ``#anchor`` is not a heading of the Markdown page it names."""
     broken = []
+    headings: dict[Path, set[str]] = {}  # each linked page's anchors, read once
     for page in markdown_pages(root):
         for number, line in prose_lines(page.read_text(encoding="utf-8")):
             for target in LINK.findall(line):
@@ -69,7 +70,10 @@ def broken_links(root: Path) -> list[str]:
                 if not linked.exists():
                     broken.append(f"{where} (no such file)")
                 elif anchor and linked.suffix == ".md":
-                    if anchor not in anchors(linked.read_text(encoding="utf-8")):
+                    known = linked.resolve()
+                    if known not in headings:
+                        headings[known] = anchors(known.read_text(encoding="utf-8"))
+                    if anchor not in headings[known]:
                         broken.append(f"{where} (no heading with that anchor)")
     return broken
 
