@@ -598,9 +598,16 @@ def short_articles(tmp_path: Path) -> Path:
 
 
 def few_code_tasks(tmp_path: Path) -> Path:
-    """The first 8 bundled code tasks (fewer programs for the sandbox to run)."""
-    lines = code_generation.BUNDLED_DATA.read_text().splitlines()[:8]
+    """The first 4 bundled code tasks: the sandbox runs each evaluated program (4 samples of
+    each prompt, before and after PPO), about a tenth of a second each."""
+    lines = code_generation.BUNDLED_DATA.read_text().splitlines()[:4]
     return write_jsonl(tmp_path / "code.jsonl", lines)
+
+
+def few_dialogues(tmp_path: Path) -> Path:
+    """The first 10 bundled conversations (of 30): fewer samples to evaluate."""
+    lines = dialogue.BUNDLED_DATA.read_text().splitlines()[:10]
+    return write_jsonl(tmp_path / "dialogue.jsonl", lines)
 
 
 SAMPLE_LINE = re.compile(r"^  \[[+-]\d\.\d{3}\] .+\n {10}-> .+$", re.M)
@@ -648,6 +655,8 @@ def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
         args += ["--data", str(short_articles(tmp_path))]
     if module == "code_generation":
         args += ["--data", str(few_code_tasks(tmp_path))]
+    if module == "dialogue":
+        args += ["--data", str(few_dialogues(tmp_path))]
     result = run_cli(module, tmp_path, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / module
@@ -657,7 +666,7 @@ def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
     assert str(sft_model) in (out / "config.yaml").read_text()  # PPO starts from the SFT model
     # the SFT data: one demonstration per training record, none of the held-out ones
     held_out = int(re.findall(r"(\d+) held out", result.stderr)[0])
-    records = {"summarization": 10, "dialogue": 30, "code_generation": 8}[module]
+    records = {"summarization": 10, "dialogue": 10, "code_generation": 4}[module]
     demonstrations = (out / "sft" / "data.jsonl").read_text().splitlines()
     assert held_out >= 1 and len(demonstrations) == records - held_out
     check_before_and_after(result.stdout, held_out=True)
