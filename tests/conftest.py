@@ -35,8 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
     """Compile the project's modules to bytecode once, before the tests start (in the main process;
     pytest-xdist's workers start after it).
 
-    The suite starts a few hundred Python processes (the command line, examples, ranks, the kill
-    loop's runs), and each of them imports the trainer. Where ``PYTHONDONTWRITEBYTECODE`` is set,
+    The suite starts about 120 Python processes (the command line, examples, ranks, the kill
+    loop's runs), and most of them import the trainer. Where ``PYTHONDONTWRITEBYTECODE`` is set,
     as in some containers, no process leaves bytecode behind, so every one of them compiled the
     project's ~270 modules again: 0.4 s of each start, about 14% of the kill loop's time. This
     writes the usual ``__pycache__`` folders (ignored by git) that any run without the variable
