@@ -98,6 +98,7 @@ from benchmarks.throughput_spec import (
     FLOOR_KEYS,
     Device,
     PEER_SYSTEMS,
+    PHASE_NAMES,
     SPLIT_KEYS,
     RunResult,
     RunSpec,
@@ -679,6 +680,27 @@ def iteration_table(results: Sequence[RunResult]) -> list[str]:
             f"{split} | {r.peak_rss_mb:>7.0f} {mlx_mb:>7} {rss_ratio:>7} "
             f"{_fmt_load(r.other_load):>5}"
         )
+    return lines
+
+
+def phase_memory_table(results: Sequence[RunResult]) -> list[str]:
+    """One row per MLX result that measured them (``RunResult.phase_peaks``): each phase's peak
+    resident memory and MLX's peak array memory; no lines when none did."""
+    rows = [r for r in results if r.phase_peaks]
+    if not rows:
+        return []
+    head = f"{'config':<12} {'algo':<5} | " + " | ".join(
+        f"{phase + ' RSS / MLX':>24}" for phase in PHASE_NAMES
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for phase in PHASE_NAMES:
+            peak = (r.phase_peaks or {}).get(phase, {})
+            rss, arrays = peak.get("rss_mb"), peak.get("mlx_mb")
+            text = f"{'-' if rss is None else f'{rss:.0f}'} / {'-' if arrays is None else f'{arrays:.0f}'}"
+            cells.append(f"{text:>24}")
+        lines.append(f"{r.spec.label:<12} {r.spec.algorithm:<5} | " + " | ".join(cells))
     return lines
 
 
@@ -1298,6 +1320,14 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
             "fits a 24 GiB machine's memory"
         )
     out.extend(iteration_table(results))
+    phases = phase_memory_table(results)
+    if phases:
+        out.append("\n== Peak memory by phase (MLX) ==")
+        out.append(
+            "the largest over the timed iterations of each phase's peak: resident memory (RSS, "
+            "reset between phases; '-' where it cannot be) / MLX's array memory, MB"
+        )
+        out.extend(phases)
     others = [name for name in ("trl", *PEER_SYSTEMS) if any(r.spec.system == name for r in main)]
     for other in others:
         pairs = []

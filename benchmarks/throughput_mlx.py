@@ -8,7 +8,9 @@ policy's base weights, adapters off, as the reference; the value model trains al
 either way. The reward checkpoint is the reward model and the value model's start;
 float32, temperature 1, no stop tokens (every response has exactly ``max_new_tokens`` tokens,
 which is checked), one PPO epoch over one minibatch. The time split comes from the step's own
-``time/*`` metrics plus a timer around the trainer's ``generate`` call.
+``time/*`` metrics plus a timer around the trainer's ``generate`` call. The peak memory of each
+phase (resident and MLX's arrays, :class:`PhasePeaks`) is read at the same boundaries, the
+scoring's end taken from the ``on_rollout_scored`` callback.
 
 Irreducible pieces (:data:`~benchmarks.throughput_spec.FLOOR_KEYS`), timed on the trainer's own
 models and shapes right after the iterations (median of ``floor_repeats`` after one warm-up):
@@ -39,17 +41,20 @@ from mlx.utils import tree_flatten
 
 from benchmarks.throughput_spec import (
     GRPO_BETA,
+    PHASE_NAMES,
     CpuMonitor,
     RunResult,
     RunSpec,
     package_versions,
     peak_rss_mb,
+    reset_peak_rss,
 )
 from benchmarks.phase_floors import QUICK_LIMITS, measure_limits, timings
 from base_setup import fast_math
 from config.model_config import ValueInit
 from config.ppo_config import PPOConfig
 from ppo_trainer import rollout as rollout_module
+from ppo_trainer.callbacks import TrainerCallback
 from ppo_trainer.generator import inverse_cdf
 from ppo_trainer.ppo_trainer import PPOTrainer
 from token_attribution.sequences import response_logprobs
@@ -177,6 +182,54 @@ def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
     return floor
 
 
+class PhasePeaks(TrainerCallback):
+    """The peak memory of each phase of the timed iterations: resident memory (``VmHWM``, reset
+    at each boundary through /proc/self/clear_refs) and MLX's peak array memory (reset with
+    ``mx.reset_peak_memory``), the largest over the iterations.
+
+    :meth:`close` ends the running phase at a boundary: the generation's start (the work before
+    it, the prompts' preparation, is not a phase), its end, the scoring's end (this callback's
+    ``on_rollout_scored``) and the step's end (the update with the advantages and metrics before
+    it). Resident peaks are None where ``VmHWM`` cannot be reset (not Linux): each would
+    include everything before. The resets do not lose the whole run's peaks: :meth:`process_rss`
+    and :meth:`timed_mlx` carry them across."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, float | None]] = {}
+        self.timing = False
+        self.resettable = True
+        self._process_rss = 0.0
+        self._timed_mlx = 0.0
+
+    def close(self, phase: str | None) -> None:
+        """End ``phase`` (None: work that is not a phase) and start the next one."""
+        rss, mlx_mb = peak_rss_mb(), mx.get_peak_memory() / 2**20
+        self._process_rss = max(self._process_rss, rss)
+        if self.timing:
+            self._timed_mlx = max(self._timed_mlx, mlx_mb)
+        if self.timing and phase is not None:
+            phase_rss = rss if self.resettable else None
+            before = self.peaks.setdefault(phase, {"rss_mb": phase_rss, "mlx_mb": mlx_mb})
+            for key, value in (("rss_mb", phase_rss), ("mlx_mb", mlx_mb)):
+                old = before[key]
+                before[key] = None if value is None or old is None else max(old, value)
+        mx.reset_peak_memory()
+        self.resettable = reset_peak_rss() and self.resettable
+
+    def process_rss(self) -> float:
+        """The process's peak resident memory in MiB, loading included (:func:`peak_rss_mb`
+        across the resets)."""
+        return max(self._process_rss, peak_rss_mb())
+
+    def timed_mlx(self) -> float:
+        """MLX's peak array memory in MiB over the timed iterations (from the first timed
+        iteration's start: ``mx.reset_peak_memory`` there)."""
+        return max(self._timed_mlx, mx.get_peak_memory() / 2**20)
+
+    def on_rollout_scored(self, trainer: Any, step: int, rollout: Any) -> None:
+        self.close("scoring")
+
+
 def run_mlx(spec: RunSpec) -> RunResult:
     """Time ``spec.warmup + spec.iterations`` PPO/GRPO iterations (and the floor if asked)."""
     if spec.system != "mlx":
@@ -184,10 +237,14 @@ def run_mlx(spec: RunSpec) -> RunResult:
     generation_seconds: list[float] = []
     original_generate = rollout_module.generate
 
+    phases = PhasePeaks()
+
     def timed_generate(*args: Any, **kwargs: Any) -> Any:
+        phases.close(None)
         start = time.perf_counter()
         out = original_generate(*args, **kwargs)  # ends with mx.eval: the time is real
         generation_seconds.append(time.perf_counter() - start)
+        phases.close("generation")
         return out
 
     prompts = list(spec.prompts[: spec.batch_size])
@@ -198,13 +255,16 @@ def run_mlx(spec: RunSpec) -> RunResult:
     try:
         with tempfile.TemporaryDirectory() as output_dir:
             trainer = build_trainer(spec, output_dir)
+            trainer.run.callbacks.append(phases)
             for i in range(spec.warmup + spec.iterations):
                 if i == spec.warmup:
                     mx.reset_peak_memory()
                     monitor.start()
+                    phases.timing = True
                 start = time.perf_counter()
                 metrics = trainer.step(prompts)
                 wall = time.perf_counter() - start
+                phases.close("update")
                 length = metrics["episode/response_length"]
                 if length != spec.max_new_tokens:
                     raise ValueError(
@@ -221,8 +281,9 @@ def run_mlx(spec: RunSpec) -> RunResult:
                 split["scoring"].append(scoring)
                 split["update"].append(update)
                 split["other"].append(wall - generation - scoring - update)
-            mlx_peak = mx.get_peak_memory() / 2**20
-            rss = peak_rss_mb()
+            phases.timing = False  # the floor's pieces below are not the iteration's phases
+            mlx_peak = phases.timed_mlx()
+            rss = phases.process_rss()
             flat = cast(list[tuple[str, mx.array]], tree_flatten(trainer.policy.parameters()))
             base = [v for name, v in flat if not name.endswith((".lora_a", ".lora_b"))]
             params = sum(v.size for v in base) / 1e6  # the base model's, without adapters
@@ -249,6 +310,7 @@ def run_mlx(spec: RunSpec) -> RunResult:
         other_load=other_load,
         limits=limits,
         prompt_tokens=prompt_tokens,
+        phase_peaks={phase: phases.peaks[phase] for phase in PHASE_NAMES if phase in phases.peaks},
         versions={
             **package_versions("mlx", "mlx-lm"),
             "device": f"{mx.default_device()}: {mx.device_info().get('device_name', '?')}",

@@ -216,6 +216,10 @@ class RunResult:
         limits: the machine's memory bandwidth and matmul peak measured in the worker
             (``benchmarks.phase_floors.measure_limits``), when the spec asked for them.
         prompt_tokens: the rollout's prompt lengths in tokens, one per sequence (MLX worker).
+        phase_peaks: per phase (``generation``, ``scoring``, ``update``), the largest over the
+            timed iterations of the phase's peak resident memory (``rss_mb``; None where it
+            cannot be reset between phases) and of MLX's peak array memory (``mlx_mb``), in MiB
+            (MLX worker; ``benchmarks.throughput_mlx.PhasePeaks``).
     """
 
     spec: RunSpec
@@ -231,6 +235,7 @@ class RunResult:
     torch_peak_mb: float | None = None
     limits: dict[str, float] | None = None
     prompt_tokens: list[int] | None = None
+    phase_peaks: dict[str, dict[str, float | None]] | None = None
 
     @property
     def median(self) -> float:
@@ -261,6 +266,11 @@ class RunResult:
     @classmethod
     def load(cls, path: Path) -> RunResult:
         return cls.from_json(path.read_text(encoding="utf-8"))
+
+
+#: The phases of an iteration whose peak memory an MLX worker reads
+#: (``RunResult.phase_peaks``), in their order.
+PHASE_NAMES = ("generation", "scoring", "update")
 
 
 def find_result(

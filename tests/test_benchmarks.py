@@ -35,6 +35,7 @@ from benchmarks.throughput_models import (
 )
 from benchmarks.throughput_spec import (
     FLOOR_KEYS,
+    PHASE_NAMES,
     SPLIT_KEYS,
     CpuMonitor,
     RunResult,
@@ -106,6 +107,7 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         "== Scaling with response length (PPO) ==",
         "== Scaling with batch size (PPO) ==",
         "== Phases beside the machine's floor",
+        "== Peak memory by phase (MLX) ==",
     ):
         assert section in out
     # The real shapes' path measured the machine's limits; the doc's table has their phases.
@@ -136,6 +138,15 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         for i, wall in enumerate(r.seconds):
             assert sum(r.split[k][i] for k in SPLIT_KEYS) == pytest.approx(wall, rel=1e-6)
         assert r.mlx_peak_mb is not None and r.mlx_peak_mb > 0
+        # Each phase's peaks: none above the run's, the largest MLX one the run's own (the
+        # phases cover the timed iterations but for the prompts' preparation).
+        assert r.phase_peaks is not None and list(r.phase_peaks) == list(PHASE_NAMES)
+        arrays = [peak["mlx_mb"] for peak in r.phase_peaks.values()]
+        assert all(a is not None and 0 < a <= r.mlx_peak_mb for a in arrays)
+        assert max(a for a in arrays if a is not None) == pytest.approx(r.mlx_peak_mb, rel=0.05)
+        if Path("/proc/self/clear_refs").exists():
+            resident = [peak["rss_mb"] for peak in r.phase_peaks.values()]
+            assert all(m is not None and 0 < m <= r.peak_rss_mb for m in resident)
         assert r.trainable_millions is not None and r.trainable_millions > 0
         lora = r.spec.label == "toy-llama"
         assert r.spec.uses_lora == lora
