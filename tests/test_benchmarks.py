@@ -41,6 +41,7 @@ from benchmarks.throughput_spec import (
     RunResult,
     RunSpec,
     System,
+    reset_peak_rss,
 )
 from benchmarks.throughput_worker import PARENT_ENV
 from fixtures.tiny_model import TINY_SIZES, build_checkpoint
@@ -144,7 +145,7 @@ def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
         arrays = [peak["mlx_mb"] for peak in r.phase_peaks.values()]
         assert all(a is not None and 0 < a <= r.mlx_peak_mb for a in arrays)
         assert max(a for a in arrays if a is not None) == pytest.approx(r.mlx_peak_mb, rel=0.05)
-        if Path("/proc/self/clear_refs").exists():
+        if reset_peak_rss():  # where the worker could reset VmHWM between phases (Linux)
             resident = [peak["rss_mb"] for peak in r.phase_peaks.values()]
             assert all(m is not None and 0 < m <= r.peak_rss_mb for m in resident)
         assert r.trainable_millions is not None and r.trainable_millions > 0
