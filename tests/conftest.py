@@ -20,6 +20,7 @@ from base_setup import setup_blas  # noqa: E402
 setup_blas()  # pytest imports this file before the test modules, so before every mlx import
 
 import compileall  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -41,8 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
     project's ~270 modules again: 0.4 s of each start, about 14% of the kill loop's time. This
     writes the usual ``__pycache__`` folders (ignored by git) that any run without the variable
     writes; a stale file is never used (Python checks each source's time stamp and size)."""
-    if hasattr(config, "workerinput"):
-        return
+    if hasattr(config, "workerinput") or not sys.flags.dont_write_bytecode:
+        return  # a worker; or each process writes the bytecode it compiles
     for entry in sorted(ROOT.iterdir()):
         if entry.name.startswith(".") or entry.name in NOT_SOURCE:
             continue

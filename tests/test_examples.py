@@ -597,17 +597,16 @@ def short_articles(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "short.jsonl", records)
 
 
-def few_code_tasks(tmp_path: Path) -> Path:
-    """The first 4 bundled code tasks: the sandbox runs each evaluated program (4 samples of
-    each prompt, before and after PPO), about a tenth of a second each."""
-    lines = code_generation.BUNDLED_DATA.read_text().splitlines()[:4]
-    return write_jsonl(tmp_path / "code.jsonl", lines)
+#: Records of an example's bundled data the CLI runs take: fewer samples to evaluate (each code
+#: sample is a sandbox run, about a tenth of a second; 4 samples per prompt, before and after).
+FEW_RECORDS = {"code_generation": 4, "dialogue": 10}
 
 
-def few_dialogues(tmp_path: Path) -> Path:
-    """The first 10 bundled conversations (of 30): fewer samples to evaluate."""
-    lines = dialogue.BUNDLED_DATA.read_text().splitlines()[:10]
-    return write_jsonl(tmp_path / "dialogue.jsonl", lines)
+def first_bundled(module: str, tmp_path: Path) -> Path:
+    """The first ``FEW_RECORDS[module]`` records of example ``module``'s bundled data."""
+    example = {"code_generation": code_generation, "dialogue": dialogue}[module]
+    lines = example.BUNDLED_DATA.read_text().splitlines()[: FEW_RECORDS[module]]
+    return write_jsonl(tmp_path / f"{module}.jsonl", lines)
 
 
 SAMPLE_LINE = re.compile(r"^  \[[+-]\d\.\d{3}\] .+\n {10}-> .+$", re.M)
@@ -626,9 +625,10 @@ def check_before_and_after(stdout: str, held_out: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("module", ["summarization", "code_generation"])
 def test_cli_runs_on_a_given_model(tiny_model_dir: Path, tmp_path: Path, module: str) -> None:
-    data_args = ["--data", str(few_code_tasks(tmp_path)), "--eval-fraction", "0"]  # none held out
     if module == "summarization":  # 2 held out, evaluated before and after
         data_args = ["--data", str(short_articles(tmp_path)), "--eval-fraction", "0.2"]
+    else:  # none held out
+        data_args = ["--data", str(first_bundled(module, tmp_path)), "--eval-fraction", "0"]
     result = run_cli(module, tmp_path, "--model", str(tiny_model_dir), *data_args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[SFT]" not in result.stdout  # a given model is trained as it is
@@ -653,10 +653,8 @@ def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
     args = ["--tiny-size", "test", "--sft-steps", "2", "--eval-fraction", "0.2"]
     if module == "summarization":
         args += ["--data", str(short_articles(tmp_path))]
-    if module == "code_generation":
-        args += ["--data", str(few_code_tasks(tmp_path))]
-    if module == "dialogue":
-        args += ["--data", str(few_dialogues(tmp_path))]
+    if module in FEW_RECORDS:
+        args += ["--data", str(first_bundled(module, tmp_path))]
     result = run_cli(module, tmp_path, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / module
@@ -666,7 +664,7 @@ def test_cli_offline_run_fine_tunes_the_tiny_model_first_and_reuses_it(
     assert str(sft_model) in (out / "config.yaml").read_text()  # PPO starts from the SFT model
     # the SFT data: one demonstration per training record, none of the held-out ones
     held_out = int(re.findall(r"(\d+) held out", result.stderr)[0])
-    records = {"summarization": 10, "dialogue": 10, "code_generation": 4}[module]
+    records = {"summarization": 10, **FEW_RECORDS}[module]
     demonstrations = (out / "sft" / "data.jsonl").read_text().splitlines()
     assert held_out >= 1 and len(demonstrations) == records - held_out
     check_before_and_after(result.stdout, held_out=True)
