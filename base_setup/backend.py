@@ -358,6 +358,20 @@ def _running_descendants_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (this process included; another user's
+    counts): what a leftover named after a process's pid is checked against before removal."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def parameter_count(model: Any) -> int:
     """The number of values in ``model``'s (an ``nn.Module``'s) parameters (a quantized weight
     counts its packed values)."""

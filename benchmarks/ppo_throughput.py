@@ -254,6 +254,7 @@ class Plan:
     device: Device = "cpu"
     tf32: bool = False
     quick_limits: bool = False  # the machine's limits on small arrays, once (``--smoke``)
+    offload_frozen_models: bool = False  # the MLX worker's (``--offload-frozen-models``)
 
 
 def is_real(model: str) -> bool:
@@ -291,6 +292,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             device=args.device,
             tf32=args.tf32,
             quick_limits=True,
+            offload_frozen_models=args.offload_frozen_models,
         )
     main_list: list[Config] = []
     if args.real:
@@ -301,6 +303,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                 Config(label, model, "ppo", 16, 1, 128, full_weights=full),
                 Config(label, model, "grpo", 4, 4, 128, full_weights=full),
             ]
+        main_list = [c for c in main_list if c.algorithm in args.algorithms]
     main_list += [
         Config("tiny", "tiny", "ppo", 16, 1, 32),
         Config("tiny", "tiny", "grpo", 4, 4, 32),
@@ -329,6 +332,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         real_floor=args.real_floor,
         device=args.device,
         tf32=args.tf32,
+        offload_frozen_models=args.offload_frozen_models,
     )
 
 
@@ -619,6 +623,7 @@ def _spec(
         tf32=plan.tf32,
         measure_limits=real and system == "mlx",
         quick_limits=plan.quick_limits,
+        offload_frozen_models=plan.offload_frozen_models and system == "mlx",
     )
 
 
@@ -1033,6 +1038,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "peft) instead of with LoRA r16",
     )
     parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        choices=["ppo", "grpo"],
+        default=["ppo", "grpo"],
+        help="which algorithms to run at the real shapes (default: both)",
+    )
+    parser.add_argument(
+        "--offload-frozen-models",
+        action="store_true",
+        help="our rows with offload_frozen_models: true (the reward model, and with --real-full "
+        "the reference, on disk outside the scoring phase)",
+    )
+    parser.add_argument(
         "--real-floor",
         action="store_true",
         help="also time the floor on the real shapes (each piece 1 + --floor-repeats times: "
@@ -1318,6 +1336,11 @@ def report_lines(results: list[RunResult], compare: bool) -> list[str]:
             f"gradient checkpointing ({', '.join(checkpointed)}): on both systems, on the policy "
             "and the value model (TRL: transformers' gradient_checkpointing_enable), so that it "
             "fits a 24 GiB machine's memory"
+        )
+    if any(r.spec.offload_frozen_models for r in results):
+        out.append(
+            "offload_frozen_models (ours): the reward model (and a fully fine-tuned policy's "
+            "reference) on disk outside the scoring phase, read again for each"
         )
     out.extend(iteration_table(results))
     phases = phase_memory_table(results)

@@ -82,6 +82,7 @@ def build_trainer(spec: RunSpec, output_dir: str) -> PPOTrainer:
         reward_funcs=None if spec.reward_function is None else [spec.reward_function],
         value_init=cast(ValueInit, spec.value_init),
         share_reward_base=spec.share_reward_base,
+        offload_frozen_models=spec.offload_frozen_models,
         algorithm=spec.algorithm,
         use_lora=spec.uses_lora,
         **settings,
@@ -178,6 +179,10 @@ def measure_floor(trainer: PPOTrainer, spec: RunSpec) -> dict[str, float]:
     }
     lm.train()
     floor["lm_train_step"] = _median_seconds(train_step(lm, lm_loss), repeats)
+    if head_model is trainer.reward_model:
+        # GRPO's stand-in for a trained head is its reward model, which offload_frozen_models
+        # froze (the run's iterations are over: what this step changes is never used).
+        head_model.unfreeze()
     floor["head_train_step"] = _median_seconds(train_step(head_model, head_loss), repeats)
     return floor
 

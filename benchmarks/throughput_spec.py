@@ -83,6 +83,9 @@ class RunSpec:
             ``reward_dir``, which is then not loaded; None = the reward model.
         share_reward_base: the MLX worker's ``share_reward_base``: ``reward_dir`` is then a
             reward adapter checkpoint on ``policy_dir``'s base, put on the LoRA policy's base.
+        offload_frozen_models: the MLX worker's ``offload_frozen_models``: its frozen models
+            with weights of their own (the reward model; a fully fine-tuned policy's reference)
+            on disk outside the scoring phase.
         measure_limits: the MLX worker also measures the machine's memory bandwidth and matmul
             peak after its iterations (``benchmarks.phase_floors.measure_limits``).
         quick_limits: that measurement on small arrays, once (``phase_floors.QUICK_LIMITS``:
@@ -114,6 +117,7 @@ class RunSpec:
     value_init: str = "reward"
     reward_function: str | None = None
     share_reward_base: bool = False
+    offload_frozen_models: bool = False
     measure_limits: bool = False
     quick_limits: bool = False
 
@@ -151,6 +155,10 @@ class RunSpec:
         ):
             raise ValueError(
                 "share_reward_base is the MLX worker's, with a LoRA policy and a reward model"
+            )
+        if self.offload_frozen_models and (self.system != "mlx" or self.share_reward_base):
+            raise ValueError(
+                "offload_frozen_models is the MLX worker's, with a reward model of its own"
             )
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0 (0: full weights), got {self.lora_rank}")

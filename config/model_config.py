@@ -109,6 +109,14 @@ class ModelConfig(LoraConfig):
             value model from the reward's weights, a copy of its own). The reward adapters stay
             frozen; the scores equal the reward model loaded on its own. Needs use_lora and
             reward_model_name.
+        offload_frozen_models: Keep the frozen models that hold weights of their own (a
+            reward model not on the policy's base, the reward_funcs' models, a reference or
+            teacher that is a copy: full fine-tuning, sft_model_name, teacher_model_name) on
+            disk outside the passes that use them, so that generation and the update do not
+            hold them: each is written once to a hidden folder of output_dir and read again in
+            every scoring phase (about a second per GB from the page cache; a teacher in GKD's
+            loss at every optimiser step). The same results bit for bit. An error when the run
+            has no such model.
         dtype: Parameter dtype of every model ("float32", "bfloat16" or "float16").
         fast_math: Run the models' SwiGLU, attention, RMSNorm and RoPE through the fast CPU
             functions of base_setup.fast_math (within float32 rounding of MLX's own; no effect
@@ -124,6 +132,7 @@ class ModelConfig(LoraConfig):
     value_model_name: str | None = None
     value_init: ValueInit = "reward"
     share_reward_base: bool = False
+    offload_frozen_models: bool = False
     dtype: Dtype = "float32"
     fast_math: bool = True
 

@@ -15,6 +15,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, cast
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
 from base_setup import distributed as dist
 from base_setup.grad_checkpoint import checkpoint_blocks
 from base_setup.lora_setup import LoraSettings
@@ -24,6 +28,7 @@ from config.loading import config_to_dict
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
 from models.backbone import adapter_checkpoint_base, is_adapter_checkpoint
+from models.offload import offload_to_disk
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
 from models.sft_model import ReferenceModel
@@ -333,7 +338,49 @@ def build_models(
         for trained in (models.policy, models.value_model):
             if trained is not None:
                 checkpoint_blocks(trained)
+    if config.offload_frozen_models:
+        offload_frozen_models(config, models)
     return models
+
+
+def offload_frozen_models(config: PPOConfig, models: RunModels) -> None:
+    """Keep the run's frozen models that hold weights of their own on disk outside their
+    passes (``offload_frozen_models``, :func:`models.offload.offload_to_disk`): the reward
+    model, the reward models of ``reward_funcs``, and a reference (or teacher) that is a copy.
+    A model whose arrays are partly the policy's (a reference with the adapters off, a reward
+    model on the policy's base) is left as it is: its weights are resident for the policy.
+
+    Raises:
+        ValueError: the run has no such model (nothing would be kept on disk).
+    """
+
+    def arrays(module: nn.Module) -> list[mx.array]:
+        return [a for _, a in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))]
+
+    policy_arrays = {id(a) for a in arrays(models.policy.model)}
+    frozen: list[tuple[str, str, nn.Module]] = []
+    if models.reward_model is not None:
+        frozen.append(("reward", "the reward model", models.reward_model))
+    for name, reward in models.reward_funcs:
+        if isinstance(reward, RewardModel):
+            frozen.append((f"reward_{name}", f"the reward model {name}", reward))
+    if models.ref_model is not None:
+        what = "the teacher" if config.teacher_model_name is not None else "the reference"
+        frozen.append(("reference", what, models.ref_model.model))
+    own = [
+        (name, what, module)
+        for name, what, module in frozen
+        if not any(id(a) in policy_arrays for a in arrays(module))
+    ]
+    if not own:
+        raise ValueError(
+            "offload_frozen_models: this run has no frozen model with weights of its own to "
+            "keep on disk (its reference is the policy with the adapters off, and its reward "
+            f"is {'on the policy' if frozen else 'no model'}): set offload_frozen_models: false"
+        )
+    for name, what, module in own:
+        module.freeze()  # never trained in a run; an update would be undone at a phase's end
+        offload_to_disk(module, config.output_dir, name, what)
 
 
 def _load_reference(config: PPOConfig, policy: PolicyModel, fast: bool) -> ReferenceModel | None:

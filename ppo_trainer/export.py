@@ -41,6 +41,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from algorithms.registry import ALGORITHMS
+from base_setup.backend import process_running
 from base_setup.lora_setup import lora_modules, save_adapters
 from base_setup.tokenizer_setup import eos_token_ids
 from models.backbone_loading import QUANTIZATION_KEYS
@@ -174,22 +175,10 @@ def remove_stale_exports(out: Path) -> None:
     export stay."""
     for leftover in out.parent.glob(f".{glob.escape(out.name)}.*-*"):
         kind, _, pid = leftover.name[len(out.name) + 2 :].rpartition("-")
-        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
+        if kind not in ("partial", "old") or not pid.isdigit() or process_running(int(pid)):
             continue
         logger.info("removing %s, left by an export that was killed", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _write_export(

@@ -42,6 +42,7 @@ from base_setup.lora_setup import (
 )
 from base_setup.plain import speed_tricks
 from experience_buffer.buffer import RolloutBatch
+from models.offload import drop_read_weights
 from models.policy_model import PolicyModel
 from models.sft_model import ReferenceModel
 from models.value_model import ValueModel
@@ -392,7 +393,8 @@ def collect_rollout(
     raw, reward_metrics = split_scores(raw, score_source)
     mx.eval(logprobs, entropy, ref_logprobs, arrays_in(raw))
     scores = check_scores(raw, len(texts), score_source)
-    release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
+    drop_read_weights()  # frozen models kept on disk let go of what this phase read ...
+    release_cached_buffers()  # ... and the phase ends (base_setup.backend): both are freed
     return Rollout(
         texts,
         completions,

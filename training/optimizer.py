@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from base_setup.backend import evaluate_in_groups, release_cached_buffers
 from base_setup.plain import speed_tricks
+from models.offload import drop_read_weights
 
 
 @mx.compile
@@ -335,6 +336,7 @@ def optimizer_step(
     evaluate_in_groups([w for _, w in new_weights], UPDATE_GROUP_BYTES)
     mx.eval(optimizer.state, totals)
     totals["grad_norm"] = grad_norm
+    drop_read_weights()  # a frozen model kept on disk (a teacher in the loss) lets go of it
     release_cached_buffers()  # the end of a phase (base_setup.backend.setup_cpu_buffer_cache)
     return totals
 
