@@ -568,25 +568,10 @@ def evaluate_in_groups(arrays: Sequence[Any], group_bytes: int) -> int:
 
 #: MLX's default limit on the freed buffers its CPU backend keeps for reuse.
 MLX_CPU_DEFAULT_CACHE_BYTES = 32 << 20
-#: The floor of this project's default limit on the CPU.
-CPU_CACHE_MIN_BYTES = 256 << 20
+#: This project's default limit on the CPU, within each phase of work.
+CPU_CACHE_BYTES = 256 << 20
 _CACHE_ENV = "PPO_MLX_CPU_CACHE_MB"
 _CACHE_STATE: dict[str, int | None] = {}
-
-
-def _default_cache_limit() -> int:
-    """The default limit: a quarter of MLX's memory limit, and at most half of what that limit
-    leaves above the largest array memory the process has needed so far (MLX's peak), so that
-    a run whose arrays come near the memory limit does not get a cache that would take it over;
-    never below :data:`CPU_CACHE_MIN_BYTES`. Records that peak in ``_CACHE_STATE["peak"]``
-    (the largest seen at any call), so that ``mx.reset_peak_memory`` cannot raise the limit."""
-    import mlx.core as mx
-
-    limit = mx.get_memory_limit()
-    peak = max(mx.get_peak_memory(), _CACHE_STATE.get("peak") or 0)
-    _CACHE_STATE["peak"] = peak
-    headroom = max(limit - peak, 0) // 2
-    return max(min(limit // 4, headroom), min(CPU_CACHE_MIN_BYTES, limit // 4))
 
 
 def setup_cpu_buffer_cache() -> int | None:
@@ -595,21 +580,21 @@ def setup_cpu_buffer_cache() -> int | None:
     MLX's CPU backend keeps few freed buffers (:data:`MLX_CPU_DEFAULT_CACHE_BYTES`); past that,
     a freed buffer goes back to the C library, which returns large ones to the kernel, and the
     next allocation of that size takes fresh pages (zeroed by the kernel, one page fault per
-    page). A real-shape training step allocates and frees many large buffers per pass, so
-    without a larger cache its time goes to page faults.
+    page). A real-shape pass allocates and frees many buffers of the same sizes, so the limit is
+    raised to :data:`CPU_CACHE_BYTES`, and the cache is emptied at the end of each phase (a
+    generation, the scoring passes, one optimiser step: :func:`release_cached_buffers`), so
+    that the buffers a phase frees serve that phase's later allocations but never stay resident
+    beside the next phase's, which allocates other sizes.
 
-    The limit is raised to :func:`_default_cache_limit` (a quarter of MLX's memory limit, less
-    near it) and the cache is emptied at the end of each phase (a generation, the scoring
-    passes, one optimiser step: :func:`release_cached_buffers`), so that the buffers a phase
-    frees serve that phase's later allocations but never stay resident beside the next
-    phase's, which allocates different sizes (a cache kept across phases raises the peak
-    resident memory).
+    Not larger: every byte the cache holds is resident memory above MLX's arrays, and a cache of
+    a quarter of the memory limit (an earlier default) added gigabytes to the peak of a PPO
+    update at real shapes for no measurable speed (docs/performance.md).
 
     Acts only when the default device is the CPU, plain MLX is not asked for
     (:mod:`base_setup.plain`), and the limit is still MLX's default (a limit set by the caller
-    is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets a fixed limit in MiB
-    instead (``32`` is MLX's default; phases still empty it). Returns the limit now in force in
-    bytes, or None where nothing was changed. A run sets it up and undoes it with
+    is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets another limit in MiB
+    (``32`` is MLX's default; phases still empty it). Returns the limit now in force in bytes,
+    or None where nothing was changed. A run sets it up and undoes it with
     :func:`run_buffer_cache`.
     """
     if "limit" in _CACHE_STATE:
@@ -621,14 +606,13 @@ def setup_cpu_buffer_cache() -> int | None:
     limit: int | None = None
     if speed_tricks():
         env = os.environ.get(_CACHE_ENV)
-        if env is None:
-            wanted = _default_cache_limit()
-        else:
+        wanted = CPU_CACHE_BYTES
+        if env is not None:
             try:
                 wanted = int(float(env) * (1 << 20))
             except (ValueError, OverflowError):  # "lots", "nan", "inf"
                 raise ValueError(
-                    f"{_CACHE_ENV}={env!r} is not a number of MiB; unset it or give e.g. 4096"
+                    f"{_CACHE_ENV}={env!r} is not a number of MiB; unset it or give e.g. 256"
                 ) from None
             if wanted < 0:
                 raise ValueError(f"{_CACHE_ENV} must be >= 0 MiB, got {env}")
@@ -638,7 +622,6 @@ def setup_cpu_buffer_cache() -> int | None:
         else:
             limit = wanted
             _CACHE_STATE["previous"] = previous
-            _CACHE_STATE["adaptive"] = int(env is None)
             logger.debug("MLX CPU buffer cache limit: %d MiB", wanted >> 20)
     _CACHE_STATE["limit"] = limit
     return limit
@@ -646,33 +629,20 @@ def setup_cpu_buffer_cache() -> int | None:
 
 def release_cached_buffers() -> None:
     """The end of a phase of work (a generation, the scoring passes, one optimiser step):
-    empty MLX's CPU buffer cache, and refit the default limit to the peak memory seen so far
-    (:func:`_default_cache_limit`). Does nothing unless :func:`setup_cpu_buffer_cache` set the
+    empty MLX's CPU buffer cache. Does nothing unless :func:`setup_cpu_buffer_cache` set the
     limit (the CPU device, no limit of the caller's)."""
     if not _CACHE_STATE.get("limit"):
         return
     import mlx.core as mx
 
     mx.clear_cache()
-    if _CACHE_STATE.get("adaptive"):
-        limit = _default_cache_limit()
-        _CACHE_STATE["limit"] = limit
-        mx.set_cache_limit(limit)
 
 
 @contextmanager
 def generation_buffer_cache() -> Iterator[None]:
-    """A generation's phase: the default limit lowered to :data:`CPU_CACHE_MIN_BYTES` within,
-    the cache emptied on exit (:func:`release_cached_buffers`). A decoding step's buffers are
-    small and the same from step to step, so the training steps' larger limit only slows
-    sampling. A fixed limit (``PPO_MLX_CPU_CACHE_MB``, or the caller's) is left as it is."""
-    if not _CACHE_STATE.get("adaptive"):
-        yield
-        return
-    import mlx.core as mx
-
-    mx.clear_cache()  # whatever an earlier phase left
-    mx.set_cache_limit(min(CPU_CACHE_MIN_BYTES, _CACHE_STATE["limit"] or 0))
+    """A generation's phase: the cache emptied before (whatever the work since the last phase
+    left) and after (:func:`release_cached_buffers`)."""
+    release_cached_buffers()
     try:
         yield
     finally:
