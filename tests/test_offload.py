@@ -33,7 +33,8 @@ def flat(tree: Any) -> dict[str, np.ndarray]:
 
 
 def nbytes(module: Any) -> int:
-    return sum(a.nbytes for _, a in tree_flatten(module.parameters()))
+    pairs = cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
+    return sum(a.nbytes for _, a in pairs)
 
 
 @pytest.fixture(scope="module")
