@@ -28,13 +28,14 @@ import shutil
 import socket
 import weakref
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from base_setup.backend import process_running
+from models.backbone_loading import flat_parameters
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -69,7 +70,7 @@ class DiskWeights:
         module = self._module()
         if module is None:
             raise RuntimeError("the offloaded module was garbage collected")
-        flat = dict(_flat(module.parameters()))
+        flat = flat_parameters(module)
         self._names = list(flat)
         self.nbytes = sum(a.nbytes for a in flat.values())
         try:
@@ -120,7 +121,7 @@ def offload_to_disk(module: nn.Module, run_dir: str | Path, name: str, what: str
         ValueError: ``module`` has trainable parameters (an offloaded model never trains), or
             its weights cannot be written.
     """
-    trainable = _flat(module.trainable_parameters())
+    trainable = cast(list[tuple[str, mx.array]], tree_flatten(module.trainable_parameters()))
     if trainable:
         raise ValueError(
             f"offload_frozen_models: {what} has trainable parameters ({trainable[0][0]}, ...): "
@@ -166,11 +167,6 @@ def remove_stale_offloads(run_dir: Path) -> None:
         pid = folder.name.rpartition("-")[2]
         if pid.isdigit() and not process_running(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)  # a leftover costs only space
-
-
-def _flat(tree: Any) -> list[tuple[str, mx.array]]:
-    """A module's parameters as ``(dotted name, array)`` pairs."""
-    return cast(list[tuple[str, mx.array]], tree_flatten(tree))
 
 
 def _host() -> str:

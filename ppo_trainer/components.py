@@ -15,9 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, cast
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from base_setup import distributed as dist
 from base_setup.grad_checkpoint import checkpoint_blocks
@@ -28,6 +26,7 @@ from config.loading import config_to_dict
 from config.model_config import ModelConfig
 from config.ppo_config import PPOConfig, RewardSpec, is_reward_function_spec
 from models.backbone import adapter_checkpoint_base, is_adapter_checkpoint
+from models.backbone_loading import flat_parameters
 from models.offload import offload_to_disk
 from models.policy_model import PolicyModel
 from models.reward_model import RewardFunction, RewardModel
@@ -353,11 +352,7 @@ def offload_frozen_models(config: PPOConfig, models: RunModels) -> None:
     Raises:
         ValueError: the run has no such model (nothing would be kept on disk).
     """
-
-    def arrays(module: nn.Module) -> list[mx.array]:
-        return [a for _, a in cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))]
-
-    policy_arrays = {id(a) for a in arrays(models.policy.model)}
+    policy_arrays = {id(a) for a in flat_parameters(models.policy.model).values()}
     frozen: list[tuple[str, str, nn.Module]] = []
     if models.reward_model is not None:
         frozen.append(("reward", "the reward model", models.reward_model))
@@ -370,7 +365,7 @@ def offload_frozen_models(config: PPOConfig, models: RunModels) -> None:
     own = [
         (name, what, module)
         for name, what, module in frozen
-        if not any(id(a) in policy_arrays for a in arrays(module))
+        if not any(id(a) in policy_arrays for a in flat_parameters(module).values())
     ]
     if not own:
         raise ValueError(

@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from config.ppo_config import PPOConfig
 from fixtures.tiny_corpus import review_prompts
 from models import offload
+from models.backbone_loading import flat_parameters
 from models.offload import drop_read_weights, offload_to_disk, offloaded_bytes
 from models.policy_model import PolicyModel
 from models.reward_model import RewardModel
@@ -33,8 +34,7 @@ def flat(tree: Any) -> dict[str, np.ndarray]:
 
 
 def nbytes(module: Any) -> int:
-    pairs = cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
-    return sum(a.nbytes for _, a in pairs)
+    return sum(a.nbytes for a in flat_parameters(module).values())
 
 
 @pytest.fixture(scope="module")
