@@ -56,6 +56,7 @@ def test_scores_are_equal_and_the_weights_leave_memory_at_each_phase_end(
     model = frozen_reward(reward_dir)
     before = np.array(model.score(PROBE, LENGTHS))
     size = nbytes(model)
+    slack = size // 8  # the pass's own small arrays; the weights are eight times that
     gc.collect()
     resident = mx.get_active_memory()
     weights = offload_to_disk(model, tmp_path, "reward", "the reward model")
@@ -64,12 +65,12 @@ def test_scores_are_equal_and_the_weights_leave_memory_at_each_phase_end(
     assert offloaded_bytes() >= size
     gc.collect()
     # The arrays it held are gone; the file's are not read yet.
-    assert mx.get_active_memory() <= resident - size + (1 << 20)
+    assert mx.get_active_memory() <= resident - size + slack
     np.testing.assert_array_equal(np.array(model.score(PROBE, LENGTHS)), before)
-    assert mx.get_active_memory() >= resident - (1 << 20)  # read for the pass, held by the model
+    assert mx.get_active_memory() >= resident - slack  # read for the pass, held by the model
     drop_read_weights()  # a phase ends
     gc.collect()
-    assert mx.get_active_memory() <= resident - size + (1 << 20)
+    assert mx.get_active_memory() <= resident - size + slack
     # Read again for the next pass: the same scores, every phase.
     for _ in range(2):
         np.testing.assert_array_equal(np.array(model.score(PROBE, LENGTHS)), before)
