@@ -568,34 +568,34 @@ def evaluate_in_groups(arrays: Sequence[Any], group_bytes: int) -> int:
 
 #: MLX's default limit on the freed buffers its CPU backend keeps for reuse.
 MLX_CPU_DEFAULT_CACHE_BYTES = 32 << 20
-#: This project's default limit on the CPU, within each phase of work.
-CPU_CACHE_BYTES = 256 << 20
+#: This project's default limit on the CPU, within each phase of work: MLX's own.
+CPU_CACHE_BYTES = MLX_CPU_DEFAULT_CACHE_BYTES
 _CACHE_ENV = "PPO_MLX_CPU_CACHE_MB"
 _CACHE_STATE: dict[str, int | None] = {}
 
 
 def setup_cpu_buffer_cache() -> int | None:
-    """Let MLX's CPU backend reuse freed buffers within a phase of work; idempotent.
+    """Take charge of MLX's CPU buffer cache for a run: its limit, and emptying it at the end of
+    each phase of work; idempotent.
 
-    MLX's CPU backend keeps few freed buffers (:data:`MLX_CPU_DEFAULT_CACHE_BYTES`); past that,
-    a freed buffer goes back to the C library, which returns large ones to the kernel, and the
-    next allocation of that size takes fresh pages (zeroed by the kernel, one page fault per
-    page). A real-shape pass allocates and frees many buffers of the same sizes, so the limit is
-    raised to :data:`CPU_CACHE_BYTES`, and the cache is emptied at the end of each phase (a
-    generation, the scoring passes, one optimiser step: :func:`release_cached_buffers`), so
-    that the buffers a phase frees serve that phase's later allocations but never stay resident
+    MLX's CPU backend keeps freed buffers up to a limit (:data:`MLX_CPU_DEFAULT_CACHE_BYTES`);
+    past that, a freed buffer goes back to the C library, which returns large ones to the
+    kernel, and the next allocation of that size takes fresh pages. The limit is set to
+    :data:`CPU_CACHE_BYTES` (MLX's own) and the cache is emptied at the end of each phase (a
+    generation, the scoring passes, one optimiser step: :func:`release_cached_buffers`), so that
+    the buffers a phase frees serve that phase's later allocations but never stay resident
     beside the next phase's, which allocates other sizes.
 
-    Not larger: every byte the cache holds is resident memory above MLX's arrays, and a cache of
-    a quarter of the memory limit (an earlier default) added gigabytes to the peak of a PPO
-    update at real shapes for no measurable speed (docs/performance.md).
+    Not larger: every byte the cache holds is resident memory above MLX's arrays. A quarter of
+    the memory limit (the default until 2026-11-30) added gigabytes to the peak of a PPO update
+    at real shapes, and 256 MiB (until 2026-12-01) raised the peak too, at both real shapes, for
+    no measurable speed (docs/performance.md).
 
     Acts only when the default device is the CPU, plain MLX is not asked for
     (:mod:`base_setup.plain`), and the limit is still MLX's default (a limit set by the caller
     is kept, and its cache never emptied). ``PPO_MLX_CPU_CACHE_MB`` sets another limit in MiB
-    (``32`` is MLX's default; phases still empty it). Returns the limit now in force in bytes,
-    or None where nothing was changed. A run sets it up and undoes it with
-    :func:`run_buffer_cache`.
+    (phases still empty it). Returns the limit now in force in bytes, or None where nothing was
+    changed. A run sets it up and undoes it with :func:`run_buffer_cache`.
     """
     if "limit" in _CACHE_STATE:
         return _CACHE_STATE["limit"]

@@ -734,10 +734,10 @@ def _cache_limit() -> int:
     return limit
 
 
-def test_cpu_buffer_cache_is_raised_to_its_limit(default_cache_limit: ModuleType) -> None:
+def test_cpu_buffer_cache_takes_mlxs_limit(default_cache_limit: ModuleType) -> None:
     backend = default_cache_limit
     assert backend.setup_cpu_buffer_cache() == backend.CPU_CACHE_BYTES
-    assert _cache_limit() == backend.CPU_CACHE_BYTES > backend.MLX_CPU_DEFAULT_CACHE_BYTES
+    assert _cache_limit() == backend.CPU_CACHE_BYTES == backend.MLX_CPU_DEFAULT_CACHE_BYTES
     mx.set_cache_limit(123 << 20)  # idempotent: a second call changes nothing
     assert backend.setup_cpu_buffer_cache() == backend.CPU_CACHE_BYTES
     assert _cache_limit() == 123 << 20
