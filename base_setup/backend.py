@@ -587,9 +587,9 @@ def setup_cpu_buffer_cache() -> int | None:
     beside the next phase's, which allocates other sizes.
 
     Not larger: every byte the cache holds is resident memory above MLX's arrays. A quarter of
-    the memory limit (the default until 2026-11-30) added gigabytes to the peak of a PPO update
-    at real shapes, and 256 MiB (until 2026-12-01) raised the peak too, at both real shapes, for
-    no measurable speed (docs/performance.md).
+    the memory limit (an earlier default) added gigabytes to the peak of a PPO update at real
+    shapes, and 256 MiB (the default after it) raised the peak too, at both real shapes, for no
+    measurable speed (docs/performance.md).
 
     Acts only when the default device is the CPU, plain MLX is not asked for
     (:mod:`base_setup.plain`), and the limit is still MLX's default (a limit set by the caller
