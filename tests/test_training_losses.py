@@ -1077,6 +1077,66 @@ def test_optimizer_step_updates_a_group_of_parameters_at_a_time(
     assert peak < one_peak - 8 * 2**20, (peak, one_peak)
 
 
+def test_optimizer_step_updates_the_largest_parameter_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parameter's update holds its new weight and moments beside the old ones, and each
+    group's evaluation frees that group's gradients: the largest parameter (listed first, as an
+    embedding is) updated last finds the other gradients freed, so the step peaks lower. The same
+    weights and optimiser state either way."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from training import optimizer as opt
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(4096, 512)  # 8 MB, listed first
+            self.layers = [nn.Linear(512, 512) for _ in range(8)]  # 1 MB each
+
+        def __call__(self, ids: mx.array) -> mx.array:
+            h = self.embed(ids)
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    def run(order: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        mx.random.seed(0)
+        model = Model()
+        ids = mx.random.randint(0, 4096, (4, 8))
+
+        def loss_fn(m: Any, batch: mx.array) -> tuple[mx.array, dict]:
+            return (m(batch) ** 2).mean(), {}
+
+        optimizer = opt.AdamW(learning_rate=1e-3)
+        value_and_grad = nn.value_and_grad(model, loss_fn)
+        monkeypatch.setattr(opt, "UPDATE_GROUP_BYTES", 1 << 20)  # a parameter per group
+        monkeypatch.setattr(opt, "largest_last", order)
+        opt.optimizer_step(
+            model, optimizer, value_and_grad, [ids], [1.0], max_grad_norm=1.0, step=1
+        )
+        mx.eval(model.parameters(), optimizer.state)
+        mx.reset_peak_memory()
+        opt.optimizer_step(
+            model, optimizer, value_and_grad, [ids], [1.0], max_grad_norm=1.0, step=2
+        )
+        peak = mx.get_peak_memory()
+        flat = cast(list[tuple[str, mx.array]], tree_flatten(optimizer.state))
+        return _flat(model), {k: np.array(v) for k, v in flat}, peak
+
+    largest_last = opt.largest_last
+    params, state, peak = run(largest_last)
+    as_listed, listed_state, listed_peak = run(list)
+    assert all(np.array_equal(params[k], as_listed[k]) for k in params)
+    assert all(np.array_equal(state[k], listed_state[k]) for k in state)
+    # Listed first, the embedding's update (its new weight and moments: 24 MB) ran beside the 8
+    # linear layers' gradients (8 MB); last, beside none of them.
+    assert peak < listed_peak - 6 * 2**20, (peak, listed_peak)
+    sizes = [a.nbytes for a in largest_last([mx.zeros((3,)), mx.zeros((1,)), mx.zeros((2,))])]
+    assert sizes == sorted(sizes)
+
+
 def test_evaluate_in_groups_counts_its_evaluations() -> None:
     from base_setup.backend import evaluate_in_groups
 

@@ -311,6 +311,9 @@ def optimizer_step(
         grads = g if grads is None else tree_map(mx.add, grads, g)
         for key, value in {"loss": loss, **metrics}.items():
             totals[key] = totals[key] + weight * value if key in totals else weight * value
+    # Only ``grads`` may hold the gradients from here: the update frees each group's as it goes
+    # (a name left holding the last micro-batch's would keep them all to the end).
+    del g
     grads = dist.average_gradients(grads, group)
     # The gradients on their own first: evaluated only as inputs of the norm, MLX orders the
     # backward pass so that far more of it is alive at once (a higher peak memory).
@@ -333,7 +336,7 @@ def optimizer_step(
     # weights and moments of the whole model beside the old ones; a group at a time, one
     # group's. Same values.
     new_weights = cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters()))
-    evaluate_in_groups([w for _, w in new_weights], UPDATE_GROUP_BYTES)
+    evaluate_in_groups(largest_last([w for _, w in new_weights]), UPDATE_GROUP_BYTES)
     mx.eval(optimizer.state, totals)
     totals["grad_norm"] = grad_norm
     drop_read_weights()  # a frozen model kept on disk (a teacher in the loss) lets go of it
@@ -343,6 +346,19 @@ def optimizer_step(
 
 #: About how many bytes of parameters :func:`optimizer_step` updates per evaluation.
 UPDATE_GROUP_BYTES = 64 << 20
+
+
+def largest_last(arrays: Sequence[mx.array]) -> list[mx.array]:
+    """``arrays`` by size, smallest first (ties in their order): the order in which
+    :func:`optimizer_step` evaluates the new weights.
+
+    Each group's evaluation frees that group's gradients, and a parameter's update holds its
+    new weight and moments beside the old ones. Updated last, the largest parameter (an
+    embedding, a group of its own) finds every other gradient already freed; updated first, as
+    a model's parameters are listed, it found all of them alive: at Qwen3-0.6B's full-weight
+    value model that made the PPO update's peak (docs/performance.md).
+    """
+    return sorted(arrays, key=lambda a: a.nbytes)
 
 
 def _to_float(x: mx.array) -> float:
