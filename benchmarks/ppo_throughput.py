@@ -86,6 +86,8 @@ from pathlib import Path
 from typing import Literal, Sequence, cast
 
 from benchmarks.phase_floors import (
+    DOC_BEGIN,
+    DOC_END,
     floor_lines,
     floor_rows,
     growth_lines,
@@ -1108,6 +1110,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tf32 is a GPU setting: it needs --device gpu")
     if args.baseline is not None and not args.baseline.is_file():
         parser.error(f"--baseline {args.baseline}: no such results.json")
+    if args.floors_doc is not None:  # checked now, not after an hour of runs
+        if not args.floors_doc.is_file():
+            parser.error(
+                f"--floors-doc {args.floors_doc}: no such file (give a Markdown file with the "
+                f"lines {DOC_BEGIN!r} and {DOC_END!r} where the table goes)"
+            )
+        text = args.floors_doc.read_text(encoding="utf-8")
+        if DOC_BEGIN not in text or DOC_END not in text:
+            parser.error(
+                f"--floors-doc {args.floors_doc}: no {DOC_BEGIN!r} ... {DOC_END!r} markers; "
+                "add them where the table goes"
+            )
     if (
         min(args.warmup, args.medium_warmup, args.real_warmup, args.retries) < 0
         or min(args.iterations, args.medium_iterations, args.real_iterations) < 1

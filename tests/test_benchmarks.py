@@ -78,6 +78,23 @@ def test_a_missing_baseline_is_refused_before_any_run(tmp_path: Path) -> None:
         parse_args(["--smoke", "--baseline", str(tmp_path / "none.json")])
 
 
+def test_a_floors_doc_without_its_markers_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.phase_floors import DOC_BEGIN, DOC_END
+
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--floors-doc", str(tmp_path / "none.md")])
+    assert "no such file" in capsys.readouterr().err
+    doc = tmp_path / "perf.md"
+    doc.write_text("# Performance\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--floors-doc", str(doc)])
+    assert "markers" in capsys.readouterr().err
+    doc.write_text(f"# Performance\n{DOC_BEGIN}\nold\n{DOC_END}\n", encoding="utf-8")
+    assert parse_args(["--smoke", "--floors-doc", str(doc)]).floors_doc == doc
+
+
 @pytest.mark.slow
 def test_smoke_run_prints_every_section_and_skips_trl_when_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
