@@ -366,6 +366,15 @@ def markdown_table(rows: Sequence[FloorRow], machine: str) -> list[str]:
     return [*lines, DOC_END]
 
 
+def markers_problem(path: Path, text: str) -> str | None:
+    """Why ``text`` (``path``'s) cannot take the table: no :data:`DOC_BEGIN` ...
+    :data:`DOC_END` markers in that order; None when it can."""
+    begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
+    if begin < 0 or end < begin:
+        return f"{path} has no {DOC_BEGIN!r} ... {DOC_END!r} markers: add them where the table goes"
+    return None
+
+
 def write_doc(path: Path, table: Sequence[str]) -> None:
     """Replace the text between the markers in ``path`` with ``table`` (markers included).
 
@@ -373,11 +382,10 @@ def write_doc(path: Path, table: Sequence[str]) -> None:
         ValueError: ``path`` lacks the markers (say where the table goes by adding them).
     """
     text = path.read_text(encoding="utf-8")
+    problem = markers_problem(path, text)
+    if problem is not None:
+        raise ValueError(problem)
     begin, end = text.find(DOC_BEGIN), text.find(DOC_END)
-    if begin < 0 or end < begin:
-        raise ValueError(
-            f"{path} has no {DOC_BEGIN!r} ... {DOC_END!r} markers: add them where the table goes"
-        )
     updated = text[:begin] + "\n".join(table) + text[end + len(DOC_END) :]
     path.write_text(updated, encoding="utf-8")
 

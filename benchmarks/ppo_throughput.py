@@ -93,6 +93,7 @@ from benchmarks.phase_floors import (
     growth_lines,
     limits_line,
     markdown_table,
+    markers_problem,
     write_doc,
 )
 from benchmarks.throughput_models import RealShape
@@ -1116,12 +1117,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 f"--floors-doc {args.floors_doc}: no such file (give a Markdown file with the "
                 f"lines {DOC_BEGIN!r} and {DOC_END!r} where the table goes)"
             )
-        text = args.floors_doc.read_text(encoding="utf-8")
-        if DOC_BEGIN not in text or DOC_END not in text:
-            parser.error(
-                f"--floors-doc {args.floors_doc}: no {DOC_BEGIN!r} ... {DOC_END!r} markers; "
-                "add them where the table goes"
-            )
+        problem = markers_problem(args.floors_doc, args.floors_doc.read_text(encoding="utf-8"))
+        if problem is not None:
+            parser.error(f"--floors-doc: {problem}")
     if (
         min(args.warmup, args.medium_warmup, args.real_warmup, args.retries) < 0
         or min(args.iterations, args.medium_iterations, args.real_iterations) < 1
