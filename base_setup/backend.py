@@ -291,8 +291,26 @@ def _record_openblas(lib: Any) -> int:
     as the most a run may use ("max_threads"); returns that count. Loaded again later (the
     loaders are called again by tests and tools), OpenBLAS may have a run's lower count set
     (:func:`run_blas_threads` under load), which must not become every later run's ceiling."""
+    from base_setup import native
+
     _OPENBLAS["lib"] = lib
+    native.set_threads(int(lib.openblas_get_num_threads()))
     return int(_OPENBLAS.setdefault("max_threads", int(lib.openblas_get_num_threads())))
+
+
+def blas_threads() -> int | None:
+    """OpenBLAS's thread count now (None without OpenBLAS)."""
+    lib = _OPENBLAS.get("lib")
+    return int(lib.openblas_get_num_threads()) if lib is not None else None
+
+
+def _set_blas_threads(lib: Any, threads: int) -> None:
+    """Set OpenBLAS's thread count, and the native kernels' (:mod:`base_setup.native`, if they
+    are loaded) to the same: element-wise work then shares the cores the matmuls use."""
+    from base_setup import native
+
+    lib.openblas_set_num_threads(threads)
+    native.set_threads(threads)
 
 
 #: Shortest time between two load samples that :func:`adapt_blas_threads` acts on.
@@ -427,7 +445,7 @@ def run_blas_threads(saved: int | None = None) -> int | None:
                 other,
                 os.cpu_count() or 1,
             )
-    lib.openblas_set_num_threads(wanted)
+    _set_blas_threads(lib, wanted)
     _OPENBLAS.pop("sample", None)
     return wanted
 
@@ -471,7 +489,7 @@ def adapt_blas_threads() -> int | None:
     current = int(lib.openblas_get_num_threads())
     wanted = blas_threads_for_load(other, os.cpu_count() or 1, int(_OPENBLAS["max_threads"]))
     if wanted != current:
-        lib.openblas_set_num_threads(wanted)
+        _set_blas_threads(lib, wanted)
         logger.info(
             "BLAS threads %d -> %d: other processes kept %.1f of %d cores busy",
             current,
@@ -523,13 +541,13 @@ def side_by_side(count: int = 2) -> Iterator[list[Any]]:
         return
     assert lib is not None
     streams = _lane_streams(count)
-    lib.openblas_set_num_threads(max(1, threads // count))
+    _set_blas_threads(lib, max(1, threads // count))
     try:
         yield [mx.stream(s) for s in streams]
     finally:
         for s in streams:
             mx.synchronize(s)  # nothing of a lane runs once the thread count changes back
-        lib.openblas_set_num_threads(threads)
+        _set_blas_threads(lib, threads)
 
 
 #: CPU streams of :func:`side_by_side`, made once per process (MLX streams are not freed).

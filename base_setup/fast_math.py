@@ -23,6 +23,10 @@ each is one compiled function of MLX's own formula (:func:`rms_norm`, :func:`rop
 and dtypes, differentiated by MLX itself), which matters where per-op overhead dominates: a
 decoding step of a small model.
 
+Faster still: on Linux the SwiGLU, the attention's softmax (forward and gradient) and a large
+RMSNorm run through native kernels (:mod:`base_setup.native`), the same float32 arithmetic in
+one pass over the run's threads, the same bits (RMSNorm's gradient is MLX's).
+
 Where: :func:`base_setup.fast_layers.accelerate_model` gives the layers of one model instance (the models this project
 loads: ``PolicyModel``, ``ScalarHeadModel``) fast subclasses of their classes: mlx-lm's MLP and
 attention layers call :func:`swiglu` and :func:`scaled_dot_product_attention` (at one query
@@ -184,12 +188,18 @@ def sigmoid(x: mx.array) -> mx.array:
 
 @mx.custom_function
 def _swiglu_fast(gate: mx.array, x: mx.array) -> mx.array:
+    kernels = _native(gate, x)
+    if kernels is not None:  # the same arithmetic in one pass over the run's threads
+        return cast(mx.array, kernels.swiglu(gate, x))
     return _swiglu_c(gate, x, *_exp2_parts(-gate.astype(mx.float32))).astype(x.dtype)
 
 
 @_swiglu_fast.vjp
 def _swiglu_fast_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
     gate, x = primals
+    kernels = _native(gate, x, cotangent)
+    if kernels is not None:
+        return tuple(kernels.swiglu_grad(gate, x, cotangent))
     return _swiglu_grad(
         gate, x, *_exp2_parts(-gate.astype(mx.float32)), cotangent.astype(mx.float32)
     )
@@ -402,8 +412,12 @@ def _attention_fn(scale: float) -> Callable[..., Any]:
             q: mx.array, keys: mx.array, values: mx.array, bias: mx.array
         ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
             scores = mx.addmm(bias, q, keys[:, :, None].swapaxes(-1, -2), alpha=scale)
-            row_max = mx.max(scores, axis=-1, keepdims=True)  # (B, Hkv, R, L, 1)
-            e = _exp_shifted(scores, row_max)  # (B, Hkv, R, L, S)
+            kernels = _native(scores)
+            if kernels is not None:  # the row max and the exp in one pass over each row
+                e, row_max = kernels.row_exp(scores)
+            else:
+                row_max = mx.max(scores, axis=-1, keepdims=True)  # (B, Hkv, R, L, 1)
+                e = _exp_shifted(scores, row_max)  # (B, Hkv, R, L, S)
             ones = mx.ones((*values.shape[:-1], 1), dtype=values.dtype)  # (B, Hkv, S, 1)
             summed = e @ mx.concatenate([values, ones], axis=-1)[:, :, None]  # (B, Hkv, R, L, Dv+1)
             # 1 / sum, a new array: a slice of ``summed`` would keep all of it for the vjp
@@ -427,14 +441,15 @@ def _attention_fn(scale: float) -> Callable[..., Any]:
             d_rows = d_scaled.reshape(b, hkv, rows, dv)
             d_values = e_rows.swapaxes(-1, -2) @ d_rows  # (B, Hkv, S, Dv)
             d_weighted = d_rows @ values.swapaxes(-1, -2)  # (B, Hkv, R*L, S)
-            # rowsum(d' * out) from e, so that out is not kept for the vjp (docstring)
-            delta = (e_rows * d_weighted).sum(axis=-1, keepdims=True) * inv_total.reshape(
-                b, hkv, rows, 1
-            )
+            inv_rows, seen_rows = inv_total.reshape(b, hkv, rows, 1), seen.reshape(b, hkv, rows, 1)
             # (B, Hkv, R*L, S), without the scale: it multiplies the smaller (., D) products
-            d_scores = _attention_scores_grad(
-                e_rows, d_weighted, delta, seen.reshape(b, hkv, rows, 1)
-            )
+            kernels = _native(e_rows, d_weighted)
+            if kernels is not None:  # delta and d_scores in one pass over each row
+                d_scores = kernels.attention_scores_grad(e_rows, d_weighted, inv_rows, seen_rows)
+            else:
+                # rowsum(d' * out) from e, so that out is not kept for the vjp (docstring)
+                delta = (e_rows * d_weighted).sum(axis=-1, keepdims=True) * inv_rows
+                d_scores = _attention_scores_grad(e_rows, d_weighted, delta, seen_rows)
             d_q = ((d_scores @ keys) * scale).reshape(b, hkv, rep, length, d)
             q_rows = q.reshape(b, hkv, rows, d) * scale
             d_keys = d_scores.swapaxes(-1, -2) @ q_rows  # (B, Hkv, S, D)
@@ -551,8 +566,14 @@ def _rms_norm_fn(eps: float) -> Callable[[mx.array, mx.array], mx.array]:
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``mx.fast.rms_norm(x, weight, eps)``: ``x / sqrt(mean(x^2, -1) + eps) * weight``, the
     normalisation in float32, then ``x``'s dtype times ``weight`` (MLX's own formula, bit for
-    bit). Differentiable; MLX's own off the CPU and above a few thousand elements."""
-    if x.size > _MAX_COMPILED_RMS_NORM or not fast_math_enabled():
+    bit). Differentiable; MLX's own off the CPU, and above a few thousand elements MLX's own or,
+    in float32, the native kernel's (:mod:`base_setup.native`) with MLX's gradient."""
+    if not fast_math_enabled():
+        return mx.fast.rms_norm(x, weight, eps)
+    if x.size > _MAX_COMPILED_RMS_NORM:
+        kernels = _native(x, weight)
+        if kernels is not None and weight.ndim == 1:
+            return cast(mx.array, kernels.rms_norm(x, weight, eps))
         return mx.fast.rms_norm(x, weight, eps)
     return _rms_norm_fn(eps)(x, weight)
 
@@ -622,6 +643,17 @@ def _mlx_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     from mlx_lm.models.activations import swiglu as mlx_swiglu
 
     return mlx_swiglu(gate, x)
+
+
+def _native(*arrays: mx.array) -> Any:
+    """The native kernels (:mod:`base_setup.native`) for float32 ``arrays``, or None: another
+    dtype, or the kernels are off (their build or ``PPO_MLX_NATIVE=0``). Called where the fast
+    functions already run, so the fast math is on."""
+    if any(a.dtype != mx.float32 for a in arrays):
+        return None
+    from base_setup import native
+
+    return native.kernels()
 
 
 def _single(primals: Any) -> mx.array:

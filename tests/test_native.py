@@ -1,0 +1,277 @@
+"""The native CPU kernels (base_setup/native.py): built and loaded, the same bits as the fast
+functions they stand for (values and gradients, whatever the thread count), and off with a reason
+wherever they cannot be built or loaded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from base_setup import backend, fast_math, native
+
+BUILDABLE = native.build_inputs()
+needs_kernels = pytest.mark.skipif(
+    isinstance(BUILDABLE, str), reason=f"the native kernels cannot be built here: {BUILDABLE}"
+)
+
+
+@pytest.fixture
+def kernels() -> Iterator[Any]:
+    module = native.kernels()
+    assert module is not None, "the native kernels did not load (see the log)"
+    threads = module.threads()
+    yield module
+    module.set_threads(threads)
+
+
+def _without_native(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the fast functions as they are without the native kernels."""
+    with monkeypatch.context() as m:
+        m.setitem(native._STATE, "module", None)
+        out = fn()
+        mx.eval(out)
+        return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return bool(mx.array_equal(a, b, equal_nan=True).item())
+
+
+def _gate_and_up(shape: tuple[int, ...], seed: int = 0) -> tuple[mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    gate = (rng.standard_normal(shape) * 8).astype(np.float32)
+    flat = gate.reshape(-1)
+    flat[:6] = [np.nan, np.inf, -np.inf, 100.0, -100.0, 0.0]  # saturating and special values
+    up = rng.standard_normal(shape).astype(np.float32)
+    return mx.array(gate), mx.array(up)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_swiglu_is_the_fast_swiglu_bit_for_bit(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    kernels.set_threads(threads)
+    gate, up = _gate_and_up((3, 131, 257))  # odd sizes: uneven parts per thread
+
+    def run() -> Any:
+        value = fast_math.swiglu(gate, up)
+        grads = mx.grad(lambda g, u: (fast_math.swiglu(g, u) * up).sum(), argnums=(0, 1))(gate, up)
+        return value, grads
+
+    got, want = run(), _without_native(monkeypatch, run)
+    assert _equal(got, want)
+    g64, u64 = np.array(gate, dtype=np.float64), np.array(up, dtype=np.float64)
+    finite = np.isfinite(g64)
+    with np.errstate(over="ignore"):
+        reference = g64[finite] / (1.0 + np.exp(-g64[finite])) * u64[finite]
+    np.testing.assert_allclose(np.array(got[0])[finite], reference, rtol=2e-6, atol=1e-30)
+
+
+@needs_kernels
+def test_swiglu_takes_views_and_refuses_other_dtypes(kernels: Any) -> None:
+    gate, up = _gate_and_up((64, 96), seed=1)
+    got = kernels.swiglu(gate.T, up.T)  # transposed views: made contiguous first
+    want = kernels.swiglu(mx.array(np.ascontiguousarray(np.array(gate).T)), up.T * 1.0)
+    assert _equal(got, want)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.swiglu(gate.astype(mx.float16), up.astype(mx.float16))
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.swiglu(gate, up[:, :5])
+
+
+def _attention_inputs(seed: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((2, 4, 37, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((2, 2, 37, 16)).astype(np.float32))
+    v = mx.array(rng.standard_normal((2, 2, 37, 8)).astype(np.float32))
+    mask = rng.uniform(size=(2, 1, 37, 37)) > 0.4
+    mask[0, 0, 3] = False  # a fully masked row (a left-padding position)
+    return q, k, v, mx.array(mask)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mask_kind", ["causal", "boolean", "additive", "none"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_is_the_fast_attention_bit_for_bit(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch, mask_kind: str, threads: int
+) -> None:
+    kernels.set_threads(threads)
+    q, k, v, boolean = _attention_inputs(seed=2)
+    mask: Any = {
+        "causal": "causal",
+        "boolean": boolean,
+        "additive": mx.where(boolean, 0.0, -3.0),
+        "none": None,
+    }[mask_kind]
+    weights = mx.array(np.random.default_rng(3).standard_normal((2, 4, 37, 8)).astype(np.float32))
+
+    def attend(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return fast_math.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+
+    def run() -> Any:
+        loss = lambda q, k, v: (attend(q, k, v) * weights).sum()  # noqa: E731
+        return attend(q, k, v), mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    got, want = run(), _without_native(monkeypatch, run)
+    assert _equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_is_mlxs_bit_for_bit(kernels: Any, threads: int) -> None:
+    kernels.set_threads(threads)
+    rng = np.random.default_rng(8)
+    x = mx.array((rng.standard_normal((3, 57, 576)) * 3).astype(np.float32))
+    weight = mx.array(rng.standard_normal(576).astype(np.float32))
+    cot = mx.array(rng.standard_normal((3, 57, 576)).astype(np.float32))
+    assert x.size > fast_math._MAX_COMPILED_RMS_NORM  # the size where the kernel runs
+
+    def run(norm: Callable[..., mx.array]) -> Any:
+        return mx.vjp(lambda x, w: norm(x, w, 1e-5), [x, weight], [cot])
+
+    got, want = run(fast_math.rms_norm), run(mx.fast.rms_norm)
+    assert _equal(got, want)
+
+
+@needs_kernels
+def test_row_kernels_match_their_formulas(kernels: Any) -> None:
+    rng = np.random.default_rng(4)
+    scores = rng.standard_normal((5, 3, 70)).astype(np.float32) * 20
+    scores[0, 0, :] = np.float32(np.finfo(np.float32).min)  # every score masked
+    scores[1, 1, 7] = np.nan
+    e, row_max = kernels.row_exp(mx.array(scores))
+    assert row_max.shape == (5, 3, 1)
+    want_max = scores.max(axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.array(row_max), want_max)  # NaN where the row has one
+    finite = ~np.isnan(want_max[..., 0])
+    want_e = np.exp((scores - want_max).astype(np.float64))  # the float32 difference's exp
+    # y = (x - m) log2(e) rounds to float32 too: at |y| ~ 100 its ulp is a few 1e-6 of 2^y
+    np.testing.assert_allclose(np.array(e)[finite], want_e[finite], rtol=1e-5, atol=1e-37)
+    assert np.isnan(np.array(e)[1, 1]).all()
+
+    w = rng.standard_normal((5, 3, 70)).astype(np.float32)
+    e32 = np.array(e)
+    e32[1, 1] = 0.0
+    inv_total = (1.0 / e32.sum(axis=-1, keepdims=True)).astype(np.float32)
+    seen = (rng.uniform(size=(5, 3, 1)) > 0.3).astype(np.float32)
+    got = kernels.attention_scores_grad(
+        mx.array(e32), mx.array(w), mx.array(inv_total), mx.array(seen)
+    )
+    delta = (e32.astype(np.float64) * w).sum(axis=-1, keepdims=True) * inv_total
+    np.testing.assert_allclose(np.array(got), e32 * (w - delta) * seen, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_the_kernels_run_inside_a_compiled_gradient(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate, up = _gate_and_up((8, 40, 64), seed=5)
+    gate = mx.nan_to_num(gate)
+
+    @mx.compile
+    def step(gate: mx.array, up: mx.array) -> Any:
+        loss = lambda g, u: (fast_math.swiglu(g, u) ** 2).mean()  # noqa: E731
+        return mx.value_and_grad(loss, argnums=(0, 1))(gate, up)
+
+    got = step(gate, up)
+    mx.eval(got)
+    want = _without_native(
+        monkeypatch,
+        lambda: mx.value_and_grad(
+            lambda g, u: (fast_math.swiglu(g, u) ** 2).mean(), argnums=(0, 1)
+        )(gate, up),
+    )
+    assert _equal(got[1], want[1])
+    np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), rtol=1e-6)
+
+
+@needs_kernels
+def test_the_kernels_take_the_runs_blas_threads(kernels: Any) -> None:
+    if backend.blas_threads() is None:
+        pytest.skip("no OpenBLAS loaded")
+    saved = backend.blas_threads()
+    try:
+        backend.run_blas_threads(saved=1)
+        assert kernels.threads() == 1
+        backend.run_blas_threads(saved=2)
+        assert kernels.threads() == min(2, backend._OPENBLAS["max_threads"])
+    finally:
+        backend.run_blas_threads(saved=saved)
+
+
+def _fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delitem(native._STATE, "module", raising=False)
+
+
+@needs_kernels
+def test_a_failed_build_turns_them_off_once_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", source)
+    _fresh_load(monkeypatch, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        assert native.kernels() is None
+    assert "native CPU kernels are off: the build failed" in caplog.text
+    failed = list((tmp_path / "ppo_mlx" / "native").glob("*.failed"))
+    assert len(failed) == 1 and "g++ failed" in failed[0].read_text()
+    # the fast functions run without them
+    gate, up = _gate_and_up((4, 600), seed=7)
+    assert fast_math.swiglu(gate, up).shape == (4, 600)
+    # a later process does not build again: it reads the note
+    monkeypatch.delitem(native._STATE, "module")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        assert native.kernels() is None
+    assert "their build failed before" in caplog.text
+
+
+@needs_kernels
+def test_a_module_of_another_nanobind_domain_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What MLX's bindings built with another nanobind ABI look like: the module cannot take
+    ``mx.array``. The load check catches it and the kernels stay off."""
+    flags = tuple(f for f in native.FLAGS if not f.startswith("-DNB_DOMAIN"))
+    monkeypatch.setattr(native, "FLAGS", (*flags, "-DNB_DOMAIN=not_mlx"))
+    _fresh_load(monkeypatch, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ppo_mlx"):
+        assert native.kernels() is None
+    assert "another nanobind ABI" in caplog.text
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPO_MLX_NATIVE", "0")
+    assert native.kernels() is None
+    monkeypatch.setenv("PPO_MLX_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="PPO_MLX_NATIVE"):
+        native.kernels()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="built on Linux only")
+def test_without_a_compiler_they_are_off_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    why = native.build_inputs()
+    assert isinstance(why, str) and "g++" in why
+
+
+def test_the_source_ships_with_the_package() -> None:
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert native.SOURCE.name in data["package-data"]["base_setup"]
+    assert native.SOURCE.is_file()
+    assert os.path.dirname(native.SOURCE) == os.path.dirname(native.__file__)
