@@ -645,6 +645,12 @@ def _mlx_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return mlx_swiglu(gate, x)
 
 
+def native_kernels(*arrays: mx.array) -> Any:
+    """The native kernels' module (:mod:`base_setup.native`) where the fast functions run and
+    ``arrays`` are float32; None elsewhere (fast math off, the kernels off, another dtype)."""
+    return _native(*arrays) if fast_math_enabled() else None
+
+
 def _native(*arrays: mx.array) -> Any:
     """The native kernels (:mod:`base_setup.native`) for float32 ``arrays``, or None: another
     dtype, or the kernels are off (their build or ``PPO_MLX_NATIVE=0``). Called where the fast

@@ -1,24 +1,27 @@
 """Native CPU kernels for the element-wise work of a transformer layer, split over the run's
-threads: SwiGLU (forward and gradient) and the attention's softmax (its exponentials with their
-row maxima, and its score gradient).
+threads: SwiGLU (forward and gradient), the attention's softmax (its exponentials with their row
+maxima, and its score gradient), a large RMSNorm, the LM head's softmax by vocabulary blocks, and
+a decoding step's draw.
 
 Why: MLX's CPU backend runs every element-wise op on one thread (its stream's), and on x86 its
 loops are scalar. The fast functions of :mod:`base_setup.fast_math` made the arithmetic cheap
 (``exp`` rebuilt from operations ``mx.compile`` fuses into loops gcc vectorizes), but each is
-still three or four passes over memory on one core while the other cores wait: in a scoring pass
-of SmolLM2-135M on two cores the single-threaded element-wise work is about half of the wall
-time (docs/performance.md). These kernels do the same arithmetic in one pass, vectorised for the
+still three or four passes over memory on one core while the other cores wait, and with the
+matmuls on every core that single-threaded work is a large share of a forward pass
+(docs/performance.md). These kernels do the same arithmetic in one pass, vectorised for the
 machine (``-march=native``), over the run's threads.
 
 What: ``native_kernels.cpp`` (beside this file) defines MLX custom primitives (``eval_cpu``
 only) and their Python bindings. Each computes exactly the float32 operations of the fast
 function it stands for, in the same order, built with ``-ffp-contract=off``: the same bits, which
 the tests check. :mod:`base_setup.fast_math` calls them where its fast functions would run, for
-float32 arrays, inside its custom functions whose gradients are written out.
+float32 arrays, inside its custom functions whose gradients are written out (RMSNorm's primitive
+has MLX's own gradient); ``token_attribution.head_logprobs`` and the generator's sampler call
+them through :func:`base_setup.fast_math.native_kernels`.
 
 How it is built: with the system ``g++`` against MLX's headers and ``libmlx.so`` (in the ``mlx``
 wheel) and ``nanobind``'s sources (a requirement), once per machine: the first process that needs
-the kernels builds them (about ten seconds; others wait on a file lock) into
+the kernels builds them (others wait on a file lock) into
 ``$XDG_CACHE_HOME/ppo_mlx/native/<key>/`` (default ``~/.cache``), where ``<key>`` hashes the
 source, MLX, nanobind, the compiler, Python's ABI and the CPU. The module joins MLX's nanobind
 domain (``mlx``), so it takes and returns ``mx.array``; if MLX's bindings were built with another
@@ -89,8 +92,9 @@ def kernels() -> ModuleType | None:
         return None
     if "module" not in _STATE:
         module, why = _load()
-        if module is None:
-            logger.warning("native CPU kernels are off: %s", why)
+        if module is None:  # off Linux nothing is missing: the fast functions are the plan there
+            level = logging.WARNING if sys.platform.startswith("linux") else logging.INFO
+            logger.log(level, "native CPU kernels are off: %s", why)
         _STATE["module"] = module
     return _STATE["module"]
 

@@ -193,17 +193,50 @@ void swiglu_backward(
   }
 }
 
+// MLX's maximum(a, b) of floats: a if it is NaN, else the larger, b when they are equal.
+inline float mlx_maximum(float a, float b) {
+  return a != a ? a : (a > b ? a : b);
+}
+
+// A row's max as MLX's max reduction takes it: from -inf, maximum(running, next) in order.
+inline float row_max_of(const float* x, size_t width) {
+  float m = -INFINITY;
+  for (size_t j = 0; j < width; ++j) {
+    m = mlx_maximum(m, x[j]);
+  }
+  return m;
+}
+
+// exp(d) as fast_math.exp: 2^f * 2^n of y = clip(d log2(e), -127, 127).
+inline float fast_exp(float d) {
+  float y = exp2_exponent(d);
+  return exp2_fraction(y) * exp2_bits(y);
+}
+
+// exp(x - ref) of one row into out (fast_math.exp of the difference; vectorised: no sum here).
+inline void exp_shifted_row(const float* x, float ref, float* out, size_t width) {
+  for (size_t j = 0; j < width; ++j) {
+    out[j] = fast_exp(x[j] - ref);
+  }
+}
+
+// A thread's scratch row of at least `width` floats (the pool's helpers and each MLX stream's
+// thread have their own).
+std::vector<float>& row_scratch(size_t width) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < width) {
+    scratch.resize(width);
+  }
+  return scratch;
+}
+
 // Rows of `width` scores: e = exp(x - max) and the max (fast_math._exp_shifted after mx.max;
 // NaN propagates into the max as MLX's does).
 void row_exp(const float* x, float* e, float* row_max, size_t width, size_t begin, size_t end) {
   for (size_t r = begin; r < end; ++r) {
     const float* xr = x + r * width;
     float* er = e + r * width;
-    float m = xr[0];
-    for (size_t j = 1; j < width; ++j) {
-      float v = xr[j];
-      m = (v > m || v != v) ? v : m;
-    }
+    float m = row_max_of(xr, width);
     if (m != m) {
       for (size_t j = 0; j < width; ++j) {
         er[j] = m;
@@ -247,6 +280,101 @@ void scores_grad(
   }
 }
 
+// One vocabulary block of the LM head's online softmax (token_attribution/head_logprobs.py,
+// _online_softmax): for rows of `width` logits x and the running max m of each row,
+//   new_m = maximum(m, rowmax(x)),  ref = new_m if finite else 0,
+//   e = exp(x - ref) (fast_math.exp),  e_sum = rowsum(e),  ex_sum = rowsum(e * x),
+// and e and e * x themselves where asked for (null pointers: not written).
+void softmax_block(
+    const float* x,
+    const float* m,
+    float* new_m,
+    float* ref,
+    float* e_sum,
+    float* ex_sum,
+    float* e,
+    float* ex,
+    size_t width,
+    size_t begin,
+    size_t end) {
+  std::vector<float>& scratch = row_scratch(e == nullptr ? width : 0);
+  for (size_t r = begin; r < end; ++r) {
+    const float* xr = x + r * width;
+    float nm = mlx_maximum(m[r], row_max_of(xr, width));
+    float rf = std::isinf(nm) ? 0.0f : nm;
+    float* er = e != nullptr ? e + r * width : scratch.data();
+    exp_shifted_row(xr, rf, er, width);
+    // MLX's sums add in order: one chain each, after the vectorised exp
+    float sum = 0.0f, xsum = 0.0f;
+    for (size_t j = 0; j < width; ++j) {
+      sum += er[j];
+      xsum += er[j] * xr[j];
+    }
+    if (ex != nullptr) {
+      float* exr = ex + r * width;
+      for (size_t j = 0; j < width; ++j) {
+        exr[j] = er[j] * xr[j];
+      }
+    }
+    new_m[r] = nm;
+    ref[r] = rf;
+    e_sum[r] = sum;
+    ex_sum[r] = xsum;
+  }
+}
+
+// Rows of `width` temperature-scaled logits x and one uniform u in [0, 1) each: the token drawn
+// by inverse CDF, its log-prob and the row's entropy, as ppo_trainer/generator.py's _sample
+// computes them without top-k / top-p (fast_math.logsumexp_parts, inverse_cdf, _entropy):
+//   m = rowmax (0 if infinite),  w = exp(x - m),  total = rowsum(w),  lse = m + log(total),
+//   token = #{j : cumsum(w)_j <= min(u * total, the float below total)},
+//   logprob = x[token] - lse,  entropy = lse - rowsum(w > 0 ? w * x : 0) / total.
+void sample_rows(
+    const float* x,
+    const float* u,
+    int32_t* tokens,
+    float* logprobs,
+    float* entropy,
+    size_t width,
+    size_t begin,
+    size_t end) {
+  std::vector<float>& w = row_scratch(width);
+  for (size_t r = begin; r < end; ++r) {
+    const float* xr = x + r * width;
+    float m = row_max_of(xr, width);
+    m = std::isinf(m) ? 0.0f : m;
+    exp_shifted_row(xr, m, w.data(), width);
+    float total = 0.0f, weighted = 0.0f;
+    for (size_t j = 0; j < width; ++j) {
+      total += w[j];
+      weighted += w[j] > 0.0f ? w[j] * xr[j] : 0.0f;
+    }
+    float lse = m + std::log(total);
+    int32_t total_bits;
+    std::memcpy(&total_bits, &total, sizeof total);
+    total_bits -= 1;
+    float cap;
+    std::memcpy(&cap, &total_bits, sizeof cap);
+    float threshold = u[r] * total;
+    threshold = threshold != threshold ? threshold : (threshold < cap ? threshold : cap);
+    // The running sum is cumsum's, element by element. It never decreases (w >= 0) and a NaN
+    // stays NaN, so no sum after the first one not at most the threshold is counted.
+    float cdf = 0.0f;
+    int32_t count = 0;
+    for (size_t j = 0; j < width; ++j) {
+      cdf += w[j];
+      if (!(cdf <= threshold)) {
+        break;
+      }
+      ++count;
+    }
+    tokens[r] = count;
+    size_t picked = std::min<size_t>(size_t(count), width - 1);
+    logprobs[r] = xr[picked] - lse;
+    entropy[r] = lse - weighted / total;
+  }
+}
+
 // Rows of `width` features: x / sqrt(mean(x^2) + eps) * weight (fast_math.rms_norm, MLX's own
 // formula: the mean is the sum times 1 / width, the reciprocal square root 1 / sqrt).
 void rms_norm(
@@ -274,7 +402,7 @@ void rms_norm(
 
 // ------------------------------------------------------------------ MLX primitives
 
-enum class Kernel { SwiGLU, SwiGLUGrad, RowExp, ScoresGrad, RMSNorm };
+enum class Kernel { SwiGLU, SwiGLUGrad, RowExp, ScoresGrad, RMSNorm, SoftmaxBlock, Sample };
 
 const char* kernel_name(Kernel kernel) {
   switch (kernel) {
@@ -288,6 +416,10 @@ const char* kernel_name(Kernel kernel) {
       return "NativeScoresGrad";
     case Kernel::RMSNorm:
       return "NativeRMSNorm";
+    case Kernel::SoftmaxBlock:
+      return "NativeSoftmaxBlock";
+    case Kernel::Sample:
+      return "NativeSample";
   }
   return "Native";
 }
@@ -297,8 +429,8 @@ const char* kernel_name(Kernel kernel) {
 // inside mx.custom_function's whose gradients are written out.
 class NativePrimitive : public mx::Primitive {
  public:
-  NativePrimitive(mx::Stream stream, Kernel kernel, float eps = 0.0f)
-      : mx::Primitive(stream), kernel_(kernel), eps_(eps) {}
+  NativePrimitive(mx::Stream stream, Kernel kernel, float eps = 0.0f, int outputs = 0)
+      : mx::Primitive(stream), kernel_(kernel), eps_(eps), outputs_(outputs) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -317,13 +449,14 @@ class NativePrimitive : public mx::Primitive {
     }
     std::vector<float*> out;
     for (auto& a : outputs) {
-      out.push_back(a.data<float>());
+      out.push_back(a.dtype() == mx::float32 ? a.data<float>() : nullptr);
     }
+    int32_t* index_out = kernel_ == Kernel::Sample ? outputs[0].data<int32_t>() : nullptr;
     size_t size = inputs[0].size();
     size_t width = inputs[0].ndim() ? size_t(inputs[0].shape(-1)) : 1;
     Kernel kernel = kernel_;
     float eps = eps_;
-    encoder.dispatch([kernel, eps, in, out, size, width]() {
+    encoder.dispatch([kernel, eps, in, out, index_out, size, width]() {
       switch (kernel) {
         case Kernel::SwiGLU:
           pool().parallel(size, kGrain, [&](size_t b, size_t e) {
@@ -350,6 +483,20 @@ class NativePrimitive : public mx::Primitive {
             rms_norm(in[0], in[1], out[0], float(1.0 / double(width)), eps, width, b, e);
           });
           break;
+        case Kernel::Sample:
+          pool().parallel(size / width, std::max<size_t>(1, kGrain / width), [&](size_t b, size_t e) {
+            sample_rows(in[0], in[1], index_out, out[1], out[2], width, b, e);
+          });
+          break;
+        case Kernel::SoftmaxBlock: {
+          float* e_out = out.size() > 4 ? out[4] : nullptr;
+          float* ex_out = out.size() > 5 ? out[5] : nullptr;
+          pool().parallel(size / width, std::max<size_t>(1, kGrain / width), [&](size_t b, size_t e) {
+            softmax_block(
+                in[0], in[1], out[0], out[1], out[2], out[3], e_out, ex_out, width, b, e);
+          });
+          break;
+        }
       }
     });
   }
@@ -387,7 +534,8 @@ class NativePrimitive : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* native = dynamic_cast<const NativePrimitive*>(&other);
-    return native != nullptr && native->kernel_ == kernel_ && native->eps_ == eps_;
+    return native != nullptr && native->kernel_ == kernel_ && native->eps_ == eps_ &&
+        native->outputs_ == outputs_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -399,6 +547,19 @@ class NativePrimitive : public mx::Primitive {
         rows.back() = 1;
         return {inputs[0].shape(), rows};
       }
+      case Kernel::Sample: {
+        mx::Shape rows = {inputs[0].shape(0)};
+        return {rows, rows, rows};
+      }
+      case Kernel::SoftmaxBlock: {
+        mx::Shape rows = inputs[0].shape();
+        rows.back() = 1;
+        std::vector<mx::Shape> shapes(4, rows);
+        for (int i = 4; i < outputs_; ++i) {
+          shapes.push_back(inputs[0].shape());
+        }
+        return shapes;
+      }
       default:
         return {inputs[0].shape()};
     }
@@ -407,6 +568,7 @@ class NativePrimitive : public mx::Primitive {
  private:
   Kernel kernel_;
   float eps_;
+  int outputs_;  // SoftmaxBlock: 4, 5 (with e) or 6 (with e * x)
 };
 
 mx::Stream cpu_stream(mx::StreamOrDevice s) {
@@ -452,10 +614,14 @@ std::vector<mx::array> make(
     Kernel kernel,
     std::vector<mx::array> inputs,
     mx::Stream stream,
-    float eps = 0.0f) {
-  auto primitive = std::make_shared<NativePrimitive>(stream, kernel, eps);
+    float eps = 0.0f,
+    int outputs = 0) {
+  auto primitive = std::make_shared<NativePrimitive>(stream, kernel, eps, outputs);
   auto shapes = primitive->output_shapes(inputs);
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  if (kernel == Kernel::Sample) {
+    dtypes[0] = mx::int32;  // the tokens
+  }
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, std::move(inputs));
 }
 
@@ -517,6 +683,37 @@ mx::array rms_norm_forward(
   return make(Kernel::RMSNorm, contiguous({x, weight}, stream), stream, eps)[0];
 }
 
+std::vector<mx::array> softmax_block_of(
+    const mx::array& x,
+    const mx::array& m,
+    bool with_e,
+    bool with_ex,
+    mx::StreamOrDevice s) {
+  check_float32({x, m}, "softmax_block");
+  if (x.ndim() != 2 || x.shape(-1) == 0 || m.size() != size_t(x.shape(0))) {
+    throw std::invalid_argument("softmax_block takes (N, W) logits and an (N, 1) running max");
+  }
+  if (with_ex && !with_e) {
+    throw std::invalid_argument("softmax_block gives e * x only with e");
+  }
+  auto stream = cpu_stream(s);
+  std::vector<mx::array> inputs = contiguous({x}, stream);
+  inputs.push_back(per_row(mx::reshape(m, {x.shape(0), 1}, stream), x, stream));
+  int outputs = 4 + int(with_e) + int(with_ex);
+  return make(Kernel::SoftmaxBlock, std::move(inputs), stream, 0.0f, outputs);
+}
+
+std::vector<mx::array> sample(const mx::array& scaled, const mx::array& uniform, mx::StreamOrDevice s) {
+  check_float32({scaled, uniform}, "sample");
+  if (scaled.ndim() != 2 || scaled.shape(-1) == 0 || uniform.size() != size_t(scaled.shape(0))) {
+    throw std::invalid_argument("sample takes (B, V) logits and (B, 1) uniform numbers");
+  }
+  auto stream = cpu_stream(s);
+  std::vector<mx::array> inputs = contiguous({scaled}, stream);
+  inputs.push_back(per_row(mx::reshape(uniform, {scaled.shape(0), 1}, stream), scaled, stream));
+  return make(Kernel::Sample, std::move(inputs), stream);
+}
+
 }  // namespace
 
 NB_MODULE(_ppo_native, m) {
@@ -564,6 +761,26 @@ NB_MODULE(_ppo_native, m) {
       nb::kw_only(),
       nb::arg("stream").none() = nb::none(),
       "x / sqrt(mean(x^2, -1) + eps) * weight, float32, differentiated as mx.fast.rms_norm.");
+  m.def(
+      "softmax_block",
+      &softmax_block_of,
+      nb::arg("x"),
+      nb::arg("m"),
+      nb::kw_only(),
+      nb::arg("with_e") = false,
+      nb::arg("with_ex") = false,
+      nb::arg("stream").none() = nb::none(),
+      "One block of the LM head's online softmax: (new max, exp reference, rowsum(e), "
+      "rowsum(e * x)[, e[, e * x]]) with e = exp(x - reference), float32, (N, 1) each.");
+  m.def(
+      "sample",
+      &sample,
+      nb::arg("scaled"),
+      nb::arg("uniform"),
+      nb::kw_only(),
+      nb::arg("stream").none() = nb::none(),
+      "(tokens int32, log-probs, entropy), (B,) each: one draw per row by inverse CDF from the "
+      "softmax of the (B, V) scaled logits, with (B, 1) uniform numbers.");
   m.def(
       "set_threads",
       [](int threads) { pool().set_threads(threads); },

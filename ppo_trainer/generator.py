@@ -160,29 +160,38 @@ def _sample(
     from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
     scaled = logits.astype(mx.float32) * (1.0 / temperature if temperature > 0 else 1.0)
+    truncated = 0 < top_k < scaled.shape[-1] or top_p < 1.0
+    kernels = fast_math.native_kernels(scaled) if temperature > 0 and not truncated else None
+    if kernels is not None:  # all of the below in one kernel, the same bits
+        tokens, token_logprobs, entropy = kernels.sample(scaled, _uniform(scaled, keys))
+        return tokens, token_logprobs, entropy if with_entropy else None
     lse, weights, total = fast_math.logsumexp_parts(scaled)  # (B, 1), (B, V), (B, 1)
     if temperature == 0:
         tokens = mx.argmax(scaled, axis=-1)
     else:
         sampling_weights = weights
-        if 0 < top_k < scaled.shape[-1] or top_p < 1.0:
+        if truncated:
             filtered = scaled - lse  # (B, V) log-probs; the filters set -inf, exp gives 0
             if 0 < top_k < scaled.shape[-1]:
                 filtered = apply_top_k(filtered, top_k)
             if top_p < 1.0:
                 filtered = apply_top_p(filtered, top_p)
             sampling_weights = fast_math.exp(filtered)
-        if keys is None:
-            uniform = mx.random.uniform(shape=(scaled.shape[0], 1))  # (B, 1)
-        else:
-            uniform = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
-        tokens = inverse_cdf(sampling_weights, uniform)
+        tokens = inverse_cdf(sampling_weights, _uniform(scaled, keys))
     tokens = tokens.astype(mx.int32)
     # scaled[token] - lse: the trainer's log_softmax gather (selective_log_softmax) bit for bit,
     # so the rollout's log-probs and the first PPO epoch's differ only where the logits do.
     token_logprobs = mx.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse[:, 0]
     entropy = _entropy(weights, scaled, total, lse)[:, 0] if with_entropy else None
     return tokens, token_logprobs, entropy
+
+
+def _uniform(scaled: mx.array, keys: mx.array | None) -> mx.array:
+    """(B, 1) uniform numbers, one per row: from ``keys[b]`` when given, else the global random
+    state."""
+    if keys is None:
+        return mx.random.uniform(shape=(scaled.shape[0], 1))
+    return mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
 
 
 @mx.compile

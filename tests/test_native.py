@@ -144,6 +144,77 @@ def test_rms_norm_is_mlxs_bit_for_bit(kernels: Any, threads: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_kind", ["scoring", "frozen", "trained"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_heads_log_probs_are_the_fast_paths_bit_for_bit(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch, head_kind: str, threads: int
+) -> None:
+    """The LM head's online softmax by vocabulary blocks (an uneven last block), with the
+    entropy: the scoring pass, a frozen head's gradient (its Jacobians) and a trained head's."""
+    from token_attribution.head_logprobs import LinearHead, head_token_scores
+
+    kernels.set_threads(threads)
+    rng = np.random.default_rng(9)
+    weight = mx.array((rng.standard_normal((1000, 24)) * 2).astype(np.float32))
+    hidden = mx.array(rng.standard_normal((3, 11, 24)).astype(np.float32))
+    tokens = mx.array(rng.integers(0, 1000, (3, 11)).astype(np.int32))
+    c_lp, c_ent = (mx.array(rng.standard_normal((3, 11)).astype(np.float32)) for _ in range(2))
+    head = LinearHead(weight, trained=head_kind == "trained")
+
+    def scores(h: mx.array, w: mx.array, differentiable: bool) -> Any:
+        return head_token_scores(
+            h,
+            LinearHead(w, trained=head.trained),
+            tokens,
+            temperature=0.7,
+            with_entropy=True,
+            differentiable=differentiable,
+            block_rows=300,
+        )
+
+    def run() -> Any:
+        if head_kind == "scoring":
+            return tuple(scores(hidden, weight, False))
+
+        def loss(h: mx.array, w: mx.array) -> mx.array:
+            out = scores(h, w, True)
+            return (out.logprobs * c_lp + out.entropy * c_ent).sum()
+
+        argnums = (0, 1) if head.trained else 0
+        return mx.value_and_grad(loss, argnums=argnums)(hidden, weight)
+
+    got, want = run(), _without_native(monkeypatch, run)
+    assert _equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sampling_is_the_generators_bit_for_bit(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch, keyed: bool, threads: int
+) -> None:
+    """The draw, its log-prob and the entropy of ppo_trainer.generator._sample (no top-k /
+    top-p), for rows with banned tokens (-inf) and a row with one token left."""
+    from ppo_trainer.generator import _sample
+
+    kernels.set_threads(threads)
+    rng = np.random.default_rng(10)
+    logits = (rng.standard_normal((37, 5003)) * 4).astype(np.float32)
+    logits[1, ::3] = -np.inf
+    logits[2, 1:] = -np.inf
+    keys = mx.random.split(mx.random.key(3), 37) if keyed else None
+
+    def run() -> Any:
+        mx.random.seed(11)
+        return _sample(mx.array(logits), 0.7, 1.0, 0, keys, with_entropy=True)
+
+    got, want = run(), _without_native(monkeypatch, run)
+    assert _equal(got, want)
+    assert int(got[0][2]) == 0 and float(got[1][2]) == 0.0
+    assert not np.isin(np.array(got[0][1]) % 3, [0]).any()  # a banned token is never drawn
+
+
+@needs_kernels
 def test_row_kernels_match_their_formulas(kernels: Any) -> None:
     rng = np.random.default_rng(4)
     scores = rng.standard_normal((5, 3, 70)).astype(np.float32) * 20
@@ -161,7 +232,7 @@ def test_row_kernels_match_their_formulas(kernels: Any) -> None:
 
     w = rng.standard_normal((5, 3, 70)).astype(np.float32)
     e32 = np.array(e)
-    e32[1, 1] = 0.0
+    e32[1, 1] = 1.0  # the NaN row of the exp above, made finite
     inv_total = (1.0 / e32.sum(axis=-1, keepdims=True)).astype(np.float32)
     seen = (rng.uniform(size=(5, 3, 1)) > 0.3).astype(np.float32)
     got = kernels.attention_scores_grad(

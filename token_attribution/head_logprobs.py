@@ -268,23 +268,38 @@ def _online_softmax(
         x = head.logits(cast(mx.array, h_in), start, stop)  # (N, V_b)
         if inv_temperature != 1.0:
             x = x * inv_temperature
-        new_m = mx.maximum(m, x.max(axis=-1, keepdims=True))  # (N, 1)
-        # The exps' reference: the running max, or 0 for a row of -inf so far (no NaN); the
-        # running max itself stays -inf there, so that later blocks subtract their own max.
-        ref = mx.where(mx.isinf(new_m), 0.0, new_m)  # (N, 1)
+        kernels = fast_math.native_kernels(x, m)
+        e = ex = None
+        if kernels is not None:  # the same arithmetic, one pass over the block's rows
+            want_e, want_ex = jacobian or entropy_jacobian, entropy_jacobian
+            new_m, ref, e_sum, ex_sum, *rest = kernels.softmax_block(
+                x, m, with_e=want_e, with_ex=want_ex
+            )
+            e = rest[0] if want_e else None
+            ex = rest[1] if want_ex else None
+        else:
+            new_m = mx.maximum(m, x.max(axis=-1, keepdims=True))  # (N, 1)
+            # The exps' reference: the running max, or 0 for a row of -inf so far (no NaN); the
+            # running max itself stays -inf there, so that later blocks subtract their own max.
+            ref = mx.where(mx.isinf(new_m), 0.0, new_m)  # (N, 1)
+            e = fast_math.exp(x - ref)  # (N, V_b)
+            e_sum = e.sum(axis=-1, keepdims=True)
+            if entropy:
+                ex = e * x  # (N, V_b)
+                ex_sum = ex.sum(axis=-1, keepdims=True)
         rescale = fast_math.exp(m - ref)  # (N, 1)
-        e = fast_math.exp(x - ref)  # (N, V_b)
-        s = s * rescale + e.sum(axis=-1, keepdims=True)
+        s = s * rescale + e_sum
         at = local[:, block : block + 1]  # (N, 1): col - start
         here = (at >= 0) & (at < stop - start)  # (N, 1): the chosen token is in this block
         picked = mx.take_along_axis(x, mx.clip(at, 0, stop - start - 1), axis=-1)
         chosen = mx.where(here, picked, chosen)
         if entropy:
-            ex = e * x  # (N, V_b)
-            xsum = xsum * rescale + ex.sum(axis=-1, keepdims=True)
+            xsum = xsum * rescale + ex_sum
             if entropy_jacobian:
+                assert ex is not None
                 acc_x = acc_x * rescale + head.backward(ex, start, stop)  # (N, D)
         if jacobian or entropy_jacobian:
+            assert e is not None
             acc = acc * rescale + head.backward(e, start, stop)  # (N, D)
         m = new_m
     lse = m + mx.log(s)  # (N, 1)
