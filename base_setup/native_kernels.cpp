@@ -166,13 +166,18 @@ inline float exp2_exponent(float x) {
   return y < -127.0f ? -127.0f : y;
 }
 
+// exp(d) as fast_math.exp: 2^f * 2^n of y = clip(d log2(e), -127, 127).
+inline float fast_exp(float d) {
+  float y = exp2_exponent(d);
+  return exp2_fraction(y) * exp2_bits(y);
+}
+
 // ------------------------------------------------------------------ the kernels
 
 // silu(g) * u = g * u / (1 + exp(-g)) (fast_math._swiglu_c).
 void swiglu_forward(const float* g, const float* u, float* out, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    float y = exp2_exponent(-g[i]);
-    out[i] = g[i] * u[i] / (1.0f + exp2_fraction(y) * exp2_bits(y));
+    out[i] = g[i] * u[i] / (1.0f + fast_exp(-g[i]));
   }
 }
 
@@ -186,8 +191,7 @@ void swiglu_backward(
     size_t begin,
     size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    float y = exp2_exponent(-g[i]);
-    float sig = 1.0f / (1.0f + exp2_fraction(y) * exp2_bits(y));
+    float sig = 1.0f / (1.0f + fast_exp(-g[i]));
     d_gate[i] = c[i] * u[i] * sig * (1.0f + g[i] * (1.0f - sig));
     d_up[i] = c[i] * g[i] * sig;
   }
@@ -205,12 +209,6 @@ inline float row_max_of(const float* x, size_t width) {
     m = mlx_maximum(m, x[j]);
   }
   return m;
-}
-
-// exp(d) as fast_math.exp: 2^f * 2^n of y = clip(d log2(e), -127, 127).
-inline float fast_exp(float d) {
-  float y = exp2_exponent(d);
-  return exp2_fraction(y) * exp2_bits(y);
 }
 
 // exp(x - ref) of one row into out (fast_math.exp of the difference; vectorised: no sum here).
