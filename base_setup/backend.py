@@ -419,9 +419,14 @@ def run_blas_threads(saved: int | None = None) -> int | None:
     if lib is None:
         return None
     max_threads = int(_OPENBLAS["max_threads"])
+    if saved is None:
+        _OPENBLAS.pop("warned_saved", None)  # a fresh run: the next resume may warn again
     if saved is not None:
         wanted = min(int(saved), max_threads)
-        if wanted != int(saved):
+        if wanted != int(saved) and _OPENBLAS.get("warned_saved") != saved:
+            # Once per resume: the training loop takes the count before its first computation,
+            # then the checkpoint's restore takes it again.
+            _OPENBLAS["warned_saved"] = saved
             logger.warning(
                 "the checkpoint was trained with %d BLAS threads but OpenBLAS has %d here: the "
                 "resumed run will differ from an uninterrupted one by float rounding",

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from base_setup import backend
 from config.dpo_config import DPOConfig
 from config.loading import load_config
 from finetune.dpo_trainer import (
@@ -470,6 +471,53 @@ def test_resume_equals_an_uninterrupted_run_without_recomputing_the_reference(
     other = DPOTrainer(dpo_config(tiny_model_dir, resumed_dir, **{**common, "loss_type": "ipo"}))
     with pytest.raises(ValueError, match="loss_type"):
         other.train(records, held_out, resume_from="latest")
+
+
+def test_the_reference_pass_runs_on_the_runs_blas_threads(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run fixes OpenBLAS's thread count before the reference pass, whatever an earlier run
+    in the process left (one thread, after a busy machine): the count changes a matmul's sums,
+    and a reference on other threads than the policy gave the first step non-zero rewards and
+    the run other numbers than in a fresh process. A resumed run recomputing the reference
+    takes its checkpoint's count for it too."""
+    lib = backend._OPENBLAS.get("lib")
+    if lib is None or int(backend._OPENBLAS["max_threads"]) < 2:
+        pytest.skip("needs OpenBLAS with 2 threads or more")
+    most = int(backend._OPENBLAS["max_threads"])
+    monkeypatch.setenv("PPO_MLX_ADAPTIVE_BLAS", "off")  # a fresh run takes every thread
+    seen: list[int | None] = []
+    original = DPOTrainer.reference_logps
+
+    def spy(self: DPOTrainer, examples: Any) -> np.ndarray:
+        seen.append(backend.blas_threads())
+        return original(self, examples)
+
+    monkeypatch.setattr(DPOTrainer, "reference_logps", spy)
+    start = backend.blas_threads()
+    try:
+        lib.openblas_set_num_threads(1)  # what an earlier run on a busy machine leaves
+        config = dpo_config(tiny_model_dir, tmp_path / "fresh", total_steps=1)
+        history = DPOTrainer(config).train(preference_records(8, seed=0))
+        assert seen == [most]
+        assert history[-1]["rewards/chosen"] == 0.0 and history[-1]["rewards/margins"] == 0.0
+
+        # A run on one thread stopped after step 1 (its checkpoint without the reference
+        # cache), resumed with every thread free.
+        seen.clear()
+        records = preference_records(16, seed=0)
+        with monkeypatch.context() as busy:
+            busy.setitem(backend._OPENBLAS, "max_threads", 1)
+            config = dpo_config(tiny_model_dir, tmp_path / "one_thread", save_every=1)
+            DPOTrainer(config).train(records)
+        step_1 = Path("checkpoints") / "step_000001"
+        shutil.copytree(tmp_path / "one_thread" / step_1, tmp_path / "resumed" / step_1)
+        lib.openblas_set_num_threads(most)
+        config = dpo_config(tiny_model_dir, tmp_path / "resumed", save_every=1)
+        DPOTrainer(config).train(records, resume_from="latest")
+        assert seen == [1, 1]
+    finally:
+        backend.run_blas_threads(saved=start)
 
 
 def _retrain_in_place(model_dir: Path) -> None:

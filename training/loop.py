@@ -220,16 +220,20 @@ class TrainingLoop:
         # 1. Everything is checked before the first step.
         s.check_data()
         self._check_run_dir(resuming=resume_from is not None)
+        saved_threads = None
         if resume_from is not None:  # before prepare(): DPO's reference pass costs minutes
-            self._check_resume_inputs(resume_from)
+            saved_threads = self._check_resume_inputs(resume_from)
+        # OpenBLAS's thread count, fixed for the run (and its resumptions: the checkpoint's)
+        # before anything is computed: prepare() may compute (DPO's reference pass), and the
+        # count changes a matmul's sums, so whatever an earlier run in this process left must
+        # not reach this run's numbers.
+        state.blas_threads = run_blas_threads(saved_threads)
         total, steps_per_epoch = s.prepare()
         state.begin(total, self.callbacks)
         s.build_optimizers(total)
         resume_step = None
         if resume_from is not None:
             resume_step = self._resume(resume_from, total, steps_per_epoch)
-        else:
-            state.blas_threads = run_blas_threads()  # fixed for the run (and its resumptions)
         self._check_same_weights("at the start of training")
         run_log = RunLog(
             s.run_dir,
@@ -358,17 +362,22 @@ class TrainingLoop:
                 error = err
         dist.raise_if_any_rank_failed(error, f"checking output_dir {s.run_dir}", s.group)
 
-    def _check_resume_inputs(self, resume_from: str | Path) -> None:
+    def _check_resume_inputs(self, resume_from: str | Path) -> int | None:
         """Refuse (on every rank) a checkpoint whose recorded inputs (models, data) differ from
-        this run's, before any work that depends on them (:func:`check_same_inputs`)."""
+        this run's, before any work that depends on them (:func:`check_same_inputs`); returns
+        the BLAS thread count it records (None in a checkpoint without one)."""
         s = self.stage
         path = resolve_on_all_ranks(s.checkpoints, resume_from, s.group)
         error = None
+        threads = None
         try:
-            check_same_inputs(path, CheckpointManager.read_state(path).get("inputs"), s.inputs)
+            saved = CheckpointManager.read_state(path)
+            check_same_inputs(path, saved.get("inputs"), s.inputs)
+            threads = saved.get("blas_threads")
         except ValueError as err:
             error = err
         dist.raise_if_any_rank_failed(error, f"resuming from {path}", s.group)
+        return None if threads is None else int(threads)
 
     def _resume(self, resume_from: str | Path, total: int, steps_per_epoch: int) -> int:
         """Load the checkpoint to resume from (every rank the same one); returns its step."""
