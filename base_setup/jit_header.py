@@ -93,13 +93,28 @@ def mlx_command_format(libmlx: Path) -> str | None:
         return data[start:end].decode("utf-8", "replace")
 
 
-def _mlx_paths() -> tuple[Path, Path, str] | None:
-    """MLX's ``include`` directory (with the preamble), ``libmlx.so`` and version, found without
-    importing ``mlx.core`` (None if any is missing)."""
+def mlx_root() -> Path | None:
+    """The installed ``mlx`` package's folder (the one holding ``lib/libmlx.so``), found without
+    importing ``mlx.core``; None where MLX is not installed as a wheel with that library.
+
+    ``mlx`` is a namespace package, so any folder named ``mlx`` on ``sys.path`` is one of its
+    locations, e.g. MLX's own kernel cache ``/tmp/mlx`` for a script run from ``/tmp``: the first
+    location is not necessarily the wheel's."""
     spec = importlib.util.find_spec("mlx")
     if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(list(spec.submodule_search_locations)[0])
+    for location in spec.submodule_search_locations:
+        if (Path(location) / "lib" / "libmlx.so").is_file():
+            return Path(location)
+    return None
+
+
+def _mlx_paths() -> tuple[Path, Path, str] | None:
+    """MLX's ``include`` directory (with the preamble), ``libmlx.so`` and version, found without
+    importing ``mlx.core`` (None if any is missing)."""
+    root = mlx_root()
+    if root is None:
+        return None
     include, libmlx = root / "include", root / "lib" / "libmlx.so"
     if not (include / PREAMBLE).is_file() or not libmlx.is_file():
         return None

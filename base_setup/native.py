@@ -49,6 +49,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from base_setup import jit_header
 from base_setup.plain import env_mode
 from base_setup.scipy_blas import cache_dir
 
@@ -124,10 +125,9 @@ def build_inputs() -> dict[str, Path] | str:
     compiler = shutil.which("g++")
     if compiler is None:
         return "no g++ on PATH (install a C++ compiler, e.g. apt-get install g++)"
-    spec = importlib.util.find_spec("mlx")
-    if spec is None or not spec.submodule_search_locations:
-        return "mlx is not installed"
-    mlx_root = Path(list(spec.submodule_search_locations)[0])
+    mlx_root = jit_header.mlx_root()
+    if mlx_root is None:
+        return "mlx is not installed (as a wheel with lib/libmlx.so)"
     try:
         import nanobind
     except ImportError:

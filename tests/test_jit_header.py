@@ -38,6 +38,29 @@ def test_compile_flags_only_of_a_command_of_the_known_shape() -> None:
         assert compile_flags(other) is None, other
 
 
+def test_mlx_root_is_the_wheels_folder_whatever_else_is_named_mlx(tmp_path: Path) -> None:
+    """A folder named ``mlx`` before the wheel's on ``sys.path`` (MLX's kernel cache ``/tmp/mlx``
+    for a script run from ``/tmp``) is a location of the namespace package too, and not MLX."""
+    wheel = jit_header.mlx_root()
+    if wheel is None:
+        pytest.skip("no mlx wheel with lib/libmlx.so")
+    (tmp_path / "mlx").mkdir()
+    probe = "from base_setup import jit_header; print(jit_header.mlx_root())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == str(wheel)
+    found = subprocess.run(
+        [sys.executable, "-c", "import mlx; print(list(mlx.__path__)[0])"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == str(tmp_path / "mlx")  # the trap is real
+
+
 def test_temp_directory_is_cpps(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
         monkeypatch.delenv(name, raising=False)
