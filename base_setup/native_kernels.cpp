@@ -7,7 +7,9 @@
 // -ffp-contract=off so that no multiply-add is fused), so their results are the same bits. Only
 // the loops differ: one pass instead of several, and the elements split over threads. A row
 // kernel (a maximum or a sum along the last axis) gives each row to one thread and adds in the
-// row's order, so no result depends on the thread count.
+// row's order, so no result depends on the thread count. One kernel has no fast function to
+// match: RMSNorm's gradient, MLX's formula with its own order of sums (a sum over rows in fixed
+// blocks of rows, then over the blocks in order: again the same at any thread count).
 
 #include <sys/types.h>
 #include <unistd.h>
@@ -398,9 +400,80 @@ void rms_norm(
   }
 }
 
+// Rows per block of RMSNorm's weight gradient: each block's partial sum is one thread's, in
+// row order, and the blocks are added in their order, so the sum is the same at any thread count.
+constexpr size_t kNormRowBlock = 32;
+
+// RMSNorm's gradient, blocks [begin, end) of kNormRowBlock rows: with n = 1 / sqrt(mean(x^2) +
+// eps) (the forward's arithmetic) and gw = g * weight, the input's gradient
+// gw * n - (x * mean(gw * x)) * n^3 (MLX's formula for mx.fast.rms_norm), and into `partial`
+// (one row of `width` per block) each block's sum of g * (x * n), the weight's gradient's part.
+void rms_norm_grad_blocks(
+    const float* x,
+    const float* weight,
+    const float* g,
+    float* dx,
+    float* partial,
+    float inv_width,
+    float eps,
+    size_t width,
+    size_t rows,
+    size_t begin,
+    size_t end) {
+  for (size_t block = begin; block < end; ++block) {
+    float* acc = partial + block * width;
+    std::fill(acc, acc + width, 0.0f);
+    size_t last = std::min(rows, (block + 1) * kNormRowBlock);
+    for (size_t r = block * kNormRowBlock; r < last; ++r) {
+      const float* xr = x + r * width;
+      const float* gr = g + r * width;
+      float* dxr = dx + r * width;
+      float sum = 0.0f;
+      float dot = 0.0f;
+      for (size_t j = 0; j < width; ++j) {
+        sum += xr[j] * xr[j];
+        dot += gr[j] * weight[j] * xr[j];
+      }
+      float n = 1.0f / std::sqrt(sum * inv_width + eps);
+      float n3 = n * n * n;
+      float t = dot * inv_width;
+      for (size_t j = 0; j < width; ++j) {
+        dxr[j] = gr[j] * weight[j] * n - xr[j] * t * n3;
+        acc[j] += gr[j] * (xr[j] * n);
+      }
+    }
+  }
+}
+
+// The weight's gradient, columns [begin, end): the blocks' partial sums added in block order.
+void rms_norm_grad_weight(
+    const float* partial,
+    float* dw,
+    size_t width,
+    size_t blocks,
+    size_t begin,
+    size_t end) {
+  std::copy(partial + begin, partial + end, dw + begin);
+  for (size_t block = 1; block < blocks; ++block) {
+    const float* part = partial + block * width;
+    for (size_t j = begin; j < end; ++j) {
+      dw[j] += part[j];
+    }
+  }
+}
+
 // ------------------------------------------------------------------ MLX primitives
 
-enum class Kernel { SwiGLU, SwiGLUGrad, RowExp, ScoresGrad, RMSNorm, SoftmaxBlock, Sample };
+enum class Kernel {
+  SwiGLU,
+  SwiGLUGrad,
+  RowExp,
+  ScoresGrad,
+  RMSNorm,
+  RMSNormGrad,
+  SoftmaxBlock,
+  Sample
+};
 
 const char* kernel_name(Kernel kernel) {
   switch (kernel) {
@@ -414,6 +487,8 @@ const char* kernel_name(Kernel kernel) {
       return "NativeScoresGrad";
     case Kernel::RMSNorm:
       return "NativeRMSNorm";
+    case Kernel::RMSNormGrad:
+      return "NativeRMSNormGrad";
     case Kernel::SoftmaxBlock:
       return "NativeSoftmaxBlock";
     case Kernel::Sample:
@@ -423,8 +498,8 @@ const char* kernel_name(Kernel kernel) {
 }
 
 // One primitive class for the kernels: float32, row-contiguous inputs (the functions below make
-// them so), outputs allocated here. Only RMSNorm has a vjp: base_setup.fast_math calls the others
-// inside mx.custom_function's whose gradients are written out.
+// them so), outputs allocated here. Only RMSNorm has a vjp (RMSNormGrad): base_setup.fast_math
+// calls the others inside mx.custom_function's whose gradients are written out.
 class NativePrimitive : public mx::Primitive {
  public:
   NativePrimitive(mx::Stream stream, Kernel kernel, float eps = 0.0f, int outputs = 0)
@@ -481,6 +556,22 @@ class NativePrimitive : public mx::Primitive {
             rms_norm(in[0], in[1], out[0], float(1.0 / double(width)), eps, width, b, e);
           });
           break;
+        case Kernel::RMSNormGrad: {
+          size_t rows = size / width;
+          size_t blocks = (rows + kNormRowBlock - 1) / kNormRowBlock;
+          std::vector<float> partial(blocks * width);
+          size_t grain = std::max<size_t>(1, kGrain / (width * kNormRowBlock));
+          pool().parallel(blocks, grain, [&](size_t b, size_t e) {
+            rms_norm_grad_blocks(
+                in[0], in[1], in[2], out[0], partial.data(), float(1.0 / double(width)), eps,
+                width, rows, b, e);
+          });
+          pool().parallel(width, std::max<size_t>(1, kGrain / std::max<size_t>(blocks, 1)),
+                          [&](size_t b, size_t e) {
+                            rms_norm_grad_weight(partial.data(), out[1], width, blocks, b, e);
+                          });
+          break;
+        }
         case Kernel::Sample:
           pool().parallel(size / width, std::max<size_t>(1, kGrain / width), [&](size_t b, size_t e) {
             sample_rows(in[0], in[1], index_out, out[1], out[2], width, b, e);
@@ -499,28 +590,13 @@ class NativePrimitive : public mx::Primitive {
     });
   }
 
-  // RMSNorm: MLX's own gradient of mx.fast.rms_norm, so that a model's backward pass meets the
-  // same graph as with MLX's function (the other kernels are differentiated in fast_math).
+  // RMSNorm: its gradient is the RMSNormGrad kernel's (x's and the weight's; the other kernels
+  // are differentiated in fast_math). The gradient itself has no gradient.
   std::vector<mx::array> vjp(
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& cotangents,
       const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override {
-    if (kernel_ != Kernel::RMSNorm) {
-      return mx::Primitive::vjp(primals, cotangents, argnums, outputs);
-    }
-    float eps = eps_;
-    mx::Stream s = stream();
-    auto norm = [eps, s](const std::vector<mx::array>& in) {
-      return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps, s)};
-    };
-    auto grads = mx::vjp(norm, primals, cotangents).second;
-    std::vector<mx::array> out;
-    for (int i : argnums) {
-      out.push_back(grads[i]);
-    }
-    return out;
-  }
+      const std::vector<mx::array>& outputs) override;
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(std::string(name()) + " runs on the CPU only");
@@ -540,6 +616,8 @@ class NativePrimitive : public mx::Primitive {
     switch (kernel_) {
       case Kernel::SwiGLUGrad:
         return {inputs[0].shape(), inputs[0].shape()};
+      case Kernel::RMSNormGrad:
+        return {inputs[0].shape(), inputs[1].shape()};
       case Kernel::RowExp: {
         mx::Shape rows = inputs[0].shape();
         rows.back() = 1;
@@ -621,6 +699,28 @@ std::vector<mx::array> make(
     dtypes[0] = mx::int32;  // the tokens
   }
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, std::move(inputs));
+}
+
+std::vector<mx::array> NativePrimitive::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>& outputs) {
+  if (kernel_ != Kernel::RMSNorm) {
+    return mx::Primitive::vjp(primals, cotangents, argnums, outputs);
+  }
+  mx::Stream s = stream();
+  // The primals are the forward's contiguous inputs; the cotangent may be any view.
+  auto grads = make(
+      Kernel::RMSNormGrad,
+      {primals[0], primals[1], mx::contiguous(cotangents[0], false, s)},
+      s,
+      eps_);
+  std::vector<mx::array> out;
+  for (int i : argnums) {
+    out.push_back(grads[i]);
+  }
+  return out;
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {

@@ -126,21 +126,58 @@ def test_attention_is_the_fast_attention_bit_for_bit(
     assert _equal(got, want)
 
 
+def _rms_norm_reference(
+    x: np.ndarray, weight: np.ndarray, cot: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RMSNorm's value and its gradients (x's, the weight's) in float64, written out naively."""
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, weight, cot))
+    n = 1.0 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps)
+    gw = g64 * w64
+    dx = gw * n - x64 * (gw * x64).mean(-1, keepdims=True) * n**3
+    dw = (g64 * x64 * n).reshape(-1, x.shape[-1]).sum(0)
+    return x64 * n * w64, dx, dw
+
+
 @needs_kernels
-@pytest.mark.parametrize("threads", [1, 2])
-def test_rms_norm_is_mlxs_bit_for_bit(kernels: Any, threads: int) -> None:
-    kernels.set_threads(threads)
+@pytest.mark.parametrize("shape", [(3, 57, 576), (2, 37, 16, 64)])  # a hidden state; q_norm's
+def test_rms_norm_is_mlxs_value_and_its_gradient_at_any_thread_count(
+    kernels: Any, shape: tuple[int, ...]
+) -> None:
+    """The value is MLX's bit for bit. The gradient is the native kernel's (MLX's formula, its
+    own order of sums): as close to a float64 reference as MLX's own, and the same bits at 1, 2
+    and 3 threads (the weight's sums over rows in fixed blocks)."""
     rng = np.random.default_rng(8)
-    x = mx.array((rng.standard_normal((3, 57, 576)) * 3).astype(np.float32))
-    weight = mx.array(rng.standard_normal(576).astype(np.float32))
-    cot = mx.array(rng.standard_normal((3, 57, 576)).astype(np.float32))
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    x.reshape(-1, shape[-1])[5] = 0.0  # a zero row: its scale is 1 / sqrt(eps)
+    weight = rng.standard_normal(shape[-1]).astype(np.float32)
+    cot = rng.standard_normal(shape).astype(np.float32)
     assert x.size > fast_math._MAX_COMPILED_RMS_NORM  # the size where the kernel runs
 
     def run(norm: Callable[..., mx.array]) -> Any:
-        return mx.vjp(lambda x, w: norm(x, w, 1e-5), [x, weight], [cot])
+        value, grads = mx.vjp(
+            lambda x, w: norm(x, w, 1e-5), [mx.array(x), mx.array(weight)], [mx.array(cot)]
+        )
+        return value[0], grads[0], grads[1]
 
-    got, want = run(fast_math.rms_norm), run(mx.fast.rms_norm)
-    assert _equal(got, want)
+    runs = []
+    for threads in (1, 2, 3):
+        kernels.set_threads(threads)
+        runs.append(run(fast_math.rms_norm))
+    assert all(_equal(got, runs[0]) for got in runs[1:])
+    mlx = run(mx.fast.rms_norm)
+    assert _equal(runs[0][0], mlx[0])
+    reference = _rms_norm_reference(x, weight, cot, 1e-5)
+    for got, theirs, want in zip(runs[0][1:], mlx[1:], reference[1:]):
+        scale = np.abs(want).max()
+        ours_err = np.abs(np.array(got, dtype=np.float64) - want).max() / scale
+        mlx_err = np.abs(np.array(theirs, dtype=np.float64) - want).max() / scale
+        assert ours_err < 1e-6 and ours_err <= 2 * mlx_err + 1e-7, (ours_err, mlx_err)
+    # Inside a compiled function too (a compiled training gradient), the same bits.
+    compiled = mx.compile(
+        lambda x, w, g: mx.vjp(lambda a, b: fast_math.rms_norm(a, b, 1e-5), [x, w], [g])[1]
+    )
+    grads = compiled(mx.array(x), mx.array(weight), mx.array(cot))
+    assert _equal(grads[0], runs[0][1]) and _equal(grads[1], runs[0][2])
 
 
 @needs_kernels
