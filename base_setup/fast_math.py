@@ -25,7 +25,8 @@ decoding step of a small model.
 
 Faster still: on Linux the SwiGLU, the attention's softmax (forward and gradient) and a large
 RMSNorm run through native kernels (:mod:`base_setup.native`), the same float32 arithmetic in
-one pass over the run's threads, the same bits (RMSNorm's gradient is MLX's).
+one pass over the run's threads, the same bits (RMSNorm's gradient is MLX's formula with its
+own order of sums: float rounding against MLX's).
 
 Where: :func:`base_setup.fast_layers.accelerate_model` gives the layers of one model instance (the models this project
 loads: ``PolicyModel``, ``ScalarHeadModel``) fast subclasses of their classes: mlx-lm's MLP and
@@ -567,7 +568,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``mx.fast.rms_norm(x, weight, eps)``: ``x / sqrt(mean(x^2, -1) + eps) * weight``, the
     normalisation in float32, then ``x``'s dtype times ``weight`` (MLX's own formula, bit for
     bit). Differentiable; MLX's own off the CPU, and above a few thousand elements MLX's own or,
-    in float32, the native kernel's (:mod:`base_setup.native`) with MLX's gradient."""
+    in float32, the native kernel's (:mod:`base_setup.native`), whose gradient is MLX's formula
+    summed in its own order."""
     if not fast_math_enabled():
         return mx.fast.rms_norm(x, weight, eps)
     if x.size > _MAX_COMPILED_RMS_NORM:

@@ -1,7 +1,7 @@
 """Native CPU kernels for the element-wise work of a transformer layer, split over the run's
 threads: SwiGLU (forward and gradient), the attention's softmax (its exponentials with their row
-maxima, and its score gradient), a large RMSNorm, the LM head's softmax by vocabulary blocks, and
-a decoding step's draw.
+maxima, and its score gradient), a large RMSNorm (forward and gradient), the LM head's softmax by
+vocabulary blocks, and a decoding step's draw.
 
 Why: MLX's CPU backend runs every element-wise op on one thread (its stream's), and on x86 its
 loops are scalar. The fast functions of :mod:`base_setup.fast_math` made the arithmetic cheap
@@ -16,8 +16,9 @@ only) and their Python bindings. Each computes exactly the float32 operations of
 function it stands for, in the same order, built with ``-ffp-contract=off``: the same bits, which
 the tests check. :mod:`base_setup.fast_math` calls them where its fast functions would run, for
 float32 arrays, inside its custom functions whose gradients are written out (RMSNorm's primitive
-has MLX's own gradient); ``token_attribution.head_logprobs`` and the generator's sampler call
-them through :func:`base_setup.fast_math.native_kernels`.
+has its own: MLX's formula, with the weight's sum over rows in fixed blocks of rows, so the same
+bits at any thread count, though not MLX's bits); ``token_attribution.head_logprobs`` and the
+generator's sampler call them through :func:`base_setup.fast_math.native_kernels`.
 
 How it is built: with the system ``g++`` against MLX's headers and ``libmlx.so`` (in the ``mlx``
 wheel) and ``nanobind``'s sources (a requirement), once per machine: the first process that needs
