@@ -607,9 +607,12 @@ def rope(
 
     ``x`` is (B, ..., L, D); ``offset`` an int, a scalar array, or a (B,) array of per-sequence
     offsets (mlx-lm's batched KV caches). Position ``p`` rotates feature pair ``i < dims / 2``
-    by ``scale * p * base^(-2i / dims)``. The frequencies are computed once per (dims, base),
-    and the rotation is one compiled function. Differentiable; MLX's own for ``traditional``
-    (interleaved pairs) and off the CPU.
+    by ``scale * p * base^(-2i / dims)``. The frequencies are computed once per (dims, base).
+    In float32 with int32 offsets the native kernel computes it (:mod:`base_setup.native`: one
+    graph node where the composed rotation takes about fifteen, which at a decoding step cost
+    more than their arithmetic; the same bits, its gradient the rotation by the opposite
+    angle); else the rotation is one compiled function. Differentiable; MLX's own for
+    ``traditional`` (interleaved pairs) and off the CPU.
     """
     if traditional or not fast_math_enabled():
         return mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
@@ -618,12 +621,23 @@ def rope(
     if key not in _ROPE_FREQS:  # mx.fast.rope's own expression, for the same bits
         _ROPE_FREQS[key] = mx.exp(mx.arange(0.0, -half, -1.0) * (math.log(base) / half))
     start = offset if isinstance(offset, mx.array) else mx.array(offset)
+    kernels = _native(x)
+    if kernels is not None and _native_rope_offsets(start, x):
+        return cast(mx.array, kernels.rope(x, start, _ROPE_FREQS[key], scale=scale))
     if start.ndim:  # (B,) -> (B, 1, ..., 1): one offset per sequence
         start = start.reshape((-1,) + (1,) * (x.ndim - 2))
     positions = (start + mx.arange(x.shape[-2])).astype(mx.float32) * scale  # (B|1, ..., L)
     if x.size < _MIN_ROPE_CUSTOM_GRAD:  # a decoding step: one compiled call, MLX differentiates it
         return _rotate_half(x, positions, _ROPE_FREQS[key])
     return cast(mx.array, _rope_rotation(x, positions, _ROPE_FREQS[key]))
+
+
+def _native_rope_offsets(start: mx.array, x: mx.array) -> bool:
+    """Whether the native RoPE takes ``start`` for ``x`` (..., L, D): int32, one offset or one
+    per index of ``x``'s first axis (mlx-lm's batched caches)."""
+    if start.dtype != mx.int32 or x.ndim < 2 or start.ndim > 1:
+        return False
+    return start.size == 1 or start.size == x.shape[0]
 
 
 @mx.custom_function

@@ -1,7 +1,8 @@
 """Native CPU kernels for the element-wise work of a transformer layer, split over the run's
 threads: SwiGLU (forward and gradient), the attention's softmax (its exponentials with their row
-maxima, and its score gradient), a large RMSNorm (forward and gradient), the LM head's softmax by
-vocabulary blocks, and a decoding step's draw.
+maxima, and its score gradient), a large RMSNorm (forward and gradient), RoPE (forward and
+gradient, one graph node where the composed rotation takes about fifteen), the LM head's
+softmax by vocabulary blocks, and a decoding step's draw.
 
 Why: MLX's CPU backend runs every element-wise op on one thread (its stream's), and on x86 its
 loops are scalar. The fast functions of :mod:`base_setup.fast_math` made the arithmetic cheap
@@ -17,7 +18,8 @@ function it stands for, in the same order, built with ``-ffp-contract=off``: the
 the tests check. :mod:`base_setup.fast_math` calls them where its fast functions would run, for
 float32 arrays, inside its custom functions whose gradients are written out (RMSNorm's primitive
 has its own: MLX's formula, with the weight's sum over rows in fixed blocks of rows, so the same
-bits at any thread count, though not MLX's bits); ``token_attribution.head_logprobs`` and the
+bits at any thread count, though not MLX's bits; RoPE's is the rotation by the opposite angle,
+with MLX's own sine and cosine: the fast function's bits); ``token_attribution.head_logprobs`` and the
 generator's sampler call them through :func:`base_setup.fast_math.native_kernels`.
 
 How it is built: with the system ``g++`` against MLX's headers and ``libmlx.so`` (in the ``mlx``

@@ -7,9 +7,11 @@
 // -ffp-contract=off so that no multiply-add is fused), so their results are the same bits. Only
 // the loops differ: one pass instead of several, and the elements split over threads. A row
 // kernel (a maximum or a sum along the last axis) gives each row to one thread and adds in the
-// row's order, so no result depends on the thread count. One kernel has no fast function to
-// match: RMSNorm's gradient, MLX's formula with its own order of sums (a sum over rows in fixed
-// blocks of rows, then over the blocks in order: again the same at any thread count).
+// row's order, so no result depends on the thread count. RoPE computes MLX's own sine and
+// cosine (its polynomial, with its multiply-adds) and reads its input in any layout. One kernel
+// has no fast function to match: RMSNorm's gradient, MLX's formula with its own order of sums
+// (a sum over rows in fixed blocks of rows, then over the blocks in order: again the same at any
+// thread count).
 
 #include <sys/types.h>
 #include <unistd.h>
@@ -462,6 +464,117 @@ void rms_norm_grad_weight(
   }
 }
 
+// MLX's float32 sine or cosine on the CPU (its Cephes polynomial, mlx/backend/cpu/simd/math.h
+// sincos_checked, element by element): the argument reduced by rounding |x| * 4 / pi to an
+// integer, two polynomials, each multiply-add a single rounding (std::fma, as MLX's); libm's
+// beyond |x| > 2^23, where the reduction is no longer exact.
+template <bool Sine>
+inline float mlx_sincos(float in) {
+  if (std::abs(in) > 8388608.0f) {
+    return Sine ? std::sin(in) : std::cos(in);
+  }
+  bool sign_sin = in < 0.0f;
+  float x = std::abs(in);
+  float y = x * 1.27323954473516f;
+  uint32_t emm2 = uint32_t(y);
+  emm2 = emm2 + 1;
+  emm2 = emm2 & ~uint32_t(1);
+  y = float(emm2);
+  bool poly = (emm2 & 2) != 0;
+  x = std::fma(y, -0.78515625f, x);
+  x = std::fma(y, -2.4187564849853515625e-4f, x);
+  x = std::fma(y, -3.77489497744594108e-8f, x);
+  sign_sin = sign_sin != ((emm2 & 4) != 0);
+  bool sign_cos = ((emm2 - 2) & 4) != 0;
+  float z = x * x;
+  float y1 = std::fma(z, 2.443315711809948e-5f, -1.388731625493765e-3f);
+  float y2 = std::fma(z, -1.9515295891e-4f, 8.3321608736e-3f);
+  y1 = std::fma(y1, z, 4.166664568298827e-2f);
+  y2 = std::fma(y2, z, -1.6666654611e-1f);
+  y1 = y1 * z;
+  y2 = y2 * z;
+  y1 = y1 * z;
+  y2 = std::fma(x, y2, x);
+  y1 = std::fma(z, -0.5f, y1);
+  y1 = y1 + 1.0f;
+  if constexpr (Sine) {
+    float ys = poly ? y1 : y2;
+    return sign_sin ? -ys : ys;
+  } else {
+    float yc = poly ? y2 : y1;
+    return sign_cos ? yc : -yc;
+  }
+}
+
+// Where RoPE finds the rows of x: its shape and strides in elements (any layout; the rotated
+// halves are read along the last axis at its stride).
+struct RowLayout {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+
+  // The element offset of row `row` (rows in row-major order over all axes but the last).
+  int64_t offset(size_t row) const {
+    int64_t at = 0;
+    for (int d = int(shape.size()) - 2; d >= 0; --d) {
+      int64_t n = shape[size_t(d)];
+      at += int64_t(row % size_t(n)) * strides[size_t(d)];
+      row /= size_t(n);
+    }
+    return at;
+  }
+};
+
+// Rows [begin, end) of non-traditional RoPE (fast_math._rotate_half): x (..., L, D) read through
+// `layout`, the position of row r p = float(offsets[b] + l) * scale (l = r mod L, b = the first
+// axis's index; one offset for all when there is one), negated where `negate` (the gradient:
+// the rotation by the opposite angle), theta_i = p * inv_freq[i] for i < half, and
+//   out[i] = x[i] cos - x[half + i] sin,  out[half + i] = x[i] sin + x[half + i] cos,
+//   out[j] = x[j] for 2 half <= j < D (a contiguous output).
+void rope_rows(
+    const float* x,
+    const RowLayout& layout,
+    const int32_t* offsets,
+    int64_t offset_stride,
+    size_t offset_count,
+    const float* inv_freq,
+    int64_t freq_stride,
+    size_t half,
+    float scale,
+    bool negate,
+    float* out,
+    size_t begin,
+    size_t end) {
+  size_t width = size_t(layout.shape.back());
+  int64_t step = layout.strides.back();
+  size_t length = size_t(layout.shape[layout.shape.size() - 2]);
+  size_t per_first = 1;  // rows per index of the first axis
+  for (size_t d = 1; d + 1 < layout.shape.size(); ++d) {
+    per_first *= size_t(layout.shape[d]);
+  }
+  for (size_t r = begin; r < end; ++r) {
+    const float* xr = x + layout.offset(r);
+    float* outr = out + r * width;
+    size_t b = offset_count == 1 ? 0 : r / per_first;
+    int32_t at = offsets[int64_t(b) * offset_stride] + int32_t(r % length);
+    float p = float(at) * scale;
+    if (negate) {
+      p = -p;
+    }
+    for (size_t i = 0; i < half; ++i) {
+      float theta = p * inv_freq[int64_t(i) * freq_stride];
+      float c = mlx_sincos<false>(theta);
+      float s = mlx_sincos<true>(theta);
+      float x1 = xr[int64_t(i) * step];
+      float x2 = xr[int64_t(half + i) * step];
+      outr[i] = x1 * c - x2 * s;
+      outr[half + i] = x1 * s + x2 * c;
+    }
+    for (size_t j = 2 * half; j < width; ++j) {
+      outr[j] = xr[int64_t(j) * step];
+    }
+  }
+}
+
 // ------------------------------------------------------------------ MLX primitives
 
 enum class Kernel {
@@ -472,7 +585,8 @@ enum class Kernel {
   RMSNorm,
   RMSNormGrad,
   SoftmaxBlock,
-  Sample
+  Sample,
+  Rope
 };
 
 const char* kernel_name(Kernel kernel) {
@@ -493,17 +607,26 @@ const char* kernel_name(Kernel kernel) {
       return "NativeSoftmaxBlock";
     case Kernel::Sample:
       return "NativeSample";
+    case Kernel::Rope:
+      return "NativeRope";
   }
   return "Native";
 }
 
 // One primitive class for the kernels: float32, row-contiguous inputs (the functions below make
-// them so), outputs allocated here. Only RMSNorm has a vjp (RMSNormGrad): base_setup.fast_math
-// calls the others inside mx.custom_function's whose gradients are written out.
+// them so; RoPE reads its input in any layout), outputs allocated here. RMSNorm and RoPE have a
+// vjp (RMSNormGrad; RoPE by the opposite angle): base_setup.fast_math calls the others inside
+// mx.custom_function's whose gradients are written out.
 class NativePrimitive : public mx::Primitive {
  public:
-  NativePrimitive(mx::Stream stream, Kernel kernel, float eps = 0.0f, int outputs = 0)
-      : mx::Primitive(stream), kernel_(kernel), eps_(eps), outputs_(outputs) {}
+  // `eps`: RMSNorm's epsilon, RoPE's position scale; `negate`: RoPE by the opposite angle.
+  NativePrimitive(
+      mx::Stream stream,
+      Kernel kernel,
+      float eps = 0.0f,
+      int outputs = 0,
+      bool negate = false)
+      : mx::Primitive(stream), kernel_(kernel), eps_(eps), outputs_(outputs), negate_(negate) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) {
@@ -515,6 +638,10 @@ class NativePrimitive : public mx::Primitive {
     }
     for (auto& out : outputs) {
       encoder.set_output_array(out);
+    }
+    if (kernel_ == Kernel::Rope) {
+      eval_rope(encoder, inputs, outputs[0]);
+      return;
     }
     std::vector<const float*> in;
     for (auto& a : inputs) {
@@ -590,8 +717,45 @@ class NativePrimitive : public mx::Primitive {
     });
   }
 
+  // RoPE (x, offsets, inverse frequencies): x in any layout, offsets int32 (one, or one per index
+  // of x's first axis), the frequencies (half,); a contiguous output.
+  void eval_rope(
+      mx::cpu::CommandEncoder& encoder,
+      const std::vector<mx::array>& inputs,
+      mx::array& out) {
+    const mx::array& x = inputs[0];
+    RowLayout layout;
+    for (int d = 0; d < x.ndim(); ++d) {
+      layout.shape.push_back(x.shape(d));
+      layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
+    }
+    const mx::array& offsets = inputs[1];
+    const mx::array& freqs = inputs[2];
+    const float* xp = x.data<float>();
+    const int32_t* op = offsets.data<int32_t>();
+    int64_t offset_stride = offsets.ndim() ? int64_t(offsets.strides()[0]) : 0;
+    size_t offset_count = offsets.size();
+    const float* fp = freqs.data<float>();
+    int64_t freq_stride = int64_t(freqs.strides()[0]);
+    size_t half = freqs.size();
+    float* outp = out.data<float>();
+    size_t width = size_t(x.shape(-1));
+    size_t rows = width ? x.size() / width : 0;
+    float scale = eps_;
+    bool negate = negate_;
+    size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(width, 1));
+    encoder.dispatch([=]() {
+      pool().parallel(rows, grain, [&](size_t b, size_t e) {
+        rope_rows(
+            xp, layout, op, offset_stride, offset_count, fp, freq_stride, half, scale, negate,
+            outp, b, e);
+      });
+    });
+  }
+
   // RMSNorm: its gradient is the RMSNormGrad kernel's (x's and the weight's; the other kernels
-  // are differentiated in fast_math). The gradient itself has no gradient.
+  // are differentiated in fast_math); RoPE's is RoPE by the opposite angle. The gradients
+  // themselves have no gradient.
   std::vector<mx::array> vjp(
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& cotangents,
@@ -609,7 +773,7 @@ class NativePrimitive : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* native = dynamic_cast<const NativePrimitive*>(&other);
     return native != nullptr && native->kernel_ == kernel_ && native->eps_ == eps_ &&
-        native->outputs_ == outputs_;
+        native->outputs_ == outputs_ && native->negate_ == negate_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -645,6 +809,7 @@ class NativePrimitive : public mx::Primitive {
   Kernel kernel_;
   float eps_;
   int outputs_;  // SoftmaxBlock: 4, 5 (with e) or 6 (with e * x)
+  bool negate_;  // RoPE: by the opposite angle
 };
 
 mx::Stream cpu_stream(mx::StreamOrDevice s) {
@@ -691,8 +856,9 @@ std::vector<mx::array> make(
     std::vector<mx::array> inputs,
     mx::Stream stream,
     float eps = 0.0f,
-    int outputs = 0) {
-  auto primitive = std::make_shared<NativePrimitive>(stream, kernel, eps, outputs);
+    int outputs = 0,
+    bool negate = false) {
+  auto primitive = std::make_shared<NativePrimitive>(stream, kernel, eps, outputs, negate);
   auto shapes = primitive->output_shapes(inputs);
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   if (kernel == Kernel::Sample) {
@@ -706,10 +872,25 @@ std::vector<mx::array> NativePrimitive::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>& outputs) {
+  mx::Stream s = stream();
+  if (kernel_ == Kernel::Rope) {
+    // A rotation's transpose is the rotation by the opposite angle; no gradient reaches the
+    // offsets or the frequencies.
+    std::vector<mx::array> out;
+    for (int i : argnums) {
+      if (i == 0) {
+        auto rotated =
+            make(Kernel::Rope, {cotangents[0], primals[1], primals[2]}, s, eps_, 0, !negate_);
+        out.push_back(rotated[0]);
+      } else {
+        out.push_back(mx::zeros_like(primals[size_t(i)], s));
+      }
+    }
+    return out;
+  }
   if (kernel_ != Kernel::RMSNorm) {
     return mx::Primitive::vjp(primals, cotangents, argnums, outputs);
   }
-  mx::Stream s = stream();
   // The primals are the forward's contiguous inputs; the cotangent may be any view.
   auto grads = make(
       Kernel::RMSNormGrad,
@@ -801,6 +982,26 @@ std::vector<mx::array> softmax_block_of(
   return make(Kernel::SoftmaxBlock, std::move(inputs), stream, 0.0f, outputs);
 }
 
+mx::array rope(
+    const mx::array& x,
+    const mx::array& offsets,
+    const mx::array& inv_freq,
+    float scale,
+    mx::StreamOrDevice s) {
+  check_float32({x, inv_freq}, "rope");
+  if (offsets.dtype() != mx::int32) {
+    throw std::invalid_argument("rope takes int32 offsets");
+  }
+  if (x.ndim() < 2 || inv_freq.ndim() != 1 || 2 * inv_freq.shape(0) > x.shape(-1)) {
+    throw std::invalid_argument("rope takes x (..., L, D) and at most D / 2 frequencies");
+  }
+  if (offsets.ndim() > 1 || (offsets.size() != 1 && offsets.size() != size_t(x.shape(0)))) {
+    throw std::invalid_argument("rope takes one offset, or one per index of x's first axis");
+  }
+  auto stream = cpu_stream(s);
+  return make(Kernel::Rope, {x, offsets, inv_freq}, stream, scale)[0];
+}
+
 std::vector<mx::array> sample(const mx::array& scaled, const mx::array& uniform, mx::StreamOrDevice s) {
   check_float32({scaled, uniform}, "sample");
   if (scaled.ndim() != 2 || scaled.shape(-1) == 0 || uniform.size() != size_t(scaled.shape(0))) {
@@ -879,6 +1080,19 @@ NB_MODULE(_ppo_native, m) {
       nb::arg("stream").none() = nb::none(),
       "(tokens int32, log-probs, entropy), (B,) each: one draw per row by inverse CDF from the "
       "softmax of the (B, V) scaled logits, with (B, 1) uniform numbers.");
+  m.def(
+      "rope",
+      &rope,
+      nb::arg("x"),
+      nb::arg("offsets"),
+      nb::arg("inv_freq"),
+      nb::kw_only(),
+      nb::arg("scale") = 1.0f,
+      nb::arg("stream").none() = nb::none(),
+      "Non-traditional RoPE of float32 x (..., L, D), in any layout: position float(offsets[b] + "
+      "l) * scale (b: x's first axis; one offset or one per b, int32), the first 2 * "
+      "len(inv_freq) features rotated as two halves by position * inv_freq, as mx.fast.rope; "
+      "differentiable in x.");
   m.def(
       "set_threads",
       [](int threads) { pool().set_threads(threads); },

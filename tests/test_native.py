@@ -4,6 +4,7 @@ wherever they cannot be built or loaded."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -178,6 +179,77 @@ def test_rms_norm_is_mlxs_value_and_its_gradient_at_any_thread_count(
     )
     grads = compiled(mx.array(x), mx.array(weight), mx.array(cot))
     assert _equal(grads[0], runs[0][1]) and _equal(grads[1], runs[0][2])
+
+
+def _rope_inputs(shape: tuple[int, ...], seed: int) -> mx.array:
+    rng = np.random.default_rng(seed)
+    return mx.array((rng.standard_normal(shape) * 2).astype(np.float32))
+
+
+ROPE_CASES = {
+    # (x's shape as the attention makes it, transposed or not, rotated dims, offset, scale)
+    "decoding step, batched cache": ((16, 1, 9, 64), True, 64, "per-row", 1.0),
+    "scoring, transposed view": ((3, 45, 4, 64), True, 64, 7, 1.0),
+    "partial rotary, scaled": ((2, 5, 33, 48), False, 32, "array", 0.25),
+    "far positions (libm's range)": ((2, 3, 4, 16), False, 16, 9_000_000, 1.0),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_is_the_fast_ropes_and_mlxs_bit_for_bit(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch, case: str, threads: int
+) -> None:
+    """Value and gradient equal the fast RoPE's (a compiled rotation; its gradient the rotation
+    by the opposite angle) and mx.fast.rope's value, whatever x's layout and offsets."""
+    shape, transposed, dims, offset_kind, scale = ROPE_CASES[case]
+    kernels.set_threads(threads)
+    x = _rope_inputs(shape, seed=len(case))
+    if transposed:  # (B, L, H, D) -> (B, H, L, D), as mlx-lm's attention hands it over
+        x = x.transpose(0, 2, 1, 3)
+    if offset_kind == "per-row":
+        offset: Any = mx.array(np.arange(x.shape[0], dtype=np.int32) * 3 - 2)  # left padding
+    elif offset_kind == "array":
+        offset = mx.array(5, dtype=mx.int32)
+    else:
+        offset = offset_kind
+    cot = _rope_inputs(x.shape, seed=99)
+    settings = dict(traditional=False, base=10000.0, scale=scale, offset=offset)
+
+    def run() -> Any:
+        value, grads = mx.vjp(lambda a: fast_math.rope(a, dims, **settings), [x], [cot])
+        return value[0], grads[0]
+
+    graph = io.StringIO()
+    mx.export_to_dot(graph, fast_math.rope(x, dims, **settings))
+    assert "NativeRope" in graph.getvalue()  # the kernel computes it
+    got = run()
+    mx.eval(got)
+    want = _without_native(monkeypatch, run)
+    assert _equal(got, want), case
+    assert _equal(got[0], mx.fast.rope(x, dims, **settings))
+    # Inside a compiled gradient (the training step's), the same bits.
+    compiled = mx.compile(
+        lambda a, c: mx.vjp(lambda b: fast_math.rope(b, dims, **settings), [a], [c])[1][0]
+    )
+    assert _equal(compiled(x, cot), got[1])
+
+
+@needs_kernels
+def test_rope_runs_native_and_checks_its_inputs(kernels: Any) -> None:
+    x = _rope_inputs((2, 3, 4, 8), seed=1)
+    freqs = mx.ones((4,))
+    native_out = kernels.rope(x, mx.array([0, 3], dtype=mx.int32), freqs)
+    assert native_out.shape == x.shape
+    with pytest.raises(ValueError, match="int32 offsets"):
+        kernels.rope(x, mx.array([0.0, 1.0]), freqs)
+    with pytest.raises(ValueError, match="one per index"):
+        kernels.rope(x, mx.array([0, 1, 2], dtype=mx.int32), freqs)
+    with pytest.raises(ValueError, match="at most D / 2"):
+        kernels.rope(x, mx.array(0, dtype=mx.int32), mx.ones((5,)))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rope(x.astype(mx.float16), mx.array(0, dtype=mx.int32), freqs)
 
 
 @needs_kernels
