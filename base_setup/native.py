@@ -19,8 +19,8 @@ the tests check. :mod:`base_setup.fast_math` calls them where its fast functions
 float32 arrays, inside its custom functions whose gradients are written out (RMSNorm's primitive
 has its own: MLX's formula, with the weight's sum over rows in fixed blocks of rows, so the same
 bits at any thread count, though not MLX's bits; RoPE's is the rotation by the opposite angle,
-with MLX's own sine and cosine: the fast function's bits); ``token_attribution.head_logprobs`` and the
-generator's sampler call them through :func:`base_setup.fast_math.native_kernels`.
+with MLX's own sine and cosine: the fast function's bits); ``token_attribution.head_logprobs``
+and the generator's sampler call them through :func:`base_setup.fast_math.native_kernels`.
 
 How it is built: with the system ``g++`` against MLX's headers and ``libmlx.so`` (in the ``mlx``
 wheel) and ``nanobind``'s sources (a requirement), once per machine: the first process that needs

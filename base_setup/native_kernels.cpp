@@ -524,23 +524,50 @@ struct RowLayout {
   }
 };
 
-// Rows [begin, end) of non-traditional RoPE (fast_math._rotate_half): x (..., L, D) read through
-// `layout`, the position of row r p = float(offsets[b] + l) * scale (l = r mod L, b = the first
-// axis's index; one offset for all when there is one), negated where `negate` (the gradient:
-// the rotation by the opposite angle), theta_i = p * inv_freq[i] for i < half, and
-//   out[i] = x[i] cos - x[half + i] sin,  out[half + i] = x[i] sin + x[half + i] cos,
-//   out[j] = x[j] for 2 half <= j < D (a contiguous output).
-void rope_rows(
-    const float* x,
-    const RowLayout& layout,
+// RoPE's angles, positions [begin, end) of `length` per offset: position t = k * length + l (k
+// the offset's index) is p = float(offsets[k] + l) * scale, negated where `negate` (the
+// gradient: the rotation by the opposite angle), and for i < half theta = p * inv_freq[i],
+// cos[t * half + i] = cos(theta), sin[t * half + i] = sin(theta) (MLX's own). Every row of x
+// at one position shares them: computed once, not once per head.
+void rope_angles(
     const int32_t* offsets,
     int64_t offset_stride,
-    size_t offset_count,
+    size_t length,
     const float* inv_freq,
     int64_t freq_stride,
     size_t half,
     float scale,
     bool negate,
+    float* cos_out,
+    float* sin_out,
+    size_t begin,
+    size_t end) {
+  for (size_t t = begin; t < end; ++t) {
+    int32_t at = offsets[int64_t(t / length) * offset_stride] + int32_t(t % length);
+    float p = float(at) * scale;
+    if (negate) {
+      p = -p;
+    }
+    for (size_t i = 0; i < half; ++i) {
+      float theta = p * inv_freq[int64_t(i) * freq_stride];
+      cos_out[t * half + i] = mlx_sincos<false>(theta);
+      sin_out[t * half + i] = mlx_sincos<true>(theta);
+    }
+  }
+}
+
+// Rows [begin, end) of non-traditional RoPE (fast_math._rotate_half): x (..., L, D) read through
+// `layout`, row r at position t = k * L + l (l = r mod L, k = the first axis's index when there
+// is one offset per index of it, else 0), whose angles :func:`rope_angles` wrote:
+//   out[i] = x[i] cos - x[half + i] sin,  out[half + i] = x[i] sin + x[half + i] cos,
+//   out[j] = x[j] for 2 half <= j < D (a contiguous output).
+void rope_rows(
+    const float* x,
+    const RowLayout& layout,
+    bool per_first_index,
+    const float* cos_in,
+    const float* sin_in,
+    size_t half,
     float* out,
     size_t begin,
     size_t end) {
@@ -554,20 +581,14 @@ void rope_rows(
   for (size_t r = begin; r < end; ++r) {
     const float* xr = x + layout.offset(r);
     float* outr = out + r * width;
-    size_t b = offset_count == 1 ? 0 : r / per_first;
-    int32_t at = offsets[int64_t(b) * offset_stride] + int32_t(r % length);
-    float p = float(at) * scale;
-    if (negate) {
-      p = -p;
-    }
+    size_t t = (per_first_index ? r / per_first : 0) * length + r % length;
+    const float* c = cos_in + t * half;
+    const float* s = sin_in + t * half;
     for (size_t i = 0; i < half; ++i) {
-      float theta = p * inv_freq[int64_t(i) * freq_stride];
-      float c = mlx_sincos<false>(theta);
-      float s = mlx_sincos<true>(theta);
       float x1 = xr[int64_t(i) * step];
       float x2 = xr[int64_t(half + i) * step];
-      outr[i] = x1 * c - x2 * s;
-      outr[half + i] = x1 * s + x2 * c;
+      outr[i] = x1 * c[i] - x2 * s[i];
+      outr[half + i] = x1 * s[i] + x2 * c[i];
     }
     for (size_t j = 2 * half; j < width; ++j) {
       outr[j] = xr[int64_t(j) * step];
@@ -743,12 +764,18 @@ class NativePrimitive : public mx::Primitive {
     size_t rows = width ? x.size() / width : 0;
     float scale = eps_;
     bool negate = negate_;
+    size_t length = size_t(x.shape(-2));
+    size_t positions = offset_count * length;
     size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(width, 1));
     encoder.dispatch([=]() {
+      std::vector<float> cos(positions * half), sin(positions * half);
+      pool().parallel(positions, grain, [&](size_t b, size_t e) {
+        rope_angles(
+            op, offset_stride, length, fp, freq_stride, half, scale, negate, cos.data(),
+            sin.data(), b, e);
+      });
       pool().parallel(rows, grain, [&](size_t b, size_t e) {
-        rope_rows(
-            xp, layout, op, offset_stride, offset_count, fp, freq_stride, half, scale, negate,
-            outp, b, e);
+        rope_rows(xp, layout, offset_count > 1, cos.data(), sin.data(), half, outp, b, e);
       });
     });
   }
