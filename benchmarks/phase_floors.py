@@ -11,9 +11,12 @@ The first runs the benchmark (the real shapes measure the machine's limits) and 
 in docs/performance.md between its markers; the second does it from a saved run.
 
 **The machine's limits** (:func:`measure_limits`, in the MLX worker, after its iterations): the
-memory bandwidth, the best of a large array's copy (read + write counted) and of a matrix-vector
-product over a large float32 matrix (the weights read once, as a decode step reads them); and the
-matmul peak, a 2048 x 2048 float32 product. Each is the best of a few repeats.
+memory bandwidth, the best of a large array's copy into an array already in memory (read + write
+counted) and of a matrix-vector product over a large float32 matrix (the weights read once, as a
+decode step reads them); and the matmul peak, a 2048 x 2048 float32 product. Each is the best of
+a few repeats. (Until 2026-12-02 the copy made a new array each time, and what it timed was the
+kernel's first touch of its pages: 3-4 GB/s on the 2-core EPYC whose memory a summing loop reads
+at 25-30 GB/s.)
 
 **What each phase must do** (:func:`phase_work`), counted from the model's shape (a decoder:
 attention with grouped KV heads, a gated MLP, an LM head of ``vocab x hidden``; norms and
@@ -238,21 +241,25 @@ QUICK_LIMITS: dict[str, int] = {"megabytes": 8, "repeats": 1, "matmul": 512}
 
 
 def measure_limits(megabytes: int = 256, repeats: int = 5, matmul: int = 2048) -> dict[str, float]:
-    """This process's memory bandwidth and matmul peak (bytes and FLOPs per second), on MLX's
-    default device: ``copy_bandwidth`` (an array of ``megabytes`` copied: read + write),
-    ``gemv_bandwidth`` (a float32 matrix of ``megabytes`` times a vector: the matrix read once),
-    ``bandwidth`` (the larger), ``matmul_flops`` (``matmul`` x ``matmul`` float32)."""
+    """This process's memory bandwidth and matmul peak (bytes and FLOPs per second):
+    ``copy_bandwidth`` (an array of ``megabytes`` copied into another already in memory, with
+    NumPy: read + write; a new array would time the first touch of its pages),
+    ``gemv_bandwidth`` (a float32 matrix of ``megabytes`` times a vector on MLX's default device:
+    the matrix read once), ``bandwidth`` (the larger), ``matmul_flops`` (``matmul`` x ``matmul``
+    float32 on MLX's default device)."""
     import mlx.core as mx
+    import numpy as np
 
     n = megabytes * 2**20 // FLOAT32
-    source = mx.random.uniform(shape=(n,))
+    source = np.random.default_rng(0).random(n, dtype=np.float32)
+    target = np.zeros_like(source)  # its pages touched before any copy is timed
     cols = 4096
     matrix = mx.random.uniform(shape=(n // cols, cols))
     vector = mx.random.uniform(shape=(cols, 1))
     a = mx.random.uniform(shape=(matmul, matmul))
     b = mx.random.uniform(shape=(matmul, matmul))
-    mx.eval(source, matrix, vector, a, b)
-    copy = min(timings(lambda: mx.eval(source + 0.0), repeats))
+    mx.eval(matrix, vector, a, b)
+    copy = min(timings(lambda: np.copyto(target, source), repeats))
     gemv = min(timings(lambda: mx.eval(matrix @ vector), repeats))
     product = min(timings(lambda: mx.eval(a @ b), repeats))
     limits = {
