@@ -15,7 +15,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from base_setup.backend import blas_info
+from base_setup.backend import blas_info, parameter_count
 from base_setup import fast_math
 from base_setup.fast_math import _MIN_FAST_ATTENTION, fast_math_enabled, rms_norm, rope, swiglu
 
@@ -39,6 +39,54 @@ class _FastRoPE(nn.RoPE):
             scale=self.scale,
             offset=offset,
         )
+
+
+class _FewRowLinear(nn.Linear):
+    """``nn.Linear`` whose calls on a decoding step's few rows run the native few-row kernel
+    (:func:`fast_math.few_row_matmul`); every other call is ``nn.Linear``'s."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = fast_math.few_row_matmul(x, self["weight"])
+        if y is None:  # nn.Linear's (not super(): few_row_like reuses this on other classes)
+            return nn.Linear.__call__(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class _FewRowEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (a tied LM head) on few rows runs the native
+    few-row kernel; the lookup and every other call are ``nn.Embedding``'s."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = fast_math.few_row_matmul(x, self["weight"])
+        return nn.Embedding.as_linear(self, x) if y is None else y
+
+
+#: Parameters from which :func:`accelerate_model` gives a model's ``nn.Linear`` and
+#: ``nn.Embedding`` layers the few-row kernel: SmolLM2-135M's size is well above. Below, the
+#: weights fit in the caches, where OpenBLAS's packing costs little, and this project's test,
+#: golden and demo models keep MLX's matmuls (and so their records' bits).
+FEW_ROW_MIN_PARAMETERS = 50_000_000
+#: The exact layer classes that get the few-row kernel -> their few-row subclasses.
+_FEW_ROW_CLASSES: dict[type, type] = {nn.Linear: _FewRowLinear, nn.Embedding: _FewRowEmbedding}
+#: Linear classes :func:`few_row_like` gave the kernel -> their few-row subclasses.
+_FEW_ROW_LIKE: dict[type, type] = {}
+
+
+def few_row_like(layer: nn.Linear, base: nn.Module) -> nn.Linear:
+    """``layer``, a linear layer that stands in for ``base`` (e.g. a LoRA layer's merged weight,
+    ``base_setup.lora_setup.adapters_merged``), with the few-row kernel where ``base`` has it:
+    its class becomes a subclass of its own with :class:`_FewRowLinear`'s ``__call__``."""
+    has_it = isinstance(base, _FewRowLinear) or isinstance(base.get("linear"), _FewRowLinear)
+    if has_it and type(layer).__call__ is not _FewRowLinear.__call__:
+        cls = type(layer)
+        if cls not in _FEW_ROW_LIKE:
+            _FEW_ROW_LIKE[cls] = type(
+                f"FewRow{cls.__name__}",
+                (cls,),
+                {"__call__": _FewRowLinear.__call__, "__module__": __name__},
+            )
+        layer.__class__ = _FEW_ROW_LIKE[cls]
+    return layer
 
 
 def lora_linear(
@@ -185,7 +233,7 @@ def _fast_class(cls: type) -> type | None:
 
 
 def _is_fast(cls: type) -> bool:
-    return cls in _FAST_CLASSES.values()
+    return any(cls in kinds.values() for kinds in (_FAST_CLASSES, _FEW_ROW_CLASSES, _FEW_ROW_LIKE))
 
 
 def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
@@ -216,8 +264,14 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
         return False
     if not fast_math_enabled():
         return False
+    few_rows = parameter_count(model) >= FEW_ROW_MIN_PARAMETERS
     changed = False
     for layer in layers:
+        if type(layer) in _FEW_ROW_CLASSES:
+            if few_rows:
+                layer.__class__ = _FEW_ROW_CLASSES[type(layer)]
+                changed = True
+            continue
         fast = type(layer) if _is_fast(type(layer)) else _fast_class(type(layer))
         if fast is not None:
             layer.__class__ = fast

@@ -667,6 +667,29 @@ def native_kernels(*arrays: mx.array) -> Any:
     return _native(*arrays) if fast_math_enabled() else None
 
 
+#: Up to these many rows (a decoding step's sequences), :func:`few_row_matmul` runs.
+MAX_FEW_ROWS = 16
+
+
+def few_row_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
+    """``x @ weight.T`` (x (..., K), weight (N, K), float32) through the native few-row kernel
+    (:mod:`base_setup.native`), or None where it does not run: more than :data:`MAX_FEW_ROWS`
+    rows, another dtype, the fast math or the kernels off, or a build without AVX2 or AVX-512.
+
+    At a decoding step's few rows a GEMM (OpenBLAS) spends as much time packing the weights as
+    multiplying them; the kernel reads each weight once, straight from its row, and ran the
+    matmuls of a SmolLM2-135M decoding step at 16 rows in about two thirds of OpenBLAS's time
+    (docs/performance.md). Its sums are fma chains over k in order, not OpenBLAS's blocked
+    order: the same function up to float32 rounding. Differentiable (the gradients are MLX's
+    matmuls)."""
+    if x.ndim == 0 or x.size > MAX_FEW_ROWS * x.shape[-1] or not fast_math_enabled():
+        return None
+    kernels = _native(x, weight)
+    if kernels is None or kernels.few_row_isa == "scalar":
+        return None
+    return cast(mx.array, kernels.few_row_matmul(x, weight))
+
+
 def _native(*arrays: mx.array) -> Any:
     """The native kernels (:mod:`base_setup.native`) for float32 ``arrays``, or None: another
     dtype, or the kernels are off (their build or ``PPO_MLX_NATIVE=0``). Called where the fast

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from base_setup.backend import evaluate_in_groups
+from base_setup.fast_layers import few_row_like
 
 logger = logging.getLogger("ppo_mlx")
 
@@ -433,7 +434,8 @@ def adapters_merged(model: nn.Module) -> Iterator[nn.Module]:
             base = module.linear
             # W + scale * B^T A^T in one array: (out, r) @ (r, in) accumulated into a copy of W.
             weight = mx.addmm(base["weight"], module.lora_b.T, module.lora_a.T, alpha=module.scale)
-            swaps.append((name, module, _MergedLinear(weight, base.get("bias"))))
+            merged = few_row_like(_MergedLinear(weight, base.get("bias")), base)
+            swaps.append((name, module, merged))
     # A few layers at a time: together, MLX would hold every layer's product at once.
     evaluate_in_groups([merged["weight"] for _, _, merged in swaps], MERGE_GROUP_BYTES)
     with _layers_swapped(lm, swaps):

@@ -2,7 +2,8 @@
 threads: SwiGLU (forward and gradient), the attention's softmax (its exponentials with their row
 maxima, and its score gradient), a large RMSNorm (forward and gradient), RoPE (forward and
 gradient, one graph node where the composed rotation takes about fifteen), the LM head's
-softmax by vocabulary blocks, and a decoding step's draw.
+softmax by vocabulary blocks, a decoding step's draw, and a decoding step's matmuls (the
+few-row matmul: a GEMM's packing of the weights costs as much as its arithmetic at 16 rows).
 
 Why: MLX's CPU backend runs every element-wise op on one thread (its stream's), and on x86 its
 loops are scalar. The fast functions of :mod:`base_setup.fast_math` made the arithmetic cheap
@@ -21,6 +22,10 @@ has its own: MLX's formula, with the weight's sum over rows in fixed blocks of r
 bits at any thread count, though not MLX's bits; RoPE's is the rotation by the opposite angle,
 with MLX's own sine and cosine: the fast function's bits); ``token_attribution.head_logprobs``
 and the generator's sampler call them through :func:`base_setup.fast_math.native_kernels`.
+The few-row matmul stands for no fast function: its sums are fma chains over the inner axis in
+order, the same bits on AVX-512 and AVX2 and at any thread count, not OpenBLAS's (a float32
+matmul's rounding); :mod:`base_setup.fast_layers` gives it to large models' linear layers
+(:func:`base_setup.fast_math.few_row_matmul`).
 
 How it is built: with the system ``g++`` against MLX's headers and ``libmlx.so`` (in the ``mlx``
 wheel) and ``nanobind``'s sources (a requirement), once per machine: the first process that needs

@@ -8,10 +8,11 @@
 // the loops differ: one pass instead of several, and the elements split over threads. A row
 // kernel (a maximum or a sum along the last axis) gives each row to one thread and adds in the
 // row's order, so no result depends on the thread count. RoPE computes MLX's own sine and
-// cosine (its polynomial, with its multiply-adds) and reads its input in any layout. One kernel
-// has no fast function to match: RMSNorm's gradient, MLX's formula with its own order of sums
-// (a sum over rows in fixed blocks of rows, then over the blocks in order: again the same at any
-// thread count).
+// cosine (its polynomial, with its multiply-adds) and reads its input in any layout. Two
+// kernels have no fast function to match: RMSNorm's gradient, MLX's formula with its own order
+// of sums (a sum over rows in fixed blocks of rows, then over the blocks in order: again the
+// same at any thread count), and the few-row matmul of a decoding step, whose sums are explicit
+// fma chains in order (the same on every instruction set and at any thread count).
 
 #include <sys/types.h>
 #include <unistd.h>
@@ -27,6 +28,10 @@
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
@@ -596,6 +601,166 @@ void rope_rows(
   }
 }
 
+// ------------------------------------------------------------------ few-row matmul
+
+// out (M, N) = x (M, K) @ w (N, K)^T for the few rows of a decoding step (M of 16 or fewer
+// sequences), where a GEMM's packing of the weights costs as much as its arithmetic: the rows
+// of x, transposed into groups of 16 (one vector register of rows per column k), are multiplied
+// by each weight read straight from w's rows, kColumns output columns at a time. Each output is
+// fma(x[m][K-1], w[n][K-1], ... fma(x[m][0], w[n][0], 0)), k in order: one result on every
+// instruction set and at any thread count (the columns are split over threads).
+constexpr size_t kRowLanes = 16;
+
+#if defined(__AVX512F__)
+constexpr const char* kFewRowIsa = "avx512";
+constexpr int kColumns = 12;  // accumulators: 12 of the 32 vector registers, one per column
+struct Lanes {
+  __m512 v;
+  static Lanes zero() {
+    return {_mm512_setzero_ps()};
+  }
+  static Lanes load(const float* p) {
+    return {_mm512_loadu_ps(p)};
+  }
+  void fma(const Lanes& x, float w) {
+    v = _mm512_fmadd_ps(x.v, _mm512_set1_ps(w), v);
+  }
+  void store(float* p) const {
+    _mm512_storeu_ps(p, v);
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kFewRowIsa = "avx2";
+constexpr int kColumns = 6;  // two registers per column: 12 of the 16
+struct Lanes {
+  __m256 lo, hi;
+  static Lanes zero() {
+    return {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  }
+  static Lanes load(const float* p) {
+    return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  }
+  void fma(const Lanes& x, float w) {
+    __m256 b = _mm256_set1_ps(w);
+    lo = _mm256_fmadd_ps(x.lo, b, lo);
+    hi = _mm256_fmadd_ps(x.hi, b, hi);
+  }
+  void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+};
+#else
+constexpr const char* kFewRowIsa = "scalar";  // correct, not fast: Python does not route to it
+constexpr int kColumns = 4;
+struct Lanes {
+  float v[kRowLanes];
+  static Lanes zero() {
+    return Lanes{};
+  }
+  static Lanes load(const float* p) {
+    Lanes out;
+    std::memcpy(out.v, p, sizeof out.v);
+    return out;
+  }
+  void fma(const Lanes& x, float w) {
+    for (size_t i = 0; i < kRowLanes; ++i) {
+      v[i] = std::fma(x.v[i], w, v[i]);
+    }
+  }
+  void store(float* p) const {
+    std::memcpy(p, v, sizeof v);
+  }
+};
+#endif
+
+// Output columns [n0, n0 + C) of every group of rows: xt (groups, K, 16) the rows transposed,
+// w (N, K) row-major, outt (groups, N, 16). The first group's pass prefetches the next C
+// columns' weights (C floats a step): the C rows read side by side are more streams than the
+// hardware prefetcher follows (the weights came at about half the memory's speed without).
+template <int C>
+void few_row_columns(
+    const float* xt,
+    size_t groups,
+    const float* w,
+    size_t k_size,
+    size_t n_size,
+    size_t n0,
+    float* outt) {
+  const float* wn = w + n0 * k_size;
+  size_t next = std::min(n0 + size_t(C), n_size) * k_size;  // where the next columns start
+  size_t ahead = std::min(size_t(C) * k_size, n_size * k_size - next);
+  for (size_t g = 0; g < groups; ++g) {
+    const float* xg = xt + g * k_size * kRowLanes;
+    Lanes acc[C];
+    for (int j = 0; j < C; ++j) {
+      acc[j] = Lanes::zero();
+    }
+    size_t prefetch = g == 0 ? ahead : 0;
+    for (size_t k = 0; k < k_size; ++k) {
+      if (k * size_t(C) < prefetch) {
+        __builtin_prefetch(w + next + k * size_t(C));
+      }
+      Lanes xv = Lanes::load(xg + k * kRowLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < C; ++j) {
+        acc[j].fma(xv, wn[size_t(j) * k_size + k]);
+      }
+    }
+    for (int j = 0; j < C; ++j) {
+      acc[j].store(outt + (g * n_size + n0 + size_t(j)) * kRowLanes);
+    }
+  }
+}
+
+// out (rows, N) = x @ w^T: x's rows in `layout` (any strides), w (N, K) row-major.
+void few_row_matmul(
+    const float* x,
+    const RowLayout& layout,
+    const float* w,
+    size_t n_size,
+    float* out) {
+  size_t k_size = size_t(layout.shape.back());
+  int64_t step = layout.strides.back();
+  size_t rows = 1;
+  for (size_t d = 0; d + 1 < layout.shape.size(); ++d) {
+    rows *= size_t(layout.shape[d]);
+  }
+  size_t groups = (rows + kRowLanes - 1) / kRowLanes;
+  // The calling thread's buffers, kept between calls: a new one each call would cost the
+  // kernel's first touch of its pages (megabytes for a vocabulary's columns).
+  thread_local std::vector<float> xt, outt;
+  xt.assign(groups * k_size * kRowLanes, 0.0f);
+  outt.resize(std::max(outt.size(), groups * n_size * kRowLanes));
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = x + layout.offset(r);
+    float* to = xt.data() + (r / kRowLanes) * k_size * kRowLanes + r % kRowLanes;
+    for (size_t k = 0; k < k_size; ++k) {
+      to[k * kRowLanes] = xr[int64_t(k) * step];
+    }
+  }
+  // Pointers, not the buffers' names: in the pool's helpers those name the helpers' own.
+  const float* xtp = xt.data();
+  float* outtp = outt.data();
+  size_t blocks = n_size / size_t(kColumns);
+  size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(size_t(kColumns) * k_size, 1));
+  pool().parallel(blocks, grain, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) {
+      few_row_columns<kColumns>(xtp, groups, w, k_size, n_size, i * size_t(kColumns), outtp);
+    }
+  });
+  for (size_t n = blocks * size_t(kColumns); n < n_size; ++n) {
+    few_row_columns<1>(xtp, groups, w, k_size, n_size, n, outtp);
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    const float* from = outtp + (r / kRowLanes) * n_size * kRowLanes + r % kRowLanes;
+    float* to = out + r * n_size;
+    for (size_t n = 0; n < n_size; ++n) {
+      to[n] = from[n * kRowLanes];
+    }
+  }
+}
+
 // ------------------------------------------------------------------ MLX primitives
 
 enum class Kernel {
@@ -607,7 +772,8 @@ enum class Kernel {
   RMSNormGrad,
   SoftmaxBlock,
   Sample,
-  Rope
+  Rope,
+  FewRowMatmul
 };
 
 const char* kernel_name(Kernel kernel) {
@@ -630,6 +796,8 @@ const char* kernel_name(Kernel kernel) {
       return "NativeSample";
     case Kernel::Rope:
       return "NativeRope";
+    case Kernel::FewRowMatmul:
+      return "NativeFewRowMatmul";
   }
   return "Native";
 }
@@ -662,6 +830,10 @@ class NativePrimitive : public mx::Primitive {
     }
     if (kernel_ == Kernel::Rope) {
       eval_rope(encoder, inputs, outputs[0]);
+      return;
+    }
+    if (kernel_ == Kernel::FewRowMatmul) {
+      eval_few_row_matmul(encoder, inputs, outputs[0]);
       return;
     }
     std::vector<const float*> in;
@@ -780,6 +952,24 @@ class NativePrimitive : public mx::Primitive {
     });
   }
 
+  // x (..., K) in any layout @ w (N, K)^T, w row-contiguous; a contiguous (..., N) output.
+  void eval_few_row_matmul(
+      mx::cpu::CommandEncoder& encoder,
+      const std::vector<mx::array>& inputs,
+      mx::array& out) {
+    const mx::array& x = inputs[0];
+    RowLayout layout;
+    for (int d = 0; d < x.ndim(); ++d) {
+      layout.shape.push_back(x.shape(d));
+      layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
+    }
+    const float* xp = x.data<float>();
+    const float* wp = inputs[1].data<float>();
+    size_t n_size = size_t(inputs[1].shape(0));
+    float* outp = out.data<float>();
+    encoder.dispatch([=]() { few_row_matmul(xp, layout, wp, n_size, outp); });
+  }
+
   // RMSNorm: its gradient is the RMSNormGrad kernel's (x's and the weight's; the other kernels
   // are differentiated in fast_math); RoPE's is RoPE by the opposite angle. The gradients
   // themselves have no gradient.
@@ -817,6 +1007,11 @@ class NativePrimitive : public mx::Primitive {
       case Kernel::Sample: {
         mx::Shape rows = {inputs[0].shape(0)};
         return {rows, rows, rows};
+      }
+      case Kernel::FewRowMatmul: {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[1].shape(0);
+        return {shape};
       }
       case Kernel::SoftmaxBlock: {
         mx::Shape rows = inputs[0].shape();
@@ -911,6 +1106,22 @@ std::vector<mx::array> NativePrimitive::vjp(
         out.push_back(rotated[0]);
       } else {
         out.push_back(mx::zeros_like(primals[size_t(i)], s));
+      }
+    }
+    return out;
+  }
+  if (kernel_ == Kernel::FewRowMatmul) {
+    // x @ w^T: d x = c @ w, d w = c^T @ x over the rows (MLX's matmuls).
+    const mx::array& x = primals[0];
+    const mx::array& w = primals[1];
+    int k_size = x.shape(-1), n_size = w.shape(0);
+    std::vector<mx::array> out;
+    for (int i : argnums) {
+      if (i == 0) {
+        out.push_back(mx::matmul(cotangents[0], w, s));
+      } else {
+        auto c = mx::reshape(cotangents[0], {-1, n_size}, s);
+        out.push_back(mx::matmul(mx::transpose(c, s), mx::reshape(x, {-1, k_size}, s), s));
       }
     }
     return out;
@@ -1029,6 +1240,19 @@ mx::array rope(
   return make(Kernel::Rope, {x, offsets, inv_freq}, stream, scale)[0];
 }
 
+mx::array few_row_matmul_of(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  check_float32({x, w}, "few_row_matmul");
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1) || w.shape(1) == 0) {
+    throw std::invalid_argument("few_row_matmul takes x (..., K) and a weight (N, K)");
+  }
+  auto stream = cpu_stream(s);
+  // The kernel reads the weight's rows as they lie: a parameter (evaluated, row-contiguous)
+  // as it is, anything else through a contiguous copy.
+  bool direct = w.is_available() && w.flags().row_contiguous;
+  mx::array weight = direct ? w : mx::contiguous(w, false, stream);
+  return make(Kernel::FewRowMatmul, {x, weight}, stream)[0];
+}
+
 std::vector<mx::array> sample(const mx::array& scaled, const mx::array& uniform, mx::StreamOrDevice s) {
   check_float32({scaled, uniform}, "sample");
   if (scaled.ndim() != 2 || scaled.shape(-1) == 0 || uniform.size() != size_t(scaled.shape(0))) {
@@ -1120,6 +1344,17 @@ NB_MODULE(_ppo_native, m) {
       "l) * scale (b: x's first axis; one offset or one per b, int32), the first 2 * "
       "len(inv_freq) features rotated as two halves by position * inv_freq, as mx.fast.rope; "
       "differentiable in x.");
+  m.def(
+      "few_row_matmul",
+      &few_row_matmul_of,
+      nb::arg("x"),
+      nb::arg("weight"),
+      nb::kw_only(),
+      nb::arg("stream").none() = nb::none(),
+      "x @ weight.T for float32 x (..., K) in any layout and weight (N, K): each output an fma "
+      "chain over k in order (the same bits on every instruction set and thread count), for "
+      "the few rows of a decoding step; differentiable (the gradients: MLX's matmuls).");
+  m.attr("few_row_isa") = kFewRowIsa;
   m.def(
       "set_threads",
       [](int threads) { pool().set_threads(threads); },

@@ -14,8 +14,10 @@ one graph, as the forward pass has them. The pieces are timed round-robin in one
 change of the machine's load touches them alike), each repeat taking every piece once, and the
 table gives medians in CPU milliseconds of this process (``time.process_time``: on a machine other
 processes keep busy, the wall clock mostly measures them) and in wall milliseconds, each with its
-ratio to the matmul floor measured in the same rounds. OpenBLAS runs one thread by default
-(``--blas-threads``), so CPU time is the work done.
+ratio to the matmul floor measured in the same rounds: the step's matmuls alone through MLX's
+matmul (OpenBLAS), beside them through the native few-row kernel (``fast_math.few_row_matmul``,
+which the layers of a model this size run at a decoding step). OpenBLAS runs one thread by
+default (``--blas-threads``), so CPU time is the work done.
 
 The generator's step is the median of ``generate(max_new_tokens=N2)`` minus that of ``N1``, over
 ``N2 - N1`` (no stop ids: no host sync but the last); it is timed in its own rounds, as it takes
@@ -177,20 +179,31 @@ def decode_pieces(model: nn.Module, batch: int, prompt_len: int, context: int) -
     def lm_head() -> Any:
         return model.model.embed_tokens.as_linear(x)
 
-    def matmul_floor() -> Any:
-        """The forward pass's matmuls alone, chained as the layers chain them."""
+    def matmul_chain(product: Callable[[mx.array, mx.array], mx.array]) -> Any:
+        """The forward pass's matmuls alone (``product(x, weight)``: ``x @ weight.T``), chained as
+        the layers chain them."""
         h, outs = x, []
         for l in layers:
             a, m = l.self_attn, l.mlp
-            qh = h @ weight_of(a.q_proj).T
-            outs += [h @ weight_of(a.k_proj).T, h @ weight_of(a.v_proj).T]
-            h = h + qh @ weight_of(a.o_proj).T
-            h = (
-                h
-                + (h @ weight_of(m.gate_proj).T * (h @ weight_of(m.up_proj).T))
-                @ weight_of(m.down_proj).T
-            )
-        return outs + [model.model.embed_tokens.as_linear(h)]
+            qh = product(h, weight_of(a.q_proj))
+            outs += [product(h, weight_of(a.k_proj)), product(h, weight_of(a.v_proj))]
+            h = h + product(qh, weight_of(a.o_proj))
+            gated = product(h, weight_of(m.gate_proj)) * product(h, weight_of(m.up_proj))
+            h = h + product(gated, weight_of(m.down_proj))
+        return outs + [product(h, model.model.embed_tokens["weight"])]
+
+    def matmul_floor() -> Any:
+        """The forward pass's matmuls alone through MLX's matmul (OpenBLAS)."""
+        return matmul_chain(lambda a, w: a @ w.T)
+
+    def few_row_matmuls() -> Any:
+        """The same through the native few-row kernel where it runs (MLX's matmul elsewhere)."""
+
+        def product(a: mx.array, w: mx.array) -> mx.array:
+            out = fast_math.few_row_matmul(a, w)
+            return a @ w.T if out is None else out
+
+        return matmul_chain(product)
 
     def sampling() -> Any:
         return _sample(logits, 1.0, 1.0, 0, with_entropy=True)
@@ -225,6 +238,7 @@ def decode_pieces(model: nn.Module, batch: int, prompt_len: int, context: int) -
         "sampling + log-prob + entropy": sampling,
         "generator bookkeeping": bookkeeping,
         "host sync (.item())": host_sync,
+        "matmuls, the few-row kernel": few_row_matmuls,
         "matmul floor": matmul_floor,
     }
 

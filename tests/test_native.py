@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -387,6 +388,176 @@ def test_the_kernels_take_the_runs_blas_threads(kernels: Any) -> None:
         assert kernels.threads() == min(2, backend._OPENBLAS["max_threads"])
     finally:
         backend.run_blas_threads(saved=saved)
+
+
+# ------------------------------------------------------------------ the few-row matmul
+
+
+def _float32_nearest(value: Fraction) -> np.float32:
+    """The float32 nearest ``value``, ties to even: exactly, not through a float64 rounding."""
+    guess = np.float32(float(value))
+    around = [
+        np.nextafter(guess, np.float32(-np.inf)),
+        guess,
+        np.nextafter(guess, np.float32(np.inf)),
+    ]
+    return min(around, key=lambda c: (abs(Fraction(float(c)) - value), int(c.view(np.int32)) & 1))
+
+
+def _fma_chain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The naive reference: out[m, n] = fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)),
+    each step's exact product and sum rounded once to float32."""
+    out = np.zeros((x.shape[0], w.shape[0]), dtype=np.float32)
+    for m in range(x.shape[0]):
+        for n in range(w.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                exact = Fraction(float(x[m, k])) * Fraction(float(w[n, k])) + Fraction(float(acc))
+                acc = _float32_nearest(exact)
+            out[m, n] = acc
+    return out
+
+
+def _few_row_inputs(rows: int, n: int, k: int, seed: int = 0) -> tuple[mx.array, mx.array]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    return mx.array(x), mx.array(w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_few_row_matmul_is_an_fma_chain_at_any_thread_count(kernels: Any, threads: int) -> None:
+    kernels.set_threads(threads)
+    # 14 columns: a full block of columns and a remainder on every instruction set
+    x, w = _few_row_inputs(5, 14, 9)
+    got = np.array(kernels.few_row_matmul(x, w))
+    np.testing.assert_array_equal(got, _fma_chain(np.array(x), np.array(w)))
+    # enough columns for every thread: the same bits as one thread, near float64's product
+    x, w = _few_row_inputs(16, 2050, 64, seed=1)
+    got = kernels.few_row_matmul(x.reshape(16, 1, 64), w)
+    assert got.shape == (16, 1, 2050)
+    mx.eval(got)  # at `threads`: the kernel reads the count when it runs
+    kernels.set_threads(1)
+    assert _equal(got, kernels.few_row_matmul(x.reshape(16, 1, 64), w))
+    reference = np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
+    np.testing.assert_allclose(np.array(got).reshape(16, 2050), reference, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_few_row_matmul_takes_views_and_checks_its_inputs(kernels: Any) -> None:
+    x, w = _few_row_inputs(17, 30, 40, seed=2)  # 17 rows: two groups of rows
+    want = kernels.few_row_matmul(x, w)
+    assert _equal(want[:16], kernels.few_row_matmul(x[:16], w))  # each row on its own
+    assert _equal(want[16:], kernels.few_row_matmul(x[16:], w))
+    x_view = mx.array(np.ascontiguousarray(np.array(x).T)).T  # a transposed view
+    w_view = mx.array(np.ascontiguousarray(np.array(w).T)).T
+    assert _equal(kernels.few_row_matmul(x_view, w_view), want)
+    assert _equal(kernels.few_row_matmul(x[::2], w), want[::2])
+    with pytest.raises(ValueError, match="float32"):
+        kernels.few_row_matmul(x.astype(mx.float16), w)
+    with pytest.raises(ValueError, match=r"x \(..., K\) and a weight \(N, K\)"):
+        kernels.few_row_matmul(x, w[:, :39])
+
+
+@needs_kernels
+def test_few_row_matmul_gradients_are_the_matmuls(kernels: Any) -> None:
+    x, w = _few_row_inputs(6, 50, 24, seed=3)
+    x = x.reshape(2, 3, 24)
+    cotangent = mx.array(np.random.default_rng(4).standard_normal((2, 3, 50)).astype(np.float32))
+
+    def loss(fn: Callable[[mx.array, mx.array], mx.array]) -> Any:
+        return mx.grad(lambda a, b: (fn(a, b) * cotangent).sum(), argnums=(0, 1))(x, w)
+
+    got = loss(lambda a, b: kernels.few_row_matmul(a, b))
+    want = loss(lambda a, b: a @ b.T)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(np.array(g), np.array(r), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_few_row_matmul_runs_only_where_it_pays(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, w = _few_row_inputs(16, 24, 8, seed=5)
+    if kernels.few_row_isa == "scalar":
+        assert fast_math.few_row_matmul(x, w) is None
+        return
+    assert _equal(fast_math.few_row_matmul(x, w), kernels.few_row_matmul(x, w))
+    many, _ = _few_row_inputs(fast_math.MAX_FEW_ROWS + 1, 24, 8)
+    assert fast_math.few_row_matmul(many, w) is None  # a GEMM's rows: OpenBLAS
+    assert fast_math.few_row_matmul(x.astype(mx.float16), w.astype(mx.float16)) is None
+    monkeypatch.setattr(kernels, "few_row_isa", "scalar")  # a build without AVX2 / AVX-512
+    assert fast_math.few_row_matmul(x, w) is None
+
+
+@needs_kernels
+def test_a_large_models_decoding_steps_run_the_few_row_kernel(
+    kernels: Any, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model of FEW_ROW_MIN_PARAMETERS or more decodes through the kernel (its linear
+    layers, its tied head, a LoRA policy's merged and unmerged layers), sampling the tokens
+    MLX's matmuls sample; smaller models (the test, golden and demo models) keep MLX's."""
+    from base_setup import fast_layers
+    from base_setup.lora_setup import LoraSettings, adapters_merged, lora_modules
+    from models.policy_model import PolicyModel
+    from ppo_trainer.rollout import SamplingSettings, sample_responses
+
+    if kernels.few_row_isa == "scalar":
+        pytest.skip("a build without AVX2 or AVX-512: the kernel does not run")
+    few_row_kinds = (fast_layers._FewRowLinear, fast_layers._FewRowEmbedding)
+    small = PolicyModel.from_pretrained(tiny_model_dir, dtype="float32")
+    assert not any(isinstance(m, few_row_kinds) for _, m in small.model.named_modules())
+
+    monkeypatch.setattr(fast_layers, "FEW_ROW_MIN_PARAMETERS", 0)  # the tiny model as a large one
+    policy = PolicyModel.from_pretrained(
+        tiny_model_dir, dtype="float32", lora=LoraSettings(r=4, alpha=8.0, dropout=0.0)
+    )
+    key = mx.random.key(3)
+    for _, module in lora_modules(policy.model):
+        key, sub = mx.random.split(key)
+        module.lora_b = 0.1 * mx.random.normal(module.lora_b.shape, key=sub)
+    kinds = {type(m) for _, m in policy.model.named_modules()}
+    assert set(few_row_kinds) <= kinds
+    with adapters_merged(policy.model) as merged:
+        calls = [
+            type(m).__call__
+            for _, m in merged.named_modules()
+            if type(m).__name__ == "FewRow_MergedLinear"
+        ]
+        assert calls == [fast_layers._FewRowLinear.__call__] * 14
+
+    ran: list[bool] = []
+    original = fast_math.few_row_matmul
+
+    def spy(x: mx.array, weight: mx.array) -> mx.array | None:
+        out = original(x, weight)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_math, "few_row_matmul", spy)
+    ids = [[5, 17, 42, 99, 7, 8, 21, 60], [3, 8, 250], [11, 64, 9, 30]]  # 24 prompt rows
+    for merge in (True, False):
+        sampling = SamplingSettings(
+            max_new_tokens=6,
+            temperature=0.0,
+            top_p=1.0,
+            top_k=0,
+            stop_token_ids=[],
+            pad_token_id=0,
+            merge_adapters=merge,
+        )
+        ran.clear()
+        got = sample_responses(policy, ids, sampling)
+        assert any(ran) and not all(ran)  # decoding steps: the kernel; the prompts: OpenBLAS
+        want = _without_native(monkeypatch, lambda: sample_responses(policy, ids, sampling))
+        assert got.logprobs is not None and want.logprobs is not None
+        assert mx.array_equal(got.responses, want.responses).item()
+        assert mx.allclose(got.logprobs, want.logprobs, atol=1e-4).item()
+
+    assert fast_layers.accelerate_model(policy.model, enabled=False) is False
+    assert not any(isinstance(m, few_row_kinds) for _, m in policy.model.named_modules())
 
 
 def _fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
