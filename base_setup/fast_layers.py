@@ -62,9 +62,9 @@ class _FewRowEmbedding(nn.Embedding):
 
 
 #: Parameters from which :func:`accelerate_model` gives a model's ``nn.Linear`` and
-#: ``nn.Embedding`` layers the few-row kernel: SmolLM2-135M's size is well above. Below, the
-#: weights fit in the caches, where OpenBLAS's packing costs little, and this project's test,
-#: golden and demo models keep MLX's matmuls (and so their records' bits).
+#: ``nn.Embedding`` layers the few-row kernel: SmolLM2-135M's size is well above. The kernel was
+#: measured at the real shapes only, and below this project's test, golden and demo models keep
+#: MLX's matmuls (and so their records' bits: the kernel sums in another order).
 FEW_ROW_MIN_PARAMETERS = 50_000_000
 #: The exact layer classes that get the few-row kernel -> their few-row subclasses.
 _FEW_ROW_CLASSES: dict[type, type] = {nn.Linear: _FewRowLinear, nn.Embedding: _FewRowEmbedding}
@@ -243,8 +243,11 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     Each layer that has a fast counterpart (see :func:`_fast_class`: ``nn.RMSNorm``,
     ``nn.RoPE``, and the mlx-lm MLP / attention layers that call ``swiglu`` /
     ``scaled_dot_product_attention``) gets the fast subclass of its class: its parameters,
-    settings and every other method stay, only ``__call__`` changes. Nothing else in the
-    process changes: another model of the same architecture (e.g. one a user loads with
+    settings and every other method stay, only ``__call__`` changes. In a model of
+    :data:`FEW_ROW_MIN_PARAMETERS` or more, ``nn.Linear`` and ``nn.Embedding`` layers also get
+    :class:`_FewRowLinear` / :class:`_FewRowEmbedding`: on a decoding step's few rows their
+    matmul (a tied head's ``as_linear``) runs the native few-row kernel
+    (:func:`fast_math.few_row_matmul`). Nothing else in the process changes: another model of the same architecture (e.g. one a user loads with
     ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
     device, with ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later
     change of any is safe. Returns whether the model now uses any of them (False: ``enabled`` is

@@ -682,7 +682,9 @@ def few_row_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     (docs/performance.md). Its sums are fma chains over k in order, not OpenBLAS's blocked
     order: the same function up to float32 rounding. Differentiable (the gradients are MLX's
     matmuls)."""
-    if x.ndim == 0 or x.size > MAX_FEW_ROWS * x.shape[-1] or not fast_math_enabled():
+    if x.ndim == 0 or x.shape[-1] == 0 or x.size > MAX_FEW_ROWS * x.shape[-1]:
+        return None
+    if not fast_math_enabled():
         return None
     kernels = _native(x, weight)
     if kernels is None or kernels.few_row_isa == "scalar":

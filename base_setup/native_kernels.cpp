@@ -517,6 +517,16 @@ struct RowLayout {
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
 
+  // The layout of an evaluated array's data.
+  static RowLayout of(const mx::array& x) {
+    RowLayout layout;
+    for (int d = 0; d < x.ndim(); ++d) {
+      layout.shape.push_back(x.shape(d));
+      layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
+    }
+    return layout;
+  }
+
   // The element offset of row `row` (rows in row-major order over all axes but the last).
   int64_t offset(size_t row) const {
     int64_t at = 0;
@@ -917,11 +927,7 @@ class NativePrimitive : public mx::Primitive {
       const std::vector<mx::array>& inputs,
       mx::array& out) {
     const mx::array& x = inputs[0];
-    RowLayout layout;
-    for (int d = 0; d < x.ndim(); ++d) {
-      layout.shape.push_back(x.shape(d));
-      layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
-    }
+    RowLayout layout = RowLayout::of(x);
     const mx::array& offsets = inputs[1];
     const mx::array& freqs = inputs[2];
     const float* xp = x.data<float>();
@@ -958,11 +964,7 @@ class NativePrimitive : public mx::Primitive {
       const std::vector<mx::array>& inputs,
       mx::array& out) {
     const mx::array& x = inputs[0];
-    RowLayout layout;
-    for (int d = 0; d < x.ndim(); ++d) {
-      layout.shape.push_back(x.shape(d));
-      layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
-    }
+    RowLayout layout = RowLayout::of(x);
     const float* xp = x.data<float>();
     const float* wp = inputs[1].data<float>();
     size_t n_size = size_t(inputs[1].shape(0));

@@ -488,6 +488,7 @@ def test_few_row_matmul_runs_only_where_it_pays(
     many, _ = _few_row_inputs(fast_math.MAX_FEW_ROWS + 1, 24, 8)
     assert fast_math.few_row_matmul(many, w) is None  # a GEMM's rows: OpenBLAS
     assert fast_math.few_row_matmul(x.astype(mx.float16), w.astype(mx.float16)) is None
+    assert fast_math.few_row_matmul(mx.zeros((2, 0)), mx.zeros((3, 0))) is None  # nothing to sum
     monkeypatch.setattr(kernels, "few_row_isa", "scalar")  # a build without AVX2 / AVX-512
     assert fast_math.few_row_matmul(x, w) is None
 
