@@ -76,8 +76,7 @@ def few_row_like(layer: nn.Linear, base: nn.Module) -> nn.Linear:
     """``layer``, a linear layer that stands in for ``base`` (e.g. a LoRA layer's merged weight,
     ``base_setup.lora_setup.adapters_merged``), with the few-row kernel where ``base`` has it:
     its class becomes a subclass of its own with :class:`_FewRowLinear`'s ``__call__``."""
-    has_it = isinstance(base, _FewRowLinear) or isinstance(base.get("linear"), _FewRowLinear)
-    if has_it and type(layer).__call__ is not _FewRowLinear.__call__:
+    if isinstance(base, _FewRowLinear) and type(layer).__call__ is not _FewRowLinear.__call__:
         cls = type(layer)
         if cls not in _FEW_ROW_LIKE:
             _FEW_ROW_LIKE[cls] = type(
@@ -247,10 +246,11 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     :data:`FEW_ROW_MIN_PARAMETERS` or more, ``nn.Linear`` and ``nn.Embedding`` layers also get
     :class:`_FewRowLinear` / :class:`_FewRowEmbedding`: on a decoding step's few rows their
     matmul (a tied head's ``as_linear``) runs the native few-row kernel
-    (:func:`fast_math.few_row_matmul`). Nothing else in the process changes: another model of the same architecture (e.g. one a user loads with
-    ``mlx_lm.load``) keeps mlx-lm's functions. Every fast function defers to MLX's own on a GPU
-    device, with ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later
-    change of any is safe. Returns whether the model now uses any of them (False: ``enabled`` is
+    (:func:`fast_math.few_row_matmul`). Nothing else in the process changes: another model of
+    the same architecture (e.g. one a user loads with ``mlx_lm.load``) keeps mlx-lm's
+    functions. Every fast function defers to MLX's own on a GPU device, with
+    ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later change of any
+    is safe. Returns whether the model now uses any of them (False: ``enabled`` is
     False, fast math is off, or the architecture uses none of the functions replaced).
 
     Plain MLX (:mod:`base_setup.plain`) leaves the layers as they are, as fast math off does.

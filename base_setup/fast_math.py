@@ -684,9 +684,7 @@ def few_row_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     matmuls)."""
     if x.ndim == 0 or x.shape[-1] == 0 or x.size > MAX_FEW_ROWS * x.shape[-1]:
         return None
-    if not fast_math_enabled():
-        return None
-    kernels = _native(x, weight)
+    kernels = native_kernels(x, weight)
     if kernels is None or kernels.few_row_isa == "scalar":
         return None
     return cast(mx.array, kernels.few_row_matmul(x, weight))

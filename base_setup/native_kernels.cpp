@@ -511,8 +511,8 @@ inline float mlx_sincos(float in) {
   }
 }
 
-// Where RoPE finds the rows of x: its shape and strides in elements (any layout; the rotated
-// halves are read along the last axis at its stride).
+// Where a kernel finds the rows of x (RoPE's input, the few-row matmul's): its shape and strides
+// in elements (any layout; a row is read along the last axis at its stride).
 struct RowLayout {
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
@@ -525,6 +525,15 @@ struct RowLayout {
       layout.strides.push_back(int64_t(x.strides()[size_t(d)]));
     }
     return layout;
+  }
+
+  // How many rows: the product of every axis but the last.
+  size_t rows() const {
+    size_t count = 1;
+    for (size_t d = 0; d + 1 < shape.size(); ++d) {
+      count *= size_t(shape[d]);
+    }
+    return count;
   }
 
   // The element offset of row `row` (rows in row-major order over all axes but the last).
@@ -732,10 +741,7 @@ void few_row_matmul(
     float* out) {
   size_t k_size = size_t(layout.shape.back());
   int64_t step = layout.strides.back();
-  size_t rows = 1;
-  for (size_t d = 0; d + 1 < layout.shape.size(); ++d) {
-    rows *= size_t(layout.shape[d]);
-  }
+  size_t rows = layout.rows();
   size_t groups = (rows + kRowLanes - 1) / kRowLanes;
   // The calling thread's buffers, kept between calls: a new one each call would cost the
   // kernel's first touch of its pages (megabytes for a vocabulary's columns).
@@ -939,7 +945,7 @@ class NativePrimitive : public mx::Primitive {
     size_t half = freqs.size();
     float* outp = out.data<float>();
     size_t width = size_t(x.shape(-1));
-    size_t rows = width ? x.size() / width : 0;
+    size_t rows = width ? layout.rows() : 0;
     float scale = eps_;
     bool negate = negate_;
     size_t length = size_t(x.shape(-2));

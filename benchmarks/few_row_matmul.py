@@ -37,12 +37,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from base_setup import fast_math
-from benchmarks.ppo_throughput import (
-    MODEL_SHAPES,
-    REAL_LORA_ALPHA,
-    REAL_LORA_MODULES,
-    REAL_LORA_RANK,
-)
+from benchmarks.ppo_throughput import MODEL_SHAPES
 from benchmarks.throughput_models import RealShape, benchmark_prompts, build_real_checkpoint
 
 
@@ -98,8 +93,7 @@ def time_step_matmuls(
 def time_sampling(name: str, args: argparse.Namespace) -> None:
     """The sampling A/B (module docstring), printed as it goes."""
     from base_setup.backend import run_blas_threads, run_scope
-    from base_setup.lora_setup import LoraSettings, lora_modules
-    from models.policy_model import PolicyModel
+    from benchmarks.sampling_memory import random_adapter_policy
     from ppo_trainer.rollout import SamplingSettings, sample_responses
 
     shape = MODEL_SHAPES[name]
@@ -107,15 +101,7 @@ def time_sampling(name: str, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="few_row_") as tmp, run_scope():
         policy_dir = build_real_checkpoint(Path(tmp) / "policy", shape)
         threads = run_blas_threads()
-        lora = LoraSettings(
-            r=REAL_LORA_RANK, alpha=REAL_LORA_ALPHA, dropout=0.0, keys=REAL_LORA_MODULES
-        )
-        policy = PolicyModel.from_pretrained(policy_dir, dtype="float32", lora=lora)
-        key = mx.random.key(1)
-        for _, module in lora_modules(policy.model):  # adapters off zero: merged weights differ
-            key, sub = mx.random.split(key)
-            module.lora_b = 0.01 * mx.random.normal(module.lora_b.shape, key=sub)
-            mx.eval(module.lora_b)
+        policy = random_adapter_policy(policy_dir)
         texts = benchmark_prompts(policy_dir, args.prompts)
         ids = [list(policy.tokenizer.encode(t)) for t in texts for _ in range(args.samples)]
         keys = mx.random.split(mx.random.key(0), len(ids))

@@ -54,26 +54,38 @@ from benchmarks.throughput_spec import (
 )
 
 
+def random_adapter_policy(policy_dir: Path) -> Any:
+    """The throughput benchmark's LoRA policy (rank 16, alpha 32, every linear layer) on the
+    float32 checkpoint at ``policy_dir``, its ``lora_b`` drawn at random (fresh adapters are zero,
+    and merged weights would equal the base's)."""
+    import mlx.core as mx
+
+    from base_setup.lora_setup import LoraSettings, lora_modules
+    from models.policy_model import PolicyModel
+
+    lora = LoraSettings(
+        r=REAL_LORA_RANK, alpha=REAL_LORA_ALPHA, dropout=0.0, keys=REAL_LORA_MODULES
+    )
+    policy = PolicyModel.from_pretrained(policy_dir, dtype="float32", lora=lora)
+    key = mx.random.key(1)
+    for _, module in lora_modules(policy.model):
+        key, sub = mx.random.split(key)
+        module.lora_b = 0.01 * mx.random.normal(module.lora_b.shape, key=sub)
+        mx.eval(module.lora_b)
+    return policy
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the LoRA policy, sample ``spec``'s batch merged or not; seconds and peaks."""
     import mlx.core as mx
 
     from base_setup.backend import run_blas_threads, run_scope
-    from base_setup.lora_setup import LoraSettings, lora_modules, mergeable_weight_bytes
-    from models.policy_model import PolicyModel
+    from base_setup.lora_setup import mergeable_weight_bytes
     from ppo_trainer.rollout import SamplingSettings, sample_responses
 
     with run_scope():
         blas_threads = run_blas_threads()  # as a trainer's run: fitted to the free cores
-        lora = LoraSettings(
-            r=REAL_LORA_RANK, alpha=REAL_LORA_ALPHA, dropout=0.0, keys=REAL_LORA_MODULES
-        )
-        policy = PolicyModel.from_pretrained(spec["policy_dir"], dtype="float32", lora=lora)
-        key = mx.random.key(1)
-        for _, module in lora_modules(policy.model):
-            key, sub = mx.random.split(key)
-            module.lora_b = 0.01 * mx.random.normal(module.lora_b.shape, key=sub)
-            mx.eval(module.lora_b)
+        policy = random_adapter_policy(spec["policy_dir"])
         load_peak = peak_rss_mb()
         reset = reset_peak_rss()
         mx.reset_peak_memory()
