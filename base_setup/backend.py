@@ -555,6 +555,44 @@ def side_by_side(count: int = 2) -> Iterator[list[Any]]:
         _set_blas_threads(lib, threads)
 
 
+@contextmanager
+def decoding_threads(enabled: bool = True) -> Iterator[int | None]:
+    """The block where a generation decodes: OpenBLAS and the native kernels on at most one
+    core fewer than this process may run on (at least one), the run's count restored on leaving.
+    Yields the count in force (None: untouched). ``enabled``: False leaves the count alone (the
+    trainers pass whether the policy is a model the few-row kernel serves,
+    ``base_setup.fast_layers.FEW_ROW_MIN_PARAMETERS``: the small test, golden and demo models
+    keep their bits, which OpenBLAS's thread count changes).
+
+    A decoding step keeps two threads busy: MLX's stream computes the step while the Python
+    thread builds and queues the next step's graph (``mx.async_eval`` in
+    :mod:`ppo_trainer.generator`). A kernel split over every core takes the Python thread's
+    core, and the next step then waits for its graph: on two cores a small model's step is
+    faster with its kernels on one thread (docs/performance.md, "A decoding step's threads").
+    The count is a fixed function of the run's and the machine's, so a resumed run decodes as
+    the uninterrupted one did. Untouched where OpenBLAS was not loaded, under plain MLX
+    (:mod:`base_setup.plain`), or when the run's count already leaves a core free.
+    """
+    import mlx.core as mx
+
+    from base_setup import native
+    from base_setup.plain import speed_tricks
+
+    lib = _OPENBLAS.get("lib")
+    threads = int(lib.openblas_get_num_threads()) if lib is not None else 1
+    wanted = max(1, min(threads, native.process_cpus() - 1))
+    if not enabled or lib is None or wanted == threads or not speed_tricks():
+        yield None
+        return
+    mx.synchronize()  # no matmul runs while the count changes
+    _set_blas_threads(lib, wanted)
+    try:
+        yield wanted
+    finally:
+        mx.synchronize()
+        _set_blas_threads(lib, threads)
+
+
 #: CPU streams of :func:`side_by_side`, made once per process (MLX streams are not freed).
 _LANES: list[Any] = []
 

@@ -119,7 +119,8 @@ def set_threads(threads: int) -> None:
         module.set_threads(_STATE["threads"])
 
 
-def _default_threads() -> int:
+def process_cpus() -> int:
+    """The cores this process may run on (its CPU affinity where the platform has one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
@@ -265,5 +266,5 @@ def _import(path: Path) -> tuple[ModuleType | None, str]:
     want = g64 / (1.0 + np.exp(-g64)) * up
     if not np.allclose(got, want, rtol=1e-5, atol=1e-6):
         raise RuntimeError(f"the native SwiGLU is wrong on this machine; set {ENV}=0")
-    module.set_threads(_STATE.get("threads") or _default_threads())
+    module.set_threads(_STATE.get("threads") or process_cpus())
     return module, ""

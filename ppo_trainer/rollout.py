@@ -29,6 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from base_setup.backend import (
+    decoding_threads,
     generation_buffer_cache,
     parameter_count,
     release_cached_buffers,
@@ -250,6 +251,15 @@ def sampling_adapters(policy: PolicyModel, setting: MergeSetting) -> AbstractCon
     return nullcontext()
 
 
+def few_row_model(policy: PolicyModel) -> bool:
+    """Whether ``policy`` is a model the few-row kernel serves
+    (``base_setup.fast_layers.FEW_ROW_MIN_PARAMETERS``): its decoding steps leave the Python
+    thread a core (:func:`base_setup.backend.decoding_threads`)."""
+    from base_setup.fast_layers import FEW_ROW_MIN_PARAMETERS
+
+    return parameter_count(policy.model) >= FEW_ROW_MIN_PARAMETERS
+
+
 def sample_responses(
     policy: PolicyModel,
     prompt_ids: list[list[int]],
@@ -265,7 +275,7 @@ def sample_responses(
     (:func:`sampling_adapters`). Stop strings are looked for in the text of the policy's
     tokenizer."""
     merged = sampling_adapters(policy, sampling.merge_adapters)
-    with generation_buffer_cache(), merged:
+    with generation_buffer_cache(), merged, decoding_threads(few_row_model(policy)):
         return generate(
             policy,
             prompt_ids,
@@ -294,7 +304,7 @@ def sample_episodes(
     tokens after its prompt, tool results included; a stop string ends a turn as a stop
     token does)."""
     merged = sampling_adapters(policy, sampling.merge_adapters)
-    with generation_buffer_cache(), merged:
+    with generation_buffer_cache(), merged, decoding_threads(few_row_model(policy)):
         return generate_turns(
             policy,
             prompt_ids,

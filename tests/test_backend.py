@@ -940,6 +940,43 @@ def test_side_by_side_splits_the_blas_threads_and_restores_them(
         lib.openblas_set_num_threads(start)
 
 
+@pytest.mark.skipif(not LINUX_X86 or not ON_CPU, reason="OpenBLAS and MLX's CPU device")
+def test_decoding_threads_leave_the_python_thread_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside, OpenBLAS and the native kernels run on one core fewer than the process has (at
+    least one); the run's count is back afterwards, also after an exception. Disabled, with a
+    count that already leaves a core free, or under plain MLX, the count is left alone."""
+    from base_setup import backend, native
+    from base_setup.plain import plain_mlx_scope
+
+    lib = backend._OPENBLAS["lib"]
+    start = int(lib.openblas_get_num_threads())
+    a = mx.ones((32, 32))
+    try:
+        for cpus, threads, inside in ((2, 2, 1), (4, 4, 3), (4, 2, 2), (1, 1, 1), (8, 3, 3)):
+            monkeypatch.setattr(native, "process_cpus", lambda: cpus)
+            backend._set_blas_threads(lib, threads)
+            with backend.decoding_threads() as count:
+                assert int(lib.openblas_get_num_threads()) == inside
+                assert native._STATE["threads"] == inside
+                assert count == (None if inside == threads else inside)
+                mx.eval(a @ a)
+            assert int(lib.openblas_get_num_threads()) == threads
+            assert native._STATE["threads"] == threads
+        monkeypatch.setattr(native, "process_cpus", lambda: 2)
+        backend._set_blas_threads(lib, 2)
+        with pytest.raises(RuntimeError, match="inside"):
+            with backend.decoding_threads():
+                mx.async_eval(a @ a)
+                raise RuntimeError("inside")
+        assert int(lib.openblas_get_num_threads()) == 2
+        with backend.decoding_threads(enabled=False) as count:
+            assert count is None and int(lib.openblas_get_num_threads()) == 2
+        with plain_mlx_scope(True), backend.decoding_threads() as count:
+            assert count is None and int(lib.openblas_get_num_threads()) == 2
+    finally:
+        backend._set_blas_threads(lib, start)
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (/proc/<pid>/stat)."""
     import os

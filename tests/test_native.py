@@ -499,17 +499,19 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
 ) -> None:
     """A model of FEW_ROW_MIN_PARAMETERS or more decodes through the kernel (its linear
     layers, its tied head, a LoRA policy's merged and unmerged layers), sampling the tokens
-    MLX's matmuls sample; smaller models (the test, golden and demo models) keep MLX's."""
-    from base_setup import fast_layers
+    MLX's matmuls sample, on one core fewer than the process has (the run's count restored
+    after); smaller models (the test, golden and demo models) keep MLX's and the run's count."""
+    from base_setup import backend, fast_layers
     from base_setup.lora_setup import LoraSettings, adapters_merged, lora_modules
     from models.policy_model import PolicyModel
-    from ppo_trainer.rollout import SamplingSettings, sample_responses
+    from ppo_trainer.rollout import SamplingSettings, few_row_model, sample_responses
 
     if kernels.few_row_isa == "scalar":
         pytest.skip("a build without AVX2 or AVX-512: the kernel does not run")
     few_row_kinds = (fast_layers._FewRowLinear, fast_layers._FewRowEmbedding)
     small = PolicyModel.from_pretrained(tiny_model_dir, dtype="float32")
     assert not any(isinstance(m, few_row_kinds) for _, m in small.model.named_modules())
+    assert not few_row_model(small)  # it decodes on the run's threads
 
     monkeypatch.setattr(fast_layers, "FEW_ROW_MIN_PARAMETERS", 0)  # the tiny model as a large one
     policy = PolicyModel.from_pretrained(
@@ -530,11 +532,13 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
         assert calls == [fast_layers._FewRowLinear.__call__] * 14
 
     ran: list[bool] = []
+    threads: set[int | None] = set()
     original = fast_math.few_row_matmul
 
     def spy(x: mx.array, weight: mx.array) -> mx.array | None:
         out = original(x, weight)
         ran.append(out is not None)
+        threads.add(backend.blas_threads())
         return out
 
     monkeypatch.setattr(fast_math, "few_row_matmul", spy)
@@ -550,8 +554,12 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
             merge_adapters=merge,
         )
         ran.clear()
+        run_threads = backend.blas_threads()
         got = sample_responses(policy, ids, sampling)
         assert any(ran) and not all(ran)  # decoding steps: the kernel; the prompts: OpenBLAS
+        if run_threads is not None:  # one core left to the Python thread, the count restored
+            assert threads == {max(1, min(run_threads, native.process_cpus() - 1))}
+            assert backend.blas_threads() == run_threads
         want = _without_native(monkeypatch, lambda: sample_responses(policy, ids, sampling))
         assert got.logprobs is not None and want.logprobs is not None
         assert mx.array_equal(got.responses, want.responses).item()
