@@ -26,7 +26,6 @@ if __name__ == "__main__":  # run as a script: MLX's fast BLAS before anything i
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +38,8 @@ from benchmarks.throughput_models import RealShape, benchmark_prompts, build_rea
 def main(argv: list[str] | None = None) -> None:
     from base_setup.backend import run_blas_threads, run_scope
     from base_setup.native import process_cpus
-    from benchmarks.sampling_memory import random_adapter_policy
+    from benchmarks.sampling_memory import random_adapter_policy, timed_sampling
     from ppo_trainer import rollout
-    from ppo_trainer.rollout import SamplingSettings, sample_responses
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "qwen3-0.6b"])
@@ -67,19 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         def sample(fewer: bool, new_tokens: int) -> tuple[float, float, Any]:
             setattr(rollout, "few_row_model", few_row_model if fewer else (lambda _: False))
             try:
-                settings = SamplingSettings(
-                    max_new_tokens=new_tokens,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    stop_token_ids=[],
-                    pad_token_id=0,
-                    merge_adapters="auto",
-                )
-                start, cpu = time.perf_counter(), time.process_time()
-                out = sample_responses(policy, ids, settings, keys)
-                mx.eval(out.responses)
-                return time.perf_counter() - start, time.process_time() - cpu, out
+                return timed_sampling(policy, ids, keys, new_tokens)
             finally:
                 rollout.few_row_model = few_row_model
 

@@ -93,8 +93,7 @@ def time_step_matmuls(
 def time_sampling(name: str, args: argparse.Namespace) -> None:
     """The sampling A/B (module docstring), printed as it goes."""
     from base_setup.backend import run_blas_threads, run_scope
-    from benchmarks.sampling_memory import random_adapter_policy
-    from ppo_trainer.rollout import SamplingSettings, sample_responses
+    from benchmarks.sampling_memory import random_adapter_policy, timed_sampling
 
     shape = MODEL_SHAPES[name]
     assert isinstance(shape, RealShape)
@@ -111,19 +110,8 @@ def time_sampling(name: str, args: argparse.Namespace) -> None:
         def sample(kernel: bool, new_tokens: int) -> tuple[float, float]:
             fast_math.few_row_matmul = real if kernel else never
             try:
-                settings = SamplingSettings(
-                    max_new_tokens=new_tokens,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    stop_token_ids=[],
-                    pad_token_id=0,
-                    merge_adapters="auto",
-                )
-                start, cpu = time.perf_counter(), time.process_time()
-                out = sample_responses(policy, ids, settings, keys)
-                mx.eval(out.responses)
-                return time.perf_counter() - start, time.process_time() - cpu
+                wall, cpu, _ = timed_sampling(policy, ids, keys, new_tokens)
+                return wall, cpu
             finally:
                 fast_math.few_row_matmul = real
 

@@ -75,13 +75,38 @@ def random_adapter_policy(policy_dir: Path) -> Any:
     return policy
 
 
+def timed_sampling(
+    policy: Any, prompt_ids: list[list[int]], keys: Any, new_tokens: int, merge: Any = "auto"
+) -> tuple[float, float, Any]:
+    """The trainer's ``sample_responses`` of ``prompt_ids`` (``keys``: one PRNG key each),
+    ``new_tokens`` tokens each at temperature 1, no filters and no stop tokens (every response
+    full length), adapters merged as ``merge`` says: wall and CPU seconds of this process, and
+    the output (evaluated)."""
+    import mlx.core as mx
+
+    from ppo_trainer.rollout import SamplingSettings, sample_responses
+
+    sampling = SamplingSettings(
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        stop_token_ids=[],
+        pad_token_id=0,
+        merge_adapters=merge,
+    )
+    start, cpu = time.perf_counter(), time.process_time()
+    out = sample_responses(policy, prompt_ids, sampling, keys)
+    mx.eval(out.responses)
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Load the LoRA policy, sample ``spec``'s batch merged or not; seconds and peaks."""
     import mlx.core as mx
 
     from base_setup.backend import run_blas_threads, run_scope
     from base_setup.lora_setup import mergeable_weight_bytes
-    from ppo_trainer.rollout import SamplingSettings, sample_responses
 
     with run_scope():
         blas_threads = run_blas_threads()  # as a trainer's run: fitted to the free cores
@@ -94,19 +119,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         keys = mx.random.split(mx.random.key(0), len(prompt_ids))
 
         def sample(new_tokens: int) -> tuple[float, float]:
-            sampling = SamplingSettings(
-                max_new_tokens=new_tokens,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                stop_token_ids=[],
-                pad_token_id=0,
-                merge_adapters=spec["merge"],
-            )
-            start, cpu = time.perf_counter(), time.process_time()
-            out = sample_responses(policy, prompt_ids, sampling, keys)
-            mx.eval(out.responses)
-            return time.perf_counter() - start, time.process_time() - cpu
+            wall, cpu, _ = timed_sampling(policy, prompt_ids, keys, new_tokens, spec["merge"])
+            return wall, cpu
 
         sample(4)  # warm-up
         times = [sample(spec["new_tokens"]) for _ in range(spec["repeats"])]
