@@ -578,8 +578,7 @@ def decoding_threads(enabled: bool = True) -> Iterator[int | None]:
     from base_setup import native
     from base_setup.plain import speed_tricks
 
-    lib = _OPENBLAS.get("lib")
-    threads = int(lib.openblas_get_num_threads()) if lib is not None else 1
+    lib, threads = _OPENBLAS.get("lib"), blas_threads() or 1
     wanted = max(1, min(threads, native.process_cpus() - 1))
     if not enabled or lib is None or wanted == threads or not speed_tricks():
         yield None

@@ -66,6 +66,15 @@ class _FewRowEmbedding(nn.Embedding):
 #: measured at the real shapes only, and below this project's test, golden and demo models keep
 #: MLX's matmuls (and so their records' bits: the kernel sums in another order).
 FEW_ROW_MIN_PARAMETERS = 50_000_000
+
+
+def few_row_sized(model: nn.Module) -> bool:
+    """Whether ``model`` has :data:`FEW_ROW_MIN_PARAMETERS` or more: a model whose decoding
+    steps the few-row kernel serves (:func:`accelerate_model`) and which decodes on one core
+    fewer (``base_setup.backend.decoding_threads``)."""
+    return parameter_count(model) >= FEW_ROW_MIN_PARAMETERS
+
+
 #: The exact layer classes that get the few-row kernel -> their few-row subclasses.
 _FEW_ROW_CLASSES: dict[type, type] = {nn.Linear: _FewRowLinear, nn.Embedding: _FewRowEmbedding}
 #: Linear classes :func:`few_row_like` gave the kernel -> their few-row subclasses.
@@ -267,7 +276,7 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
         return False
     if not fast_math_enabled():
         return False
-    few_rows = parameter_count(model) >= FEW_ROW_MIN_PARAMETERS
+    few_rows = few_row_sized(model)
     changed = False
     for layer in layers:
         if type(layer) in _FEW_ROW_CLASSES:

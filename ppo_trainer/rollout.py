@@ -253,11 +253,11 @@ def sampling_adapters(policy: PolicyModel, setting: MergeSetting) -> AbstractCon
 
 def few_row_model(policy: PolicyModel) -> bool:
     """Whether ``policy`` is a model the few-row kernel serves
-    (``base_setup.fast_layers.FEW_ROW_MIN_PARAMETERS``): its decoding steps leave the Python
-    thread a core (:func:`base_setup.backend.decoding_threads`)."""
-    from base_setup.fast_layers import FEW_ROW_MIN_PARAMETERS
+    (:func:`base_setup.fast_layers.few_row_sized`): its decoding steps leave the Python thread a
+    core (:func:`base_setup.backend.decoding_threads`)."""
+    from base_setup.fast_layers import few_row_sized
 
-    return parameter_count(policy.model) >= FEW_ROW_MIN_PARAMETERS
+    return few_row_sized(policy.model)
 
 
 def sample_responses(
