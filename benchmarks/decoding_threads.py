@@ -32,13 +32,13 @@ from typing import Any
 import mlx.core as mx
 
 from benchmarks.ppo_throughput import MODEL_SHAPES
-from benchmarks.throughput_models import RealShape, benchmark_prompts, build_real_checkpoint
+from benchmarks.throughput_models import RealShape, build_real_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
     from base_setup.backend import run_blas_threads, run_scope
     from base_setup.native import process_cpus
-    from benchmarks.sampling_memory import random_adapter_policy, timed_sampling
+    from benchmarks.sampling_memory import adapter_policy_batch, timed_sampling
     from ppo_trainer import rollout
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -55,12 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="decoding_threads_") as tmp, run_scope():
         policy_dir = build_real_checkpoint(Path(tmp) / "policy", shape)
         threads = run_blas_threads()
-        policy = random_adapter_policy(policy_dir)
+        policy, ids, keys = adapter_policy_batch(policy_dir, args.prompts, args.samples)
         if not few_row_model(policy):
             raise SystemExit(f"{args.model} is below FEW_ROW_MIN_PARAMETERS: nothing to compare")
-        texts = benchmark_prompts(policy_dir, args.prompts)
-        ids = [list(policy.tokenizer.encode(t)) for t in texts for _ in range(args.samples)]
-        keys = mx.random.split(mx.random.key(0), len(ids))
 
         def sample(fewer: bool, new_tokens: int) -> tuple[float, float, Any]:
             setattr(rollout, "few_row_model", few_row_model if fewer else (lambda _: False))

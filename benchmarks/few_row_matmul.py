@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from base_setup import fast_math
 from benchmarks.ppo_throughput import MODEL_SHAPES
-from benchmarks.throughput_models import RealShape, benchmark_prompts, build_real_checkpoint
+from benchmarks.throughput_models import RealShape, build_real_checkpoint
 
 
 def step_weights(shape: RealShape) -> list[mx.array]:
@@ -93,17 +93,14 @@ def time_step_matmuls(
 def time_sampling(name: str, args: argparse.Namespace) -> None:
     """The sampling A/B (module docstring), printed as it goes."""
     from base_setup.backend import run_blas_threads, run_scope
-    from benchmarks.sampling_memory import random_adapter_policy, timed_sampling
+    from benchmarks.sampling_memory import adapter_policy_batch, timed_sampling
 
     shape = MODEL_SHAPES[name]
     assert isinstance(shape, RealShape)
     with tempfile.TemporaryDirectory(prefix="few_row_") as tmp, run_scope():
         policy_dir = build_real_checkpoint(Path(tmp) / "policy", shape)
         threads = run_blas_threads()
-        policy = random_adapter_policy(policy_dir)
-        texts = benchmark_prompts(policy_dir, args.prompts)
-        ids = [list(policy.tokenizer.encode(t)) for t in texts for _ in range(args.samples)]
-        keys = mx.random.split(mx.random.key(0), len(ids))
+        policy, ids, keys = adapter_policy_batch(policy_dir, args.prompts, args.samples)
         real = fast_math.few_row_matmul
         never: Callable[..., Any] = lambda x, w: None  # noqa: E731
 

@@ -75,6 +75,21 @@ def random_adapter_policy(policy_dir: Path) -> Any:
     return policy
 
 
+def adapter_policy_batch(
+    policy_dir: Path, prompts: int, samples: int
+) -> tuple[Any, list[list[int]], Any]:
+    """:func:`random_adapter_policy` on ``policy_dir``, the token ids of ``prompts`` of the
+    throughput benchmark's prompts, each ``samples`` times, and one PRNG key per sequence: the
+    batch the sampling A/B benchmarks (``benchmarks.few_row_matmul``,
+    ``benchmarks.decoding_threads``) sample."""
+    import mlx.core as mx
+
+    policy = random_adapter_policy(policy_dir)
+    texts = benchmark_prompts(policy_dir, prompts)
+    ids = [list(policy.tokenizer.encode(t)) for t in texts for _ in range(samples)]
+    return policy, ids, mx.random.split(mx.random.key(0), len(ids))
+
+
 def timed_sampling(
     policy: Any, prompt_ids: list[list[int]], keys: Any, new_tokens: int, merge: Any = "auto"
 ) -> tuple[float, float, Any]:
