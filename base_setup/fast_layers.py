@@ -133,13 +133,17 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-#: See :func:`mlx_lm_replacements` (filled on first use: importing mlx-lm takes seconds).
-_REPLACEMENTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+#: See :func:`mlx_lm_replacements` (filled on first use: importing mlx-lm takes seconds), one
+#: table for other models and one for those the few-row kernel serves.
+_REPLACEMENTS: dict[bool, dict[str, tuple[Callable[..., Any], Callable[..., Any]]]] = {}
 
 
-def mlx_lm_replacements() -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+def mlx_lm_replacements(
+    few_rows: bool = False,
+) -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
     """What the fast layers replace in mlx-lm's architecture modules: ``{global name: (mlx-lm's
-    function, ours)}``.
+    function, ours)}``; with ``few_rows``, what a model the few-row kernel serves gets
+    (:func:`few_row_sized`: a decoding step's attention in the native kernel).
 
     mlx-lm's llama / qwen2 / qwen3 / mistral / phi3 ... modules call ``swiglu(gate, x)`` (from
     ``mlx_lm.models.activations``) and ``scaled_dot_product_attention(queries, keys, values,
@@ -147,21 +151,26 @@ def mlx_lm_replacements() -> dict[str, tuple[Callable[..., Any], Callable[..., A
     ``tests/test_backend.py`` checks that mlx-lm's functions still have the signature and the
     results ours assume.
     """
-    if not _REPLACEMENTS:
+    if few_rows not in _REPLACEMENTS:
         from mlx_lm.models import activations, base
 
-        _REPLACEMENTS["swiglu"] = (activations.swiglu, swiglu)
-        _REPLACEMENTS["scaled_dot_product_attention"] = (
-            base.scaled_dot_product_attention,
-            _mlx_lm_attention(base.scaled_dot_product_attention),
-        )
-    return _REPLACEMENTS
+        _REPLACEMENTS[few_rows] = {
+            "swiglu": (activations.swiglu, swiglu),
+            "scaled_dot_product_attention": (
+                base.scaled_dot_product_attention,
+                _mlx_lm_attention(base.scaled_dot_product_attention, native=few_rows),
+            ),
+        }
+    return _REPLACEMENTS[few_rows]
 
 
-def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+def _mlx_lm_attention(
+    original: Callable[..., mx.array], *, native: bool = False
+) -> Callable[..., mx.array]:
     """mlx-lm's ``scaled_dot_product_attention`` (``original``) with the fast attention on the
-    CPU (:func:`fast_math.one_query_attention` at one query position, a decoding step);
-    ``original`` for attention sinks, quantised KV caches, other small inputs and GPUs."""
+    CPU (:func:`fast_math.one_query_attention` at one query position, a decoding step, in the
+    native kernel with ``native``); ``original`` for attention sinks, quantised KV caches,
+    other small inputs and GPUs."""
 
     def attention(
         queries: mx.array,
@@ -177,7 +186,9 @@ def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.arr
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         if length == 1:  # a decoding step; "causal" hides nothing from the last position
             one_mask = None if isinstance(mask, str) else mask
-            return fast_math.one_query_attention(queries, keys, values, scale=scale, mask=one_mask)
+            return fast_math.one_query_attention(
+                queries, keys, values, scale=scale, mask=one_mask, native=native
+            )
         if b * h * length * keys.shape[2] < _MIN_FAST_ATTENTION:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         return fast_math.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -186,19 +197,28 @@ def _mlx_lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.arr
     return attention
 
 
-#: Each layer class a model was seen with -> its fast subclass (None: nothing to replace).
+#: Each layer class a model was seen with -> its fast subclass (None: nothing to replace); for
+#: models the few-row kernel serves, the classes whose replacements differ (the attention's).
 _FAST_CLASSES: dict[type, type | None] = {nn.RMSNorm: _FastRMSNorm, nn.RoPE: _FastRoPE}
+_FEW_ROW_FAST_CLASSES: dict[type, type | None] = {}
 
 
-def _fast_class(cls: type) -> type | None:
+def _fast_class(cls: type, few_rows: bool = False) -> type | None:
     """The fast subclass of layer class ``cls``, made once: :class:`_FastRMSNorm` /
     :class:`_FastRoPE` for exactly ``nn.RMSNorm`` / ``nn.RoPE``; for an mlx-lm layer whose
-    ``__call__`` calls a function of :func:`mlx_lm_replacements` by its global name, a subclass
-    whose ``__call__`` is that same code run with the name bound to ours: the function is
-    re-made from its code object with a copy of its module's globals (taken now) in which the
-    name is ours, so mlx-lm's module itself is not changed. None for any other class."""
-    if cls in _FAST_CLASSES:
-        return _FAST_CLASSES[cls]
+    ``__call__`` calls a function of :func:`mlx_lm_replacements` (``few_rows``: its table for a
+    model the few-row kernel serves) by its global name, a subclass whose ``__call__`` is that
+    same code run with the name bound to ours: the function is re-made from its code object
+    with a copy of its module's globals (taken now) in which the name is ours, so mlx-lm's
+    module itself is not changed. None for any other class."""
+    table = _FEW_ROW_FAST_CLASSES if few_rows else _FAST_CLASSES
+    if cls in table:
+        return table[cls]
+    if few_rows:
+        plain = _fast_class(cls)
+        if _replaced(cls, True) == _replaced(cls, False):  # nothing differs: the same class
+            table[cls] = plain
+            return plain
     fast: type | None = None
     if cls.__module__ == "mlx_lm.tuner.lora" and cls.__name__ == "LoRALinear":
         fast = type(
@@ -206,42 +226,51 @@ def _fast_class(cls: type) -> type | None:
             (cls,),
             {"__call__": _lora_call, "__module__": __name__, "fast_math_replaces": ("addmm",)},
         )
-        _FAST_CLASSES[cls] = fast
+        table[cls] = fast
         return fast
-    call = getattr(cls, "__call__", None)
-    if isinstance(call, types.FunctionType) and call.__module__.startswith("mlx_lm.models."):
-        module_globals = call.__globals__
-        used = _code_names(call.__code__)
-        ours = {
-            name: replacement
-            for name, (original, replacement) in mlx_lm_replacements().items()
-            if name in used and module_globals.get(name) is original
-        }
-        if ours:
-            fast_call = types.FunctionType(
-                call.__code__,
-                {**module_globals, **ours},
-                call.__name__,
-                call.__defaults__,
-                call.__closure__,
-            )
-            fast_call.__kwdefaults__ = call.__kwdefaults__
-            functools.update_wrapper(fast_call, call)
-            fast = type(
-                f"Fast{cls.__name__}",
-                (cls,),
-                {
-                    "__call__": fast_call,
-                    "__module__": __name__,
-                    "fast_math_replaces": tuple(sorted(ours)),
-                },
-            )
-    _FAST_CLASSES[cls] = fast
+    ours = _replaced(cls, few_rows)
+    if ours:
+        call = getattr(cls, "__call__")
+        fast_call = types.FunctionType(
+            call.__code__,
+            {**call.__globals__, **ours},
+            call.__name__,
+            call.__defaults__,
+            call.__closure__,
+        )
+        fast_call.__kwdefaults__ = call.__kwdefaults__
+        functools.update_wrapper(fast_call, call)
+        fast = type(
+            f"Fast{'FewRow' if few_rows else ''}{cls.__name__}",
+            (cls,),
+            {
+                "__call__": fast_call,
+                "__module__": __name__,
+                "fast_math_replaces": tuple(sorted(ours)),
+            },
+        )
+    table[cls] = fast
     return fast
 
 
+def _replaced(cls: type, few_rows: bool) -> dict[str, Callable[..., Any]]:
+    """The globals of ``cls.__call__`` (an mlx-lm model module's function) that
+    :func:`mlx_lm_replacements` (``few_rows``' table) replaces, by name -> ours."""
+    call = getattr(cls, "__call__", None)
+    if not (isinstance(call, types.FunctionType) and call.__module__.startswith("mlx_lm.models.")):
+        return {}
+    module_globals = call.__globals__
+    used = _code_names(call.__code__)
+    return {
+        name: replacement
+        for name, (original, replacement) in mlx_lm_replacements(few_rows).items()
+        if name in used and module_globals.get(name) is original
+    }
+
+
 def _is_fast(cls: type) -> bool:
-    return any(cls in kinds.values() for kinds in (_FAST_CLASSES, _FEW_ROW_CLASSES, _FEW_ROW_LIKE))
+    kinds = (_FAST_CLASSES, _FEW_ROW_FAST_CLASSES, _FEW_ROW_CLASSES, _FEW_ROW_LIKE)
+    return any(cls in kind.values() for kind in kinds)
 
 
 def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
@@ -284,7 +313,7 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
                 layer.__class__ = _FEW_ROW_CLASSES[type(layer)]
                 changed = True
             continue
-        fast = type(layer) if _is_fast(type(layer)) else _fast_class(type(layer))
+        fast = type(layer) if _is_fast(type(layer)) else _fast_class(type(layer), few_rows)
         if fast is not None:
             layer.__class__ = fast
             changed = True

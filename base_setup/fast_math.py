@@ -488,17 +488,29 @@ def _one_query(
     return _one_query_core(q, keys, values, mask, scale)
 
 
-@_one_query.vjp
-def _one_query_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
-    """The gradient of the same formula through the differentiable :func:`softmax` (the fused
-    exp's bit view has none)."""
-    q, keys, values, mask, scale = primals
+def _one_query_grads(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    mask: mx.array,
+    scale: mx.array,
+    cotangent: mx.array,
+) -> tuple[mx.array, ...]:
+    """The gradients of the one-query attention (q, keys, values) through the differentiable
+    :func:`softmax` (the fused exp's bit view has none)."""
 
     def attend(q: mx.array, keys: mx.array, values: mx.array) -> mx.array:
         weights = softmax(_one_query_scores(q, keys, mask, scale), axis=-1)
         return weights.astype(values.dtype) @ values
 
     _, grads = mx.vjp(attend, [q, keys, values], [cotangent])
+    return tuple(grads)
+
+
+@_one_query.vjp
+def _one_query_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+    q, keys, values, mask, scale = primals
+    grads = _one_query_grads(q, keys, values, mask, scale, cotangent)
     return (*grads, mx.zeros_like(mask), mx.zeros_like(scale))
 
 
@@ -509,9 +521,11 @@ def one_query_attention(
     *,
     scale: float,
     mask: mx.array | None = None,
+    native: bool = False,
 ) -> mx.array:
     """:func:`scaled_dot_product_attention` for one query position (``L == 1``: a decoding
-    step), as one compiled function of a few kernels instead of a dozen small ops.
+    step), as one compiled function of a few kernels instead of a dozen small ops, or with
+    ``native`` one native kernel (:func:`native_one_query_attention`).
 
     ``queries`` (B, H, 1, D), ``keys`` (B, Hkv, S, D), ``values`` (B, Hkv, S, Dv); ``mask`` None,
     a boolean array (True: attend) or an additive float array, broadcastable to (B, H, 1, S)
@@ -531,10 +545,60 @@ def one_query_attention(
         mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))  # (B|1, H|1, 1, S)
         if mask.shape[1] != 1:
             mask = mask.reshape(mask.shape[0], hkv, h // hkv, mask.shape[-1])  # (B|1, Hkv, R, S)
-    # Traced once per cache length (a step's layers share it): cheaper than a shapeless trace
-    # around separately compiled exp pieces.
-    out = cast(mx.array, _one_query(q, keys, values, mask, mx.array(scale, dtype=queries.dtype)))
+    out = native_one_query_attention(q, keys, values, mask, scale) if native else None
+    if out is None:
+        # Traced once per cache length (a step's layers share it): cheaper than a shapeless
+        # trace around separately compiled exp pieces.
+        out = cast(mx.array, _one_query(q, keys, values, mask, mx.array(scale, dtype=q.dtype)))
     return out.reshape(b, h, 1, values.shape[-1])  # (B, H, 1, Dv)
+
+
+_NATIVE_ONE_QUERY_FNS: dict[float, Callable[..., Any]] = {}
+
+
+def native_one_query_attention(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float
+) -> mx.array | None:
+    """``softmax(q k^T * scale + mask) v`` (B, Hkv, R, Dv) for grouped queries ``q``
+    (B, Hkv, R, D), as :func:`one_query_attention` computes it (``mask`` a 0-d True for none,
+    else 4 axes, each 1 or full), in one native kernel (:mod:`base_setup.native`), or None where
+    it does not run: another dtype, the fast math or the kernels off, or a build without AVX2 or
+    AVX-512.
+
+    The kernel reads the cached keys and values at their strides, each once, and runs the
+    scores, the softmax and the weighted sum per key/value head in registers: MLX's graph is
+    about a dozen nodes a layer, two of them batched matmuls that OpenBLAS runs as one tiny GEMM
+    per (sequence, head), each packing its operands. The same function up to float32 rounding
+    (its dot products and sums run in another order). Differentiable, with the MLX graph's
+    gradient."""
+    kernels = native_kernels(q, keys, values)
+    if (
+        kernels is None
+        or kernels.few_row_isa == "scalar"
+        or mask.dtype not in (mx.bool_, mx.float32)
+        or (mask.ndim != 0 and mask.ndim != 4)
+    ):
+        return None
+    if scale not in _NATIVE_ONE_QUERY_FNS:
+
+        @mx.custom_function
+        def fn(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array) -> mx.array:
+            return cast(
+                mx.array,
+                kernels.one_query_attention(
+                    q, keys, values, None if mask.ndim == 0 else mask, scale=scale
+                ),
+            )
+
+        @fn.vjp
+        def fn_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> tuple[mx.array, ...]:
+            q, keys, values, mask = primals
+            scale_array = mx.array(scale, dtype=q.dtype)
+            grads = _one_query_grads(q, keys, values, mask, scale_array, cotangent)
+            return (*grads, mx.zeros_like(mask))
+
+        _NATIVE_ONE_QUERY_FNS[scale] = fn
+    return cast(mx.array, _NATIVE_ONE_QUERY_FNS[scale](q, keys, values, mask))
 
 
 # ------------------------------------------------------------------ RMSNorm and RoPE

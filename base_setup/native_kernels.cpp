@@ -8,16 +8,20 @@
 // the loops differ: one pass instead of several, and the elements split over threads. A row
 // kernel (a maximum or a sum along the last axis) gives each row to one thread and adds in the
 // row's order, so no result depends on the thread count. RoPE computes MLX's own sine and
-// cosine (its polynomial, with its multiply-adds) and reads its input in any layout. Two
+// cosine (its polynomial, with its multiply-adds) and reads its input in any layout. Three
 // kernels have no fast function to match: RMSNorm's gradient, MLX's formula with its own order
 // of sums (a sum over rows in fixed blocks of rows, then over the blocks in order: again the
-// same at any thread count), and the few-row matmul of a decoding step, whose sums are explicit
-// fma chains in order (the same on every instruction set and at any thread count).
+// same at any thread count), the few-row matmul of a decoding step, whose sums are explicit
+// fma chains in order (the same on every instruction set and at any thread count), and a
+// decoding step's attention, whose dot products and sums run in vector lanes (the same at any
+// thread count; the same function as MLX's up to float32 rounding).
 
 #include <sys/types.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <cfloat>
 #include <cmath>
 #include <atomic>
 #include <condition_variable>
@@ -34,6 +38,7 @@
 #endif
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -620,6 +625,20 @@ void rope_rows(
   }
 }
 
+// The elements of an array in `layout` at `data`, in row-major order (a contiguous copy).
+std::vector<float> packed(const float* data, const RowLayout& layout) {
+  size_t width = layout.shape.empty() ? 1 : size_t(layout.shape.back());
+  int64_t step = layout.shape.empty() ? 0 : layout.strides.back();
+  std::vector<float> rows(layout.rows() * width);
+  for (size_t r = 0; r < layout.rows(); ++r) {
+    const float* from = data + layout.offset(r);
+    for (size_t k = 0; k < width; ++k) {
+      rows[r * width + k] = from[int64_t(k) * step];
+    }
+  }
+  return rows;
+}
+
 // ------------------------------------------------------------------ few-row matmul
 
 // out (M, N) = x (M, K) @ w (N, K)^T for the few rows of a decoding step (M of 16 or fewer
@@ -644,6 +663,12 @@ struct Lanes {
   void fma(const Lanes& x, float w) {
     v = _mm512_fmadd_ps(x.v, _mm512_set1_ps(w), v);
   }
+  void fma(const Lanes& a, const Lanes& b) {
+    v = _mm512_fmadd_ps(a.v, b.v, v);
+  }
+  float sum() const {
+    return _mm512_reduce_add_ps(v);
+  }
   void store(float* p) const {
     _mm512_storeu_ps(p, v);
   }
@@ -663,6 +688,16 @@ struct Lanes {
     __m256 b = _mm256_set1_ps(w);
     lo = _mm256_fmadd_ps(x.lo, b, lo);
     hi = _mm256_fmadd_ps(x.hi, b, hi);
+  }
+  void fma(const Lanes& a, const Lanes& b) {
+    lo = _mm256_fmadd_ps(a.lo, b.lo, lo);
+    hi = _mm256_fmadd_ps(a.hi, b.hi, hi);
+  }
+  float sum() const {
+    float parts[8];
+    _mm256_storeu_ps(parts, _mm256_add_ps(lo, hi));
+    return ((parts[0] + parts[1]) + (parts[2] + parts[3])) +
+        ((parts[4] + parts[5]) + (parts[6] + parts[7]));
   }
   void store(float* p) const {
     _mm256_storeu_ps(p, lo);
@@ -686,6 +721,18 @@ struct Lanes {
     for (size_t i = 0; i < kRowLanes; ++i) {
       v[i] = std::fma(x.v[i], w, v[i]);
     }
+  }
+  void fma(const Lanes& a, const Lanes& b) {
+    for (size_t i = 0; i < kRowLanes; ++i) {
+      v[i] = std::fma(a.v[i], b.v[i], v[i]);
+    }
+  }
+  float sum() const {
+    float total = 0.0f;
+    for (size_t i = 0; i < kRowLanes; ++i) {
+      total += v[i];
+    }
+    return total;
   }
   void store(float* p) const {
     std::memcpy(p, v, sizeof v);
@@ -777,6 +824,145 @@ void few_row_matmul(
   }
 }
 
+// ------------------------------------------------------------------ one-query attention
+
+// A decoding step's attention (one query position), the (b, g) pairs [begin, end) of
+// q (B, G, R, D): softmax(q k^T * scale + mask) v over the S cached keys and values of the pair's
+// key/value head g, for its R grouped query heads, into out (B, G, R, Dv), contiguous. Every
+// input is read at its strides (elements; the last axis' must be 1 for q, keys and values, and
+// is for the arrays the kernel's caller passes), the mask's 0 along a broadcast axis. Per query
+// row: the scores scale * q (in float32, as MLX's q * scale) dotted with each key; a boolean mask
+// replaces the hidden ones with float32's finite minimum, an additive one is added; the exp of
+// each score minus the row's max (fast_math.exp); out = (sum_j e_j v_j) / sum_j e_j. The same
+// function as fast_math.one_query_attention's MLX graph up to float32 rounding (the dot products
+// and sums run in another order); the same bits at any thread count (a pair is one thread's).
+struct OneQueryAttention {
+  const float* q;
+  const float* keys;
+  const float* values;
+  const void* mask;  // null: none
+  bool mask_bool;
+  float scale;
+  float* out;
+  size_t groups, rep, length, d_size, dv_size;
+  int64_t q_strides[4], k_strides[3], v_strides[3], mask_strides[4];
+};
+
+// The dot product of two contiguous rows of `size` floats.
+inline float dot_row(const float* a, const float* b, size_t size) {
+  Lanes acc = Lanes::zero();
+  size_t d = 0;
+  for (; d + kRowLanes <= size; d += kRowLanes) {
+    acc.fma(Lanes::load(a + d), Lanes::load(b + d));
+  }
+  float total = acc.sum();
+  for (; d < size; ++d) {
+    total += a[d] * b[d];
+  }
+  return total;
+}
+
+// out (size) = sum_j w[j] * rows[j * stride] over `count` rows of `size` floats, in blocks of
+// kAttendBlock lanes held in registers across the rows.
+constexpr size_t kAttendBlock = 8;
+inline void weighted_rows(
+    const float* w,
+    const float* rows,
+    int64_t stride,
+    size_t count,
+    size_t size,
+    float* out) {
+  size_t full = size / kRowLanes * kRowLanes;
+  for (size_t d0 = 0; d0 < full; d0 += kAttendBlock * kRowLanes) {
+    size_t lanes = std::min(kAttendBlock, (full - d0) / kRowLanes);
+    Lanes acc[kAttendBlock];
+    for (size_t c = 0; c < lanes; ++c) {
+      acc[c] = Lanes::zero();
+    }
+    for (size_t j = 0; j < count; ++j) {
+      const float* row = rows + int64_t(j) * stride + int64_t(d0);
+      for (size_t c = 0; c < lanes; ++c) {
+        acc[c].fma(Lanes::load(row + c * kRowLanes), w[j]);
+      }
+    }
+    for (size_t c = 0; c < lanes; ++c) {
+      acc[c].store(out + d0 + c * kRowLanes);
+    }
+  }
+  for (size_t d = full; d < size; ++d) {
+    float total = 0.0f;
+    for (size_t j = 0; j < count; ++j) {
+      total += w[j] * rows[int64_t(j) * stride + int64_t(d)];
+    }
+    out[d] = total;
+  }
+}
+
+void one_query_attention(const OneQueryAttention& a, size_t begin, size_t end) {
+  size_t s_size = a.length, d_size = a.d_size, dv_size = a.dv_size;
+  std::vector<float>& scratch = row_scratch(a.rep * (s_size + d_size + dv_size));
+  float* scores = scratch.data();                  // (R, S)
+  float* qs = scores + a.rep * s_size;             // (R, D): q * scale
+  float* acc = qs + a.rep * d_size;                // (R, Dv)
+  for (size_t pair = begin; pair < end; ++pair) {
+    size_t b = pair / a.groups, g = pair % a.groups;
+    const float* kp = a.keys + int64_t(b) * a.k_strides[0] + int64_t(g) * a.k_strides[1];
+    const float* vp = a.values + int64_t(b) * a.v_strides[0] + int64_t(g) * a.v_strides[1];
+    for (size_t r = 0; r < a.rep; ++r) {
+      const float* qr = a.q + int64_t(b) * a.q_strides[0] + int64_t(g) * a.q_strides[1] +
+          int64_t(r) * a.q_strides[2];
+      for (size_t d = 0; d < d_size; ++d) {
+        qs[r * d_size + d] = qr[d] * a.scale;
+      }
+    }
+    for (size_t j = 0; j < s_size; ++j) {
+      const float* kj = kp + int64_t(j) * a.k_strides[2];
+      for (size_t r = 0; r < a.rep; ++r) {
+        scores[r * s_size + j] = dot_row(qs + r * d_size, kj, d_size);
+      }
+    }
+    if (a.mask != nullptr) {
+      for (size_t r = 0; r < a.rep; ++r) {
+        int64_t at = int64_t(b) * a.mask_strides[0] + int64_t(g) * a.mask_strides[1] +
+            int64_t(r) * a.mask_strides[2];
+        float* row = scores + r * s_size;
+        for (size_t j = 0; j < s_size; ++j) {
+          int64_t m = at + int64_t(j) * a.mask_strides[3];
+          if (a.mask_bool) {
+            row[j] = static_cast<const bool*>(a.mask)[m] ? row[j] : -FLT_MAX;
+          } else {
+            row[j] = row[j] + static_cast<const float*>(a.mask)[m];
+          }
+        }
+      }
+    }
+    for (size_t r = 0; r < a.rep; ++r) {
+      float* row = scores + r * s_size;
+      float m = row_max_of(row, s_size);
+      float total = 0.0f;
+      if (m != m) {
+        for (size_t j = 0; j < s_size; ++j) {
+          row[j] = m;
+        }
+        total = m;
+      } else {
+        for (size_t j = 0; j < s_size; ++j) {
+          float y = (row[j] - m) * kLog2e;
+          y = y < -127.0f ? -127.0f : y;
+          row[j] = exp2_fraction(y) * exp2_bits(y);
+          total += row[j];
+        }
+      }
+      weighted_rows(row, vp, a.v_strides[2], s_size, dv_size, acc + r * dv_size);
+      float inv = 1.0f / total;
+      float* o = a.out + (pair * a.rep + r) * dv_size;
+      for (size_t d = 0; d < dv_size; ++d) {
+        o[d] = acc[r * dv_size + d] * inv;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ MLX primitives
 
 enum class Kernel {
@@ -789,7 +975,8 @@ enum class Kernel {
   SoftmaxBlock,
   Sample,
   Rope,
-  FewRowMatmul
+  FewRowMatmul,
+  OneQueryAttention
 };
 
 const char* kernel_name(Kernel kernel) {
@@ -814,13 +1001,16 @@ const char* kernel_name(Kernel kernel) {
       return "NativeRope";
     case Kernel::FewRowMatmul:
       return "NativeFewRowMatmul";
+    case Kernel::OneQueryAttention:
+      return "NativeOneQueryAttention";
   }
   return "Native";
 }
 
-// One primitive class for the kernels: float32, row-contiguous inputs (the functions below make
-// them so; RoPE reads its input in any layout), outputs allocated here. RMSNorm and RoPE have a
-// vjp (RMSNormGrad; RoPE by the opposite angle): base_setup.fast_math calls the others inside
+// One primitive class for the kernels: float32 inputs in any layout (the row kernels copy one
+// that is not row-contiguous when they run; RoPE, the few-row matmul and the attention read
+// theirs at their strides), outputs allocated here. RMSNorm and RoPE have a vjp (RMSNormGrad;
+// RoPE by the opposite angle): base_setup.fast_math calls the others inside
 // mx.custom_function's whose gradients are written out.
 class NativePrimitive : public mx::Primitive {
  public:
@@ -852,6 +1042,10 @@ class NativePrimitive : public mx::Primitive {
       eval_few_row_matmul(encoder, inputs, outputs[0]);
       return;
     }
+    if (kernel_ == Kernel::OneQueryAttention) {
+      eval_one_query_attention(encoder, inputs, outputs[0]);
+      return;
+    }
     std::vector<const float*> in;
     for (auto& a : inputs) {
       in.push_back(a.data<float>());
@@ -865,7 +1059,20 @@ class NativePrimitive : public mx::Primitive {
     size_t width = inputs[0].ndim() ? size_t(inputs[0].shape(-1)) : 1;
     Kernel kernel = kernel_;
     float eps = eps_;
-    encoder.dispatch([kernel, eps, in, out, index_out, size, width]() {
+    // Inputs not row-contiguous (the functions below pass lazy arrays as they are: a copy node
+    // for each would cost more, and they rarely are not): copied when the kernel runs.
+    std::vector<std::pair<size_t, RowLayout>> strided;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].flags().row_contiguous) {
+        strided.emplace_back(i, RowLayout::of(inputs[i]));
+      }
+    }
+    encoder.dispatch([kernel, eps, in, out, index_out, size, width, strided]() mutable {
+      std::vector<std::vector<float>> copies;
+      for (auto& [i, layout] : strided) {
+        copies.push_back(packed(in[i], layout));
+        in[i] = copies.back().data();
+      }
       switch (kernel) {
         case Kernel::SwiGLU:
           pool().parallel(size, kGrain, [&](size_t b, size_t e) {
@@ -978,6 +1185,71 @@ class NativePrimitive : public mx::Primitive {
     encoder.dispatch([=]() { few_row_matmul(xp, layout, wp, n_size, outp); });
   }
 
+  // q (B, G, R, D), keys (B, G, S, D), values (B, G, S, Dv) and an optional (4-d, broadcastable)
+  // mask, each read at its strides; a contiguous (B, G, R, Dv) output. `eps_` is the scale.
+  void eval_one_query_attention(
+      mx::cpu::CommandEncoder& encoder,
+      const std::vector<mx::array>& inputs,
+      mx::array& out) {
+    OneQueryAttention a{};
+    const mx::array &q = inputs[0], &keys = inputs[1], &values = inputs[2];
+    a.q = q.data<float>();
+    a.keys = keys.data<float>();
+    a.values = values.data<float>();
+    a.scale = eps_;
+    a.out = out.data<float>();
+    a.groups = size_t(q.shape(1));
+    a.rep = size_t(q.shape(2));
+    a.length = size_t(keys.shape(2));
+    a.d_size = size_t(q.shape(3));
+    a.dv_size = size_t(values.shape(3));
+    for (size_t d = 0; d < 4; ++d) {
+      a.q_strides[d] = int64_t(q.strides()[d]);
+    }
+    for (size_t d = 0; d < 3; ++d) {
+      a.k_strides[d] = int64_t(keys.strides()[d]);
+      a.v_strides[d] = int64_t(values.strides()[d]);
+    }
+    // An input whose last axis is not at stride 1 (never a cache's slice): a contiguous copy.
+    std::array<RowLayout, 3> copied;
+    std::array<bool, 3> copy{};
+    for (size_t i = 0; i < 3; ++i) {
+      copy[i] = inputs[i].shape(-1) > 1 && inputs[i].strides().back() != 1;
+      if (copy[i]) {
+        copied[i] = RowLayout::of(inputs[i]);
+        int64_t width = inputs[i].shape(-1);
+        int64_t* strides = i == 0 ? a.q_strides : i == 1 ? a.k_strides : a.v_strides;
+        for (int d = 2; d >= 0; --d) {  // the last axis' stride is 1 (not read)
+          strides[d] = width;
+          width *= inputs[i].shape(d);
+        }
+      }
+    }
+    if (inputs.size() > 3) {
+      const mx::array& mask = inputs[3];
+      a.mask_bool = mask.dtype() == mx::bool_;
+      a.mask = a.mask_bool ? static_cast<const void*>(mask.data<bool>())
+                           : static_cast<const void*>(mask.data<float>());
+      for (size_t d = 0; d < 4; ++d) {
+        a.mask_strides[d] = mask.shape(int(d)) == 1 ? 0 : int64_t(mask.strides()[d]);
+      }
+    }
+    size_t pairs = size_t(q.shape(0)) * a.groups;
+    size_t work = a.rep * a.length * (a.d_size + a.dv_size);
+    size_t grain = std::max<size_t>(1, kGrain / std::max<size_t>(work, 1));
+    encoder.dispatch([a, pairs, grain, copied, copy]() mutable {
+      std::array<std::vector<float>, 3> rows;
+      const float** pointers[3] = {&a.q, &a.keys, &a.values};
+      for (size_t i = 0; i < 3; ++i) {
+        if (copy[i]) {
+          rows[i] = packed(*pointers[i], copied[i]);
+          *pointers[i] = rows[i].data();
+        }
+      }
+      pool().parallel(pairs, grain, [&](size_t b, size_t e) { one_query_attention(a, b, e); });
+    });
+  }
+
   // RMSNorm: its gradient is the RMSNormGrad kernel's (x's and the weight's; the other kernels
   // are differentiated in fast_math); RoPE's is RoPE by the opposite angle. The gradients
   // themselves have no gradient.
@@ -1019,6 +1291,11 @@ class NativePrimitive : public mx::Primitive {
       case Kernel::FewRowMatmul: {
         mx::Shape shape = inputs[0].shape();
         shape.back() = inputs[1].shape(0);
+        return {shape};
+      }
+      case Kernel::OneQueryAttention: {
+        mx::Shape shape = inputs[0].shape();
+        shape.back() = inputs[2].shape(-1);
         return {shape};
       }
       case Kernel::SoftmaxBlock: {
@@ -1066,13 +1343,6 @@ void check_same_shape(const std::vector<mx::array>& arrays, const char* what) {
   }
 }
 
-std::vector<mx::array> contiguous(const std::vector<mx::array>& arrays, mx::Stream stream) {
-  std::vector<mx::array> out;
-  for (auto& a : arrays) {
-    out.push_back(mx::contiguous(a, false, stream));
-  }
-  return out;
-}
 
 // (rows, 1) inputs of a row kernel, broadcast to the rows of `like` and made contiguous.
 mx::array per_row(const mx::array& a, const mx::array& like, mx::Stream stream) {
@@ -1137,10 +1407,10 @@ std::vector<mx::array> NativePrimitive::vjp(
   if (kernel_ != Kernel::RMSNorm) {
     return mx::Primitive::vjp(primals, cotangents, argnums, outputs);
   }
-  // The primals are the forward's contiguous inputs; the cotangent may be any view.
+  // The primals and the cotangent in any layout (see eval_cpu).
   auto grads = make(
       Kernel::RMSNormGrad,
-      {primals[0], primals[1], mx::contiguous(cotangents[0], false, s)},
+      {primals[0], primals[1], cotangents[0]},
       s,
       eps_);
   std::vector<mx::array> out;
@@ -1154,7 +1424,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
   check_float32({gate, up}, "swiglu");
   check_same_shape({gate, up}, "swiglu");
   auto stream = cpu_stream(s);
-  return make(Kernel::SwiGLU, contiguous({gate, up}, stream), stream)[0];
+  return make(Kernel::SwiGLU, {gate, up}, stream)[0];
 }
 
 std::vector<mx::array> swiglu_grad(
@@ -1165,7 +1435,7 @@ std::vector<mx::array> swiglu_grad(
   check_float32({gate, up, cotangent}, "swiglu_grad");
   check_same_shape({gate, up, cotangent}, "swiglu_grad");
   auto stream = cpu_stream(s);
-  return make(Kernel::SwiGLUGrad, contiguous({gate, up, cotangent}, stream), stream);
+  return make(Kernel::SwiGLUGrad, {gate, up, cotangent}, stream);
 }
 
 std::vector<mx::array> row_exp_max(const mx::array& scores, mx::StreamOrDevice s) {
@@ -1174,7 +1444,7 @@ std::vector<mx::array> row_exp_max(const mx::array& scores, mx::StreamOrDevice s
     throw std::invalid_argument("row_exp takes rows of at least one score");
   }
   auto stream = cpu_stream(s);
-  return make(Kernel::RowExp, contiguous({scores}, stream), stream);
+  return make(Kernel::RowExp, {scores}, stream);
 }
 
 mx::array attention_scores_grad(
@@ -1189,7 +1459,7 @@ mx::array attention_scores_grad(
     throw std::invalid_argument("attention_scores_grad takes rows of at least one score");
   }
   auto stream = cpu_stream(s);
-  std::vector<mx::array> inputs = contiguous({e, w}, stream);
+  std::vector<mx::array> inputs = {e, w};
   inputs.push_back(per_row(inv_total, e, stream));
   inputs.push_back(per_row(seen, e, stream));
   return make(Kernel::ScoresGrad, std::move(inputs), stream)[0];
@@ -1205,7 +1475,7 @@ mx::array rms_norm_forward(
     throw std::invalid_argument("rms_norm takes rows of x's last axis and a weight of that size");
   }
   auto stream = cpu_stream(s);
-  return make(Kernel::RMSNorm, contiguous({x, weight}, stream), stream, eps)[0];
+  return make(Kernel::RMSNorm, {x, weight}, stream, eps)[0];
 }
 
 std::vector<mx::array> softmax_block_of(
@@ -1222,7 +1492,7 @@ std::vector<mx::array> softmax_block_of(
     throw std::invalid_argument("softmax_block gives e * x only with e");
   }
   auto stream = cpu_stream(s);
-  std::vector<mx::array> inputs = contiguous({x}, stream);
+  std::vector<mx::array> inputs = {x};
   inputs.push_back(per_row(mx::reshape(m, {x.shape(0), 1}, stream), x, stream));
   int outputs = 4 + int(with_e) + int(with_ex);
   return make(Kernel::SoftmaxBlock, std::move(inputs), stream, 0.0f, outputs);
@@ -1261,13 +1531,51 @@ mx::array few_row_matmul_of(const mx::array& x, const mx::array& w, mx::StreamOr
   return make(Kernel::FewRowMatmul, {x, weight}, stream)[0];
 }
 
+mx::array one_query_attention_of(
+    const mx::array& q,
+    const mx::array& keys,
+    const mx::array& values,
+    std::optional<mx::array> mask,
+    float scale,
+    mx::StreamOrDevice s) {
+  check_float32({q, keys, values}, "one_query_attention");
+  if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(3) != keys.shape(3) ||
+      keys.shape(2) != values.shape(2) || keys.shape(2) == 0) {
+    throw std::invalid_argument(
+        "one_query_attention takes q (B, G, R, D), keys (B, G, S, D) and values (B, G, S, Dv) "
+        "with S > 0");
+  }
+  for (int d = 0; d < 2; ++d) {
+    if (keys.shape(d) != q.shape(d) || values.shape(d) != q.shape(d)) {
+      throw std::invalid_argument("one_query_attention: q, keys and values differ in B or G");
+    }
+  }
+  auto stream = cpu_stream(s);
+  std::vector<mx::array> inputs = {q, keys, values};  // any layout: see eval_one_query_attention
+  if (mask.has_value()) {
+    const mx::array& m = *mask;
+    mx::Shape full = {q.shape(0), q.shape(1), q.shape(2), keys.shape(2)};
+    bool fits = m.ndim() == 4;
+    for (int d = 0; fits && d < 4; ++d) {
+      fits = m.shape(d) == 1 || m.shape(d) == full[size_t(d)];
+    }
+    if (!fits || (m.dtype() != mx::bool_ && m.dtype() != mx::float32)) {
+      throw std::invalid_argument(
+          "one_query_attention takes a boolean or float32 mask of 4 axes, each 1 or (B, G, R, "
+          "S)'s");
+    }
+    inputs.push_back(m);
+  }
+  return make(Kernel::OneQueryAttention, std::move(inputs), stream, scale)[0];
+}
+
 std::vector<mx::array> sample(const mx::array& scaled, const mx::array& uniform, mx::StreamOrDevice s) {
   check_float32({scaled, uniform}, "sample");
   if (scaled.ndim() != 2 || scaled.shape(-1) == 0 || uniform.size() != size_t(scaled.shape(0))) {
     throw std::invalid_argument("sample takes (B, V) logits and (B, 1) uniform numbers");
   }
   auto stream = cpu_stream(s);
-  std::vector<mx::array> inputs = contiguous({scaled}, stream);
+  std::vector<mx::array> inputs = {scaled};
   inputs.push_back(per_row(mx::reshape(uniform, {scaled.shape(0), 1}, stream), scaled, stream));
   return make(Kernel::Sample, std::move(inputs), stream);
 }
@@ -1363,6 +1671,19 @@ NB_MODULE(_ppo_native, m) {
       "chain over k in order (the same bits on every instruction set and thread count), for "
       "the few rows of a decoding step; differentiable (the gradients: MLX's matmuls).");
   m.attr("few_row_isa") = kFewRowIsa;
+  m.def(
+      "one_query_attention",
+      &one_query_attention_of,
+      nb::arg("q"),
+      nb::arg("keys"),
+      nb::arg("values"),
+      nb::arg("mask").none(),
+      nb::kw_only(),
+      nb::arg("scale"),
+      nb::arg("stream").none() = nb::none(),
+      "softmax(q k^T * scale + mask) v for a decoding step's grouped queries, float32: q (B, G, "
+      "R, D), keys (B, G, S, D), values (B, G, S, Dv), mask None, boolean (True: attend) or "
+      "additive, of 4 axes each 1 or full; (B, G, R, Dv). Not differentiable.");
   m.def(
       "set_threads",
       [](int threads) { pool().set_threads(threads); },

@@ -82,13 +82,23 @@ def test_swiglu_is_the_fast_swiglu_bit_for_bit(
 @needs_kernels
 def test_swiglu_takes_views_and_refuses_other_dtypes(kernels: Any) -> None:
     gate, up = _gate_and_up((64, 96), seed=1)
-    got = kernels.swiglu(gate.T, up.T)  # transposed views: made contiguous first
-    want = kernels.swiglu(mx.array(np.ascontiguousarray(np.array(gate).T)), up.T * 1.0)
+    got = kernels.swiglu(gate.T, up.T)  # transposed views: copied when the kernel runs
+    want = kernels.swiglu(_copy(gate.T), _copy(up.T))
     assert _equal(got, want)
+    x = mx.array(np.random.default_rng(2).standard_normal((48, 40)).astype(np.float32))
+    weight = mx.array(np.linspace(0.5, 1.5, 48, dtype=np.float32))
+    assert _equal(kernels.rms_norm(x.T, weight, 1e-5), kernels.rms_norm(_copy(x.T), weight, 1e-5))
+    rows = mx.broadcast_to(x[:1], (5, 40))  # one row at stride 0
+    assert _equal(kernels.row_exp(rows), kernels.row_exp(_copy(rows)))
     with pytest.raises(ValueError, match="float32"):
         kernels.swiglu(gate.astype(mx.float16), up.astype(mx.float16))
     with pytest.raises(ValueError, match="one shape"):
         kernels.swiglu(gate, up[:, :5])
+
+
+def _copy(a: mx.array) -> mx.array:
+    """A row-contiguous copy of ``a``."""
+    return mx.array(np.ascontiguousarray(np.array(a)))
 
 
 def _attention_inputs(seed: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
@@ -493,14 +503,138 @@ def test_few_row_matmul_runs_only_where_it_pays(
     assert fast_math.few_row_matmul(x, w) is None
 
 
+def _attention_reference(
+    q: mx.array, keys: mx.array, values: mx.array, mask: mx.array | None, scale: float
+) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v in float64, grouped queries q (B, G, R, D)."""
+    qn, kn, vn = (np.array(a, dtype=np.float64) for a in (q, keys, values))
+    scores = np.einsum("bgrd,bgsd->bgrs", qn * scale, kn)
+    if mask is not None:
+        m = np.array(mask)
+        scores = np.where(m, scores, np.finfo(np.float32).min) if m.dtype == bool else scores + m
+    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return np.asarray(np.einsum("bgrs,bgsd->bgrd", e / e.sum(axis=-1, keepdims=True), vn))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "shape", [(5, 3, 3, 37, 64, 64), (2, 2, 2, 130, 128, 96), (3, 1, 4, 9, 20, 7)]
+)
+def test_one_query_attention_is_the_softmax_of_the_cache(
+    kernels: Any, threads: int, shape: tuple[int, ...]
+) -> None:
+    """The kernel against float64 over keys and values as a KV cache holds them (slices of a
+    longer buffer), with no mask, a boolean mask per sequence or per head, and an additive one;
+    head sizes with and without a remainder of the vector width; the same bits at any thread
+    count."""
+    b, g, r, s, d, dv = shape
+    rng = np.random.default_rng(sum(shape))
+    q = mx.array(rng.standard_normal((b, g, r, d)).astype(np.float32))
+    buffer = mx.array(rng.standard_normal((2, b, g, s + 11, max(d, dv))).astype(np.float32))
+    keys, values = buffer[0, :, :, 4 : s + 4, :d], buffer[1, :, :, 2 : s + 2, :dv]
+    seen = rng.uniform(size=(b, 1, 1, s)) > 0.4
+    seen[..., -1] = True  # the step's own position
+    per_head = rng.uniform(size=(b, g, r, s)) > 0.4
+    per_head[..., 0] = True
+    masks: list[mx.array | None] = [
+        None,
+        mx.array(seen),
+        mx.array(per_head),
+        mx.array(rng.standard_normal((1, 1, r, s)).astype(np.float32)),
+    ]
+    kernels.set_threads(threads)
+    for mask in masks:
+        got = kernels.one_query_attention(q, keys, values, mask, scale=0.3)
+        assert got.shape == (b, g, r, dv) and got.dtype == mx.float32
+        want = _attention_reference(q, keys, values, mask, 0.3)
+        np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-6)
+        mx.eval(got)
+        kernels.set_threads(1)
+        assert _equal(got, kernels.one_query_attention(q, keys, values, mask, scale=0.3))
+        kernels.set_threads(threads)
+
+
+@needs_kernels
+def test_one_query_attention_takes_any_layout_and_checks_its_inputs(kernels: Any) -> None:
+    rng = np.random.default_rng(8)
+    q = mx.array(rng.standard_normal((2, 2, 3, 16)).astype(np.float32))
+    keys = mx.array(rng.standard_normal((2, 2, 16, 5)).astype(np.float32)).swapaxes(-1, -2)
+    values = mx.array(rng.standard_normal((2, 2, 5, 16)).astype(np.float32))
+    q_view = mx.array(np.ascontiguousarray(np.array(q).swapaxes(-1, -2))).swapaxes(-1, -2)
+    want = _attention_reference(q, keys, values, None, 0.25)
+    for query in (q, q_view):  # the keys' and this query's last axis not at stride 1
+        got = kernels.one_query_attention(query, keys, values, None, scale=0.25)
+        np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.one_query_attention(q.astype(mx.float16), keys, values, None, scale=1.0)
+    with pytest.raises(ValueError, match=r"keys \(B, G, S, D\)"):
+        kernels.one_query_attention(q, keys[..., :15], values, None, scale=1.0)
+    with pytest.raises(ValueError, match="differ in B or G"):
+        kernels.one_query_attention(q, keys[:1], values[:1], None, scale=1.0)
+    with pytest.raises(ValueError, match="mask of 4 axes"):
+        kernels.one_query_attention(q, keys, values, mx.ones((2, 5), dtype=mx.bool_), scale=1.0)
+    with pytest.raises(ValueError, match="mask of 4 axes"):
+        kernels.one_query_attention(
+            q, keys, values, mx.ones((2, 1, 1, 4), dtype=mx.bool_), scale=1.0
+        )
+
+
+@needs_kernels
+def test_native_one_query_attention_routes_and_differentiates(
+    kernels: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fast_math.one_query_attention with ``native``: the kernel where it runs (float32, an AVX2
+    or AVX-512 build), MLX's graph elsewhere; values and gradients as MLX's own attention."""
+    rng = np.random.default_rng(9)
+    q = mx.array(rng.standard_normal((3, 6, 1, 16)).astype(np.float32))
+    buffer = mx.array(rng.standard_normal((2, 3, 2, 12, 16)).astype(np.float32))
+    keys, values = buffer[0, :, :, :9], buffer[1, :, :, :9]
+    mask = mx.array(rng.uniform(size=(3, 1, 1, 9)) > 0.3)
+    mask[..., -1] = True
+    calls: list[bool] = []
+    original = fast_math.native_one_query_attention
+
+    def spy(*args: Any) -> mx.array | None:
+        out = original(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_math, "native_one_query_attention", spy)
+    for m in (None, mask):
+        got = fast_math.one_query_attention(q, keys, values, scale=0.25, mask=m, native=True)
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=m)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-6)
+
+        def total(fn: Any, **kw: Any) -> Any:
+            return lambda a, k, v: fn(a, k, v, scale=0.25, mask=m, **kw).sum()
+
+        grads = mx.grad(total(fast_math.one_query_attention, native=True), argnums=(0, 1, 2))
+        grads_want = mx.grad(total(mx.fast.scaled_dot_product_attention), argnums=(0, 1, 2))
+        for g, gw in zip(grads(q, keys, values), grads_want(q, keys, values)):
+            np.testing.assert_allclose(np.array(g), np.array(gw), atol=1e-5)
+    assert calls and all(calls) == (kernels.few_row_isa != "scalar")
+    calls.clear()
+    fast_math.one_query_attention(q, keys, values, scale=0.25, mask=mask)  # not asked: MLX's
+    fast_math.one_query_attention(
+        q.astype(mx.bfloat16),
+        keys.astype(mx.bfloat16),
+        values.astype(mx.bfloat16),
+        scale=0.25,
+        native=True,
+    )
+    assert calls == [False]
+
+
 @needs_kernels
 def test_a_large_models_decoding_steps_run_the_few_row_kernel(
     kernels: Any, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model of FEW_ROW_MIN_PARAMETERS or more decodes through the kernel (its linear
-    layers, its tied head, a LoRA policy's merged and unmerged layers), sampling the tokens
-    MLX's matmuls sample, on one core fewer than the process has (the run's count restored
-    after); smaller models (the test, golden and demo models) keep MLX's and the run's count."""
+    layers, its tied head, a LoRA policy's merged and unmerged layers) and its attention
+    through the native one-query kernel, sampling the tokens MLX's own functions sample, on one
+    core fewer than the process has (the run's count restored after); smaller models (the test,
+    golden and demo models) keep MLX's functions and the run's count."""
     from base_setup import backend, fast_layers
     from base_setup.lora_setup import LoraSettings, adapters_merged, lora_modules
     from models.policy_model import PolicyModel
@@ -512,6 +646,8 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
     small = PolicyModel.from_pretrained(tiny_model_dir, dtype="float32")
     assert not any(isinstance(m, few_row_kinds) for _, m in small.model.named_modules())
     assert not few_row_model(small)  # it decodes on the run's threads
+    attention_kinds = {type(m).__name__ for _, m in small.model.named_modules()}
+    assert "FastAttention" in attention_kinds and "FastFewRowAttention" not in attention_kinds
 
     monkeypatch.setattr(fast_layers, "FEW_ROW_MIN_PARAMETERS", 0)  # the tiny model as a large one
     policy = PolicyModel.from_pretrained(
@@ -523,6 +659,7 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
         module.lora_b = 0.1 * mx.random.normal(module.lora_b.shape, key=sub)
     kinds = {type(m) for _, m in policy.model.named_modules()}
     assert set(few_row_kinds) <= kinds
+    assert "FastFewRowAttention" in {kind.__name__ for kind in kinds}
     with adapters_merged(policy.model) as merged:
         calls = [
             type(m).__call__
@@ -542,6 +679,15 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
         return out
 
     monkeypatch.setattr(fast_math, "few_row_matmul", spy)
+    attended: list[bool] = []
+    native_attention = fast_math.native_one_query_attention
+
+    def attention_spy(*args: Any) -> mx.array | None:
+        out = native_attention(*args)
+        attended.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_math, "native_one_query_attention", attention_spy)
     ids = [[5, 17, 42, 99, 7, 8, 21, 60], [3, 8, 250], [11, 64, 9, 30]]  # 24 prompt rows
     for merge in (True, False):
         sampling = SamplingSettings(
@@ -554,9 +700,11 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
             merge_adapters=merge,
         )
         ran.clear()
+        attended.clear()
         run_threads = backend.blas_threads()
         got = sample_responses(policy, ids, sampling)
         assert any(ran) and not all(ran)  # decoding steps: the kernel; the prompts: OpenBLAS
+        assert len(attended) == 5 * 2 and all(attended)  # each decoding step's layers
         if run_threads is not None:  # one core left to the Python thread, the count restored
             assert threads == {max(1, min(run_threads, native.process_cpus() - 1))}
             assert backend.blas_threads() == run_threads
