@@ -155,10 +155,34 @@ def _load_openblas() -> BlasInfo:
     except OSError as err:
         return _load_cmeel_openblas(f"scipy-openblas32 not used: {err}")
     threads = _record_openblas(lib)
+    forced = forced_kernels_note(os.environ.get("OPENBLAS_CORETYPE"), lib.corename(), _cpu_flags())
     return BlasInfo(
         "openblas",
         f"{lib.config()} ({lib.corename()} kernels, {threads} threads) from {lib_path} through "
-        f"{trampolines}",
+        f"{trampolines}{forced}",
+    )
+
+
+#: OpenBLAS's kernels that use AVX-512 (their names as ``openblas_get_corename`` gives them).
+_AVX512_CORES = ("SKYLAKEX", "COOPERLAKE", "SAPPHIRERAPIDS")
+
+
+def forced_kernels_note(coretype: str | None, core: str, flags: set[str]) -> str:
+    """A note for :class:`BlasInfo`'s detail where ``OPENBLAS_CORETYPE`` (``coretype``) holds
+    OpenBLAS to kernels without AVX-512 (``core``) on a CPU whose ``flags`` have what its
+    SkylakeX kernels need; else "".
+
+    Some machines set the variable because older OpenBLAS builds computed wrong results on
+    newer CPUs; the current scipy-openblas32 picks its kernels by the CPU, and the AVX2 kernels
+    do half the float32 multiply-adds per instruction (docs/environment.md has the figures).
+    The note is in the detail only: a run logs it at debug level, as every working BLAS."""
+    if not coretype or core.upper() in _AVX512_CORES:
+        return ""
+    if not set(_CORE_REQUIRED_FLAGS["SKYLAKEX"]) <= flags:
+        return ""
+    return (
+        f"; OPENBLAS_CORETYPE={coretype} holds it to these kernels on a CPU with AVX-512: "
+        "unset OPENBLAS_CORETYPE (and OPENBLAS_L2_SIZE) for its faster SkylakeX kernels"
     )
 
 

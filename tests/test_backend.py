@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from base_setup import blas_info, seed_everything
+from base_setup import backend, blas_info, seed_everything
 from base_setup.backend import BlasInfo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,6 +215,19 @@ def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
     monkeypatch.setattr(backend.ctypes, "CDLL", cdll_without_gfortran)
     monkeypatch.setattr(backend, "_load_libgfortran_from_numpy", lambda: "/numpy.libs/gf.so")
     assert "libgfortran from /numpy.libs/gf.so" in backend._load_cmeel_wheel().detail
+
+
+def test_a_forced_openblas_core_on_an_avx512_cpu_is_said() -> None:
+    """OPENBLAS_CORETYPE holding OpenBLAS to AVX2 kernels where the CPU has what its SkylakeX
+    kernels need is named in the BLAS line, with what to do; nothing otherwise."""
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    note = backend.forced_kernels_note("Haswell", "Haswell", avx512)
+    assert "OPENBLAS_CORETYPE=Haswell" in note and "unset OPENBLAS_CORETYPE" in note
+    assert "OPENBLAS_CORETYPE=zen" in backend.forced_kernels_note("zen", "Zen", avx512)
+    assert backend.forced_kernels_note(None, "Haswell", avx512) == ""  # OpenBLAS chose
+    assert backend.forced_kernels_note("", "Haswell", avx512) == ""
+    assert backend.forced_kernels_note("SkylakeX", "SkylakeX", avx512) == ""
+    assert backend.forced_kernels_note("Haswell", "Haswell", {"avx2", "fma"}) == ""  # no AVX-512
 
 
 def test_blas_info_is_a_dataclass() -> None:
