@@ -284,7 +284,9 @@ def accelerate_model(model: nn.Module, *, enabled: bool = True) -> bool:
     :data:`FEW_ROW_MIN_PARAMETERS` or more, ``nn.Linear`` and ``nn.Embedding`` layers also get
     :class:`_FewRowLinear` / :class:`_FewRowEmbedding`: on a decoding step's few rows their
     matmul (a tied head's ``as_linear``) runs the native few-row kernel
-    (:func:`fast_math.few_row_matmul`). Nothing else in the process changes: another model of
+    (:func:`fast_math.few_row_matmul`), and its attention layers' decoding steps the native
+    one-query kernel (:func:`fast_math.native_one_query_attention`, a ``FastFewRow`` class).
+    Nothing else in the process changes: another model of
     the same architecture (e.g. one a user loads with ``mlx_lm.load``) keeps mlx-lm's
     functions. Every fast function defers to MLX's own on a GPU device, with
     ``PPO_MLX_FAST_MATH=0`` and under plain MLX, checked at each call, so a later change of any

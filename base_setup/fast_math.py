@@ -31,7 +31,8 @@ own order of sums: float rounding against MLX's).
 Where: :func:`base_setup.fast_layers.accelerate_model` gives the layers of one model instance (the models this project
 loads: ``PolicyModel``, ``ScalarHeadModel``) fast subclasses of their classes: mlx-lm's MLP and
 attention layers call :func:`swiglu` and :func:`scaled_dot_product_attention` (at one query
-position, a decoding step, :func:`one_query_attention`: one compiled function), ``nn.RMSNorm`` /
+position, a decoding step, :func:`one_query_attention`: one compiled function, or in a model the
+few-row kernel serves one native kernel), ``nn.RMSNorm`` /
 ``nn.RoPE`` :func:`rms_norm` / :func:`rope` (all fall back to MLX's own functions on a GPU
 device). No module of mlx-lm is changed, so a model loaded with ``mlx_lm.load`` runs mlx-lm's own
 code. The log-prob code calls :func:`logsumexp` / :func:`softmax`. Only on the CPU backend of a

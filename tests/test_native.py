@@ -580,6 +580,20 @@ def test_one_query_attention_takes_any_layout_and_checks_its_inputs(kernels: Any
         )
 
 
+def _spy_native_attention(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each call of fast_math.native_one_query_attention from now on ran the kernel."""
+    calls: list[bool] = []
+    original = fast_math.native_one_query_attention
+
+    def spy(*args: Any) -> mx.array | None:
+        out = original(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_math, "native_one_query_attention", spy)
+    return calls
+
+
 @needs_kernels
 def test_native_one_query_attention_routes_and_differentiates(
     kernels: Any, monkeypatch: pytest.MonkeyPatch
@@ -592,15 +606,7 @@ def test_native_one_query_attention_routes_and_differentiates(
     keys, values = buffer[0, :, :, :9], buffer[1, :, :, :9]
     mask = mx.array(rng.uniform(size=(3, 1, 1, 9)) > 0.3)
     mask[..., -1] = True
-    calls: list[bool] = []
-    original = fast_math.native_one_query_attention
-
-    def spy(*args: Any) -> mx.array | None:
-        out = original(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_math, "native_one_query_attention", spy)
+    calls = _spy_native_attention(monkeypatch)
     for m in (None, mask):
         got = fast_math.one_query_attention(q, keys, values, scale=0.25, mask=m, native=True)
         want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask=m)
@@ -679,15 +685,7 @@ def test_a_large_models_decoding_steps_run_the_few_row_kernel(
         return out
 
     monkeypatch.setattr(fast_math, "few_row_matmul", spy)
-    attended: list[bool] = []
-    native_attention = fast_math.native_one_query_attention
-
-    def attention_spy(*args: Any) -> mx.array | None:
-        out = native_attention(*args)
-        attended.append(out is not None)
-        return out
-
-    monkeypatch.setattr(fast_math, "native_one_query_attention", attention_spy)
+    attended = _spy_native_attention(monkeypatch)
     ids = [[5, 17, 42, 99, 7, 8, 21, 60], [3, 8, 250], [11, 64, 9, 30]]  # 24 prompt rows
     for merge in (True, False):
         sampling = SamplingSettings(
