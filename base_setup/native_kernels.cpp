@@ -829,8 +829,8 @@ void few_row_matmul(
 // A decoding step's attention (one query position), the (b, g) pairs [begin, end) of
 // q (B, G, R, D): softmax(q k^T * scale + mask) v over the S cached keys and values of the pair's
 // key/value head g, for its R grouped query heads, into out (B, G, R, Dv), contiguous. Every
-// input is read at its strides (elements; the last axis' must be 1 for q, keys and values, and
-// is for the arrays the kernel's caller passes), the mask's 0 along a broadcast axis. Per query
+// input is read at its strides (elements; the last axis' 1 for q, keys and values, which
+// eval_one_query_attention copies where it is not), the mask's 0 along a broadcast axis. Per query
 // row: the scores scale * q (in float32, as MLX's q * scale) dotted with each key; a boolean mask
 // replaces the hidden ones with float32's finite minimum, an additive one is added; the exp of
 // each score minus the row's max (fast_math.exp); out = (sum_j e_j v_j) / sum_j e_j. The same
