@@ -214,11 +214,10 @@ def _fast_class(cls: type, few_rows: bool = False) -> type | None:
     table = _FEW_ROW_FAST_CLASSES if few_rows else _FAST_CLASSES
     if cls in table:
         return table[cls]
-    if few_rows:
-        plain = _fast_class(cls)
-        if _replaced(cls, True) == _replaced(cls, False):  # nothing differs: the same class
-            table[cls] = plain
-            return plain
+    ours = _replaced(cls, few_rows)
+    if few_rows and ours == _replaced(cls, False):  # nothing differs: the same class
+        table[cls] = _fast_class(cls)
+        return table[cls]
     fast: type | None = None
     if cls.__module__ == "mlx_lm.tuner.lora" and cls.__name__ == "LoRALinear":
         fast = type(
@@ -228,7 +227,6 @@ def _fast_class(cls: type, few_rows: bool = False) -> type | None:
         )
         table[cls] = fast
         return fast
-    ours = _replaced(cls, few_rows)
     if ours:
         call = getattr(cls, "__call__")
         fast_call = types.FunctionType(

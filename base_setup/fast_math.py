@@ -572,13 +572,8 @@ def native_one_query_attention(
     per (sequence, head), each packing its operands. The same function up to float32 rounding
     (its dot products and sums run in another order). Differentiable, with the MLX graph's
     gradient."""
-    kernels = native_kernels(q, keys, values)
-    if (
-        kernels is None
-        or kernels.few_row_isa == "scalar"
-        or mask.dtype not in (mx.bool_, mx.float32)
-        or (mask.ndim != 0 and mask.ndim != 4)
-    ):
+    kernels = _vector_kernels(q, keys, values)
+    if kernels is None or mask.dtype not in (mx.bool_, mx.float32) or mask.ndim not in (0, 4):
         return None
     if scale not in _NATIVE_ONE_QUERY_FNS:
 
@@ -749,10 +744,16 @@ def few_row_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     matmuls)."""
     if x.ndim == 0 or x.shape[-1] == 0 or x.size > MAX_FEW_ROWS * x.shape[-1]:
         return None
-    kernels = native_kernels(x, weight)
-    if kernels is None or kernels.few_row_isa == "scalar":
-        return None
-    return cast(mx.array, kernels.few_row_matmul(x, weight))
+    kernels = _vector_kernels(x, weight)
+    return None if kernels is None else cast(mx.array, kernels.few_row_matmul(x, weight))
+
+
+def _vector_kernels(*arrays: mx.array) -> Any:
+    """:func:`native_kernels` where their build has vector lanes (AVX2 or AVX-512), else None:
+    the decoding-step kernels (few-row matmul, one-query attention) are correct in the scalar
+    build but not faster, so Python does not route to them there."""
+    kernels = native_kernels(*arrays)
+    return None if kernels is None or kernels.few_row_isa == "scalar" else kernels
 
 
 def _native(*arrays: mx.array) -> Any:

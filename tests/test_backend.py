@@ -163,7 +163,6 @@ def backend_info_name() -> str:
 def test_missing_libgfortran_falls_back_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     """No system libgfortran and a NumPy that bundles none (>= 2.5): the reference BLAS, with a
     warning that says how to get the fast one, instead of an import error."""
-    from base_setup import backend
 
     def cdll(path: str, mode: int = 0) -> object:
         raise OSError("libgfortran.so.5: cannot open shared object file: No such file or directory")
@@ -186,7 +185,6 @@ def test_numpys_libgfortran_is_loaded_only_when_the_system_lacks_one(
     """The libgfortran-from-memfd loader is a fallback: where OpenBLAS loads on its own (the
     system's libgfortran.so.5, here the one already loaded), it is never used; where the
     dynamic linker cannot find libgfortran, it is, and the log line says so."""
-    from base_setup import backend
 
     def never() -> str:
         raise AssertionError("NumPy's libgfortran was loaded although OpenBLAS loaded on its own")
@@ -732,8 +730,6 @@ def test_small_inputs_take_mlx_functions(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.fixture
 def default_cache_limit(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """MLX's CPU cache limit at its default and setup_cpu_buffer_cache not yet run; restored."""
-    from base_setup import backend
-
     monkeypatch.setattr(backend, "_CACHE_STATE", {})
     monkeypatch.delenv("PPO_MLX_CPU_CACHE_MB", raising=False)
     before = mx.set_cache_limit(backend.MLX_CPU_DEFAULT_CACHE_BYTES)
@@ -871,8 +867,6 @@ def test_blas_threads_for_load(other: float, cpus: int, max_threads: int, want: 
 def test_adapt_blas_threads_follows_other_processes_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Samples of (machine busy, own, wall) CPU seconds: others using ~1.5 of 2 cores bring the
     threads to 1, a quiet interval back to the start count; opting out leaves them alone."""
-    from base_setup import backend
-
     lib = backend._OPENBLAS["lib"]
     start = int(lib.openblas_get_num_threads())
     samples = iter(
@@ -911,8 +905,6 @@ def test_side_by_side_splits_the_blas_threads_and_restores_them(
     """Two lanes on 2 BLAS threads: 1 thread each inside, the run's count back afterwards (also
     after an exception); values equal those computed on the default stream; one lane, one
     thread or PPO_MLX_CPU_STREAMS=off leave the count and the stream alone."""
-    from base_setup import backend
-
     lib = backend._OPENBLAS["lib"]
     start = int(lib.openblas_get_num_threads())
     rng = np.random.default_rng(8)
@@ -1008,8 +1000,6 @@ def test_a_running_child_or_grandchild_counts_as_this_process(tmp_path: Path) ->
     import signal
     import time
 
-    from base_setup import backend
-
     started = tmp_path / "started"
     busy = (
         f"import os, pathlib; pathlib.Path({str(started)!r}).write_text(str(os.getpid()))\n"
@@ -1050,8 +1040,6 @@ def test_a_run_fixes_its_blas_threads_and_a_resumed_run_takes_them_back(
 ) -> None:
     """Fresh: fitted to the load once (a child's CPU time is this run's); resumed: the
     checkpoint's count whatever the load, so resumed matmuls sum in the same order."""
-    from base_setup import backend
-
     lib = backend._OPENBLAS["lib"]
     start = int(lib.openblas_get_num_threads())
     monkeypatch.setattr(backend.os, "cpu_count", lambda: 2)
